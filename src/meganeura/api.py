@@ -1,0 +1,187 @@
+"""The execution API: ``mg.compile`` builds a Session for one backend.
+
+A Session keeps parameter and state values, checks every feed by name, shape and dtype,
+and runs either inference (``run``) or a training step (``step``: forward, backward and the
+optimizer update in one go). Backends implement ``Executor``.
+"""
+from __future__ import annotations
+
+import zlib
+
+import numpy as np
+
+from .autodiff import grad as _grad
+from .graph import Graph, Tensor, fmt_shape
+from .optim import SCALAR_PREFIX, Optimizer
+
+BACKENDS = ("numpy", "gpu")
+PRECISIONS = ("strict", "accelerated")
+
+
+def default_init(t: Tensor, seed: int) -> np.ndarray:
+    """Deterministic per-name initial value: PyTorch's Linear/Conv rule (uniform in
+    +-1/sqrt(fan_in)) for rank >= 2, zeros for rank < 2 unless ``init`` says otherwise."""
+    init = t.attrs.get("init")
+    shape, dt = t.shape, t.dtype.np
+    if isinstance(init, np.ndarray):
+        return np.asarray(init, dtype=dt, order="C")
+    if isinstance(init, (int, float)):
+        return np.full(shape, init, dtype=dt)
+    rng = np.random.default_rng([seed, zlib.crc32(t.name.encode())])
+    if init == "zeros" or (init is None and len(shape) < 2):
+        return np.zeros(shape, dt)
+    if init == "ones":
+        return np.ones(shape, dt)
+    if init == "normal":
+        return (rng.standard_normal(shape) * 0.02).astype(dt)
+    if init is None:
+        fan_in = int(np.prod(shape[1:]))
+        bound = 1.0 / np.sqrt(max(fan_in, 1))
+        return rng.uniform(-bound, bound, shape).astype(dt)
+    raise ValueError(f"parameter {t.name!r}: unknown init {init!r}")
+
+
+def check_array(kind, t: Tensor, value) -> np.ndarray:
+    """A feed or state value as a contiguous array of ``t``'s dtype, or a clear error."""
+    arr = np.asarray(value)
+    if arr.shape != t.shape:
+        raise ValueError(f"{kind} {t.name!r}: got shape {fmt_shape(arr.shape)}, expected {fmt_shape(t.shape)}")
+    if t.dtype.is_float and arr.dtype.kind not in "fiu":
+        raise TypeError(f"{kind} {t.name!r}: got dtype {arr.dtype}, expected {t.dtype.name}")
+    if not t.dtype.is_float:
+        if arr.dtype.kind == "f":
+            raise TypeError(f"{kind} {t.name!r}: got float dtype {arr.dtype}, expected integer {t.dtype.name}")
+        if arr.dtype.kind not in "iub":
+            raise TypeError(f"{kind} {t.name!r}: got dtype {arr.dtype}, expected {t.dtype.name}")
+    return np.asarray(arr, dtype=t.dtype.np, order="C")
+
+
+class Program:
+    """What a backend compiles: the graph, what is fed, kept, fetched and updated."""
+
+    def __init__(self, graph: Graph, fetches: list[Tensor], updates: dict, grads: dict):
+        self.graph = graph
+        self.fetches = fetches          # tensors read back by run/step, in order
+        self.updates = updates          # {state/parameter tensor: new value tensor}
+        self.grads = grads              # {parameter name: gradient tensor}
+        kept = list(graph.parameters.values()) + list(graph.states.values())
+        self.kept = kept
+
+
+class Session:
+    """A compiled graph on one backend. See ``mg.compile``."""
+
+    def __init__(self, graph, outputs, loss, optimizer, backend, precision, seed):
+        if backend not in BACKENDS:
+            raise ValueError(f"unknown backend {backend!r}; choose one of {BACKENDS}")
+        if precision not in PRECISIONS:
+            raise ValueError(f"unknown precision {precision!r}; choose one of {PRECISIONS}")
+        self.graph, self.backend, self.precision, self.seed = graph, backend, precision, seed
+        self.outputs = list(outputs or [])
+        self.loss, self.optimizer, self.steps_done = loss, optimizer, 0
+        for t in self.outputs + ([loss] if loss is not None else []):
+            if not isinstance(t, Tensor) or t.graph is not graph:
+                raise ValueError(f"{t!r} is not a tensor of this graph")
+        grads, updates = {}, {}
+        if loss is not None:
+            params = [p for p in graph.parameters.values() if p.dtype.is_float]
+            gs = _grad(loss, params)
+            grads = {p.name: gr for p, gr in zip(params, gs)}
+            if optimizer is not None:
+                if not isinstance(optimizer, Optimizer):
+                    raise TypeError(f"optimizer must be an mg.optim optimizer, got {type(optimizer).__name__}")
+                updates = optimizer.build(params, gs)
+        fetches = self.outputs + ([loss] if loss is not None else [])
+        self.program = Program(graph, fetches, updates, grads)
+        self.feeds = {n: t for n, t in graph.inputs.items() if not n.startswith(SCALAR_PREFIX)}
+        self.values = {t.name: default_init(t, seed) if t.op == "parameter" else
+                       np.full(t.shape, t.attrs["init"], t.dtype.np) if not isinstance(t.attrs["init"], np.ndarray)
+                       else t.attrs["init"].astype(t.dtype.np) for t in self.program.kept}
+        if backend == "numpy":
+            from .reference import NumpyExecutor
+            self.executor = NumpyExecutor(self.program, self.values)
+        else:
+            from .runtime.executor import GpuExecutor
+            self.executor = GpuExecutor(self.program, self.values, precision=precision)
+
+    # ----------------------------------------------------------------- state in/out
+    def load_state_dict(self, state: dict, strict: bool = True):
+        """Load parameters (and optimizer state) by name. Every problem is reported at once."""
+        kept = {t.name: t for t in self.program.kept}
+        problems, arrays = [], {}
+        for name, value in state.items():
+            if name not in kept:
+                problems.append(f"unknown name {name!r}")
+                continue
+            try:
+                arrays[name] = check_array("state", kept[name], value)
+            except (ValueError, TypeError) as e:
+                problems.append(str(e))
+        if strict:
+            missing = [n for n in self.graph.parameters if n not in state]
+            problems += [f"missing parameter {n!r}" for n in missing]
+        if problems:
+            raise ValueError("load_state_dict: " + "; ".join(problems))
+        for name, arr in arrays.items():
+            self.values[name] = arr
+            self.executor.set_value(name, arr)
+
+    def state_dict(self, include_optimizer: bool = False) -> dict:
+        names = list(self.graph.parameters) + (list(self.graph.states) if include_optimizer else [])
+        return {n: self.executor.get_value(n).copy() for n in names}
+
+    def grads(self) -> dict:
+        """Gradients of the loss from the last ``step`` (or ``compute_grads``), by parameter name."""
+        if self.loss is None:
+            raise RuntimeError("grads: this session was compiled without a loss")
+        return self.executor.last_grads()
+
+    # --------------------------------------------------------------------- running
+    def _feeds(self, feeds: dict, extra=None) -> dict:
+        if not isinstance(feeds, dict):
+            raise TypeError(f"feeds must be a dict of input name -> array, got {type(feeds).__name__}")
+        unknown = [n for n in feeds if n not in self.feeds]
+        if unknown:
+            raise KeyError(f"unknown input(s) {unknown}; this graph's inputs are {sorted(self.feeds)}")
+        missing = [n for n in self.feeds if n not in feeds]
+        if missing:
+            raise KeyError(f"missing feed(s) {missing}: every input must be fed "
+                           + ", ".join(f"{n} {fmt_shape(self.feeds[n].shape)} {self.feeds[n].dtype.name}" for n in missing))
+        out = {n: check_array("input", self.feeds[n], v) for n, v in feeds.items()}
+        for n, v in (extra or {}).items():
+            out[n] = np.asarray(v, dtype=self.graph.inputs[n].dtype.np)
+        return out
+
+    def run(self, feeds: dict) -> list[np.ndarray]:
+        """Inference: evaluate the outputs (and the loss, if any) without updating."""
+        return self.executor.execute(self._feeds(feeds), update=False)
+
+    def compute_grads(self, feeds: dict) -> float:
+        """Forward + backward without an update; returns the loss, keeps the gradients."""
+        if self.loss is None:
+            raise RuntimeError("compute_grads: this session was compiled without a loss")
+        outs = self.executor.execute(self._feeds(feeds), update=False, with_grads=True)
+        return float(outs[-1])
+
+    def step(self, feeds: dict) -> float:
+        """One training step: forward, loss, backward and the optimizer update."""
+        if self.loss is None or self.optimizer is None:
+            raise RuntimeError("step: compile with loss= and optimizer= to train")
+        scal = self.optimizer.scalars(self.steps_done + 1)
+        scal = {k: v for k, v in scal.items() if k in self.graph.inputs}
+        outs = self.executor.execute(self._feeds(feeds, scal), update=True, with_grads=True)
+        self.steps_done += 1
+        return float(outs[-1])
+
+
+def compile(graph: Graph, outputs=None, loss=None, optimizer=None, backend="numpy",
+            precision="strict", seed=0) -> Session:
+    """Compile ``graph`` for inference (``outputs``) or training (``loss`` + ``optimizer``).
+
+    backend: "numpy" (the reference interpreter) or "gpu" (WGSL through wgpu).
+    """
+    if outputs is None and loss is None:
+        raise ValueError("compile: give outputs= (inference) and/or loss= (training)")
+    if isinstance(outputs, Tensor):
+        outputs = [outputs]
+    return Session(graph, outputs, loss, optimizer, backend, precision, seed)

@@ -1,0 +1,221 @@
+"""The typed static graph: dtypes, Tensor handles and the Graph that owns them.
+
+A graph is an append-only list of nodes; each node produces exactly one Tensor, so the
+list order is a valid topological order. Nodes are built through ``emit`` (ops/registry),
+which checks shapes and dtypes against the op's rule when the node is added.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+
+class ShapeError(ValueError):
+    """A tensor's shape does not fit the op it is given to."""
+
+
+class DType:
+    __slots__ = ("name", "np", "wgsl", "is_float")
+
+    def __init__(self, name, np_dtype, wgsl, is_float):
+        self.name, self.np, self.wgsl, self.is_float = name, np.dtype(np_dtype), wgsl, is_float
+
+    def __repr__(self):
+        return f"mg.{self.name}"
+
+    def __reduce__(self):
+        return (dtype_of, (self.name,))
+
+
+f32 = DType("f32", np.float32, "f32", True)
+f16 = DType("f16", np.float16, "f16", True)
+u32 = DType("u32", np.uint32, "u32", False)
+i32 = DType("i32", np.int32, "i32", False)
+DTYPES = {d.name: d for d in (f32, f16, u32, i32)}
+_FROM_NUMPY = {d.np: d for d in DTYPES.values()}
+
+
+def dtype_of(x) -> DType:
+    """mg dtype from a DType, its name, or a numpy dtype (f64 -> f32, i64 -> i32, bool -> u32)."""
+    if isinstance(x, DType):
+        return x
+    if isinstance(x, str) and x in DTYPES:
+        return DTYPES[x]
+    dt = np.dtype(x)
+    if dt in _FROM_NUMPY:
+        return _FROM_NUMPY[dt]
+    if dt.kind == "f":
+        return f32
+    if dt.kind in "iu":
+        return i32 if dt.kind == "i" else u32
+    if dt.kind == "b":
+        return u32
+    raise TypeError(f"unsupported dtype {x!r}; meganeura has {sorted(DTYPES)}")
+
+
+def fmt_shape(shape) -> str:
+    return "(" + ", ".join(str(s) for s in shape) + ("," if len(shape) == 1 else "") + ")"
+
+
+class Tensor:
+    """A handle to one node's output: its shape, dtype, name, and how it was made."""
+
+    __slots__ = ("graph", "id", "op", "inputs", "attrs", "shape", "dtype", "name", "__weakref__")
+
+    def __init__(self, graph, id, op, inputs, attrs, shape, dtype, name):
+        self.graph, self.id, self.op, self.inputs, self.attrs = graph, id, op, inputs, attrs
+        self.shape, self.dtype, self.name = tuple(int(s) for s in shape), dtype, name
+
+    @property
+    def ndim(self):
+        return len(self.shape)
+
+    @property
+    def size(self):
+        return int(np.prod(self.shape, dtype=np.int64))
+
+    def __repr__(self):
+        return f"Tensor({self.name!r}, shape={fmt_shape(self.shape)}, dtype={self.dtype.name}, op={self.op})"
+
+    __hash__ = object.__hash__
+
+    # operators delegate to mg.ops (imported lazily: ops depend on this module)
+    def __add__(self, o): return _ops().add(self, o)
+    def __radd__(self, o): return _ops().add(o, self)
+    def __sub__(self, o): return _ops().sub(self, o)
+    def __rsub__(self, o): return _ops().sub(o, self)
+    def __mul__(self, o): return _ops().mul(self, o)
+    def __rmul__(self, o): return _ops().mul(o, self)
+    def __truediv__(self, o): return _ops().div(self, o)
+    def __rtruediv__(self, o): return _ops().div(o, self)
+    def __matmul__(self, o): return _ops().matmul(self, o)
+    def __rmatmul__(self, o): return _ops().matmul(o, self)
+    def __neg__(self): return _ops().neg(self)
+    def __pow__(self, p): return _ops().pow(self, p)
+    def __lt__(self, o): return _ops().lt(self, o)
+    def __le__(self, o): return _ops().le(self, o)
+    def __gt__(self, o): return _ops().gt(self, o)
+    def __ge__(self, o): return _ops().ge(self, o)
+
+    def __getitem__(self, idx):
+        return _ops().getitem(self, idx)
+
+    def reshape(self, *shape):
+        return _ops().reshape(self, shape[0] if len(shape) == 1 and isinstance(shape[0], (tuple, list)) else shape)
+
+    def permute(self, *dims):
+        return _ops().permute(self, dims[0] if len(dims) == 1 and isinstance(dims[0], (tuple, list)) else dims)
+
+    def transpose(self, dim0, dim1):
+        return _ops().transpose(self, dim0, dim1)
+
+    def sum(self, dim=None, keepdim=False): return _ops().sum(self, dim, keepdim)
+    def mean(self, dim=None, keepdim=False): return _ops().mean(self, dim, keepdim)
+
+    @property
+    def T(self):
+        return _ops().permute(self, tuple(reversed(range(self.ndim))))
+
+
+def _ops():
+    from . import ops
+    return ops
+
+
+SOURCE_OPS = ("input", "parameter", "state", "constant")
+
+
+class Graph:
+    """Holds the nodes of one model. Inputs and parameters are named and unique."""
+
+    def __init__(self):
+        self.nodes: list[Tensor] = []
+        self.inputs: dict[str, Tensor] = {}
+        self.parameters: dict[str, Tensor] = {}
+        self.states: dict[str, Tensor] = {}
+        self._names: set[str] = set()
+        self._counter = 0
+
+    def __repr__(self):
+        return f"Graph({len(self.nodes)} nodes, {len(self.inputs)} inputs, {len(self.parameters)} parameters)"
+
+    def _claim(self, name, kind):
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"{kind} name must be a non-empty string, got {name!r}")
+        if name in self._names:
+            raise ValueError(f"duplicate name {name!r}: a tensor with that name already exists in this graph")
+        self._names.add(name)
+        return name
+
+    def _auto_name(self, op):
+        while True:
+            self._counter += 1
+            name = f"{op}_{self._counter}"
+            if name not in self._names:
+                self._names.add(name)
+                return name
+
+    def _append(self, op, inputs, attrs, shape, dtype, name=None):
+        for s in shape:
+            if int(s) < 0:
+                raise ShapeError(f"{op}: negative dimension in shape {fmt_shape(shape)}")
+        t = Tensor(self, len(self.nodes), op, tuple(inputs), attrs, shape, dtype,
+                   name if name is not None else self._auto_name(op))
+        self.nodes.append(t)
+        return t
+
+    def input(self, name, shape, dtype=f32) -> Tensor:
+        """A value fed at every run, by name."""
+        t = self._append("input", (), {}, _check_shape(shape, name), dtype_of(dtype), self._claim(name, "input"))
+        self.inputs[name] = t
+        return t
+
+    def parameter(self, name, shape, dtype=f32, init=None) -> Tensor:
+        """A trainable value kept by the session. ``init``: None (default rule), 'zeros',
+        'ones', 'normal' (std 0.02), a float (filled), or an array."""
+        shape = _check_shape(shape, name)
+        dtype = dtype_of(dtype)
+        if isinstance(init, np.ndarray) and tuple(init.shape) != shape:
+            raise ShapeError(f"parameter {name!r}: init array has shape {fmt_shape(init.shape)}, expected {fmt_shape(shape)}")
+        t = self._append("parameter", (), {"init": init}, shape, dtype, self._claim(name, "parameter"))
+        self.parameters[name] = t
+        return t
+
+    def state(self, name, shape, dtype=f32, init=0.0) -> Tensor:
+        """A non-trainable value kept by the session across steps (optimizer moments,
+        running statistics); ``init`` is a float or an array."""
+        t = self._append("state", (), {"init": init}, _check_shape(shape, name), dtype_of(dtype), self._claim(name, "state"))
+        self.states[name] = t
+        return t
+
+    def constant(self, value, dtype=None, name=None) -> Tensor:
+        """A fixed value baked into the graph."""
+        arr = np.asarray(value)
+        dt = dtype_of(dtype if dtype is not None else arr.dtype)
+        arr = np.asarray(arr, dtype=dt.np, order="C")
+        if name is not None:
+            self._claim(name, "constant")
+        return self._append("constant", (), {"value": arr}, arr.shape, dt, name)
+
+    def __getitem__(self, name) -> Tensor:
+        if name in self.inputs:
+            return self.inputs[name]
+        if name in self.parameters:
+            return self.parameters[name]
+        if name in self.states:
+            return self.states[name]
+        for t in self.nodes:
+            if t.name == name:
+                return t
+        raise KeyError(f"no tensor named {name!r} in this graph")
+
+
+def _check_shape(shape, name):
+    if isinstance(shape, (int, np.integer)):
+        shape = (int(shape),)
+    try:
+        shape = tuple(int(s) for s in shape)
+    except TypeError:
+        raise ShapeError(f"{name!r}: shape must be a tuple of ints, got {shape!r}") from None
+    if any(s < 0 for s in shape):
+        raise ShapeError(f"{name!r}: shape {fmt_shape(shape)} has a negative dimension")
+    return shape

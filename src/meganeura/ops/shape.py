@@ -1,0 +1,261 @@
+"""Layout ops: reshape, permute/transpose, slice/getitem, concat/split, broadcast_to.
+
+They move data without arithmetic; their gradients are their inverses.
+"""
+from __future__ import annotations
+
+import builtins
+
+import numpy as np
+
+from ..graph import Tensor, fmt_shape
+from .registry import broadcast_shapes, emit, norm_dim, op_error, register, unbroadcast
+
+_py_slice = builtins.slice  # the name `slice` below is our op
+
+
+# --------------------------------------------------------------------------- reshape
+def _reshape_infer(ins, shape):
+    x = ins[0]
+    if int(np.prod(shape, dtype=np.int64)) != x.size:
+        raise op_error("reshape", f"cannot reshape {x.size} elements to {fmt_shape(shape)}", x)
+    return shape, x.dtype
+
+
+register("reshape", _reshape_infer, lambda x, shape: np.reshape(x, shape),
+         lambda ct, y, x, shape: [reshape(ct, x.shape)], layout=True)
+
+
+def reshape(x, shape):
+    """torch.reshape; one dimension may be -1."""
+    shape = (int(shape),) if isinstance(shape, (int, np.integer)) else tuple(int(s) for s in shape)
+    if shape.count(-1) > 1:
+        raise op_error("reshape", f"only one -1 allowed in {fmt_shape(shape)}", x)
+    if -1 in shape:
+        rest = int(np.prod([s for s in shape if s != -1], dtype=np.int64))
+        if rest == 0 or x.size % rest:
+            raise op_error("reshape", f"cannot infer -1 in {fmt_shape(shape)}", x)
+        shape = tuple(x.size // rest if s == -1 else s for s in shape)
+    if shape == x.shape:
+        return x
+    return emit("reshape", [x], shape=shape)
+
+
+def flatten(x, start_dim=0, end_dim=-1):
+    s, e = norm_dim("flatten", start_dim, x.ndim, x), norm_dim("flatten", end_dim, x.ndim, x)
+    return reshape(x, x.shape[:s] + (int(np.prod(x.shape[s:e + 1], dtype=np.int64)),) + x.shape[e + 1:])
+
+
+def unsqueeze(x, dim):
+    d = norm_dim("unsqueeze", dim, x.ndim + 1, x)
+    return reshape(x, x.shape[:d] + (1,) + x.shape[d:])
+
+
+def squeeze(x, dim):
+    d = norm_dim("squeeze", dim, x.ndim, x)
+    if x.shape[d] != 1:
+        raise op_error("squeeze", f"dim {dim} has size {x.shape[d]}, expected 1", x)
+    return reshape(x, x.shape[:d] + x.shape[d + 1:])
+
+
+# --------------------------------------------------------------------------- permute
+def _permute_infer(ins, dims):
+    x = ins[0]
+    if sorted(dims) != list(range(x.ndim)):
+        raise op_error("permute", f"dims {dims} are not a permutation of 0..{x.ndim - 1}", x)
+    return tuple(x.shape[d] for d in dims), x.dtype
+
+
+register("permute", _permute_infer, lambda x, dims: np.ascontiguousarray(np.transpose(x, dims)),
+         lambda ct, y, x, dims: [permute(ct, tuple(int(i) for i in np.argsort(dims)))], layout=True)
+
+
+def permute(x, dims):
+    """torch.permute."""
+    dims = tuple(norm_dim("permute", int(d), x.ndim, x) for d in dims)
+    if len(dims) != x.ndim:
+        raise op_error("permute", f"got {len(dims)} dims for a rank-{x.ndim} tensor", x)
+    if dims == tuple(range(x.ndim)):
+        return x
+    return emit("permute", [x], dims=dims)
+
+
+def transpose(x, dim0, dim1):
+    """torch.transpose: swap two axes."""
+    d = list(range(x.ndim))
+    a, b = norm_dim("transpose", dim0, x.ndim, x), norm_dim("transpose", dim1, x.ndim, x)
+    d[a], d[b] = d[b], d[a]
+    return permute(x, d)
+
+
+# ----------------------------------------------------------------------------- slice
+def _slice_infer(ins, starts, stops, steps):
+    x = ins[0]
+    out = []
+    for i, (a, b, s) in enumerate(zip(starts, stops, steps)):
+        if not (0 <= a <= b <= x.shape[i]) or s < 1:
+            raise op_error("slice", f"axis {i}: [{a}:{b}:{s}] is not inside size {x.shape[i]}", x)
+        out.append(max(0, -(-(b - a) // s)))
+    return tuple(out), x.dtype
+
+
+def _slice_ref(x, starts, stops, steps):
+    return np.ascontiguousarray(x[tuple(slice(a, b, s) for a, b, s in zip(starts, stops, steps))])
+
+
+register("slice", _slice_infer, _slice_ref,
+         lambda ct, y, x, starts, stops, steps: [emit("slice_grad", [ct], shape=x.shape, starts=starts, steps=steps)],
+         layout=True)
+
+
+def _slice_grad_ref(ct, shape, starts, steps):
+    out = np.zeros(shape, dtype=ct.dtype)
+    out[tuple(slice(a, a + s * n, s) for a, s, n in zip(starts, steps, ct.shape))] = ct
+    return out
+
+
+register("slice_grad", lambda ins, shape, starts, steps: (shape, ins[0].dtype), _slice_grad_ref,
+         lambda ct, y, g, shape, starts, steps: [
+             emit("slice", [ct], starts=starts, stops=tuple(a + s * n for a, s, n in zip(starts, steps, g.shape)),
+                  steps=steps)], layout=True)
+
+
+def slice(x, dim, start=None, end=None, step=1):
+    """x[..., start:end:step, ...] along ``dim`` (Python slice rules, step > 0)."""
+    d = norm_dim("slice", dim, x.ndim, x)
+    a, b, s = _py_slice(start, end, step).indices(x.shape[d])
+    if s < 1:
+        raise op_error("slice", f"step must be positive, got {step}", x)
+    b = max(a, b)
+    starts, stops, steps = [0] * x.ndim, list(x.shape), [1] * x.ndim
+    starts[d], stops[d], steps[d] = a, b, s
+    if (a, b, s) == (0, x.shape[d], 1):
+        return x
+    return emit("slice", [x], starts=tuple(starts), stops=tuple(stops), steps=tuple(steps))
+
+
+
+
+def getitem(x, idx):
+    """Basic indexing: ints, slices (positive step), None and Ellipsis."""
+    if not isinstance(idx, tuple):
+        idx = (idx,)
+    n_real = len([i for i in idx if i is not None and i is not Ellipsis])
+    if Ellipsis in idx:
+        k = idx.index(Ellipsis)
+        idx = idx[:k] + (_py_slice(None),) * (x.ndim - n_real) + idx[k + 1:]
+    elif n_real > x.ndim:
+        raise op_error("getitem", f"too many indices ({n_real}) for rank {x.ndim}", x)
+    idx = idx + (_py_slice(None),) * (x.ndim - n_real)
+    out, axis, final = x, 0, []
+    for i in idx:
+        if i is None:
+            final.append(1)
+            continue
+        if isinstance(i, (int, np.integer)):
+            n = x.shape[axis]
+            if not -n <= i < n:
+                raise op_error("getitem", f"index {i} out of range for axis {axis} of size {n}", x)
+            out = slice(out, axis, i % n, i % n + 1)
+        elif isinstance(i, _py_slice):
+            out = slice(out, axis, i.start, i.stop, 1 if i.step is None else i.step)
+            final.append(out.shape[axis])
+        else:
+            raise TypeError(f"getitem: unsupported index {i!r} (use mg.ops.embedding/gather for tensor indices)")
+        axis += 1
+    return reshape(out, tuple(final))
+
+
+# ----------------------------------------------------------------------------- concat
+def _concat_infer(ins, dim):
+    x0 = ins[0]
+    for t in ins[1:]:
+        if t.ndim != x0.ndim or any(a != b for i, (a, b) in enumerate(zip(t.shape, x0.shape)) if i != dim):
+            raise op_error("concat", f"shapes must match except along dim {dim}", *ins)
+        if t.dtype is not x0.dtype:
+            raise TypeError("concat: dtypes differ: " + ", ".join(f"{t.name!r} {t.dtype.name}" for t in ins))
+    shape = list(x0.shape)
+    shape[dim] = sum(t.shape[dim] for t in ins)
+    return tuple(shape), x0.dtype
+
+
+def _concat_vjp(ct, y, *ins, dim):
+    out, off = [], 0
+    for t in ins:
+        out.append(slice(ct, dim, off, off + t.shape[dim]))
+        off += t.shape[dim]
+    return out
+
+
+register("concat", _concat_infer, lambda *xs, dim: np.concatenate(xs, axis=dim), _concat_vjp, layout=True)
+
+
+def concat(tensors, dim=0):
+    """torch.cat(tensors, dim)."""
+    tensors = list(tensors)
+    if not tensors:
+        raise ValueError("concat: needs at least one tensor")
+    if len(tensors) == 1:
+        return tensors[0]
+    return emit("concat", tensors, dim=norm_dim("concat", dim, tensors[0].ndim, tensors[0]))
+
+
+cat = concat
+
+
+def split(x, split_size_or_sections, dim=0):
+    """torch.split: chunks of a given size, or of the listed sizes."""
+    d = norm_dim("split", dim, x.ndim, x)
+    n = x.shape[d]
+    if isinstance(split_size_or_sections, (int, np.integer)):
+        k = int(split_size_or_sections)
+        if k <= 0:
+            raise op_error("split", f"split size must be positive, got {k}", x)
+        sizes = [min(k, n - i) for i in range(0, n, k)]
+    else:
+        sizes = [int(s) for s in split_size_or_sections]
+        if sum(sizes) != n:
+            raise op_error("split", f"sections {sizes} sum to {sum(sizes)}, expected {n} along dim {d}", x)
+    out, off = [], 0
+    for s in sizes:
+        out.append(slice(x, d, off, off + s))
+        off += s
+    return out
+
+
+def chunk(x, chunks, dim=0):
+    d = norm_dim("chunk", dim, x.ndim, x)
+    return split(x, -(-x.shape[d] // chunks), d)
+
+
+# ----------------------------------------------------------------------- broadcast_to
+def _bcast_infer(ins, shape):
+    x = ins[0]
+    try:
+        if tuple(np.broadcast_shapes(x.shape, shape)) != tuple(shape):
+            raise ValueError
+    except ValueError:
+        raise op_error("broadcast_to", f"cannot broadcast to {fmt_shape(shape)}", x) from None
+    return tuple(shape), x.dtype
+
+
+register("broadcast_to", _bcast_infer, lambda x, shape: np.ascontiguousarray(np.broadcast_to(x, shape)),
+         lambda ct, y, x, shape: [unbroadcast(ct, x.shape)], layout=True)
+
+
+def broadcast_to(x, shape):
+    """torch.broadcast_to (-1 keeps a dimension, as in expand)."""
+    shape = tuple(int(s) for s in shape)
+    lead = len(shape) - x.ndim
+    shape = tuple(x.shape[i - lead] if s == -1 and i >= lead else s for i, s in enumerate(shape))
+    if shape == x.shape:
+        return x
+    return emit("broadcast_to", [x], shape=shape)
+
+
+expand = broadcast_to
+
+
+def broadcast_tensors(*ts: Tensor):
+    shape = broadcast_shapes("broadcast_tensors", *ts)
+    return [broadcast_to(t, shape) for t in ts]

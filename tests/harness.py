@@ -1,0 +1,97 @@
+"""Runs one op Sample on our side and PyTorch's, forward and gradient."""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+import meganeura as mg
+from meganeura.reference import evaluate
+
+from .opinfo import F
+
+
+def build(sample):
+    """Graph with the op in the middle: inputs pass through an op before it, and the loss
+    weights each output element differently (a reduction that ignores its incoming
+    gradient fails)."""
+    g = mg.Graph()
+    arrays = sample.arrays()
+    feeds, xs, float_inputs = {}, [], []
+    for i, (spec, a) in enumerate(zip(sample.inputs, arrays)):
+        dt = mg.f32 if isinstance(spec, F) else (mg.i32 if spec.dtype == "i32" else mg.u32)
+        t = g.input(f"x{i}", a.shape, dt)
+        feeds[f"x{i}"] = a
+        if isinstance(spec, F):
+            float_inputs.append((i, t))
+            t = t * 1.0
+        xs.append(t)
+    outs = sample.ours(mg.ops, *xs)
+    outs = list(outs) if isinstance(outs, (list, tuple)) else [outs]
+    rng = np.random.default_rng(123)
+    weights = [rng.standard_normal(o.shape).astype(np.float32) if o.dtype.is_float else None for o in outs]
+    loss = None
+    for o, w in zip(outs, weights):
+        if w is None:
+            continue
+        term = mg.ops.sum(o * g.constant(w))
+        loss = term if loss is None else loss + term
+    return g, feeds, float_inputs, outs, weights, loss
+
+
+def torch_reference(sample, dtype=torch.float64):
+    """PyTorch outputs and input gradients (float64 unless told)."""
+    arrays = sample.arrays()
+    ts = []
+    for spec, a in zip(sample.inputs, arrays):
+        if isinstance(spec, F):
+            ts.append(torch.tensor(a, dtype=dtype, requires_grad=sample.grad))
+        else:
+            ts.append(torch.tensor(a.astype(np.int64)))
+    outs = sample.theirs(torch, *ts)
+    outs = list(outs) if isinstance(outs, (list, tuple)) else [outs]
+    rng = np.random.default_rng(123)
+    loss, grads = None, None
+    ws = [rng.standard_normal(tuple(o.shape)).astype(np.float32) if o.is_floating_point() else None for o in outs]
+    if sample.grad:
+        for o, w in zip(outs, ws):
+            if w is not None:
+                term = (o * torch.tensor(w, dtype=o.dtype)).sum()
+                loss = term if loss is None else loss + term
+        loss.backward()
+        grads = [t.grad.numpy() if isinstance(spec, F) and t.grad is not None else
+                 (np.zeros(t.shape) if isinstance(spec, F) else None) for spec, t in zip(sample.inputs, ts)]
+    return [o.detach().numpy() for o in outs], grads
+
+
+def assert_close(ours, ref, rtol, atol, what):
+    ours, ref = np.asarray(ours, np.float64), np.asarray(ref, np.float64)
+    assert ours.shape == ref.shape, f"{what}: shape {ours.shape} vs reference {ref.shape}"
+    scale = max(1.0, float(np.max(np.abs(ref))) if ref.size else 1.0)
+    err = np.abs(ours - ref)
+    bad = err > atol * scale + rtol * np.abs(ref)
+    if bad.any():
+        i = np.unravel_index(np.argmax(err - rtol * np.abs(ref)), err.shape)
+        raise AssertionError(f"{what}: {int(bad.sum())}/{bad.size} elements differ; worst at {i}: "
+                             f"ours {ours[i]!r} vs reference {ref[i]!r} (max abs err {err.max():.3g})")
+
+
+def finite_difference_check(sample, g, feeds, float_inputs, loss, grads, n_points=24, eps=1e-6):
+    """Central differences of the loss (f64 reference) vs our f64 analytic gradients."""
+    rng = np.random.default_rng(7)
+    base = {k: v.astype(np.float64) if v.dtype.kind == "f" else v for k, v in feeds.items()}
+    analytic = evaluate(g, [gr for gr in grads], base, compute=np.float64)
+    for (i, t), an in zip(float_inputs, analytic):
+        if i in sample.no_grad_inputs:
+            continue
+        x = base[t.name]
+        idxs = [np.unravel_index(k, x.shape) for k in rng.choice(x.size, min(n_points, x.size), replace=False)]
+        for idx in idxs:
+            plus, minus = x.copy(), x.copy()
+            plus[idx] += eps
+            minus[idx] -= eps
+            lp = evaluate(g, [loss], {**base, t.name: plus}, compute=np.float64)[0]
+            lm = evaluate(g, [loss], {**base, t.name: minus}, compute=np.float64)[0]
+            fd = (float(lp) - float(lm)) / (2 * eps)
+            a = float(an[idx])
+            tol = sample.fd_rtol * max(1.0, abs(fd)) + 1e-6
+            assert abs(fd - a) <= tol, f"{sample.name}: input {i} at {idx}: finite difference {fd} vs analytic {a}"
