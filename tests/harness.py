@@ -38,13 +38,13 @@ def build(sample):
     return g, feeds, float_inputs, outs, weights, loss
 
 
-def torch_reference(sample, dtype=torch.float64):
+def torch_reference(sample, dtype=torch.float64, with_grads=True):
     """PyTorch outputs and input gradients (float64 unless told)."""
     arrays = sample.arrays()
     ts = []
     for spec, a in zip(sample.inputs, arrays):
         if isinstance(spec, F):
-            ts.append(torch.tensor(a, dtype=dtype, requires_grad=sample.grad))
+            ts.append(torch.tensor(a, dtype=dtype, requires_grad=sample.grad and with_grads))
         else:
             ts.append(torch.tensor(a.astype(np.int64)))
     outs = sample.theirs(torch, *ts)
@@ -52,7 +52,7 @@ def torch_reference(sample, dtype=torch.float64):
     rng = np.random.default_rng(123)
     loss, grads = None, None
     ws = [rng.standard_normal(tuple(o.shape)).astype(np.float32) if o.is_floating_point() else None for o in outs]
-    if sample.grad:
+    if sample.grad and with_grads:
         for o, w in zip(outs, ws):
             if w is not None:
                 term = (o * torch.tensor(w, dtype=o.dtype)).sum()

@@ -50,6 +50,7 @@ class Sample:
     atol: float = 1e-5
     fd_rtol: float = 1e-4             # finite differences vs our f64 analytic gradient
     no_grad_inputs: tuple = ()        # float inputs whose gradient is not checked
+    fd: bool = True                   # False where the gradient is not the derivative (stop_gradient)
     tags: tuple = field(default_factory=tuple)
 
     def arrays(self, seed=0):

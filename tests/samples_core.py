@@ -35,8 +35,8 @@ SAMPLES = [
     S("where", lambda o, a, b: o.where(a > b, a * 2.0, b), lambda t, a, b: t.where(a > b, a * 2.0, b),
       [F((3, 4)), F((4,))]),
     S("compare", lambda o, a, b: [o.cast(o.lt(a, b), "f32"), o.cast(o.ge(a, b), "f32"), o.cast(o.eq(a, a), "f32")],
-      lambda t, a, b: [(a < b).to(a.dtype), (a >= b).to(a.dtype), (a == a).to(a.dtype)], [F((3, 4)), F((4,))]),
-    S("stop_gradient", lambda o, a: a * o.stop_gradient(a), lambda t, a: a * a.detach(), [F((3, 4))]),
+      lambda t, a, b: [(a < b).to(a.dtype), (a >= b).to(a.dtype), (a == a).to(a.dtype)], [F((3, 4)), F((4,))], grad=False),
+    S("stop_gradient", lambda o, a: a * o.stop_gradient(a), lambda t, a: a * a.detach(), [F((3, 4))], fd=False),
     S("cast_int", lambda o, a: o.cast(o.cast(a, "i32"), "f32") * 1.0,
       lambda t, a: a.to(t.int32).to(a.dtype) * 1.0, [F((6,), low=-3, high=3)], grad=False),
     # reductions

@@ -1,2 +1,201 @@
-"""(being written)"""
-__all__ = []
+"""Scaled dot-product attention as one op record.
+
+One record (not a chain of ops) so a backend can swap in a fused flash-attention kernel;
+``decompose`` builds the same result from matmul, elementwise, reduction and reshape ops
+for backends without one.
+
+Layout: q (*batch, Hq, Lq, D), k (*batch, Hkv, Lk, D), v (*batch, Hkv, Lk, Dv) -> out
+(*batch, Hq, Lq, Dv); the head axis only matters for grouped kv heads (enable_gqa), so
+rank-2 and rank-3 inputs (no head axis) work too, as in torch.
+
+Grouped heads are never copied: q head h uses kv head h // G (G = Hq / Hkv, torch's
+repeat_interleave), so q viewed as (*batch, Hkv, G * Lq, D) lines up with k's heads and a
+plain batched matmul does the work; in the backward that same matmul sums over the group.
+
+Masking follows torch 2.x: a float mask is added to the scaled scores, an integer (bool)
+mask keeps positions where it is non-zero, ``is_causal`` keeps j <= i (top-left aligned,
+also when Lq != Lk) and excludes a mask. A row with every position masked
+gives zeros (and zero gradients), as torch's safe softmax does, not NaN.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from ..graph import Tensor, dtype_of, fmt_shape
+from .registry import emit, op_error, register, unbroadcast
+
+__all__ = ["scaled_dot_product_attention"]
+
+OP = "scaled_dot_product_attention"
+NEG_INF = float("-inf")
+
+
+# ----------------------------------------------------------------------------- shapes
+def _check(ins, is_causal=False, scale=1.0, enable_gqa=False):
+    """Validate inputs; return (scores shape, output shape, group size G)."""
+    if len(ins) not in (3, 4):
+        raise ValueError(f"{OP}: expected 3 or 4 inputs (q, k, v[, mask]), got {len(ins)}")
+    q, k, v = ins[:3]
+    for t, what in ((q, "query"), (k, "key"), (v, "value")):
+        if not t.dtype.is_float:
+            raise TypeError(f"{OP}: {what} {t.name!r} has dtype {t.dtype.name}, expected a float dtype (f32 or f16)")
+        if t.ndim < 2:
+            raise op_error(OP, f"{what} must have rank >= 2 (..., L, D)", t)
+    if not (q.dtype is k.dtype is v.dtype):
+        raise TypeError(f"{OP}: query, key and value dtypes differ: "
+                        + ", ".join(f"{t.name!r} {t.dtype.name}" for t in (q, k, v)))
+    if not q.ndim == k.ndim == v.ndim:
+        raise op_error(OP, "query, key and value must have the same rank", q, k, v)
+    if q.shape[-1] != k.shape[-1]:
+        raise op_error(OP, f"query and key embedding sizes differ: {q.shape[-1]} vs {k.shape[-1]} (last dim)", q, k)
+    if k.shape[:-1] != v.shape[:-1]:
+        raise op_error(OP, "key and value must agree on every dim but the last (..., Hkv, Lk, *)", k, v)
+    if enable_gqa:
+        if q.ndim < 3:
+            raise op_error(OP, "enable_gqa needs a head axis: inputs of rank >= 3 (..., H, L, D)", q, k)
+        hq, hkv = q.shape[-3], k.shape[-3]
+        if hkv == 0 or hq % hkv:
+            raise op_error(OP, f"enable_gqa: query heads ({hq}) must be a multiple of key/value heads ({hkv})",
+                           q, k)
+        if q.shape[:-3] != k.shape[:-3]:
+            raise op_error(OP, f"batch dims differ: {fmt_shape(q.shape[:-3])} vs {fmt_shape(k.shape[:-3])}", q, k)
+        group = hq // hkv
+    else:
+        if q.shape[:-2] != k.shape[:-2]:
+            hint = (" (different head counts need enable_gqa=True)"
+                    if q.ndim >= 3 and q.shape[:-3] == k.shape[:-3] else "")
+            raise op_error(OP, f"batch/head dims differ: {fmt_shape(q.shape[:-2])} vs "
+                           f"{fmt_shape(k.shape[:-2])}{hint}", q, k)
+        group = 1
+    scores = q.shape[:-1] + (k.shape[-2],)
+    out = q.shape[:-1] + (v.shape[-1],)
+    if len(ins) == 4:
+        m = ins[3]
+        if is_causal:
+            # torch's math path refuses the pair too (its fused CPU path would combine them)
+            raise op_error(OP, "attn_mask must not be given with is_causal=True; fold the causal mask into "
+                           "attn_mask instead", m)
+        if m.dtype.is_float and m.dtype is not q.dtype:
+            raise TypeError(f"{OP}: float attn_mask {m.name!r} has dtype {m.dtype.name}, expected the query's "
+                            f"{q.dtype.name} (or an integer mask: non-zero = keep)")
+        try:
+            ok = m.ndim <= len(scores) and tuple(np.broadcast_shapes(m.shape, scores)) == scores
+        except ValueError:
+            ok = False
+        if not ok:
+            raise op_error(OP, f"attn_mask must broadcast to the scores' shape {fmt_shape(scores)} "
+                           "(*batch, Hq, Lq, Lk)", m, q, k)
+    return scores, out, group
+
+
+def _infer(ins, is_causal, scale, enable_gqa):
+    _, out, _ = _check(ins, is_causal, scale, enable_gqa)
+    return out, ins[0].dtype
+
+
+# -------------------------------------------------------------------------- reference
+def _ref(q, k, v, mask=None, *, is_causal, scale, enable_gqa):
+    dt = q.dtype
+    if enable_gqa and q.shape[-3] != k.shape[-3]:
+        g = q.shape[-3] // k.shape[-3]
+        k, v = np.repeat(k, g, axis=-3), np.repeat(v, g, axis=-3)
+    s = np.matmul(q, np.swapaxes(k, -1, -2)) * dt.type(scale)
+    if mask is not None:
+        s = s + mask.astype(dt) if mask.dtype.kind == "f" else np.where(mask != 0, s, dt.type(NEG_INF))
+    if is_causal:
+        lq, lk = s.shape[-2:]
+        s = np.where(np.tril(np.ones((lq, lk), dtype=bool)), s, dt.type(NEG_INF))
+    m = np.max(s, axis=-1, keepdims=True)
+    full = np.isneginf(m)                    # every position of the row masked
+    e = np.exp(s - np.where(full, dt.type(0), m))
+    z = np.sum(e, axis=-1, keepdims=True)
+    p = e / np.where(full, dt.type(1), z)
+    return np.matmul(p, v).astype(dt, copy=False)
+
+
+# ----------------------------------------------------------------------- graph pieces
+def _grouped(x, group):
+    """(*b, Hq, L, C) -> (*b, Hkv, G*L, C): consecutive q heads share a kv head."""
+    from . import reshape
+    if group == 1:
+        return x
+    return reshape(x, x.shape[:-3] + (x.shape[-3] // group, group * x.shape[-2], x.shape[-1]))
+
+
+def _probs(q, k, mask, is_causal, scale, group):
+    """Attention probabilities, shape (*b, Hq, Lq, Lk)."""
+    from . import amax, exp, gt, mm, reshape, sum, where
+    s = mm(_grouped(q, group), k, tb=True) * scale
+    s = reshape(s, q.shape[:-1] + (k.shape[-2],))
+    if mask is not None:
+        s = s + mask if mask.dtype.is_float else where(mask, s, NEG_INF)
+    if is_causal:
+        lq, lk = s.shape[-2:]
+        # keep[i, j] = j <= i: torch's top-left aligned lower triangle, also for Lq != Lk
+        keep = q.graph.constant(np.tril(np.ones((lq, lk), dtype=np.uint32)))
+        s = where(keep, s, NEG_INF)
+    m = amax(s, -1, keepdim=True)
+    if mask is None:
+        # causal alone always keeps column 0, so no row is fully masked
+        e = exp(s - m)
+        return e / sum(e, -1, keepdim=True)
+    live = gt(m, NEG_INF)                    # the row has a position left
+    e = exp(s - where(live, m, 0.0))         # all zeros in a fully masked row
+    return e / where(live, sum(e, -1, keepdim=True), 1.0)
+
+
+def _decompose(q, k, v, mask=None, *, is_causal, scale, enable_gqa):
+    from . import mm, reshape
+    _, out, group = _check([q, k, v] + ([mask] if mask is not None else []), is_causal, scale, enable_gqa)
+    p = _probs(q, k, mask, is_causal, scale, group)
+    o = mm(_grouped(p, group), v)
+    return reshape(o, out)
+
+
+def _vjp(ct, out, q, k, v, mask=None, *, is_causal, scale, enable_gqa):
+    from . import mm, reshape, sum
+    scores, _, group = _check([q, k, v] + ([mask] if mask is not None else []), is_causal, scale, enable_gqa)
+    p = _grouped(_probs(q, k, mask, is_causal, scale, group), group)    # (*b, Hkv, G*Lq, Lk)
+    do = _grouped(ct, group)                                           # (*b, Hkv, G*Lq, Dv)
+    dv = mm(p, do, ta=True)                  # contracting G*Lq sums over the group
+    dp = mm(do, v, tb=True)
+    ds = p * (dp - sum(dp * p, -1, keepdim=True))                      # softmax backward
+    qg = _grouped(q, group)
+    dq = reshape(mm(ds, k) * scale, q.shape)
+    dk = mm(ds, qg, ta=True) * scale
+    grads = [dq, dk, dv]
+    if mask is not None:
+        # the mask is added after scaling, so its cotangent is dS itself, summed to its shape
+        grads.append(unbroadcast(reshape(ds, scores), mask.shape) if mask.dtype.is_float else None)
+    return grads
+
+
+register(OP, _infer, _ref, _vjp, decompose=_decompose)
+
+
+# ---------------------------------------------------------------------------- builder
+def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                                 enable_gqa=False):
+    """torch.nn.functional.scaled_dot_product_attention (no dropout).
+
+    ``attn_mask``: a float mask added to the scores, or an integer/bool mask (non-zero =
+    keep), broadcastable to (*batch, Hq, Lq, Lk); a NumPy array becomes a constant.
+    ``scale`` defaults to 1/sqrt(D).
+    """
+    if dropout_p:
+        raise NotImplementedError(f"{OP}: dropout is not supported (dropout_p={dropout_p}); apply it separately")
+    for t, what in ((query, "query"), (key, "key"), (value, "value")):
+        if not isinstance(t, Tensor):
+            raise TypeError(f"{OP}: {what} must be a Tensor, got {type(t).__name__}")
+    ins = [query, key, value]
+    if attn_mask is not None:
+        if not isinstance(attn_mask, Tensor):
+            arr = np.asarray(attn_mask)
+            dt = query.dtype if arr.dtype.kind == "f" else dtype_of(arr.dtype)
+            attn_mask = query.graph.constant(arr.astype(dt.np))
+        ins.append(attn_mask)
+    if scale is None:
+        scale = 1.0 / math.sqrt(query.shape[-1]) if query.shape and query.shape[-1] else 1.0
+    return emit(OP, ins, is_causal=bool(is_causal), scale=float(scale), enable_gqa=bool(enable_gqa))

@@ -1,2 +1,567 @@
-"""(being written)"""
-__all__ = []
+"""Neural-network ops: softmax, losses, embedding, normalisations, rotary embedding.
+
+Composite ops (softmax, log_softmax, cross_entropy, layer_norm, rms_norm, group_norm,
+batch_norm in training mode, rope) are single nodes with a fused NumPy reference and a
+VJP written in primitive ops; each carries ``decompose``, which rebuilds it from
+primitives for the GPU backend. mse_loss, batch_norm in eval mode and batch_norm_stats
+are plain compositions of primitives and add no op.
+
+New primitives (simple index kernels):
+- ``embedding``: out[p..., j] = weight[ids[p...], j]
+- ``embedding_grad``: out[v, j] = sum over positions p (in flat order) with ids[p] == v of ct[p, j]
+- ``one_hot``: out[p..., c] = 1 if labels[p...] == c else 0 (out-of-range labels give a zero row)
+
+Indices cannot be checked when the graph is built. The NumPy reference raises on an
+out-of-range id or label (as PyTorch does); a GPU kernel gives a zero row for an
+out-of-range embedding id, drops it from embedding_grad, and treats an out-of-range
+cross_entropy label as an ignored row.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from ..graph import Tensor, dtype_of, f32, fmt_shape
+from .elementwise import cast, exp, log, maximum, ne, neg, rsqrt, stop_gradient, where
+from .reduce import amax, mean, reduce_sum
+from .registry import (emit, norm_dim, op_error, register, require_float, require_int, same_dtype,
+                       unbroadcast)
+from .shape import concat, permute, reshape, slice
+
+__all__ = ["softmax", "log_softmax", "cross_entropy", "mse_loss", "one_hot", "embedding", "embedding_grad",
+           "rms_norm", "layer_norm", "group_norm", "batch_norm", "batch_norm_stats", "rope"]
+
+_REDUCTIONS = ("mean", "sum", "none")
+
+
+def _ksum(x, dims):
+    return reduce_sum(x, tuple(dims), keepdim=True)
+
+
+def _kmean(x, dims):
+    return mean(x, tuple(dims), keepdim=True)
+
+
+def _float_infer(op):
+    def infer(ins, **attrs):
+        require_float(op, ins[0])
+        if ins[0].ndim == 0:
+            raise op_error(op, "input must have rank >= 1", ins[0])
+        return ins[0].shape, ins[0].dtype
+    return infer
+
+
+# --------------------------------------------------------------------------- softmax
+def _softmax_ref(x, dim):
+    e = np.exp(x - np.max(x, axis=dim, keepdims=True))
+    return e / np.sum(e, axis=dim, keepdims=True, dtype=x.dtype)
+
+
+def _log_softmax_ref(x, dim):
+    z = x - np.max(x, axis=dim, keepdims=True)
+    return z - np.log(np.sum(np.exp(z), axis=dim, keepdims=True, dtype=x.dtype))
+
+
+# the max only shifts for stability: its gradient cancels, so it is cut from autodiff
+def _softmax_graph(x, dim):
+    e = exp(x - stop_gradient(amax(x, dim, keepdim=True)))
+    return e / _ksum(e, (dim,))
+
+
+def _log_softmax_graph(x, dim):
+    z = x - stop_gradient(amax(x, dim, keepdim=True))
+    return z - log(_ksum(exp(z), (dim,)))
+
+
+register("softmax", _float_infer("softmax"), _softmax_ref,
+         lambda ct, y, x, dim: [y * (ct - _ksum(ct * y, (dim,)))], decompose=_softmax_graph)
+register("log_softmax", _float_infer("log_softmax"), _log_softmax_ref,
+         lambda ct, y, x, dim: [ct - exp(y) * _ksum(ct, (dim,))], decompose=_log_softmax_graph)
+
+
+def _softmax_like(op, input, dim, dtype):
+    if dim is None:  # torch's legacy implicit dim
+        dim = 0 if input.ndim in (0, 1, 3) else 1
+    if dtype is not None:
+        input = cast(input, dtype)
+    return emit(op, [input], dim=norm_dim(op, int(dim), input.ndim, input))
+
+
+def softmax(input, dim=-1, _stacklevel=3, dtype=None):
+    """torch.nn.functional.softmax (max-subtracted, so large logits do not overflow)."""
+    return _softmax_like("softmax", input, dim, dtype)
+
+
+def log_softmax(input, dim=-1, _stacklevel=3, dtype=None):
+    """torch.nn.functional.log_softmax (max-subtracted)."""
+    return _softmax_like("log_softmax", input, dim, dtype)
+
+
+# --------------------------------------------------------------------------- one_hot
+def _one_hot_infer(ins, num_classes, dtype):
+    require_int("one_hot", ins[0])
+    return ins[0].shape + (num_classes,), dtype_of(dtype)
+
+
+def _one_hot_ref(labels, num_classes, dtype):
+    return (labels[..., None].astype(np.int64) == np.arange(num_classes)).astype(dtype_of(dtype).np)
+
+
+# out[p..., c] reads labels[p...] and compares it with c
+register("one_hot", _one_hot_infer, _one_hot_ref, None, differentiable=False)
+
+
+def one_hot(tensor, num_classes=-1, dtype=f32):
+    """torch.nn.functional.one_hot, but ``num_classes`` is required (a static graph cannot
+    look at the data), the result is ``dtype`` (f32 unless told; torch gives int64), and a
+    label outside [0, num_classes) gives a zero row instead of an error."""
+    if int(num_classes) < 1:
+        raise op_error("one_hot", f"num_classes must be a positive int given up front, got {num_classes}", tensor)
+    return emit("one_hot", [tensor], num_classes=int(num_classes), dtype=dtype_of(dtype).name)
+
+
+# ---------------------------------------------------------------------- cross_entropy
+def _ce_infer(ins, ignore_index, reduction, label_smoothing):
+    logits, labels = ins
+    require_float("cross_entropy", logits)
+    if logits.ndim != 2 or labels.shape != logits.shape[:1]:
+        raise op_error("cross_entropy", "expected logits (N, C) and labels (N,)", logits, labels)
+    return (() if reduction != "none" else labels.shape), logits.dtype
+
+
+def _ce_ref(logits, labels, ignore_index, reduction, label_smoothing):
+    n, c = logits.shape
+    lab = labels.astype(np.int64)
+    valid = lab != ignore_index
+    bad = valid & ((lab < 0) | (lab >= c))
+    if bad.any():
+        raise IndexError(f"cross_entropy: label {int(lab[bad][0])} is out of range for {c} classes")
+    dt = logits.dtype
+    q = (np.where(valid, lab, -1)[:, None] == np.arange(c)).astype(dt)
+    if label_smoothing:
+        q = q * dt.type(1 - label_smoothing) + valid[:, None].astype(dt) * dt.type(label_smoothing / c)
+    loss = -np.sum(q * _log_softmax_ref(logits, 1), axis=1, dtype=dt)
+    if reduction == "none":
+        return loss
+    total = np.sum(loss, dtype=dt)
+    if reduction == "sum":
+        return total
+    with np.errstate(invalid="ignore", divide="ignore"):  # every row ignored: nan, as torch
+        return np.asarray(total / dt.type(valid.sum()), dtype=dt)
+
+
+def _ce_target(logits, labels, ignore_index, label_smoothing):
+    """Per-row target distribution q (N, C) (zero rows where ignored) and the one-hot."""
+    c = logits.shape[1]
+    lab = labels
+    if 0 <= ignore_index < c:  # an in-range ignore_index is moved out of range: zero row
+        lab = where(ne(labels, ignore_index), labels, c)
+    oh = one_hot(lab, c, logits.dtype)
+    q = oh
+    if label_smoothing:
+        q = oh * (1.0 - label_smoothing) + _ksum(oh, (1,)) * (label_smoothing / c)
+    return q, oh
+
+
+def _ce_graph(logits, labels, ignore_index, reduction, label_smoothing):
+    q, oh = _ce_target(logits, labels, ignore_index, label_smoothing)
+    loss = neg(reduce_sum(q * _log_softmax_graph(logits, 1), (1,)))
+    if reduction == "none":
+        return loss
+    total = reduce_sum(loss, (0,))
+    return total if reduction == "sum" else total / reduce_sum(oh, (0, 1))
+
+
+def _ce_vjp(ct, y, logits, labels, ignore_index, reduction, label_smoothing):
+    q, oh = _ce_target(logits, labels, ignore_index, label_smoothing)
+    g = _softmax_graph(logits, 1) * _ksum(oh, (1,)) - q
+    if reduction == "none":
+        return [g * reshape(ct, ct.shape + (1,)), None]
+    if reduction == "mean":  # numerator is zero when no row counts: 0, like torch, not nan
+        ct = ct / maximum(reduce_sum(oh, (0, 1)), 1.0)
+    return [g * ct, None]
+
+
+register("cross_entropy", _ce_infer, _ce_ref, _ce_vjp, decompose=_ce_graph)
+
+
+def cross_entropy(input, target, weight=None, size_average=None, ignore_index=-100, reduce=None,
+                  reduction="mean", label_smoothing=0.0):
+    """torch.nn.functional.cross_entropy with integer class targets.
+
+    ``input`` is (C,), (N, C) or (N, C, d1, ...); ``target`` () / (N,) / (N, d1, ...) of
+    i32/u32 class indices. 'mean' averages over rows whose label is not ``ignore_index``
+    (nan when every row is ignored, as torch). Class weights and probability targets are
+    not supported."""
+    if weight is not None:
+        raise NotImplementedError("cross_entropy: class weights are not supported")
+    reduction = _legacy_reduction(size_average, reduce, reduction)
+    if target.dtype.is_float:
+        raise TypeError(f"cross_entropy: target {target.name!r} has dtype {target.dtype.name}, expected integer "
+                        "class indices (i32/u32); probability targets are not supported")
+    require_float("cross_entropy", input)
+    if not 0.0 <= label_smoothing <= 1.0:
+        raise ValueError(f"cross_entropy: label_smoothing must be in [0, 1], got {label_smoothing}")
+    if input.ndim == 0:
+        raise op_error("cross_entropy", "input must have a class axis", input)
+    want = () if input.ndim == 1 else input.shape[:1] + input.shape[2:]
+    if target.shape != want:
+        raise op_error("cross_entropy", f"target must have shape {fmt_shape(want)} for input "
+                       f"{fmt_shape(input.shape)} (classes on axis {0 if input.ndim == 1 else 1})", input, target)
+    c = input.shape[0 if input.ndim == 1 else 1]
+    if input.ndim == 1:
+        logits = reshape(input, (1, c))
+    elif input.ndim == 2:
+        logits = input
+    else:  # classes last, then one row per (n, d1, ...)
+        logits = reshape(permute(input, (0,) + tuple(range(2, input.ndim)) + (1,)), (-1, c))
+    labels = reshape(target, (logits.shape[0],))
+    out = emit("cross_entropy", [logits, labels], ignore_index=int(ignore_index), reduction=reduction,
+               label_smoothing=float(label_smoothing))
+    return reshape(out, target.shape) if reduction == "none" else out
+
+
+def _legacy_reduction(size_average, reduce, reduction):
+    if size_average is not None or reduce is not None:  # torch's deprecated flags win
+        size_average = True if size_average is None else size_average
+        reduction = "none" if reduce is False else ("mean" if size_average else "sum")
+    if reduction not in _REDUCTIONS:
+        raise ValueError(f"reduction must be one of {_REDUCTIONS}, got {reduction!r}")
+    return reduction
+
+
+# --------------------------------------------------------------------------- mse_loss
+def mse_loss(input, target, size_average=None, reduce=None, reduction="mean", weight=None):
+    """torch.nn.functional.mse_loss (shapes broadcast; with ``weight``, 'mean' divides by
+    the weights' sum, as torch)."""
+    reduction = _legacy_reduction(size_average, reduce, reduction)
+    if isinstance(input, Tensor) and isinstance(target, Tensor):
+        same_dtype("mse_loss", input, target)
+    d = input - target
+    err = d * d
+    if weight is not None:
+        if weight.shape != input.shape:
+            raise op_error("mse_loss", f"weight must have the input's shape {fmt_shape(input.shape)}", weight)
+        err = err * weight
+    if reduction == "none":
+        return err
+    total = reduce_sum(err, tuple(range(err.ndim)))
+    if reduction == "sum":
+        return total
+    if weight is not None:
+        return total / reduce_sum(weight, tuple(range(weight.ndim)))
+    return total * (1.0 / max(err.size, 1))
+
+
+# -------------------------------------------------------------------------- embedding
+def _embedding_infer(ins, padding_idx=None):
+    ids, weight = ins
+    require_int("embedding", ids)
+    require_float("embedding", weight)
+    if weight.ndim != 2:
+        raise op_error("embedding", "weight must be 2-D (num_embeddings, embedding_dim)", weight)
+    return ids.shape + weight.shape[1:], weight.dtype
+
+
+def _check_ids(op, ids, n):
+    i = ids.astype(np.int64)
+    bad = (i < 0) | (i >= n)
+    if bad.any():
+        raise IndexError(f"{op}: id {int(i[bad][0])} is out of range for {n} embeddings")
+    return i
+
+
+def _embedding_vjp(ct, y, ids, weight, padding_idx=None):
+    if padding_idx is not None:  # the padding row gets no gradient
+        ct = where(reshape(ne(ids, padding_idx), ids.shape + (1,)), ct, 0.0)
+    return [None, embedding_grad(ids, ct, weight.shape[0])]
+
+
+# out[p..., j] reads weight[ids[p...], j]
+register("embedding", _embedding_infer, lambda ids, w, padding_idx=None: w[_check_ids("embedding", ids, w.shape[0])],
+         _embedding_vjp)
+
+
+def _embedding_grad_infer(ins, num_embeddings):
+    ids, ct = ins
+    require_int("embedding_grad", ids)
+    require_float("embedding_grad", ct)
+    if ct.ndim != ids.ndim + 1 or ct.shape[:-1] != ids.shape:
+        raise op_error("embedding_grad", "cotangent must have shape ids.shape + (embedding_dim,)", ids, ct)
+    return (num_embeddings, ct.shape[-1]), ct.dtype
+
+
+def _embedding_grad_ref(ids, ct, num_embeddings):
+    out = np.zeros((num_embeddings, ct.shape[-1]), dtype=ct.dtype)
+    np.add.at(out, _check_ids("embedding_grad", ids, num_embeddings).reshape(-1), ct.reshape(-1, ct.shape[-1]))
+    return out
+
+
+# out[v, j] = sum of ct[p, j] over flat positions p in increasing order with ids[p] == v;
+# a loop in a fixed order per output element, so the result is deterministic (no atomics)
+register("embedding_grad", _embedding_grad_infer, _embedding_grad_ref,
+         lambda ct, y, ids, g, num_embeddings: [None, emit("embedding", [ids, ct], padding_idx=None)])
+
+
+def embedding(input, weight, padding_idx=None, max_norm=None, norm_type=2.0, scale_grad_by_freq=False,
+              sparse=False):
+    """torch.nn.functional.embedding: rows of ``weight`` (num_embeddings, dim) picked by the
+    integer ``input``. Ids are not range-checked at graph time (see the module doc).
+    ``sparse`` is accepted and ignored (gradients are dense)."""
+    if max_norm is not None or scale_grad_by_freq:
+        raise NotImplementedError("embedding: max_norm and scale_grad_by_freq are not supported")
+    if padding_idx is not None:
+        n = weight.shape[0]
+        if not -n <= padding_idx < n:
+            raise op_error("embedding", f"padding_idx {padding_idx} out of range for {n} embeddings", weight)
+        padding_idx = int(padding_idx) % n
+    return emit("embedding", [input, weight], padding_idx=padding_idx)
+
+
+def embedding_grad(ids, ct, num_embeddings):
+    """Scatter-add: the (num_embeddings, dim) gradient of embedding(ids, weight)."""
+    return emit("embedding_grad", [ids, ct], num_embeddings=int(num_embeddings))
+
+
+# ------------------------------------------------------------------ normalisation core
+# Each norm standardises a view of x over some axes, then applies a per-feature affine.
+# _layout gives (view shape, reduced axes of the view, shape the weight/bias broadcast as).
+def _layout(op, shape, attrs):
+    nd = len(shape)
+    if op in ("layer_norm", "rms_norm"):
+        k = len(attrs["normalized_shape"])
+        return shape, tuple(range(nd - k, nd)), shape[nd - k:]
+    chan = (shape[1],) + (1,) * (nd - 2)
+    if op == "group_norm":
+        g = attrs["num_groups"]
+        return (shape[0], g, int(np.prod(shape[1:], dtype=np.int64)) // g), (2,), chan
+    return shape, (0,) + tuple(range(2, nd)), chan  # batch_norm over the batch
+
+
+def _params(ins, attrs):
+    """(weight, bias) from the node's inputs after x, None where absent."""
+    rest = list(ins)
+    w = rest.pop(0) if attrs.get("has_weight") else None
+    b = rest.pop(0) if attrs.get("has_bias") else None
+    return w, b
+
+
+def _norm_ref(op):
+    center = op != "rms_norm"
+
+    def ref(x, *params, **attrs):
+        view, axes, aff = _layout(op, x.shape, attrs)
+        v = x.reshape(view)
+        eps = x.dtype.type(attrs["eps"])
+        if center:
+            v = v - np.mean(v, axis=axes, keepdims=True, dtype=x.dtype)
+        n = (v / np.sqrt(np.mean(v * v, axis=axes, keepdims=True, dtype=x.dtype) + eps)).reshape(x.shape)
+        w, b = _params(params, attrs)
+        if w is not None:
+            n = n * w.reshape(aff)
+        if b is not None:
+            n = n + b.reshape(aff)
+        return n
+    return ref
+
+
+def _standardize(v, axes, eps, center):
+    """(normalised v, 1/sqrt(var + eps) kept over axes) in graph ops."""
+    if center:
+        v = v - _kmean(v, axes)
+    r = rsqrt(_kmean(v * v, axes) + eps)
+    return v * r, r
+
+
+def _norm_graph(op):
+    center = op != "rms_norm"
+
+    def dec(x, *params, **attrs):
+        view, axes, aff = _layout(op, x.shape, attrs)
+        n = reshape(_standardize(reshape(x, view), axes, attrs["eps"], center)[0], x.shape)
+        w, b = _params(params, attrs)
+        if w is not None:
+            n = n * reshape(w, aff)
+        if b is not None:
+            n = n + reshape(b, aff)
+        return n
+    return dec
+
+
+def _norm_vjp(op):
+    center = op != "rms_norm"
+
+    def vjp(ct, y, x, *params, **attrs):
+        view, axes, aff = _layout(op, x.shape, attrs)
+        n, r = _standardize(reshape(x, view), axes, attrs["eps"], center)
+        w, b = _params(params, attrs)
+        dn = reshape(ct * reshape(w, aff) if w is not None else ct, view)
+        inner = dn - n * _kmean(dn * n, axes)
+        if center:
+            inner = inner - _kmean(dn, axes)
+        out = [reshape(r * inner, x.shape)]
+        if w is not None:
+            out.append(reshape(unbroadcast(ct * reshape(n, x.shape), aff), w.shape))
+        if b is not None:
+            out.append(reshape(unbroadcast(ct, aff), b.shape))
+        return out
+    return vjp
+
+
+def _norm_infer(op):
+    def infer(ins, **attrs):
+        x = ins[0]
+        require_float(op, *ins)
+        same_dtype(op, *ins)
+        want = attrs["normalized_shape"] if op in ("layer_norm", "rms_norm") else (x.shape[1],)
+        w, b = _params(ins[1:], attrs)
+        for t, what in ((w, "weight"), (b, "bias")):
+            if t is not None and t.shape != want:
+                raise op_error(op, f"{what} must have shape {fmt_shape(want)}", x, t)
+        return x.shape, x.dtype
+    return infer
+
+
+for _op in ("layer_norm", "rms_norm", "group_norm", "batch_norm"):
+    register(_op, _norm_infer(_op), _norm_ref(_op), _norm_vjp(_op), decompose=_norm_graph(_op))
+
+
+def _affine_inputs(x, weight, bias):
+    ins = [x] + [t for t in (weight, bias) if t is not None]
+    return ins, {"has_weight": weight is not None, "has_bias": bias is not None}
+
+
+def _check_normalized_shape(op, x, normalized_shape):
+    ns = (int(normalized_shape),) if isinstance(normalized_shape, (int, np.integer)) else \
+        tuple(int(s) for s in normalized_shape)
+    if not ns or x.shape[x.ndim - len(ns):] != ns or len(ns) > x.ndim:
+        raise op_error(op, f"normalized_shape {fmt_shape(ns)} must be the input's trailing dimensions", x)
+    return ns
+
+
+def layer_norm(input, normalized_shape, weight=None, bias=None, eps=1e-5):
+    """torch.nn.functional.layer_norm: standardise over the trailing ``normalized_shape``
+    axes (biased variance), then ``* weight + bias``."""
+    ns = _check_normalized_shape("layer_norm", input, normalized_shape)
+    ins, flags = _affine_inputs(input, weight, bias)
+    return emit("layer_norm", ins, normalized_shape=ns, eps=float(eps), **flags)
+
+
+def rms_norm(input, normalized_shape, weight=None, eps=None):
+    """torch.nn.functional.rms_norm: x / sqrt(mean(x^2) + eps) * weight. ``eps=None`` is
+    f32's machine epsilon, as torch (which takes it from the f32 compute type for f16)."""
+    ns = _check_normalized_shape("rms_norm", input, normalized_shape)
+    if eps is None:
+        eps = float(np.finfo(np.float32).eps)
+    ins, flags = _affine_inputs(input, weight, None)
+    return emit("rms_norm", ins, normalized_shape=ns, eps=float(eps), has_weight=flags["has_weight"])
+
+
+def group_norm(input, num_groups, weight=None, bias=None, eps=1e-5):
+    """torch.nn.functional.group_norm on (N, C, *): standardise each of ``num_groups``
+    channel groups per sample, then a per-channel ``* weight + bias``."""
+    if input.ndim < 2:
+        raise op_error("group_norm", "input must be (N, C, *)", input)
+    c = input.shape[1]
+    if num_groups < 1 or c % num_groups:
+        raise op_error("group_norm", f"{c} channels cannot be split into {num_groups} groups", input)
+    ins, flags = _affine_inputs(input, weight, bias)
+    return emit("group_norm", ins, num_groups=int(num_groups), eps=float(eps), **flags)
+
+
+def _channel_shape(x):
+    return (x.shape[1],) + (1,) * (x.ndim - 2)
+
+
+def batch_norm(input, running_mean, running_var, weight=None, bias=None, training=False, momentum=0.1, eps=1e-5):
+    """torch.nn.functional.batch_norm on (N, C, *).
+
+    Training: normalise with the batch's mean and biased variance; the running statistics
+    are not updated here (the graph is pure): use batch_norm_stats and update them as
+    state, e.g. ``rm * (1 - momentum) + mean * momentum``. Eval: use ``running_mean`` and
+    ``running_var`` (ordinary tensors)."""
+    op = "batch_norm"
+    if input.ndim < 2:
+        raise op_error(op, "input must be (N, C, *)", input)
+    c = input.shape[1]
+    for t, what in ((running_mean, "running_mean"), (running_var, "running_var")):
+        if t is not None and t.shape != (c,):
+            raise op_error(op, f"{what} must have shape ({c},)", input, t)
+    if training:
+        if input.size // max(c, 1) <= 1:
+            raise op_error(op, "training needs more than 1 value per channel", input)
+        ins, flags = _affine_inputs(input, weight, bias)
+        return emit(op, ins, eps=float(eps), **flags)
+    if running_mean is None or running_var is None:
+        raise ValueError("batch_norm: eval mode (training=False) needs running_mean and running_var")
+    for t, what in ((weight, "weight"), (bias, "bias")):
+        if t is not None and t.shape != (c,):
+            raise op_error(op, f"{what} must have shape ({c},)", input, t)
+    cs = _channel_shape(input)
+    y = (input - reshape(running_mean, cs)) * rsqrt(reshape(running_var, cs) + float(eps))
+    if weight is not None:
+        y = y * reshape(weight, cs)
+    if bias is not None:
+        y = y + reshape(bias, cs)
+    return y
+
+
+def batch_norm_stats(input):
+    """Per-channel (mean, unbiased variance) of (N, C, *) over all axes but 1: what a
+    training step feeds into the running statistics."""
+    if input.ndim < 2:
+        raise op_error("batch_norm_stats", "input must be (N, C, *)", input)
+    require_float("batch_norm_stats", input)
+    n = input.size // max(input.shape[1], 1)
+    if n <= 1:
+        raise op_error("batch_norm_stats", "needs more than 1 value per channel", input)
+    axes = (0,) + tuple(range(2, input.ndim))
+    m = _kmean(input, axes)
+    d = input - m
+    return reshape(m, (input.shape[1],)), reduce_sum(d * d, axes) * (1.0 / (n - 1))
+
+
+# ------------------------------------------------------------------------------- rope
+def _rope_infer(ins, base, position_offset, inverse):
+    x = ins[0]
+    require_float("rope", x)
+    if x.ndim < 2 or x.shape[-1] % 2:
+        raise op_error("rope", "input must be (..., seq, head_dim) with an even head_dim", x)
+    return x.shape, x.dtype
+
+
+def _rope_tables(seq, dim, base, position_offset, inverse):
+    """cos and sin (seq, dim), each half repeated, in float64 (sin negated for the inverse)."""
+    inv_freq = 1.0 / base ** (np.arange(0, dim, 2, dtype=np.float64) / dim)
+    ang = np.outer(np.arange(position_offset, position_offset + seq, dtype=np.float64), inv_freq)
+    ang = np.concatenate([ang, ang], axis=1)
+    return np.cos(ang), (-1.0 if inverse else 1.0) * np.sin(ang)
+
+
+def _rope_ref(x, base, position_offset, inverse):
+    cos, sin = (t.astype(x.dtype) for t in _rope_tables(x.shape[-2], x.shape[-1], base, position_offset, inverse))
+    h = x.shape[-1] // 2
+    rot = np.concatenate([-x[..., h:], x[..., :h]], axis=-1)
+    return x * cos + rot * sin
+
+
+def _rope_graph(x, base, position_offset, inverse):
+    cos, sin = (x.graph.constant(t.astype(x.dtype.np))
+                for t in _rope_tables(x.shape[-2], x.shape[-1], base, position_offset, inverse))
+    h = x.shape[-1] // 2
+    rot = concat([neg(slice(x, -1, h, None)), slice(x, -1, 0, h)], -1)
+    return x * cos + rot * sin
+
+
+# rotation by -angle is the transpose of rotation by angle
+register("rope", _rope_infer, _rope_ref,
+         lambda ct, y, x, base, position_offset, inverse: [
+             emit("rope", [ct], base=base, position_offset=position_offset, inverse=not inverse)],
+         decompose=_rope_graph)
+
+
+def rope(x, base=10000.0, position_offset=0):
+    """Rotary position embedding, Llama's rotate-half convention, on (batch, heads, seq,
+    head_dim) (any (..., seq, head_dim)): position p = position_offset + s,
+    angle_i = p * base^(-2i/head_dim), out = x*cos + concat(-x2, x1)*sin."""
+    return emit("rope", [x], base=float(base), position_offset=int(position_offset), inverse=False)
+

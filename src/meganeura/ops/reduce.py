@@ -42,7 +42,7 @@ register("reduce_sum", _reduce_infer("reduce_sum"),
          lambda ct, y, x, dims, keepdim: [_spread(ct, x, dims)], wgsl_reduce="sum")
 register("reduce_mean", _reduce_infer("reduce_mean"),
          lambda x, dims, keepdim: np.mean(x, axis=dims, keepdims=keepdim, dtype=x.dtype),
-         lambda ct, y, x, dims, keepdim: [_spread(ct, x, dims) * (1.0 / max(_count(x, dims), 1))],
+         lambda ct, y, x, dims, keepdim: [_spread(ct, x, dims) * (1.0 / (_count(x, dims) or 1))],
          wgsl_reduce="mean")
 register("reduce_max", _reduce_infer("reduce_max"),
          lambda x, dims, keepdim: np.max(x, axis=dims, keepdims=keepdim), _max_vjp, wgsl_reduce="max")

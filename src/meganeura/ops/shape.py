@@ -100,7 +100,7 @@ def _slice_infer(ins, starts, stops, steps):
 
 
 def _slice_ref(x, starts, stops, steps):
-    return np.ascontiguousarray(x[tuple(slice(a, b, s) for a, b, s in zip(starts, stops, steps))])
+    return np.ascontiguousarray(x[tuple(_py_slice(a, b, s) for a, b, s in zip(starts, stops, steps))])
 
 
 register("slice", _slice_infer, _slice_ref,
@@ -110,7 +110,7 @@ register("slice", _slice_infer, _slice_ref,
 
 def _slice_grad_ref(ct, shape, starts, steps):
     out = np.zeros(shape, dtype=ct.dtype)
-    out[tuple(slice(a, a + s * n, s) for a, s, n in zip(starts, steps, ct.shape))] = ct
+    out[tuple(_py_slice(a, a + s * n, s) for a, s, n in zip(starts, steps, ct.shape))] = ct
     return out
 
 
@@ -146,7 +146,8 @@ def getitem(x, idx):
         idx = idx[:k] + (_py_slice(None),) * (x.ndim - n_real) + idx[k + 1:]
     elif n_real > x.ndim:
         raise op_error("getitem", f"too many indices ({n_real}) for rank {x.ndim}", x)
-    idx = idx + (_py_slice(None),) * (x.ndim - n_real)
+    else:
+        idx = idx + (_py_slice(None),) * (x.ndim - n_real)
     out, axis, final = x, 0, []
     for i in idx:
         if i is None:

@@ -1,0 +1,23 @@
+"""WGSL code generation: one module per archetype, each with ``render(kernel)`` returning
+(WGSL text, bound logical buffers in binding order, workgroup counts). Importing this
+package attaches the lowerings to the op registry records."""
+from ..ops.registry import OPS
+from . import layout, matmul, pointwise, reduce
+
+RENDER = {"pointwise": pointwise.render, "reduce": reduce.render, "matmul": matmul.render}
+
+for _op in ("reduce_sum", "reduce_mean", "reduce_max"):
+    OPS[_op].lower = reduce.lower_reduce
+OPS["matmul"].lower = matmul.lower_matmul
+OPS["concat"].lower = layout.lower_concat
+OPS["slice_grad"].lower = layout.lower_slice_grad
+
+
+def render(kernel):
+    return RENDER[kernel.archetype](kernel)
+
+
+def has_kernel(op: str) -> bool:
+    """Ops the GPU runs directly (everything else is decomposed first)."""
+    od = OPS[op]
+    return od.lower is not None or "wgsl" in od.extra or od.extra.get("layout", False)

@@ -1,0 +1,101 @@
+"""Pieces every WGSL archetype shares: bindings, literals, index maths, launch sizes."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+WG = 256                     # threads per workgroup for 1-D kernels
+MAX_GROUPS = 65535           # per dispatch dimension
+
+
+def literal(value, dtype) -> str:
+    """A WGSL literal of ``dtype`` (infinities and NaN as bit patterns)."""
+    if dtype.name == "f32":
+        v = float(value)
+        if math.isnan(v):
+            return "bitcast<f32>(0x7fc00000u)"
+        if math.isinf(v):
+            return "bitcast<f32>(0x7f800000u)" if v > 0 else "bitcast<f32>(0xff800000u)"
+        return repr(float(np.float32(v)))
+    if dtype.name == "f16":
+        return f"{float(value)!r}h"
+    if dtype.name == "i32":
+        return f"{int(value)}i"
+    return f"{int(value)}u"
+
+
+class Bindings:
+    """Distinct logical buffers a kernel touches, numbered in order of first use."""
+
+    def __init__(self):
+        self.bufs, self.types = [], []
+
+    def index(self, buf, dtype) -> int:
+        for k, b in enumerate(self.bufs):
+            if b is buf and self.types[k] == dtype.wgsl:
+                return k
+        self.bufs.append(buf)
+        self.types.append(dtype.wgsl)
+        return len(self.bufs) - 1
+
+    def decls(self) -> str:
+        return "\n".join(f"@group(0) @binding({k}) var<storage, read_write> b{k}: array<{ty}>;"
+                         for k, ty in enumerate(self.types))
+
+
+def grid(n_groups: int) -> tuple[int, int, int]:
+    """Workgroup counts for ``n_groups`` groups, folded into 2-D past the per-dimension cap."""
+    n_groups = max(1, int(n_groups))
+    if n_groups <= MAX_GROUPS:
+        return (n_groups, 1, 1)
+    y = -(-n_groups // MAX_GROUPS)
+    return (-(-n_groups // y), y, 1)
+
+
+GROUP_INDEX = "wid.x + wid.y * nwg.x"   # linear workgroup index under ``grid``
+
+ENTRY = ("@compute @workgroup_size({wg})\n"
+         "fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) lid: u32, "
+         "@builtin(num_workgroups) nwg: vec3<u32>) {{\n")
+
+
+def coords(var: str, shape, prefix="c") -> list[str]:
+    """WGSL lines splitting flat index ``var`` into coordinates ``c0..`` of ``shape``."""
+    if not shape:
+        return []
+    lines, r = [f"    var {prefix}r = {var};"], len(shape)
+    for d in range(r - 1, 0, -1):
+        lines.append(f"    let {prefix}{d} = {prefix}r % {shape[d]}u; {prefix}r = {prefix}r / {shape[d]}u;")
+    lines.append(f"    let {prefix}0 = {prefix}r;")
+    return lines
+
+
+def offset_expr(offset, strides, prefix="c", dims=None) -> str:
+    """``offset + sum(c_d * stride_d)`` over dims with non-zero stride."""
+    dims = range(len(strides)) if dims is None else dims
+    terms = [str(offset) + "u"] if offset else []
+    terms += [f"{prefix}{d}" if strides[i] == 1 else f"{prefix}{d} * {strides[i]}u"
+              for i, d in zip(range(len(strides)), dims) if strides[i] != 0]
+    return " + ".join(terms) if terms else "0u"
+
+
+def broadcast_view_strides(view, out_shape):
+    """Strides that read ``view`` (right-aligned, size-1 dims broadcast) at ``out_shape`` coords."""
+    lead = len(out_shape) - len(view.shape)
+    st = [0] * lead
+    for n, m, s in zip(view.shape, out_shape[lead:], view.strides):
+        st.append(0 if n == 1 and m != 1 else s)
+    return st
+
+
+def contiguous_batch_strides(shape, batch, mat_size):
+    """Per batch-dim element strides of a dense operand with batch dims ``shape``, read at
+    the broadcast ``batch`` coordinates (0 where the operand is broadcast)."""
+    lead = len(batch) - len(shape)
+    st, acc = [0] * len(batch), mat_size
+    for d in range(len(batch) - 1, lead - 1, -1):
+        n = shape[d - lead]
+        st[d] = 0 if n == 1 else acc
+        acc *= n
+    return st

@@ -1,0 +1,58 @@
+"""The row-reduction archetype: sum / mean / max of a strided view over any set of axes.
+
+Short rows: one thread per output. Long rows: one workgroup per output, threads stride
+over the row and combine through workgroup memory.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from ..schedule import Kernel
+from .common import ENTRY, GROUP_INDEX, WG, Bindings, coords, grid, literal
+
+INIT = {"sum": "0.0", "mean": "0.0", "max": "bitcast<f32>(0xff800000u)"}
+COMBINE = {"sum": "{a} + {b}", "mean": "{a} + {b}", "max": "max({a}, {b})"}
+
+
+def lower_reduce(t, ins, out, materialize):
+    kind = {"reduce_sum": "sum", "reduce_mean": "mean", "reduce_max": "max"}[t.op]
+    return [Kernel(t.op, "reduce", {"kind": kind, "dims": tuple(t.attrs["dims"])}, out, [ins[0]])]
+
+
+def render(kernel):
+    v, out, spec = kernel.reads[0], kernel.out, kernel.spec
+    dims, kind = spec["dims"], spec["kind"]
+    kept = [d for d in range(len(v.shape)) if d not in dims]
+    kshape, rshape = [v.shape[d] for d in kept], [v.shape[d] for d in dims]
+    n_out, r = int(np.prod(kshape, dtype=np.int64)), int(np.prod(rshape, dtype=np.int64))
+    dt = v.dtype
+    if not dt.is_float:
+        INIT_T = {"sum": literal(0, dt), "mean": literal(0, dt), "max": literal(-2**31 if dt.name == "i32" else 0, dt)}
+    else:
+        INIT_T = INIT
+    b = Bindings()
+    ob, ib = b.index(out.buf, out.dtype), b.index(v.buf, v.dtype)
+    base = " + ".join([str(v.offset) + "u"] + [f"k{i} * {v.strides[d]}u" for i, d in enumerate(kept)])
+    step = " + ".join(["0u"] + [f"r{i} * {v.strides[d]}u" for i, d in enumerate(dims)])
+    comb = COMBINE[kind]
+    fin = "acc" if kind != "mean" else f"acc * {literal(1.0 / max(r, 1), dt)}"
+    rows = coords("o", kshape, prefix="k")
+    inner = coords("j", rshape, prefix="r")
+    body_read = "\n".join("    " + ln for ln in inner) + f"\n        acc = {comb.format(a='acc', b=f'b{ib}[base + {step}]')};"
+    if r < 64 or n_out >= 4096:
+        src = b.decls() + "\n\n" + ENTRY.format(wg=WG) + \
+            f"    let o = ({GROUP_INDEX}) * {WG}u + lid;\n    if (o >= {n_out}u) {{ return; }}\n" + \
+            "\n".join(rows) + f"\n    let base = {base};\n    var acc = {INIT_T[kind]};\n" + \
+            f"    for (var j = 0u; j < {r}u; j = j + 1u) {{\n{body_read}\n    }}\n" + \
+            f"    b{ob}[{out.offset}u + o] = {fin};\n}}\n"
+        return src, b.bufs, grid(-(-n_out // WG))
+    src = b.decls() + f"\nvar<workgroup> part: array<{dt.wgsl}, {WG}>;\n\n" + ENTRY.format(wg=WG) + \
+        f"    let o = {GROUP_INDEX};\n    if (o >= {n_out}u) {{ return; }}\n" + \
+        "\n".join(rows) + f"\n    let base = {base};\n    var acc = {INIT_T[kind]};\n" + \
+        f"    for (var j = lid; j < {r}u; j = j + {WG}u) {{\n{body_read}\n    }}\n" + \
+        "    part[lid] = acc;\n    workgroupBarrier();\n" + \
+        f"    for (var s = {WG // 2}u; s > 0u; s = s >> 1u) {{\n" + \
+        f"        if (lid < s) {{ part[lid] = {comb.format(a='part[lid]', b='part[lid + s]')}; }}\n" + \
+        "        workgroupBarrier();\n    }\n" + \
+        f"    if (lid == 0u) {{ let acc2 = part[0]; b{ob}[{out.offset}u + o] = {fin.replace('acc', 'acc2')}; }}\n}}\n"
+    return src, b.bufs, grid(n_out)

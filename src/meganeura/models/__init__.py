@@ -1,0 +1,1 @@
+"""Model builders (graph + parameter names matching their PyTorch references)."""

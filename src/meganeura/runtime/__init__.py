@@ -1,0 +1,54 @@
+"""Low-level GPU runtime: device, pipelines, one-pass step recording, profiling."""
+
+from .device import Device, Pipeline, get_device, enumerate_adapters, adapter_summary, \
+    is_software_adapter
+from .recorder import PreparedStep, StepRecorder
+from .profiler import format_kernel_table, kernel_table, write_chrome_trace
+
+__all__ = [
+    "Device", "Pipeline", "get_device", "StepRecorder", "PreparedStep",
+    "write_chrome_trace", "kernel_table", "format_kernel_table", "describe",
+]
+
+_KEY_LIMITS = (
+    "max-storage-buffer-binding-size",
+    "max-buffer-size",
+    "max-compute-workgroup-storage-size",
+    "max-compute-invocations-per-workgroup",
+    "max-compute-workgroup-size-x",
+    "max-compute-workgroup-size-y",
+    "max-compute-workgroup-size-z",
+    "max-compute-workgroups-per-dimension",
+    "max-storage-buffers-per-shader-stage",
+    "max-bind-groups",
+    "max-immediate-size",
+)
+
+
+def describe(device=None) -> str:
+    """Adapters, the chosen one, its features and key limits (for `meganeura info`)."""
+    import wgpu
+
+    dev = get_device() if device is None else device
+    lines = [f"wgpu-py {wgpu.__version__}", "adapters:"]
+    for i, a in enumerate(enumerate_adapters()):
+        s = adapter_summary(a)
+        mark = "*" if a is dev.adapter else " "
+        soft = " (software/CPU)" if is_software_adapter(a) else ""
+        lines.append(f" {mark}[{i}] {s['name']} | {s['backend']} | {s['type']}{soft}")
+    kind = "a SOFTWARE/CPU adapter (timings are not GPU performance)" if dev.is_software \
+        else "a hardware GPU"
+    lines.append(f"chosen: {dev.name} ({dev.adapter_info['backend']}), {kind}")
+    lines.append(f"  driver: {dev.adapter_info.get('description', '')}")
+    mode = "trusted (no runtime bounds checks)" if dev.trusted else "checked"
+    lines.append(f"  shader modules: {mode}")
+    if dev.trusted_unavailable_reason:
+        lines.append(f"  trusted unavailable: {dev.trusted_unavailable_reason}")
+    lines.append(f"  disk pipeline cache: {'on' if dev.disk_pipeline_cache else 'off'}"
+                 f" ({dev.pipeline_cache_reason})")
+    lines.append("  features: " + ", ".join(sorted(dev.features)))
+    lines.append("  limits:")
+    for k in _KEY_LIMITS:
+        if k in dev.limits:
+            lines.append(f"    {k}: {dev.limits[k]}")
+    return "\n".join(lines)

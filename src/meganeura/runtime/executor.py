@@ -1,0 +1,142 @@
+"""The ``gpu`` backend: compiles a Program into plans (kernels, buffers, bind groups) and
+runs each step as one command encoder, one compute pass and one submit.
+
+A plan exists per kind of call (inference; forward+backward; training step); they share
+the persistent buffers of inputs, parameters and optimizer state by name.
+"""
+from __future__ import annotations
+
+import os
+import time
+
+import numpy as np
+
+from .. import codegen
+from ..memplan import plan_memory
+from ..passes import lower_to_primitives
+from ..schedule import build_schedule
+from .device import get_device
+from .profiler import write_chrome_trace
+from .recorder import StepRecorder
+
+
+def _round4(n):
+    return max(4, (int(n) + 3) // 4 * 4)
+
+
+class Plan:
+    """Everything one kind of call needs, built once."""
+
+    def __init__(self, ex, targets, n_fetch, grad_names, updates):
+        dev = ex.dev
+        t0 = time.perf_counter()
+        g2, new_targets = lower_to_primitives(targets, keep=codegen.has_kernel)
+        max_b = int(dev.limits.get("max-storage-buffers-per-shader-stage", 8))
+        sched = build_schedule(g2, new_targets, max_bindings=max_b)
+        rendered = []
+        for k in sched.kernels:
+            if k.out.size == 0:
+                continue
+            wgsl, bufs, wg = codegen.render(k)
+            rendered.append((k, wgsl, bufs, wg))
+        self.memory = plan_memory([([k.out.buf], bufs) for k, _, bufs, _ in rendered], sched.bufs)
+        slots = [dev.create_buffer(n, label=f"slot{i}") for i, n in enumerate(self.memory.slot_sizes)]
+        phys = {}
+        for b in sched.bufs:
+            if b.kind in ("input", "parameter", "state"):
+                phys[b] = ex.named_buffer(b.name, b.nbytes)
+            elif b.kind == "constant":
+                phys[b] = dev.create_buffer(b.nbytes, label=b.name)
+                dev.upload(phys[b], b.value)
+            elif b.kind == "target":
+                phys[b] = dev.create_buffer(b.nbytes, label=b.name)
+            elif b in self.memory.slot_of:
+                phys[b] = slots[self.memory.slot_of[b]]
+        dispatches, names = [], []
+        for k, wgsl, bufs, wg in rendered:
+            pipe = dev.pipeline(wgsl, access=len(bufs), label=k.name)
+            dispatches.append((pipe, dev.bind_group(pipe, [phys[b] for b in bufs]), wg))
+            names.append(k.name)
+        self.names = names
+        self.n_dispatches = len(dispatches)
+        self.step = ex.recorder.prepare(dispatches, names)
+        # where each target's value lives: (buffer, byte offset, nbytes, dtype, shape)
+        locs = []
+        for t in new_targets:
+            v = sched.values.get(t.id)
+            if v is None:
+                raise RuntimeError(f"target {t.name!r} has no value")
+            if not v.is_contiguous():
+                raise RuntimeError(f"target {t.name!r} is a strided view")
+            locs.append((phys[v.buf], v.offset * t.dtype.np.itemsize, t.size * t.dtype.np.itemsize, t.dtype.np, t.shape))
+        self.fetch_locs = locs[:n_fetch]
+        self.grad_locs = dict(zip(grad_names, locs[n_fetch:n_fetch + len(grad_names)]))
+        self.copies_after = []
+        for (name, _), (buf, off, n, _, _) in zip(updates, locs[n_fetch + len(grad_names):]):
+            dst = ex.named_buffer(name, n)
+            if dst is not buf:
+                self.copies_after.append((buf, off, dst, 0, _round4(n)))
+        self.staging = [dev.create_buffer(_round4(n), "staging", label="fetch") for _, _, n, _, _ in self.fetch_locs]
+        self.copies_after += [(buf, off, st, 0, _round4(n)) for (buf, off, n, _, _), st in zip(self.fetch_locs, self.staging)]
+        self.compile_seconds = time.perf_counter() - t0
+
+
+class GpuExecutor:
+    def __init__(self, program, values: dict, precision="strict"):
+        self.dev = get_device()
+        self.recorder = StepRecorder(self.dev)
+        self.program, self.values, self.precision = program, values, precision
+        self.buffers: dict = {}
+        self.plans: dict = {}
+        self.last_plan = None
+        self._dtypes = {t.name: t for t in program.graph.nodes if t.op in ("input", "parameter", "state")}
+        for name, arr in values.items():
+            self.set_value(name, arr)
+
+    # --------------------------------------------------------------- buffers
+    def named_buffer(self, name, nbytes):
+        b = self.buffers.get(name)
+        if b is None:
+            b = self.dev.create_buffer(nbytes, label=name)
+            self.buffers[name] = b
+        return b
+
+    def set_value(self, name, arr):
+        arr = np.asarray(arr, dtype=self._dtypes[name].dtype.np, order="C")
+        self.dev.upload(self.named_buffer(name, arr.nbytes), arr)
+
+    def get_value(self, name):
+        t = self._dtypes[name]
+        n = t.size * t.dtype.np.itemsize
+        return self.dev.readback(self.named_buffer(name, n), n, t.dtype.np, t.shape)
+
+    def last_grads(self):
+        if self.last_plan is None or not self.last_plan.grad_locs:
+            raise RuntimeError("grads: run step() or compute_grads() first")
+        return {n: self.dev.readback(buf, nb, dt, shape, offset=off)
+                for n, (buf, off, nb, dt, shape) in self.last_plan.grad_locs.items()}
+
+    # ------------------------------------------------------------------ plans
+    def plan(self, update: bool, with_grads: bool) -> Plan:
+        key = (update, with_grads)
+        if key not in self.plans:
+            p = self.program
+            grad_names = list(p.grads) if with_grads else []
+            upd = [(t.name, v) for t, v in p.updates.items()] if update else []
+            targets = p.fetches + [p.grads[n] for n in grad_names] + [v for _, v in upd]
+            self.plans[key] = Plan(self, targets, len(p.fetches), grad_names, upd)
+        return self.plans[key]
+
+    def execute(self, feeds: dict, update: bool, with_grads: bool = False):
+        plan = self.plan(update, with_grads)
+        for name, arr in feeds.items():
+            self.set_value(name, arr)
+        trace = os.environ.get("MEGANEURA_TRACE")
+        if trace:
+            ts = self.recorder.run(plan.step, copies_after=plan.copies_after, timestamps=True)
+            write_chrome_trace(trace, plan.names, ts)
+        else:
+            self.recorder.run(plan.step, copies_after=plan.copies_after)
+        self.last_plan = plan if with_grads else self.last_plan
+        return [self.dev.read_staging(st, nb, dt, shape)
+                for st, (_, _, nb, dt, shape) in zip(plan.staging, plan.fetch_locs)]

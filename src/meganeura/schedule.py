@@ -1,0 +1,222 @@
+"""Graph -> ordered kernel launches, each of one archetype.
+
+Values live in logical buffers (``Buf``); layout ops (reshape, permute, slice,
+broadcast_to) become strided ``View``s of their input's buffer instead of kernels, and
+are folded into whatever kernel reads them. Chains of elementwise ops whose intermediates
+have a single consumer (and the same shape) fuse into one pointwise kernel.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .graph import Tensor
+from .ops.registry import OPS
+from .reference import needed_nodes
+
+
+@dataclass(eq=False)
+class Buf:
+    """A logical device buffer; the memory planner maps intermediates onto shared ones."""
+    nbytes: int
+    kind: str                       # input | parameter | state | constant | target | temp
+    name: str
+    dtype: object = None
+    value: np.ndarray | None = None  # constants' contents
+
+    def __repr__(self):
+        return f"Buf({self.kind}:{self.name}, {self.nbytes}B)"
+
+
+@dataclass(eq=False)
+class View:
+    buf: Buf
+    shape: tuple
+    strides: tuple
+    offset: int
+    dtype: object
+
+    @staticmethod
+    def contiguous(buf, shape, dtype, offset=0):
+        return View(buf, tuple(shape), contiguous_strides(shape), offset, dtype)
+
+    @property
+    def size(self):
+        return int(np.prod(self.shape, dtype=np.int64))
+
+    def is_contiguous(self):
+        return all(st == cs for st, cs, n in zip(self.strides, contiguous_strides(self.shape), self.shape) if n != 1)
+
+
+def contiguous_strides(shape):
+    out, acc = [], 1
+    for n in reversed(shape):
+        out.append(acc)
+        acc *= n
+    return tuple(reversed(out))
+
+
+@dataclass(eq=False)
+class Kernel:
+    name: str                  # the ops it runs, for traces
+    archetype: str
+    spec: dict                 # what the codegen of that archetype needs
+    out: View
+    reads: list = field(default_factory=list)  # Views read
+
+
+# ------------------------------------------------------------------------ view algebra
+def view_op(t: Tensor, v: View) -> View | None:
+    """The view that layout op ``t`` makes of its input's view, or None if not a view."""
+    a = t.attrs
+    if t.op == "reshape":
+        if not v.is_contiguous():
+            return None
+        return View.contiguous(v.buf, t.shape, v.dtype, v.offset)
+    if t.op == "permute":
+        return View(v.buf, t.shape, tuple(v.strides[d] for d in a["dims"]), v.offset, v.dtype)
+    if t.op == "slice":
+        off = v.offset + sum(s * st for s, st in zip(a["starts"], v.strides))
+        return View(v.buf, t.shape, tuple(st * k for st, k in zip(v.strides, a["steps"])), off, v.dtype)
+    if t.op == "broadcast_to":
+        lead = len(t.shape) - len(v.shape)
+        strides = [0] * lead + [0 if (n == 1 and m != 1) else st
+                                for n, m, st in zip(v.shape, t.shape[lead:], v.strides)]
+        return View(v.buf, t.shape, tuple(strides), v.offset, v.dtype)
+    return None
+
+
+VIEW_OPS = ("reshape", "permute", "slice", "broadcast_to")
+
+
+def is_pointwise(op):
+    return "wgsl" in OPS[op].extra and op not in VIEW_OPS
+
+
+# -------------------------------------------------------------------------- schedule
+class Schedule:
+    def __init__(self, kernels, values, bufs, targets):
+        self.kernels = kernels      # list[Kernel] in launch order
+        self.values = values        # tensor id -> View (every materialised or viewed value)
+        self.bufs = bufs            # every logical Buf
+        self.targets = targets
+
+
+def build_schedule(graph, targets: list[Tensor], target_kinds=None, max_bindings=8) -> Schedule:
+    """Kernels computing ``targets`` (tensors of ``graph``, already lowered to primitives)."""
+    nodes = needed_nodes(targets)
+    consumers: dict[int, list[Tensor]] = {t.id: [] for t in nodes}
+    for t in nodes:
+        for i in t.inputs:
+            consumers[i.id].append(t)
+    target_ids = {t.id for t in targets}
+    values: dict[int, View] = {}
+    bufs: list[Buf] = []
+    kernels: list[Kernel] = []
+
+    def new_buf(t, kind):
+        b = Buf(max(4, t.size * t.dtype.np.itemsize), kind, t.name, t.dtype)
+        bufs.append(b)
+        return b
+
+    # which elementwise nodes are inlined into their consumer's pointwise kernel
+    def fusible(t):
+        if t.id in target_ids or not is_pointwise(t.op):
+            return False
+        cs = consumers[t.id]
+        return len(cs) == 1 and is_pointwise(cs[0].op) and cs[0].shape == t.shape
+
+    for t in nodes:
+        if t.op in ("input", "parameter", "state"):
+            values[t.id] = View.contiguous(new_buf(t, t.op), t.shape, t.dtype)
+            continue
+        if t.op == "constant":
+            if t.size == 1 and t.id not in target_ids:
+                continue                      # scalars are inlined as literals
+            b = new_buf(t, "constant")
+            b.value = t.attrs["value"]
+            values[t.id] = View.contiguous(b, t.shape, t.dtype)
+            continue
+        kind = "target" if t.id in target_ids else "temp"
+        if t.op in VIEW_OPS and t.id not in target_ids:
+            src = t.inputs[0]
+            if src.id in values:
+                v = view_op(t, values[src.id])
+                if v is not None:
+                    values[t.id] = v
+                    continue
+        if is_pointwise(t.op) or t.op in VIEW_OPS:
+            if fusible(t):
+                continue                      # emitted inside its consumer
+            kernels.append(_pointwise_kernel(t, values, new_buf(t, kind), fusible, max_bindings))
+            values[t.id] = kernels[-1].out
+            continue
+        lower = OPS[t.op].lower
+        if lower is None:
+            raise NotImplementedError(f"no GPU kernel for op {t.op!r}")
+        out = View.contiguous(new_buf(t, kind), t.shape, t.dtype)
+        mat = lambda v, tt: _materialize(v, tt, kernels, new_buf)  # noqa: E731
+        ins = [mat(v, i) if isinstance(v, tuple) else v for v, i in ((_read(values, i), i) for i in t.inputs)]
+        for k in lower(t, ins, out, materialize=mat):
+            kernels.append(k)
+        values[t.id] = out
+    return Schedule(kernels, values, bufs, targets)
+
+
+def _read(values, t):
+    if t.id in values:
+        return values[t.id]
+    if t.op == "constant":          # an inlined scalar read by a non-pointwise kernel
+        return ("scalar", t)
+    raise RuntimeError(f"value of {t.name!r} ({t.op}) was not computed")
+
+
+def _materialize(v, t, kernels, new_buf):
+    """A contiguous copy of a strided view (for kernels that need dense operands)."""
+    if isinstance(v, View) and v.is_contiguous():
+        return v
+    out = View.contiguous(new_buf(t, "temp"), t.shape, t.dtype)
+    if isinstance(v, tuple):
+        expr = ("const", v[1])
+        reads = []
+    else:
+        expr, reads = ("leaf", 0), [v]
+    kernels.append(Kernel("copy", "pointwise", {"expr": expr, "dtype": t.dtype}, out, reads))
+    return out
+
+
+def _pointwise_kernel(t, values, buf, fusible, max_bindings) -> Kernel:
+    """One kernel evaluating ``t`` and every fusible elementwise producer inlined into it."""
+    leaves: list[View] = []
+    leaf_index: dict[int, int] = {}
+    names = []
+
+    def expr_of(x: Tensor):
+        if x.op == "constant" and x.size == 1 and x.id not in values:
+            return ("const", x)
+        if x.id not in values and fusible(x) and len({id(l.buf) for l in leaves}) < max_bindings - 2:
+            names.append(x.op)
+            return ("op", x, [expr_of(i) for i in x.inputs])
+        if x.id not in values:
+            raise RuntimeError(f"value of {x.name!r} ({x.op}) was not computed")
+        if x.id not in leaf_index:
+            leaf_index[x.id] = len(leaves)
+            leaves.append(values[x.id])
+        return ("leaf", leaf_index[x.id])
+
+    if t.op in VIEW_OPS:           # a layout op that is not a view: copy through its view
+        src = values[t.inputs[0].id]
+        tmp = view_op(t, View.contiguous(src.buf, src.shape, src.dtype, 0)) if src.is_contiguous() else None
+        if tmp is None:
+            # reshape of a strided view: read the source in its own logical order
+            leaves.append(src)
+            out = View.contiguous(buf, t.shape, t.dtype)
+            return Kernel(t.op, "pointwise", {"expr": ("leaf", 0), "dtype": t.dtype, "flat_leaf": True}, out, leaves)
+        leaves.append(view_op(t, src))
+        return Kernel(t.op, "pointwise", {"expr": ("leaf", 0), "dtype": t.dtype},
+                      View.contiguous(buf, t.shape, t.dtype), leaves)
+    names.append(t.op)
+    expr = ("op", t, [expr_of(i) for i in t.inputs])
+    out = View.contiguous(buf, t.shape, t.dtype)
+    return Kernel("+".join(reversed(names)), "pointwise", {"expr": expr, "dtype": t.dtype}, out, leaves)
