@@ -230,3 +230,29 @@ def test_f16_conv_runs():
     out, = evaluate(g, [y], feeds)
     ref = F.conv2d(torch.tensor(feeds["x"]), torch.tensor(feeds["w"]), padding=1).numpy()
     np.testing.assert_allclose(out, ref, rtol=2e-2, atol=2e-2)
+
+
+def test_primitive_index_formulas():
+    """The per-element formulas documented on im2col and col2im (what a GPU kernel computes)
+    agree with the vectorised references."""
+    kh, kw, sh, sw, dh, dw, pt, pb, pl, pr, fill = 2, 3, 2, 1, 1, 2, 1, 0, 2, 1, -7.0
+    n, c, h, w = 1, 2, 5, 4
+    attrs = dict(kernel=(kh, kw), stride=(sh, sw), padding=((pt, pb), (pl, pr)), dilation=(dh, dw))
+    ho, wo = (h + pt + pb - dh * (kh - 1) - 1) // sh + 1, (w + pl + pr - dw * (kw - 1) - 1) // sw + 1
+    x = np.random.default_rng(8).standard_normal((n, c, h, w))
+    cols = OPS["im2col"].ref(x, fill=fill, **attrs)
+    assert cols.shape == (n, c * kh * kw, ho * wo)
+    for (b, r, l), v in np.ndenumerate(cols):
+        ci, i, j, oh, ow = r // (kh * kw), r // kw % kh, r % kw, l // wo, l % wo
+        y, z = oh * sh - pt + i * dh, ow * sw - pl + j * dw
+        assert v == (x[b, ci, y, z] if 0 <= y < h and 0 <= z < w else fill)
+    back = OPS["col2im"].ref(cols, size=(h, w), **attrs)
+    for (b, ci, y, z), v in np.ndenumerate(back):
+        acc = 0.0
+        for i in range(kh):
+            for j in range(kw):
+                qh, qw = y + pt - i * dh, z + pl - j * dw
+                if qh % sh or qw % sw or not (0 <= qh // sh < ho and 0 <= qw // sw < wo):
+                    continue
+                acc += cols[b, (ci * kh + i) * kw + j, (qh // sh) * wo + qw // sw]
+        assert np.isclose(v, acc, rtol=1e-12, atol=1e-12)

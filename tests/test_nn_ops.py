@@ -37,7 +37,7 @@ def test_decompose_matches_reference(sample):
         assert not any(_composite(t) for t in needed_nodes([d]) if t.id >= first_new), y.op
         for compute in (np.float32, np.float64):
             a, b = evaluate(g, [y, d], {k: v for k, v in feeds.items() if k in g.inputs}, compute=compute)
-            tol = 1e-5 if compute is np.float32 else 1e-12
+            tol = 1e-5 if compute is np.float32 else 1e-7  # graph constants stay f32 in f64 runs
             np.testing.assert_allclose(b, a, rtol=tol, atol=tol, err_msg=f"{sample.name}: {y.op} ({y.name})")
 
 

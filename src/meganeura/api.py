@@ -93,7 +93,11 @@ class Session:
                 updates = optimizer.build(params, gs)
         fetches = self.outputs + ([loss] if loss is not None else [])
         self.program = Program(graph, fetches, updates, grads)
+        from .reference import needed_nodes
+        used = {t.id for t in needed_nodes(fetches + list(grads.values()) + list(updates.values()))}
+        # every input the program reads must be fed; inputs it never reads may be omitted
         self.feeds = {n: t for n, t in graph.inputs.items() if not n.startswith(SCALAR_PREFIX)}
+        self.required = {n for n, t in self.feeds.items() if t.id in used}
         self.values = {t.name: default_init(t, seed) if t.op == "parameter" else
                        np.full(t.shape, t.attrs["init"], t.dtype.np) if not isinstance(t.attrs["init"], np.ndarray)
                        else t.attrs["init"].astype(t.dtype.np) for t in self.program.kept}
@@ -143,7 +147,7 @@ class Session:
         unknown = [n for n in feeds if n not in self.feeds]
         if unknown:
             raise KeyError(f"unknown input(s) {unknown}; this graph's inputs are {sorted(self.feeds)}")
-        missing = [n for n in self.feeds if n not in feeds]
+        missing = [n for n in self.feeds if n not in feeds and n in self.required]
         if missing:
             raise KeyError(f"missing feed(s) {missing}: every input must be fed "
                            + ", ".join(f"{n} {fmt_shape(self.feeds[n].shape)} {self.feeds[n].dtype.name}" for n in missing))

@@ -74,7 +74,7 @@ class NumpyExecutor:
         grad_names = list(p.grads) if with_grads else []
         upd = list(p.updates.items()) if update else []
         targets = p.fetches + [p.grads[n] for n in grad_names] + [v for _, v in upd]
-        vals = evaluate(p.graph, targets, {**self.values, **feeds})
+        vals = evaluate(p.graph, targets, {**self.values, **feeds}) if targets else []
         nf, ng = len(p.fetches), len(grad_names)
         if with_grads:
             self.grads = {n: v.astype(p.grads[n].dtype.np) for n, v in zip(grad_names, vals[nf:nf + ng])}

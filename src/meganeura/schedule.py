@@ -132,8 +132,8 @@ def build_schedule(graph, targets: list[Tensor], target_kinds=None, max_bindings
             values[t.id] = View.contiguous(new_buf(t, t.op), t.shape, t.dtype)
             continue
         if t.op == "constant":
-            if t.size == 1 and t.id not in target_ids:
-                continue                      # scalars are inlined as literals
+            if t.size == 1 and t.id not in target_ids and all(is_pointwise(c.op) for c in consumers[t.id]):
+                continue                      # scalars read only by pointwise kernels are literals
             b = new_buf(t, "constant")
             b.value = t.attrs["value"]
             values[t.id] = View.contiguous(b, t.shape, t.dtype)

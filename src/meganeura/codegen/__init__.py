@@ -2,15 +2,18 @@
 (WGSL text, bound logical buffers in binding order, workgroup counts). Importing this
 package attaches the lowerings to the op registry records."""
 from ..ops.registry import OPS
-from . import layout, matmul, pointwise, reduce
+from . import gather, layout, matmul, pointwise, reduce
 
-RENDER = {"pointwise": pointwise.render, "reduce": reduce.render, "matmul": matmul.render}
+RENDER = {"pointwise": pointwise.render, "reduce": reduce.render, "matmul": matmul.render,
+          "gather": gather.render}
 
 for _op in ("reduce_sum", "reduce_mean", "reduce_max"):
     OPS[_op].lower = reduce.lower_reduce
 OPS["matmul"].lower = matmul.lower_matmul
 OPS["concat"].lower = layout.lower_concat
 OPS["slice_grad"].lower = layout.lower_slice_grad
+for _op, _lower in gather.LOWER.items():
+    OPS[_op].lower = _lower
 
 
 def render(kernel):

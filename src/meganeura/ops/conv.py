@@ -104,7 +104,8 @@ def _unbatched(x, fn):
 # ---------------------------------------------------------------------- im2col / col2im
 # im2col (primitive): x (N, C, H, W) -> cols (N, C*kh*kw, Hout*Wout), torch.unfold's layout.
 # Output element [n, (c*kh + i)*kw + j, oh*Wout + ow] reads x[n, c, oh*sh - top + i*dh, ow*sw - left + j*dw],
-# or is ``fill`` when that lies in the padding (0 for convolutions, -inf for max pooling).
+# or is ``fill`` when that lies in the padding (0 for convolutions, -inf for max pooling; WGSL has no
+# inf literal, so a kernel spells it as bitcast<f32>(0xff800000u)).
 def _im2col_infer(ins, kernel, stride, padding, dilation, fill):
     x = ins[0]
     require_float("im2col", x)
@@ -417,7 +418,7 @@ def _max_pool_grad_ref(x, ct, kernel, stride, padding, dilation):
 
 def _first_max_mask(x, kernel, stride, padding, dilation):
     """u32 (N, C, kh*kw, L): 1 at the first maximum of each pooling window."""
-    from . import amax, eq, neg, reshape, where
+    from . import amax, eq, reshape, where
     n, c = x.shape[:2]
     k = kernel[0] * kernel[1]
     cols = reshape(_im2col(x, kernel, stride, padding, dilation, fill=-math.inf), (n, c, k, -1))

@@ -2,8 +2,8 @@
 
 Composite ops (softmax, log_softmax, cross_entropy, layer_norm, rms_norm, group_norm,
 batch_norm in training mode, rope) are single nodes with a fused NumPy reference and a
-VJP written in primitive ops; each carries ``decompose``, which rebuilds it from
-primitives for the GPU backend. mse_loss, batch_norm in eval mode and batch_norm_stats
+VJP written in primitive ops (rope's is rope by the opposite angle); each carries
+``decompose``, which rebuilds it from primitives for the GPU backend. mse_loss, batch_norm in eval mode and batch_norm_stats
 are plain compositions of primitives and add no op.
 
 New primitives (simple index kernels):
@@ -12,9 +12,9 @@ New primitives (simple index kernels):
 - ``one_hot``: out[p..., c] = 1 if labels[p...] == c else 0 (out-of-range labels give a zero row)
 
 Indices cannot be checked when the graph is built. The NumPy reference raises on an
-out-of-range id or label (as PyTorch does); a GPU kernel gives a zero row for an
-out-of-range embedding id, drops it from embedding_grad, and treats an out-of-range
-cross_entropy label as an ignored row.
+out-of-range id or label (as PyTorch does); a GPU kernel does not check: embedding's row
+for such an id is unspecified, embedding_grad drops it, and cross_entropy counts such a
+label as an ignored row (its one_hot row is zero).
 """
 from __future__ import annotations
 
