@@ -57,32 +57,52 @@ def check_array(kind, t: Tensor, value) -> np.ndarray:
 
 
 class Program:
-    """What a backend compiles: the graph, what is fed, kept, fetched and updated."""
+    """What a backend compiles: the graph and, per phase, what is fetched and updated.
 
-    def __init__(self, graph: Graph, fetches: list[Tensor], updates: dict, grads: dict):
+    Phases: "run" (inference; applies ``state_updates`` such as a KV cache), "grads"
+    (forward + backward), "step" (forward + backward + optimizer update) and "micro"
+    (a gradient-accumulation step that only adds into the accumulators)."""
+
+    def __init__(self, graph: Graph, fetches: list[Tensor], grads: dict, updates: dict):
         self.graph = graph
-        self.fetches = fetches          # tensors read back by run/step, in order
-        self.updates = updates          # {state/parameter tensor: new value tensor}
+        self.fetches = fetches          # tensors read back, in order
         self.grads = grads              # {parameter name: gradient tensor}
-        kept = list(graph.parameters.values()) + list(graph.states.values())
-        self.kept = kept
+        self.updates = updates          # {phase: {state/parameter tensor: new value tensor}}
+        self.kept = list(graph.parameters.values()) + list(graph.states.values())
+
+    def targets(self, phase):
+        """(fetches, gradient names, [(kept name, new value)]) computed by ``phase``."""
+        grad_names = list(self.grads) if phase in ("grads", "step", "micro") else []
+        upd = [(t.name, v) for t, v in self.updates.get(phase, {}).items()]
+        return self.fetches, grad_names, upd
 
 
 class Session:
     """A compiled graph on one backend. See ``mg.compile``."""
 
-    def __init__(self, graph, outputs, loss, optimizer, backend, precision, seed):
+    def __init__(self, graph, outputs, loss, optimizer, backend, precision, seed, accumulate=1, state_updates=None):
         if backend not in BACKENDS:
             raise ValueError(f"unknown backend {backend!r}; choose one of {BACKENDS}")
         if precision not in PRECISIONS:
             raise ValueError(f"unknown precision {precision!r}; choose one of {PRECISIONS}")
+        if int(accumulate) < 1:
+            raise ValueError(f"accumulate must be >= 1, got {accumulate}")
         self.graph, self.backend, self.precision, self.seed = graph, backend, precision, seed
         self.outputs = list(outputs or [])
         self.loss, self.optimizer, self.steps_done = loss, optimizer, 0
+        self.accumulate, self.micro_done = int(accumulate), 0
         for t in self.outputs + ([loss] if loss is not None else []):
             if not isinstance(t, Tensor) or t.graph is not graph:
                 raise ValueError(f"{t!r} is not a tensor of this graph")
-        grads, updates = {}, {}
+        updates = {"run": {}}
+        for st, v in (state_updates or {}).items():
+            if st.op != "state" or st.graph is not graph:
+                raise ValueError(f"state_updates: {st!r} is not a state tensor of this graph (g.state)")
+            if v.shape != st.shape or v.dtype is not st.dtype:
+                raise ValueError(f"state_updates: new value of {st.name!r} has shape {fmt_shape(v.shape)} "
+                                 f"{v.dtype.name}, expected {fmt_shape(st.shape)} {st.dtype.name}")
+            updates["run"][st] = v
+        grads = {}
         if loss is not None:
             params = [p for p in graph.parameters.values() if p.dtype.is_float]
             gs = _grad(loss, params)
@@ -90,11 +110,21 @@ class Session:
             if optimizer is not None:
                 if not isinstance(optimizer, Optimizer):
                     raise TypeError(f"optimizer must be an mg.optim optimizer, got {type(optimizer).__name__}")
-                updates = optimizer.build(params, gs)
+                if self.accumulate > 1:
+                    # accumulators hold the running sum; the k-th micro-step updates with the mean
+                    accs = [graph.states.get(f"{p.name}.grad_accum") or graph.state(f"{p.name}.grad_accum", p.shape)
+                            for p in params]
+                    updates["micro"] = {a: a + g_ for a, g_ in zip(accs, gs)}
+                    mean = [(a + g_) * (1.0 / self.accumulate) for a, g_ in zip(accs, gs)]
+                    updates["step"] = optimizer.build(params, mean)
+                    updates["step"].update({a: a * 0.0 for a in accs})
+                else:
+                    updates["step"] = optimizer.build(params, gs)
         fetches = self.outputs + ([loss] if loss is not None else [])
-        self.program = Program(graph, fetches, updates, grads)
+        self.program = Program(graph, fetches, grads, updates)
         from .reference import needed_nodes
-        used = {t.id for t in needed_nodes(fetches + list(grads.values()) + list(updates.values()))}
+        used = {t.id for t in needed_nodes(fetches + list(grads.values())
+                                           + [v for u in updates.values() for v in u.values()])}
         # every input the program reads must be fed; inputs it never reads may be omitted
         self.feeds = {n: t for n, t in graph.inputs.items() if not n.startswith(SCALAR_PREFIX)}
         self.required = {n for n, t in self.feeds.items() if t.id in used}
@@ -134,6 +164,23 @@ class Session:
         names = list(self.graph.parameters) + (list(self.graph.states) if include_optimizer else [])
         return {n: self.executor.get_value(n).copy() for n in names}
 
+    def save(self, path, include_optimizer=True):
+        """Write a safetensors checkpoint (atomic). See meganeura.checkpoint."""
+        from .checkpoint import save
+        return save(self, path, include_optimizer)
+
+    def load(self, path, strict=True):
+        """Load a checkpoint written by ``save`` (or any safetensors file of parameters)."""
+        from .checkpoint import load
+        return load(self, path, strict)
+
+    def memory_report(self) -> str:
+        """Device bytes of the compiled plans, with and without intermediate aliasing."""
+        plans = getattr(self.executor, "plans", {})
+        if not plans:
+            return "no GPU plan compiled yet (run or step once)"
+        return "\n".join(f"{key}: {p.memory.report()}, {p.n_dispatches} dispatches" for key, p in plans.items())
+
     def grads(self) -> dict:
         """Gradients of the loss from the last ``step`` (or ``compute_grads``), by parameter name."""
         if self.loss is None:
@@ -158,34 +205,41 @@ class Session:
 
     def run(self, feeds: dict) -> list[np.ndarray]:
         """Inference: evaluate the outputs (and the loss, if any) without updating."""
-        return self.executor.execute(self._feeds(feeds), update=False)
+        return self.executor.execute(self._feeds(feeds), "run")
 
     def compute_grads(self, feeds: dict) -> float:
         """Forward + backward without an update; returns the loss, keeps the gradients."""
         if self.loss is None:
             raise RuntimeError("compute_grads: this session was compiled without a loss")
-        outs = self.executor.execute(self._feeds(feeds), update=False, with_grads=True)
+        outs = self.executor.execute(self._feeds(feeds), "grads")
         return float(outs[-1])
 
     def step(self, feeds: dict) -> float:
         """One training step: forward, loss, backward and the optimizer update."""
         if self.loss is None or self.optimizer is None:
             raise RuntimeError("step: compile with loss= and optimizer= to train")
+        self.micro_done += 1
+        if self.micro_done < self.accumulate:
+            return float(self.executor.execute(self._feeds(feeds), "micro")[-1])
+        self.micro_done = 0
         scal = self.optimizer.scalars(self.steps_done + 1)
         scal = {k: v for k, v in scal.items() if k in self.graph.inputs}
-        outs = self.executor.execute(self._feeds(feeds, scal), update=True, with_grads=True)
+        outs = self.executor.execute(self._feeds(feeds, scal), "step")
         self.steps_done += 1
         return float(outs[-1])
 
 
 def compile(graph: Graph, outputs=None, loss=None, optimizer=None, backend="numpy",
-            precision="strict", seed=0) -> Session:
+            precision="strict", seed=0, accumulate=1, state_updates=None) -> Session:
     """Compile ``graph`` for inference (``outputs``) or training (``loss`` + ``optimizer``).
 
     backend: "numpy" (the reference interpreter) or "gpu" (WGSL through wgpu).
+    precision: "strict" (f32 everywhere) or "accelerated" (f16 operands for forward matmuls).
+    accumulate: optimizer update every ``accumulate`` calls of ``step`` with the mean gradient.
+    state_updates: {state tensor: new value} applied by every ``run`` (e.g. a KV cache).
     """
     if outputs is None and loss is None:
         raise ValueError("compile: give outputs= (inference) and/or loss= (training)")
     if isinstance(outputs, Tensor):
         outputs = [outputs]
-    return Session(graph, outputs, loss, optimizer, backend, precision, seed)
+    return Session(graph, outputs, loss, optimizer, backend, precision, seed, accumulate, state_updates)

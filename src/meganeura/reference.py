@@ -69,15 +69,14 @@ class NumpyExecutor:
             raise RuntimeError("grads: run step() or compute_grads() first")
         return {n: v.copy() for n, v in self.grads.items()}
 
-    def execute(self, feeds: dict, update: bool, with_grads: bool = False):
+    def execute(self, feeds: dict, phase: str):
         p = self.program
-        grad_names = list(p.grads) if with_grads else []
-        upd = list(p.updates.items()) if update else []
-        targets = p.fetches + [p.grads[n] for n in grad_names] + [v for _, v in upd]
+        fetches, grad_names, upd = p.targets(phase)
+        targets = fetches + [p.grads[n] for n in grad_names] + [v for _, v in upd]
         vals = evaluate(p.graph, targets, {**self.values, **feeds}) if targets else []
-        nf, ng = len(p.fetches), len(grad_names)
-        if with_grads:
+        nf, ng = len(fetches), len(grad_names)
+        if grad_names:
             self.grads = {n: v.astype(p.grads[n].dtype.np) for n, v in zip(grad_names, vals[nf:nf + ng])}
-        for (t, _), v in zip(upd, vals[nf + ng:]):
-            self.values[t.name] = v.astype(t.dtype.np)
-        return [v.astype(t.dtype.np) for t, v in zip(p.fetches, vals[:nf])]
+        for (name, t), v in zip(upd, vals[nf + ng:]):
+            self.values[name] = v.astype(t.dtype.np)
+        return [v.astype(t.dtype.np) for t, v in zip(fetches, vals[:nf])]

@@ -117,18 +117,16 @@ class GpuExecutor:
                 for n, (buf, off, nb, dt, shape) in self.last_plan.grad_locs.items()}
 
     # ------------------------------------------------------------------ plans
-    def plan(self, update: bool, with_grads: bool) -> Plan:
-        key = (update, with_grads)
-        if key not in self.plans:
+    def plan(self, phase: str) -> Plan:
+        if phase not in self.plans:
             p = self.program
-            grad_names = list(p.grads) if with_grads else []
-            upd = [(t.name, v) for t, v in p.updates.items()] if update else []
-            targets = p.fetches + [p.grads[n] for n in grad_names] + [v for _, v in upd]
-            self.plans[key] = Plan(self, targets, len(p.fetches), grad_names, upd)
-        return self.plans[key]
+            fetches, grad_names, upd = p.targets(phase)
+            targets = fetches + [p.grads[n] for n in grad_names] + [v for _, v in upd]
+            self.plans[phase] = Plan(self, targets, len(fetches), grad_names, upd)
+        return self.plans[phase]
 
-    def execute(self, feeds: dict, update: bool, with_grads: bool = False):
-        plan = self.plan(update, with_grads)
+    def execute(self, feeds: dict, phase: str):
+        plan = self.plan(phase)
         for name, arr in feeds.items():
             self.set_value(name, arr)
         trace = os.environ.get("MEGANEURA_TRACE")
@@ -137,6 +135,6 @@ class GpuExecutor:
             write_chrome_trace(trace, plan.names, ts)
         else:
             self.recorder.run(plan.step, copies_after=plan.copies_after)
-        self.last_plan = plan if with_grads else self.last_plan
+        self.last_plan = plan if plan.grad_locs else self.last_plan
         return [self.dev.read_staging(st, nb, dt, shape)
                 for st, (_, _, nb, dt, shape) in zip(plan.staging, plan.fetch_locs)]
