@@ -1,0 +1,225 @@
+"""ResNet image classifier, as transformers' ``ResNetForImageClassification``.
+
+Stem: 7x7 stride-2 conv + batch norm + ReLU, then a 3x3 stride-2 max pool. Stages of
+residual blocks follow (bottleneck: 1x1 reduce, 3x3, 1x1 expand, each conv followed by a
+batch norm; basic: two 3x3). The first block of a stage carries a 1x1 conv + BN shortcut
+when channels or stride change. As in transformers (``downsample_in_bottleneck=False``,
+the default, i.e. "ResNet v1.5"), a stage's stride sits on the bottleneck's 3x3 conv, not
+on its first 1x1; the first stage does not downsample. Global average pool, then
+``classifier.1`` (a Linear after a Flatten at index 0).
+
+Names are those of the torch state dict. Batch-norm modes (``bn=``):
+
+- "train": batch statistics (biased variance), as torch in train mode. ``running_mean`` and
+  ``running_var`` are graph *state* (not parameters, so never trained) and
+  ``ResNetGraph.state_updates`` holds their momentum updates (unbiased batch variance,
+  torch's rule); ``with_state_updates`` attaches them to an optimizer so a ``step`` applies
+  them too (``mg.compile(state_updates=...)`` would apply them on ``run`` only).
+- "eval": running statistics (graph state, fed by ``load_state_dict``).
+- "folded": inference with batch norm folded into each conv at load time
+  (``fold_batch_norm``): parameters are ``<conv>.weight`` and a new ``<conv>.bias``.
+
+torch's ``num_batches_tracked`` (int64) only matters for ``momentum=None``; it is not in the
+graph and ``torch_state_dict`` drops it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .. import ops
+from ..graph import Graph, Tensor, i32
+from ..optim import Optimizer
+
+BN_MODES = ("train", "eval", "folded")
+
+
+@dataclass(frozen=True)
+class ResNetConfig:
+    num_channels: int = 3
+    embedding_size: int = 64
+    hidden_sizes: tuple = (256, 512, 1024, 2048)
+    depths: tuple = (3, 4, 6, 3)
+    layer_type: str = "bottleneck"
+    num_labels: int = 1000
+    image_size: int = 224
+    downsample_in_first_stage: bool = False
+    downsample_in_bottleneck: bool = False
+    bn_eps: float = 1e-5        # nn.BatchNorm2d's defaults, which transformers uses
+    bn_momentum: float = 0.1
+
+    @classmethod
+    def resnet50(cls):
+        """microsoft/resnet-50: ImageNet's 1000 classes on 224x224 images."""
+        return cls()
+
+    @classmethod
+    def tiny(cls):
+        """Test size: 32x32 images, 10 classes; stage 0 has a (stride-1) projection shortcut
+        and an identity block, stage 1 a stride-2 one."""
+        return cls(embedding_size=8, hidden_sizes=(16, 32), depths=(2, 1), num_labels=10, image_size=32)
+
+    def hf_kwargs(self) -> dict:
+        """Keyword arguments for ``transformers.ResNetConfig`` describing the same model."""
+        return dict(num_channels=self.num_channels, embedding_size=self.embedding_size,
+                    hidden_sizes=list(self.hidden_sizes), depths=list(self.depths), layer_type=self.layer_type,
+                    num_labels=self.num_labels, downsample_in_first_stage=self.downsample_in_first_stage,
+                    downsample_in_bottleneck=self.downsample_in_bottleneck)
+
+    def __post_init__(self):
+        if self.layer_type not in ("bottleneck", "basic"):
+            raise ValueError(f"layer_type must be 'bottleneck' or 'basic', got {self.layer_type!r}")
+        if len(self.hidden_sizes) != len(self.depths):
+            raise ValueError("hidden_sizes and depths must have one entry per stage")
+
+
+@dataclass
+class ResNetGraph:
+    graph: Graph
+    pixel_values: Tensor
+    logits: Tensor
+    labels: Tensor | None = None
+    loss: Tensor | None = None
+    state_updates: dict = field(default_factory=dict)   # {running-stat state: new value} ("train")
+
+
+class _Builder:
+    def __init__(self, g, cfg, bn):
+        if bn not in BN_MODES:
+            raise ValueError(f"bn must be one of {BN_MODES}, got {bn!r}")
+        self.g, self.cfg, self.bn, self.updates = g, cfg, bn, {}
+
+    def conv_bn(self, prefix, x, c_out, kernel, stride, relu):
+        """``prefix.convolution`` (no bias, padding kernel // 2) + ``prefix.normalization``."""
+        g, cfg = self.g, self.cfg
+        shape = (c_out, x.shape[1], kernel, kernel)
+        w = g.parameter(f"{prefix}.convolution.weight", shape)
+        pad = kernel // 2
+        if self.bn == "folded":
+            b = g.parameter(f"{prefix}.convolution.bias", (c_out,))
+            y = ops.conv2d(x, w, b, stride=stride, padding=pad)
+        else:
+            y = ops.conv2d(x, w, stride=stride, padding=pad)
+            n = f"{prefix}.normalization"
+            gamma = g.parameter(f"{n}.weight", (c_out,), init="ones")
+            beta = g.parameter(f"{n}.bias", (c_out,))
+            rm = g.state(f"{n}.running_mean", (c_out,), init=0.0)
+            rv = g.state(f"{n}.running_var", (c_out,), init=1.0)
+            if self.bn == "train":
+                y2 = ops.batch_norm(y, None, None, gamma, beta, training=True, eps=cfg.bn_eps)
+                mean, var = ops.batch_norm_stats(y)
+                m = cfg.bn_momentum
+                self.updates[rm] = rm * (1.0 - m) + mean * m
+                self.updates[rv] = rv * (1.0 - m) + var * m
+                y = y2
+            else:
+                y = ops.batch_norm(y, rm, rv, gamma, beta, training=False, eps=cfg.bn_eps)
+        return ops.relu(y) if relu else y
+
+    def block(self, prefix, x, c_out, stride):
+        c_in = x.shape[1]
+        shortcut = x
+        if c_in != c_out or stride != 1:
+            shortcut = self.conv_bn(f"{prefix}.shortcut", x, c_out, 1, stride, relu=False)
+        p = f"{prefix}.layer"
+        if self.cfg.layer_type == "bottleneck":
+            mid = c_out // 4
+            first, second = (stride, 1) if self.cfg.downsample_in_bottleneck else (1, stride)
+            h = self.conv_bn(f"{p}.0", x, mid, 1, first, relu=True)
+            h = self.conv_bn(f"{p}.1", h, mid, 3, second, relu=True)
+            h = self.conv_bn(f"{p}.2", h, c_out, 1, 1, relu=False)
+        else:
+            h = self.conv_bn(f"{p}.0", x, c_out, 3, stride, relu=True)
+            h = self.conv_bn(f"{p}.1", h, c_out, 3, 1, relu=False)
+        return ops.relu(h + shortcut)
+
+    def forward(self, x):
+        cfg = self.cfg
+        h = self.conv_bn("resnet.embedder.embedder", x, cfg.embedding_size, 7, 2, relu=True)
+        h = ops.max_pool2d(h, 3, 2, 1)
+        for s, (c_out, depth) in enumerate(zip(cfg.hidden_sizes, cfg.depths)):
+            for k in range(depth):
+                stride = 2 if k == 0 and (s > 0 or cfg.downsample_in_first_stage) else 1
+                h = self.block(f"resnet.encoder.stages.{s}.layers.{k}", h, c_out, stride)
+        pooled = ops.flatten(ops.adaptive_avg_pool2d(h, 1), 1)
+        w = self.g.parameter("classifier.1.weight", (cfg.num_labels, cfg.hidden_sizes[-1]))
+        b = self.g.parameter("classifier.1.bias", (cfg.num_labels,))
+        return ops.linear(pooled, w, b)
+
+
+def build_resnet(cfg: ResNetConfig, batch: int, bn="folded", with_loss=False) -> ResNetGraph:
+    """ResNet graph on ``pixel_values`` (batch, channels, image_size, image_size).
+
+    bn: "folded" (inference, load ``fold_batch_norm(state)``), "eval" (inference with
+    running statistics) or "train" (batch statistics). ``with_loss`` adds an i32 ``labels``
+    input (batch,) and the mean class cross-entropy."""
+    g = Graph()
+    x = g.input("pixel_values", (batch, cfg.num_channels, cfg.image_size, cfg.image_size))
+    b = _Builder(g, cfg, bn)
+    logits = b.forward(x)
+    out = ResNetGraph(g, x, logits, state_updates=b.updates)
+    if with_loss:
+        out.labels = g.input("labels", (batch,), i32)
+        out.loss = ops.cross_entropy(logits, out.labels)
+    return out
+
+
+def build_resnet_training(cfg: ResNetConfig, batch: int) -> ResNetGraph:
+    """Training graph: batch-statistics batch norm, cross-entropy loss, running-stat updates."""
+    return build_resnet(cfg, batch, bn="train", with_loss=True)
+
+
+class _WithStateUpdates(Optimizer):
+    """An optimizer whose update also writes the given graph states (e.g. running stats)."""
+
+    def __init__(self, inner: Optimizer, updates: dict):
+        self.inner, self.extra = inner, dict(updates)
+        self.lr, self.clip_grad_norm = inner.lr, inner.clip_grad_norm
+
+    def scalars(self, step):
+        return self.inner.scalars(step)
+
+    def build(self, params, grads):
+        out = self.inner.build(params, grads)
+        out.update(self.extra)
+        return out
+
+
+def with_state_updates(optimizer: Optimizer, updates: dict) -> Optimizer:
+    """Wrap ``optimizer`` so each ``step`` also applies ``updates`` ({state: new value}),
+    e.g. ``ResNetGraph.state_updates``: batch norm's running statistics then follow
+    torch's train-mode updates."""
+    return _WithStateUpdates(optimizer, updates)
+
+
+def torch_state_dict(state: dict) -> dict:
+    """A torch ResNet state dict as float32 numpy arrays, without ``num_batches_tracked``."""
+    out = {}
+    for k, v in state.items():
+        if k.endswith("num_batches_tracked"):
+            continue
+        out[k] = np.asarray(v.detach().cpu().numpy() if hasattr(v, "detach") else v, dtype=np.float32)
+    return out
+
+
+def fold_batch_norm(state: dict, eps: float = 1e-5) -> dict:
+    """Fold every ``X.normalization`` (eval-mode batch norm) into ``X.convolution``:
+    w' = w * s, b' = beta - mean * s with s = gamma / sqrt(var + eps) per output channel.
+    Returns a state dict for ``build_resnet(..., bn="folded")``; other entries pass through
+    and ``num_batches_tracked`` is dropped. Computed in float64, stored as float32."""
+    state = torch_state_dict(state)
+    out = {}
+    for k, v in state.items():
+        if ".normalization." in k:
+            continue
+        if k.endswith(".convolution.weight"):
+            n = k[: -len("convolution.weight")] + "normalization."
+            gamma, beta, mean, var = (state[n + s].astype(np.float64)
+                                      for s in ("weight", "bias", "running_mean", "running_var"))
+            s = gamma / np.sqrt(var + eps)
+            out[k] = (v.astype(np.float64) * s[:, None, None, None]).astype(np.float32)
+            out[k[: -len("weight")] + "bias"] = (beta - mean * s).astype(np.float32)
+        else:
+            out[k] = v
+    return out
