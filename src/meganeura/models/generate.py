@@ -1,0 +1,178 @@
+"""Autoregressive text generation with a key/value cache (Llama family).
+
+Two compiled graphs (``llama.build_decoder``): one runs the whole prompt at once and fills
+the cache, the other feeds one token per call. Shapes are static, so the cache has a fixed
+capacity (prompt + new tokens, rounded up to ``CACHE_ROUND`` so nearby lengths share a
+compiled decode graph) and the position enters as fed tables. The cache travels as
+graph inputs and outputs, kept on the host between calls. Sampling runs on the host from
+the fetched logits (greedy, temperature, top-k, top-p), in transformers' order.
+"""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+from .. import api
+from . import llama
+
+CACHE_ROUND = 32
+
+
+class LlamaGenerator:
+    """Holds a model's weights and its compiled decoding sessions (reused across calls)."""
+
+    def __init__(self, config, state: dict, backend: str = "gpu", precision: str = "strict"):
+        self.config, self.backend, self.precision = config, backend, precision
+        self.state = state
+        self.sessions: dict = {}
+
+    @classmethod
+    def from_pretrained(cls, path, backend="gpu", precision="strict"):
+        from ..io import load_hf
+        cfg, state = load_hf(path)
+        return cls(cfg, state, backend, precision)
+
+    def session(self, batch: int, tokens: int, max_len: int):
+        key = (batch, tokens, max_len)
+        if key not in self.sessions:
+            g, logits, cache = llama.build_decoder(self.config, batch, tokens, max_len)
+            s = api.compile(g, outputs=[logits] + cache, backend=self.backend, precision=self.precision)
+            s.load_state_dict(llama.graph_state_dict(g, self.state))
+            self.sessions[key] = s
+        return self.sessions[key]
+
+    def forward(self, ids: np.ndarray, start: int, cache: list, max_len: int):
+        """Run ``ids`` (batch, tokens) at positions start..; returns (last logits, new cache)."""
+        b, t = ids.shape
+        feeds = llama.decode_feeds(self.config, start, t, max_len)
+        feeds["input_ids"] = ids
+        feeds.update(zip(llama.cache_names(self.config), cache))
+        out = self.session(b, t, max_len).run(feeds)
+        return out[0], out[1:]
+
+    def generate(self, prompt_ids, max_new_tokens, temperature=0.0, top_k=None, top_p=None, seed=0,
+                 stream=None, eos_token_id=None, stop_at_eos=True):
+        """See ``generate``."""
+        cfg = self.config
+        one = np.ndim(prompt_ids) == 1
+        ids = np.atleast_2d(np.asarray(prompt_ids, dtype=np.int64))
+        if ids.ndim != 2 or ids.shape[1] == 0:
+            raise ValueError("generate: prompt_ids must be a non-empty list of ids or a (batch, length) array")
+        if ids.min() < 0 or ids.max() >= cfg.vocab_size:
+            raise ValueError(f"generate: prompt ids must lie in [0, {cfg.vocab_size})")
+        b, p = ids.shape
+        if max_new_tokens <= 0:
+            return [] if one else [[] for _ in range(b)]
+        eos = cfg.eos_token_id if eos_token_id is None else eos_token_id
+        eos = set() if (eos is None or not stop_at_eos) else set(np.atleast_1d(eos).tolist())
+        max_len = -(-(p + max_new_tokens) // CACHE_ROUND) * CACHE_ROUND
+        shape = (b, cfg.num_key_value_heads, max_len, cfg.head_dim)
+        cache = [np.zeros(shape, np.float32) for _ in llama.cache_names(cfg)]
+        rng = np.random.default_rng(seed)
+        logits, cache = self.forward(ids.astype(np.int32), 0, cache, max_len)
+        out, done, pos = [], np.zeros(b, bool), p
+        while True:
+            nxt = sample(logits, temperature, top_k, top_p, rng)
+            if done.any():     # finished rows repeat their stop token, like padding
+                nxt = np.where(done, out[-1], nxt)
+            out.append(nxt)
+            if stream is not None:
+                stream(int(nxt[0]) if one else nxt.tolist())
+            done |= np.isin(nxt, list(eos))
+            if len(out) == max_new_tokens or done.all():
+                break
+            logits, cache = self.forward(nxt[:, None].astype(np.int32), pos, cache, max_len)
+            pos += 1
+        res = np.stack(out, 1).tolist()
+        return res[0] if one else res
+
+
+def sample(logits, temperature=0.0, top_k=None, top_p=None, rng=None):
+    """Next token per row of ``logits`` (batch, vocab): argmax when temperature is 0/None,
+    else softmax(logits / temperature) restricted to the top-k, then to the smallest set
+    of tokens whose probability reaches top_p."""
+    logits = np.asarray(logits, np.float64)
+    if not temperature:
+        return np.argmax(logits, -1)
+    z = logits / float(temperature)
+    if top_k is not None and 0 < top_k < z.shape[-1]:
+        kth = np.sort(z, -1)[:, -top_k][:, None]
+        z = np.where(z < kth, -np.inf, z)
+    if top_p is not None and top_p < 1.0:
+        order = np.argsort(-z, -1, kind="stable")
+        zs = np.take_along_axis(z, order, -1)
+        ps = np.exp(zs - zs[:, :1])
+        ps /= ps.sum(-1, keepdims=True)
+        before = np.cumsum(ps, -1) - ps          # mass of the tokens ranked above
+        drop_sorted = before >= top_p            # the top token is always kept
+        drop = np.zeros_like(drop_sorted)
+        np.put_along_axis(drop, order, drop_sorted, -1)
+        z = np.where(drop, -np.inf, z)
+    pr = np.exp(z - z.max(-1, keepdims=True))
+    pr /= pr.sum(-1, keepdims=True)
+    rng = rng if rng is not None else np.random.default_rng()
+    return np.array([rng.choice(pr.shape[-1], p=row) for row in pr])
+
+
+def _generator(model, backend):
+    if isinstance(model, LlamaGenerator):
+        return model
+    if isinstance(model, (str, os.PathLike)):
+        return LlamaGenerator.from_pretrained(model, backend)
+    if isinstance(model, tuple) and len(model) == 2:
+        return LlamaGenerator(model[0], model[1], backend)
+    raise TypeError("model must be a folder path, a (config, state dict) pair or a LlamaGenerator, "
+                    f"got {type(model).__name__}")
+
+
+def generate(model_dir_or_weights, prompt_ids, max_new_tokens, temperature=0.0, top_k=None, top_p=None,
+             seed=0, backend="gpu", stream=None, eos_token_id=None, stop_at_eos=True):
+    """Generate up to ``max_new_tokens`` tokens after ``prompt_ids``.
+
+    ``model_dir_or_weights``: a Hugging Face folder, a (LlamaConfig, state dict) pair, or a
+    LlamaGenerator (keeps its compiled graphs between calls). ``prompt_ids``: a list of
+    ids, or a (batch, length) array. ``temperature`` 0 is greedy; ``stream(token)`` is
+    called with each new token (a list per row for batched prompts). Generation stops after
+    ``eos_token_id`` (default: the config's) unless ``stop_at_eos`` is False. Returns the
+    new tokens only (including the stop token), a list (or a list of lists)."""
+    gen = _generator(model_dir_or_weights, backend)
+    return gen.generate(prompt_ids, max_new_tokens, temperature, top_k, top_p, seed, stream,
+                        eos_token_id, stop_at_eos)
+
+
+def load_tokenizer(model_dir):
+    from tokenizers import Tokenizer
+    path = os.path.join(os.fspath(model_dir), "tokenizer.json")
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"{model_dir}: no tokenizer.json")
+    return Tokenizer.from_file(path)
+
+
+def generate_text(model_dir, prompt, max_new_tokens=64, temperature=0.0, top_k=None, top_p=None, seed=0,
+                  backend="gpu", stream=None, model=None):
+    """Generate text after ``prompt`` with the folder's tokenizer.json. ``stream(text)``
+    (e.g. ``lambda s: print(s, end="", flush=True)``) gets each new piece of text as soon
+    as it decodes to whole characters. ``model``: a LlamaGenerator to reuse instead of
+    loading ``model_dir``'s weights. Returns the generated text (without the prompt)."""
+    tok = load_tokenizer(model_dir)
+    ids = tok.encode(prompt).ids
+    if not ids:
+        raise ValueError("generate_text: the prompt encodes to no tokens")
+    new, shown = [], [""]
+
+    def on_token(t):
+        new.append(t)
+        text = tok.decode(new)
+        if (stream is not None and not text.endswith("\ufffd") and len(text) > len(shown[0])
+                and text.startswith(shown[0])):
+            # decode the whole suffix each time: tokens can split characters and spaces
+            stream(text[len(shown[0]):])
+            shown[0] = text
+
+    generate(model if model is not None else model_dir, ids, max_new_tokens, temperature, top_k, top_p, seed,
+             backend, on_token)
+    text = tok.decode(new)
+    if stream is not None and len(text) > len(shown[0]) and text.startswith(shown[0]):
+        stream(text[len(shown[0]):])
+    return text

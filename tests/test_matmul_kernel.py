@@ -1,0 +1,29 @@
+"""The matmul kernel at tile boundaries, with and without bounds checks, both tile sizes,
+transposed operands and broadcast batches, against NumPy in float64."""
+import numpy as np
+import pytest
+
+import meganeura as mg
+
+SHAPES = [((1, 40), (40, 300)), ((3, 2, 33), (33, 17)), ((4, 64), (64, 9)),
+          ((128, 8), (8, 128)), ((130, 9), (9, 131)), ((1, 5), (5, 7)), ((64, 16), (16, 64)),
+          ((2, 1, 70, 24), (3, 24, 129))]
+
+
+@pytest.mark.parametrize("tile", ["64", "128"])
+@pytest.mark.parametrize("ta,tb", [(False, False), (True, False), (False, True), (True, True)])
+@pytest.mark.parametrize("sa,sb", SHAPES, ids=[f"{a}x{b}" for a, b in SHAPES])
+def test_matmul_kernel(monkeypatch, tile, ta, tb, sa, sb):
+    monkeypatch.setenv("MEGANEURA_MATMUL_TILE", tile)
+    rng = np.random.default_rng(0)
+    A, B = rng.standard_normal(sa).astype(np.float32), rng.standard_normal(sb).astype(np.float32)
+    if ta:
+        A = np.ascontiguousarray(np.swapaxes(A, -1, -2))
+    if tb:
+        B = np.ascontiguousarray(np.swapaxes(B, -1, -2))
+    g = mg.Graph()
+    a, b = g.input("a", A.shape), g.input("b", B.shape)
+    out = mg.compile(g, outputs=[mg.ops.mm(a, b, ta=ta, tb=tb)], backend="gpu").run({"a": A, "b": B})[0]
+    want = np.matmul(np.swapaxes(A, -1, -2) if ta else A, np.swapaxes(B, -1, -2) if tb else B,
+                     dtype=np.float64)
+    np.testing.assert_allclose(out, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
