@@ -12,8 +12,26 @@ from .opinfo import all_samples
 SAMPLES = all_samples()
 
 
+@pytest.fixture(scope="module")
+def checked_device():
+    from meganeura.runtime.device import Device
+    dev = Device(checked=True)
+    assert dev.checked and not dev.trusted
+    return dev
+
+
+@pytest.fixture(params=["trusted", "checked"])
+def shader_mode(request, monkeypatch, checked_device):
+    """Trusted modules (the default: no runtime bounds checks) and checked ones: an
+    out-of-bounds access that trusted mode would let through shows up as a difference."""
+    if request.param == "checked":
+        from meganeura.runtime import device
+        monkeypatch.setattr(device, "_device", checked_device)
+    return request.param
+
+
 @pytest.mark.parametrize("sample", SAMPLES, ids=[s.name for s in SAMPLES])
-def test_gpu_matches_reference(sample):
+def test_gpu_matches_reference(sample, shader_mode):
     g, feeds, float_inputs, outs, _, loss = build(sample)
     grads = [gr for gr in mg.grad(loss, [t for _, t in float_inputs])] if sample.grad else []
     targets = outs + grads

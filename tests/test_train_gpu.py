@@ -140,5 +140,27 @@ def test_trace_written_with_kernel_names(tmp_path, monkeypatch):
     names = {e["name"] for e in ev if e.get("ph") == "X"}
     assert "matmul" in names and any("reduce" in n for n in names)
     assert all(e["dur"] >= 0 for e in ev if e.get("ph") == "X")
+    rows = tr.profile({"x": np.zeros((2, 8, 32), np.float32)}, path=tmp_path / "p.json")
+    assert rows and rows[0][1] >= rows[-1][1] and (tmp_path / "p.json").exists()
 
 
+
+
+def test_accelerated_precision_uses_f16_forward_and_passes_gates():
+    g, loss = _tiny_transformer_loss()
+    x = np.random.default_rng(1).standard_normal((2, 8, 32)).astype(np.float32)
+    strict = mg.compile(g, loss=loss, backend="gpu", precision="strict")
+    fast = mg.compile(g, loss=loss, backend="gpu", precision="accelerated")
+    fast.load_state_dict(strict.state_dict())
+    ls, lf = strict.compute_grads({"x": x}), fast.compute_grads({"x": x})
+    gs, gf = strict.grads(), fast.grads()
+    plan = fast.executor.plans["grads"]
+    assert any(n == "cast" for n in plan.names), "no f16 casts in the accelerated plan"
+    assert not any(n == "cast" for n in strict.executor.plans["grads"].names)
+    loss_err = abs(lf - ls) / abs(ls)
+    ns = np.array([np.linalg.norm(gs[k]) for k in gs])
+    nf = np.array([np.linalg.norm(gf[k]) for k in gs])
+    grad_err = np.linalg.norm(nf - ns) / np.linalg.norm(ns)
+    print(f"accelerated vs strict: loss error {loss_err:.2e}, per-parameter gradient-norm error {grad_err:.2e}")
+    assert loss_err < 1e-2 and grad_err < 5e-2
+    assert loss_err > 0   # f16 operands really changed the arithmetic

@@ -181,6 +181,14 @@ class Session:
             return "no GPU plan compiled yet (run or step once)"
         return "\n".join(f"{key}: {p.memory.report()}, {p.n_dispatches} dispatches" for key, p in plans.items())
 
+    def profile(self, feeds: dict, path=None, phase=None):
+        """GPU time per kernel for one run (or training step, without the update) as rows
+        (name, total_us, count, mean_us, percent); writes a Chrome/Perfetto trace to ``path``."""
+        if self.backend != "gpu":
+            raise RuntimeError("profile: only the gpu backend has GPU timestamps")
+        phase = phase or ("grads" if self.loss is not None and self.optimizer is not None else "run")
+        return self.executor.profile(self._feeds(feeds), phase, path)
+
     def grads(self) -> dict:
         """Gradients of the loss from the last ``step`` (or ``compute_grads``), by parameter name."""
         if self.loss is None:

@@ -40,8 +40,9 @@ class Bindings:
         return len(self.bufs) - 1
 
     def decls(self) -> str:
-        return "\n".join(f"@group(0) @binding({k}) var<storage, read_write> b{k}: array<{ty}>;"
-                         for k, ty in enumerate(self.types))
+        enable = ["enable f16;"] if "f16" in self.types else []
+        return "\n".join(enable + [f"@group(0) @binding({k}) var<storage, read_write> b{k}: array<{ty}>;"
+                                   for k, ty in enumerate(self.types)])
 
 
 def grid(n_groups: int) -> tuple[int, int, int]:

@@ -23,6 +23,12 @@ def lower_matmul(t, ins, out, materialize):
     return [Kernel(kind, "matmul", {"ta": t.attrs["ta"], "tb": t.attrs["tb"], "gemv": kind == "gemv"}, out, [a, b])]
 
 
+def accelerate(a, b, ta, tb):
+    """Forward matmul in accelerated precision: f16 operands, f32 accumulation and output."""
+    from ..ops import cast, emit
+    return emit("matmul", [cast(a, "f16"), cast(b, "f16")], ta=ta, tb=tb, out_dtype="f32")
+
+
 TK = int(os.environ.get("MEGANEURA_MATMUL_TK", "8"))
 
 
@@ -75,8 +81,8 @@ def render(kernel):
         b_at = f"boff + gkb * {N}u + gn"
     a_cond = " && ".join(c for c, on in (("gm < %du" % M, chk_m), ("gk < %du" % K, chk_k)) if on)
     b_cond = " && ".join(c for c, on in (("gn < %du" % N, chk_n), ("gkb < %du" % K, chk_k)) if on)
-    a_load = f"b{ab}[{a_at}]" if not a_cond else f"select(0.0, b{ab}[min({a_at}, {a.offset + a.size - 1}u)], {a_cond})"
-    b_load = f"b{bb}[{b_at}]" if not b_cond else f"select(0.0, b{bb}[min({b_at}, {bv.offset + bv.size - 1}u)], {b_cond})"
+    a_load = f"f32(b{ab}[{a_at}])" if not a_cond else f"select(0.0, f32(b{ab}[min({a_at}, {a.offset + a.size - 1}u)]), {a_cond})"
+    b_load = f"f32(b{bb}[{b_at}])" if not b_cond else f"select(0.0, f32(b{bb}[min({b_at}, {bv.offset + bv.size - 1}u)]), {b_cond})"
     fma = []
     for g in range(G):
         fma.append(f"            let a{g} = As[kk * {V}u + {16 * g}u + ty];")
@@ -95,7 +101,7 @@ def render(kernel):
                 v = f"acc[{(gr * 4 + r) * G + gc}]"
                 for c in range(4):
                     cond = " && ".join(x for x, on in ((f"gm < {M}u", chk_m), (f"gn + {c}u < {N}u", chk_n)) if on)
-                    st = f"b{ob}[coff + gm * {N}u + gn + {c}u] = {v}[{c}];"
+                    st = f"b{ob}[coff + gm * {N}u + gn + {c}u] = {out.dtype.wgsl}({v}[{c}]);"
                     writes.append(f"        {{ let gm = {row}; let gn = {col}; " + (f"if ({cond}) {{ {st} }}" if cond else st) + " }")
     nk = -(-K // TK)
     src = f"""{bind.decls()}
@@ -192,17 +198,17 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
 """
     accs = "\n".join(f"    var acc{m} = 0.0;" for m in range(M))
     if tb:
-        fmas = "\n".join(f"            acc{m} = fma(b{ab}[{a_at(str(m) + 'u', 'k')}], w, acc{m});" for m in range(M))
+        fmas = "\n".join(f"            acc{m} = fma(f32(b{ab}[{a_at(str(m) + 'u', 'k')}]), w, acc{m});" for m in range(M))
         parts = "\n".join(f"    part[{m * 256}u + lid] = acc{m};" for m in range(M))
         reduce = "\n".join(f"            part[{m * 256}u + lid] = part[{m * 256}u + lid] + part[{m * 256}u + lid + s];"
                            for m in range(M))
-        writes = "\n".join(f"        b{ob}[coff + {m * N}u + n] = part[{m * 256}u + lid];" for m in range(M))
+        writes = "\n".join(f"        b{ob}[coff + {m * N}u + n] = {out.dtype.wgsl}(part[{m * 256}u + lid]);" for m in range(M))
         body = f"""    let lane = lid % 32u;
     let n = wid.x * 8u + lid / 32u;
 {accs}
     if (n < {N}u) {{
         for (var k = lane; k < {K}u; k = k + 32u) {{
-            let w = b{bb}[boff + n * {K}u + k];
+            let w = f32(b{bb}[boff + n * {K}u + k]);
 {fmas}
         }}
     }}
@@ -220,13 +226,13 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
 }}
 """
         return head + body, bind.bufs, (-(-N // 8), 1, nb)
-    fmas = "\n".join(f"        acc{m} = fma(b{ab}[{a_at(str(m) + 'u', 'k')}], w, acc{m});" for m in range(M))
-    writes = "\n".join(f"    b{ob}[coff + {m * N}u + n] = acc{m};" for m in range(M))
+    fmas = "\n".join(f"        acc{m} = fma(f32(b{ab}[{a_at(str(m) + 'u', 'k')}]), w, acc{m});" for m in range(M))
+    writes = "\n".join(f"    b{ob}[coff + {m * N}u + n] = {out.dtype.wgsl}(acc{m});" for m in range(M))
     body = f"""    let n = wid.x * 256u + lid;
     if (n >= {N}u) {{ return; }}
 {accs}
     for (var k = 0u; k < {K}u; k = k + 1u) {{
-        let w = b{bb}[boff + k * {N}u + n];
+        let w = f32(b{bb}[boff + k * {N}u + n]);
 {fmas}
     }}
 {writes}

@@ -11,7 +11,7 @@ def _mm_dims(t, trans):
     return (k, m) if trans else (m, k)
 
 
-def _matmul_infer(ins, ta, tb):
+def _matmul_infer(ins, ta, tb, out_dtype=None):
     a, b = ins
     require_float("matmul", a, b)
     dt = same_dtype("matmul", a, b)
@@ -25,18 +25,19 @@ def _matmul_infer(ins, ta, tb):
         batch = tuple(np.broadcast_shapes(a.shape[:-2], b.shape[:-2]))
     except ValueError:
         raise op_error("matmul", "batch dimensions cannot be broadcast", a, b) from None
-    return batch + (m, n), dt
+    return batch + (m, n), (out_dtype or dt)
 
 
 def _t(x, trans):
     return np.swapaxes(x, -1, -2) if trans else x
 
 
-def _matmul_ref(a, b, ta, tb):
+def _matmul_ref(a, b, ta, tb, out_dtype=None):
+    # out_dtype: f16 operands accumulated and returned in f32 (accelerated precision)
     return np.matmul(_t(a, ta), _t(b, tb))
 
 
-def _matmul_vjp(ct, y, a, b, ta, tb):
+def _matmul_vjp(ct, y, a, b, ta, tb, out_dtype=None):
     da = mm(b, ct, ta=tb, tb=True) if ta else mm(ct, b, tb=not tb)
     db = mm(ct, a, ta=True, tb=ta) if tb else mm(a, ct, ta=not ta)
     return [unbroadcast(da, a.shape), unbroadcast(db, b.shape)]

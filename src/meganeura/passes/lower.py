@@ -11,7 +11,7 @@ from ..ops.registry import OPS, emit
 from ..reference import needed_nodes
 
 
-def _copy(targets: list[Tensor], keep) -> tuple[Graph, list[Tensor], bool]:
+def _copy(targets: list[Tensor], keep, rewrite=None) -> tuple[Graph, list[Tensor], bool]:
     g = Graph()
     m: dict[int, Tensor] = {}
     changed = False
@@ -27,7 +27,10 @@ def _copy(targets: list[Tensor], keep) -> tuple[Graph, list[Tensor], bool]:
         else:
             ins = [m[i.id] for i in t.inputs]
             dec = OPS[t.op].extra.get("decompose")
-            if keep(t.op) or dec is None:
+            n = rewrite(t, ins) if rewrite is not None else None
+            if n is not None:
+                pass
+            elif keep(t.op) or dec is None:
                 n = emit(t.op, ins, **t.attrs)
             else:
                 n = dec(*ins, **t.attrs)
@@ -38,10 +41,11 @@ def _copy(targets: list[Tensor], keep) -> tuple[Graph, list[Tensor], bool]:
     return g, [m[t.id] for t in targets], changed
 
 
-def lower_to_primitives(targets: list[Tensor], keep) -> tuple[Graph, list[Tensor]]:
+def lower_to_primitives(targets: list[Tensor], keep, rewrite=None) -> tuple[Graph, list[Tensor]]:
     """A new graph computing ``targets`` where every op satisfies ``keep(op)`` or has no
-    decomposition. Returns the graph and the targets' counterparts, in order."""
-    g, new, changed = _copy(targets, keep)
+    decomposition. Returns the graph and the targets' counterparts, in order.
+    ``rewrite(node, new_inputs)`` may replace a node of the original graph (first pass only)."""
+    g, new, changed = _copy(targets, keep, rewrite)
     for _ in range(8):
         if not changed:
             break

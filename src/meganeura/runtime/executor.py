@@ -30,7 +30,7 @@ class Plan:
     def __init__(self, ex, targets, n_fetch, grad_names, updates):
         dev = ex.dev
         t0 = time.perf_counter()
-        g2, new_targets = lower_to_primitives(targets, keep=codegen.has_kernel)
+        g2, new_targets = lower_to_primitives(targets, keep=codegen.has_kernel, rewrite=ex.rewrite(targets[:n_fetch]))
         max_b = int(dev.limits.get("max-storage-buffers-per-shader-stage", 8))
         sched = build_schedule(g2, new_targets, max_bindings=max_b)
         rendered = []
@@ -86,12 +86,30 @@ class GpuExecutor:
         self.dev = get_device()
         self.recorder = StepRecorder(self.dev)
         self.program, self.values, self.precision = program, values, precision
+        if precision == "accelerated" and not self.dev.has_f16:
+            import warnings
+            warnings.warn(f"{self.dev.name} has no shader-f16: accelerated precision runs as strict")
+            self.precision = "strict"
         self.buffers: dict = {}
         self.plans: dict = {}
         self.last_plan = None
         self._dtypes = {t.name: t for t in program.graph.nodes if t.op in ("input", "parameter", "state")}
         for name, arr in values.items():
             self.set_value(name, arr)
+
+    def rewrite(self, forward_targets):
+        """Accelerated precision: forward matmuls (those the fetched outputs and loss depend
+        on) read f16 operands and accumulate in f32; the backward graph stays f32."""
+        if self.precision != "accelerated" or not forward_targets:
+            return None
+        from ..reference import needed_nodes
+        forward = {t.id for t in needed_nodes(forward_targets)}
+
+        def rw(t, ins):
+            if t.op == "matmul" and t.id in forward and t.dtype.name == "f32" and not t.attrs.get("out_dtype"):
+                return codegen.matmul.accelerate(ins[0], ins[1], t.attrs["ta"], t.attrs["tb"])
+            return None
+        return rw
 
     # --------------------------------------------------------------- buffers
     def named_buffer(self, name, nbytes):
@@ -124,6 +142,18 @@ class GpuExecutor:
             targets = fetches + [p.grads[n] for n in grad_names] + [v for _, v in upd]
             self.plans[phase] = Plan(self, targets, len(fetches), grad_names, upd)
         return self.plans[phase]
+
+    def profile(self, feeds: dict, phase: str, path=None):
+        """Run ``phase`` once with GPU timestamps around every dispatch; returns the
+        per-kernel table and writes a Chrome/Perfetto trace to ``path`` if given."""
+        from .profiler import kernel_table
+        plan = self.plan(phase)
+        for name, arr in feeds.items():
+            self.set_value(name, arr)
+        ts = self.recorder.run(plan.step, timestamps=True)
+        if path:
+            write_chrome_trace(path, plan.names, ts)
+        return kernel_table(plan.names, ts)
 
     def execute(self, feeds: dict, phase: str):
         plan = self.plan(phase)
