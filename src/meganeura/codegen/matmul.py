@@ -40,6 +40,55 @@ def choose_tile(M, N, nb):
     return 128 if -(-M // 128) * -(-N // 128) * nb >= 128 else 64
 
 
+def _ind(lines, n):
+    return "\n".join(" " * n + ln for ln in lines)
+
+
+def _operand(name, view, trans_contig_t, dim_t, K, T, V, tile0, binding, off, chk_t, chk_k, reg, allow_vec=True):
+    """WGSL that fetches one operand's K-step tile into register ``reg`` and stores it into
+    workgroup memory ``name`` (laid out [k][t] as vec4 over t).
+
+    ``trans_contig_t``: the operand is contiguous along the tile's T dimension (A stored
+    (K, M) or B stored (K, N)); else contiguous along K. Returns (vec4 binding?, fetch, store)."""
+    vec = (dim_t % 4 == 0) if trans_contig_t else (K % 4 == 0)
+    vec = vec and allow_vec and view.offset % 4 == 0 and view.dtype.name == "f32"
+    total = T * TK // 4 if vec else T * TK
+    per = -(-total // 256)
+    guard = f"v < {total}u" if total % 256 else ""
+    ld = dim_t if trans_contig_t else K
+    if trans_contig_t:
+        idx = f"let kk = v / {V if vec else T}u; let tt = (v % {V if vec else T}u){' * 4u' if vec else ''};"
+    else:
+        idx = f"let tt = v / {TK // 4 if vec else TK}u; let kk = (v % {TK // 4 if vec else TK}u){' * 4u' if vec else ''};"
+    at = f"{off} + (k0 + kk) * {ld}u + {tile0} + tt" if trans_contig_t else f"{off} + ({tile0} + tt) * {K}u + k0 + kk"
+    conds = [c for c, on in ((f"{tile0} + tt < {dim_t}u", chk_t), (f"k0 + kk < {K}u", chk_k)) if on]
+    last = view.offset + view.size - 1
+    if vec:
+        read = f"b{binding}[({at}) / 4u]"
+        zero = "vec4<f32>(0.0)"
+        lastv = last // 4
+    else:
+        read = f"f32(b{binding}[{at}])"
+        zero = "0.0"
+        lastv = last
+    if conds:
+        read = read.replace(f"[({at}) / 4u]", f"[min(({at}) / 4u, {lastv}u)]") if vec else \
+            read.replace(f"[{at}]", f"[min({at}, {lastv}u)]")
+        read = f"select({zero}, {read}, {' && '.join(conds)})"
+    ty = "vec4<f32>" if vec else "f32"
+    fetch = [f"for (var l = 0u; l < {per}u; l = l + 1u) {{", f"    let v = tid + l * 256u;"]
+    fetch += ([f"    if ({guard}) {{"] if guard else []) + [f"    {idx}", f"    {reg}[l] = {read};"] + (["    }"] if guard else []) + ["}"]
+    if vec and trans_contig_t:
+        st = [f"    {name}[base + kk * {V}u + tt / 4u] = {reg}[l];"]
+    elif vec:
+        st = [f"    {name}[base + (kk + {j}u) * {V}u + tt / 4u][tt % 4u] = {reg}[l][{j}];" for j in range(4)]
+    else:
+        st = [f"    {name}[base + kk * {V}u + tt / 4u][tt % 4u] = {reg}[l];"]
+    store = [f"for (var l = 0u; l < {per}u; l = l + 1u) {{", f"    let v = tid + l * 256u;"]
+    store += ([f"    if ({guard}) {{"] if guard else []) + [f"    {idx}"] + st + (["    }"] if guard else []) + ["}"]
+    return vec, f"array<{ty}, {per}>", fetch, store
+
+
 def render(kernel):
     if kernel.spec.get("gemv"):
         return render_gemv(kernel)
@@ -54,8 +103,8 @@ def render(kernel):
     V = T // 4                   # vec4s per tile row in workgroup memory
     sa = contiguous_batch_strides(a.shape[:-2], batch, a.shape[-2] * a.shape[-1])
     sb = contiguous_batch_strides(bv.shape[:-2], batch, bv.shape[-2] * bv.shape[-1])
-    bind = Bindings()
-    ob, ab, bb = bind.index(out.buf, out.dtype), bind.index(a.buf, a.dtype), bind.index(bv.buf, bv.dtype)
+    # static shapes: bounds checks only where a dimension is not a multiple of its tile
+    chk_m, chk_n, chk_k = M % T != 0, N % T != 0, K % TK != 0
     bl = ["    var br = wid.z;"]
     aoff, boff = [f"{a.offset}u"], [f"{bv.offset}u"]
     for d in range(len(batch) - 1, -1, -1):
@@ -64,25 +113,18 @@ def render(kernel):
             aoff.append(f"z{d} * {sa[d]}u")
         if sb[d]:
             boff.append(f"z{d} * {sb[d]}u")
-    # static shapes: bounds checks only where a dimension is not a multiple of its tile
-    chk_m, chk_n, chk_k = M % T != 0, N % T != 0, K % TK != 0
-    loads = T * TK // 256        # elements of each operand tile per thread per K step
-    if ta:                       # A stored (K, M): consecutive threads walk m
-        a_idx = f"let kk = e / {T}u; let mm = e % {T}u;"
-        a_at = f"aoff + gk * {M}u + gm"
-    else:                        # A stored (M, K): consecutive threads walk k
-        a_idx = f"let mm = e / {TK}u; let kk = e % {TK}u;"
-        a_at = f"aoff + gm * {K}u + gk"
-    if tb:
-        b_idx = f"let nn = e / {TK}u; let kb = e % {TK}u;"
-        b_at = f"boff + gn * {K}u + gkb"
-    else:
-        b_idx = f"let kb = e / {T}u; let nn = e % {T}u;"
-        b_at = f"boff + gkb * {N}u + gn"
-    a_cond = " && ".join(c for c, on in (("gm < %du" % M, chk_m), ("gk < %du" % K, chk_k)) if on)
-    b_cond = " && ".join(c for c, on in (("gn < %du" % N, chk_n), ("gkb < %du" % K, chk_k)) if on)
-    a_load = f"f32(b{ab}[{a_at}])" if not a_cond else f"select(0.0, f32(b{ab}[min({a_at}, {a.offset + a.size - 1}u)]), {a_cond})"
-    b_load = f"f32(b{bb}[{b_at}])" if not b_cond else f"select(0.0, f32(b{bb}[min({b_at}, {bv.offset + bv.size - 1}u)]), {b_cond})"
+    # operand bindings: vec4 arrays where the layout allows 16-byte loads
+    bind = Bindings()
+    ob, ab, bb = bind.index(out.buf, out.dtype), bind.index(a.buf, a.dtype), bind.index(bv.buf, bv.dtype)
+    a_vec, a_reg, a_fetch, a_store = _operand("As", a, ta, M, K, T, V, "row0", ab, "aoff", chk_m, chk_k, "ra")
+    b_vec, b_reg, b_fetch, b_store = _operand("Bs", bv, not tb, N, K, T, V, "col0", bb, "boff", chk_n, chk_k, "rb")
+    if ab == bb and a_vec != b_vec:     # one buffer, one declared type: fall back to scalars
+        a_vec, a_reg, a_fetch, a_store = _operand("As", a, ta, M, K, T, V, "row0", ab, "aoff", chk_m, chk_k, "ra", False)
+        b_vec, b_reg, b_fetch, b_store = _operand("Bs", bv, not tb, N, K, T, V, "col0", bb, "boff", chk_n, chk_k, "rb", False)
+    if a_vec:
+        bind.types[ab] = "vec4<f32>"
+    if b_vec:
+        bind.types[bb] = "vec4<f32>"
     fma = []
     for g in range(G):
         fma.append(f"            let a{g} = As[kk * {V}u + {16 * g}u + ty];")
@@ -117,22 +159,14 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_id) lid
     let boff = {" + ".join(boff)};
     let coff = {out.offset}u + wid.z * {M * N}u;
     var acc: array<vec4<f32>, {4 * G * G}>;
-    var ra: array<f32, {loads}>;
-    var rb: array<f32, {loads}>;
+    var ra: {a_reg};
+    var rb: {b_reg};
     // double-buffered tiles: the next K step is fetched into registers while this one
     // is multiplied, then stored into the other half; one barrier per step
     for (var t = 0u; t <= {nk}u; t = t + 1u) {{
         if (t < {nk}u) {{
             let k0 = t * {TK}u;
-            for (var l = 0u; l < {loads}u; l = l + 1u) {{
-                let e = tid + l * 256u;
-                {a_idx}
-                let gm = row0 + mm; let gk = k0 + kk;
-                ra[l] = {a_load};
-                {b_idx}
-                let gn = col0 + nn; let gkb = k0 + kb;
-                rb[l] = {b_load};
-            }}
+{_ind(a_fetch + b_fetch, 12)}
         }}
         if (t > 0u) {{
             let base = ((t - 1u) % 2u) * {TK * V}u;
@@ -142,13 +176,7 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_id) lid
         }}
         if (t < {nk}u) {{
             let base = (t % 2u) * {TK * V}u;
-            for (var l = 0u; l < {loads}u; l = l + 1u) {{
-                let e = tid + l * 256u;
-                {a_idx}
-                As[base + kk * {V}u + mm / 4u][mm % 4u] = ra[l];
-                {b_idx}
-                Bs[base + kb * {V}u + nn / 4u][nn % 4u] = rb[l];
-            }}
+{_ind(a_store + b_store, 12)}
         }}
         workgroupBarrier();
     }}
