@@ -224,7 +224,9 @@ def test_sampling_rules():
     assert a == b
 
 
-def test_generate_text_with_tokenizer(gen_model, tmp_path):
+@pytest.fixture
+def tiny_folder(gen_model, tmp_path):
+    """A model folder as transformers writes it, plus a word-level tokenizer.json."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     tok = Tokenizer(models.WordLevel(unk_token="[UNK]"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
@@ -237,13 +239,24 @@ def test_generate_text_with_tokenizer(gen_model, tmp_path):
     tok.train_from_iterator(sentences, trainers.WordLevelTrainer(vocab_size=64, special_tokens=["[UNK]"]))
     assert tok.get_vocab_size() == 64      # every model id decodes to a word
     tok.save(str(tmp_path / "tokenizer.json"))
-    model = gen_model
-    model.save_pretrained(tmp_path)
-    pieces = []
-    text = generate_text(tmp_path, "the quick brown fox", 6, backend="numpy", stream=pieces.append)
+    gen_model.save_pretrained(tmp_path)
     ids = tok.encode("the quick brown fox").ids
     with torch.no_grad():
-        ref = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                             do_sample=False, max_new_tokens=6)[0, len(ids):].tolist()
-    assert text == tok.decode(ref)
+        ref = gen_model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                                 do_sample=False, max_new_tokens=6)[0, len(ids):].tolist()
+    return tmp_path, tok, tok.decode(ref)
+
+
+def test_generate_text_with_tokenizer(tiny_folder):
+    folder, tok, want = tiny_folder
+    pieces = []
+    text = generate_text(folder, "the quick brown fox", 6, backend="numpy", stream=pieces.append)
+    assert text == want
     assert "".join(pieces) == text and len(pieces) > 1
+
+
+def test_generate_cli_streams_greedy_tokens_on_gpu(tiny_folder, capsys):
+    from meganeura.cli import main
+    folder, _, want = tiny_folder
+    main(["generate", "--model", str(folder), "--prompt", "the quick brown fox", "--max-new-tokens", "6"])
+    assert capsys.readouterr().out.strip() == ("the quick brown fox" + want).strip()

@@ -164,3 +164,29 @@ def test_accelerated_precision_uses_f16_forward_and_passes_gates():
     print(f"accelerated vs strict: loss error {loss_err:.2e}, per-parameter gradient-norm error {grad_err:.2e}")
     assert loss_err < 1e-2 and grad_err < 5e-2
     assert loss_err > 0   # f16 operands really changed the arithmetic
+
+
+@pytest.mark.parametrize("backend", ["numpy", "gpu"])
+def test_sessions_share_parameters_and_state(backend):
+    def graph(batch):
+        g = mg.Graph()
+        x = g.input("x", (batch, 3))
+        total = g.state("seen", (3,), init=0.0)
+        y = mg.ops.linear(x, g.parameter("w", (2, 3)))
+        return g, x, y, total, total + mg.ops.sum(x, 0)
+
+    g1, _, y1, t1, n1 = graph(4)
+    g2, _, y2, t2, n2 = graph(1)
+    a = mg.compile(g1, outputs=[y1], state_updates={t1: n1}, backend=backend)
+    b = mg.compile(g2, outputs=[y2, n2], state_updates={t2: n2}, backend=backend, share_with=a)
+    w = np.arange(6, dtype=np.float32).reshape(2, 3)
+    a.load_state_dict({"w": w})
+    x1, x2 = np.ones((4, 3), np.float32), np.full((1, 3), 2.0, np.float32)
+    a.run({"x": x1})
+    out, seen = b.run({"x": x2})
+    np.testing.assert_allclose(out, x2 @ w.T)          # b sees the weights loaded into a
+    np.testing.assert_allclose(seen, [6, 6, 6])         # and the state a updated
+    g3 = mg.Graph()
+    g3.parameter("w", (3, 3))
+    with pytest.raises(ValueError, match="share_with: 'w' is \\(2, 3\\) float32 in the other session"):
+        mg.compile(g3, outputs=[g3["w"]], backend=backend, share_with=a)

@@ -80,7 +80,8 @@ class Program:
 class Session:
     """A compiled graph on one backend. See ``mg.compile``."""
 
-    def __init__(self, graph, outputs, loss, optimizer, backend, precision, seed, accumulate=1, state_updates=None):
+    def __init__(self, graph, outputs, loss, optimizer, backend, precision, seed, accumulate=1, state_updates=None,
+                 share_with=None):
         if backend not in BACKENDS:
             raise ValueError(f"unknown backend {backend!r}; choose one of {BACKENDS}")
         if precision not in PRECISIONS:
@@ -128,15 +129,31 @@ class Session:
         # every input the program reads must be fed; inputs it never reads may be omitted
         self.feeds = {n: t for n, t in graph.inputs.items() if not n.startswith(SCALAR_PREFIX)}
         self.required = {n for n, t in self.feeds.items() if t.id in used}
-        self.values = {t.name: default_init(t, seed) if t.op == "parameter" else
-                       np.full(t.shape, t.attrs["init"], t.dtype.np) if not isinstance(t.attrs["init"], np.ndarray)
-                       else t.attrs["init"].astype(t.dtype.np) for t in self.program.kept}
+        fresh = {t.name: default_init(t, seed) if t.op == "parameter" else
+                 np.full(t.shape, t.attrs["init"], t.dtype.np) if not isinstance(t.attrs["init"], np.ndarray)
+                 else t.attrs["init"].astype(t.dtype.np) for t in self.program.kept}
+        shared = None
+        if share_with is not None:
+            # one copy of parameters and state (by name) serves both sessions
+            if share_with.backend != backend:
+                raise ValueError(f"share_with: backends differ ({share_with.backend} vs {backend})")
+            for t in self.program.kept:
+                other = share_with.values.get(t.name)
+                if other is not None and (other.shape != t.shape or other.dtype != t.dtype.np):
+                    raise ValueError(f"share_with: {t.name!r} is {fmt_shape(other.shape)} {other.dtype} in the "
+                                     f"other session, {fmt_shape(t.shape)} {t.dtype.name} here")
+            self.values = share_with.values
+            for n, v in fresh.items():
+                self.values.setdefault(n, v)
+            shared = share_with.executor
+        else:
+            self.values = fresh
         if backend == "numpy":
             from .reference import NumpyExecutor
             self.executor = NumpyExecutor(self.program, self.values)
         else:
             from .runtime.executor import GpuExecutor
-            self.executor = GpuExecutor(self.program, self.values, precision=precision)
+            self.executor = GpuExecutor(self.program, self.values, precision=precision, share_with=shared)
 
     # ----------------------------------------------------------------- state in/out
     def load_state_dict(self, state: dict, strict: bool = True):
@@ -238,16 +255,18 @@ class Session:
 
 
 def compile(graph: Graph, outputs=None, loss=None, optimizer=None, backend="numpy",
-            precision="strict", seed=0, accumulate=1, state_updates=None) -> Session:
+            precision="strict", seed=0, accumulate=1, state_updates=None, share_with=None) -> Session:
     """Compile ``graph`` for inference (``outputs``) or training (``loss`` + ``optimizer``).
 
     backend: "numpy" (the reference interpreter) or "gpu" (WGSL through wgpu).
     precision: "strict" (f32 everywhere) or "accelerated" (f16 operands for forward matmuls).
     accumulate: optimizer update every ``accumulate`` calls of ``step`` with the mean gradient.
     state_updates: {state tensor: new value} applied by every ``run`` (e.g. a KV cache).
+    share_with: another Session whose parameters and state (same names) this one uses
+    instead of its own copy (e.g. prefill and decode programs of one model).
     """
     if outputs is None and loss is None:
         raise ValueError("compile: give outputs= (inference) and/or loss= (training)")
     if isinstance(outputs, Tensor):
         outputs = [outputs]
-    return Session(graph, outputs, loss, optimizer, backend, precision, seed, accumulate, state_updates)
+    return Session(graph, outputs, loss, optimizer, backend, precision, seed, accumulate, state_updates, share_with)

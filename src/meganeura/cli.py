@@ -56,6 +56,21 @@ def cmd_train_demo(args):
     return 0 if acc >= 0.9 else 1
 
 
+def cmd_generate(args):
+    """Stream a continuation of ``--prompt`` from a Hugging Face Llama-family folder."""
+    from .models.generate import LlamaGenerator, generate_text
+    t0 = time.perf_counter()
+    model = LlamaGenerator.from_pretrained(args.model, backend=args.backend, precision=args.precision)
+    print(f"loaded {args.model} in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
+    print(args.prompt, end="", flush=True)
+    t1 = time.perf_counter()
+    text = generate_text(args.model, args.prompt, args.max_new_tokens, args.temperature, args.top_k, args.top_p,
+                         args.seed, args.backend, stream=lambda piece: print(piece, end="", flush=True),
+                         model=model)
+    print()
+    print(f"{len(text)} characters in {time.perf_counter() - t1:.1f} s (compiles included)", file=sys.stderr)
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(prog="meganeura", description="Portable GPU training and inference (wgpu).")
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -70,6 +85,17 @@ def main(argv=None):
     d.add_argument("--out", default="digits_mlp.safetensors")
     d.add_argument("--quiet", action="store_true")
     d.set_defaults(fn=cmd_train_demo)
+    gen = sub.add_parser("generate", help="generate text with a Hugging Face Llama-family model folder")
+    gen.add_argument("--model", required=True, help="folder with config.json, model.safetensors, tokenizer.json")
+    gen.add_argument("--prompt", required=True)
+    gen.add_argument("--max-new-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 means greedy")
+    gen.add_argument("--top-k", type=int, default=None)
+    gen.add_argument("--top-p", type=float, default=None)
+    gen.add_argument("--seed", type=int, default=0)
+    gen.add_argument("--backend", default="gpu", choices=["gpu", "numpy"])
+    gen.add_argument("--precision", default="strict", choices=["strict", "accelerated"])
+    gen.set_defaults(fn=cmd_generate)
     args = p.parse_args(argv)
     os.environ.setdefault("XDG_RUNTIME_DIR", "/tmp")
     return args.fn(args) or 0

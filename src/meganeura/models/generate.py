@@ -3,8 +3,9 @@
 Two compiled graphs (``llama.build_decoder``): one runs the whole prompt at once and fills
 the cache, the other feeds one token per call. Shapes are static, so the cache has a fixed
 capacity (prompt + new tokens, rounded up to ``CACHE_ROUND`` so nearby lengths share a
-compiled decode graph) and the position enters as fed tables. The cache travels as
-graph inputs and outputs, kept on the host between calls. Sampling runs on the host from
+compiled decode graph) and the position enters as fed tables. The cache is device state
+(``state_updates``) shared by the prefill and decode programs, which also share one copy
+of the weights (``share_with``): nothing but ids and logits crosses to the host per token. Sampling runs on the host from
 the fetched logits (greedy, temperature, top-k, top-p), in transformers' order.
 """
 from __future__ import annotations
@@ -36,20 +37,24 @@ class LlamaGenerator:
     def session(self, batch: int, tokens: int, max_len: int):
         key = (batch, tokens, max_len)
         if key not in self.sessions:
-            g, logits, cache = llama.build_decoder(self.config, batch, tokens, max_len)
-            s = api.compile(g, outputs=[logits] + cache, backend=self.backend, precision=self.precision)
-            s.load_state_dict(llama.graph_state_dict(g, self.state))
+            g, logits, cache = llama.build_decoder(self.config, batch, tokens, max_len, cache_as_state=True)
+            past = [g.states[n] for n in llama.cache_names(self.config)]
+            # programs with the same cache shape share weights and cache on the device
+            peer = next((s for (b, _, m), s in self.sessions.items() if (b, m) == (batch, max_len)), None)
+            s = api.compile(g, outputs=[logits], state_updates=dict(zip(past, cache)), backend=self.backend,
+                            precision=self.precision, share_with=peer)
+            if peer is None:
+                s.load_state_dict(llama.graph_state_dict(g, self.state), strict=True)
             self.sessions[key] = s
         return self.sessions[key]
 
-    def forward(self, ids: np.ndarray, start: int, cache: list, max_len: int):
-        """Run ``ids`` (batch, tokens) at positions start..; returns (last logits, new cache)."""
+    def forward(self, ids: np.ndarray, start: int, max_len: int):
+        """Run ``ids`` (batch, tokens) at positions start.. against the device cache; returns
+        the last token's logits."""
         b, t = ids.shape
         feeds = llama.decode_feeds(self.config, start, t, max_len)
         feeds["input_ids"] = ids
-        feeds.update(zip(llama.cache_names(self.config), cache))
-        out = self.session(b, t, max_len).run(feeds)
-        return out[0], out[1:]
+        return self.session(b, t, max_len).run(feeds)[0]
 
     def generate(self, prompt_ids, max_new_tokens, temperature=0.0, top_k=None, top_p=None, seed=0,
                  stream=None, eos_token_id=None, stop_at_eos=True):
@@ -67,10 +72,9 @@ class LlamaGenerator:
         eos = cfg.eos_token_id if eos_token_id is None else eos_token_id
         eos = set() if (eos is None or not stop_at_eos) else set(np.atleast_1d(eos).tolist())
         max_len = -(-(p + max_new_tokens) // CACHE_ROUND) * CACHE_ROUND
-        shape = (b, cfg.num_key_value_heads, max_len, cfg.head_dim)
-        cache = [np.zeros(shape, np.float32) for _ in llama.cache_names(cfg)]
         rng = np.random.default_rng(seed)
-        logits, cache = self.forward(ids.astype(np.int32), 0, cache, max_len)
+        # slots past a token's position are masked out, so stale cache contents never matter
+        logits = self.forward(ids.astype(np.int32), 0, max_len)
         out, done, pos = [], np.zeros(b, bool), p
         while True:
             nxt = sample(logits, temperature, top_k, top_p, rng)
@@ -82,7 +86,7 @@ class LlamaGenerator:
             done |= np.isin(nxt, list(eos))
             if len(out) == max_new_tokens or done.all():
                 break
-            logits, cache = self.forward(nxt[:, None].astype(np.int32), pos, cache, max_len)
+            logits = self.forward(nxt[:, None].astype(np.int32), pos, max_len)
             pos += 1
         res = np.stack(out, 1).tolist()
         return res[0] if one else res

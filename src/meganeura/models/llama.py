@@ -224,7 +224,7 @@ def cache_names(cfg: LlamaConfig):
     return [f"past.{i}.{kv}" for i in range(cfg.num_hidden_layers) for kv in ("key", "value")]
 
 
-def build_decoder(cfg: LlamaConfig, batch: int, tokens: int, max_len: int):
+def build_decoder(cfg: LlamaConfig, batch: int, tokens: int, max_len: int, cache_as_state: bool = False):
     """``tokens`` new tokens against a key/value cache of ``max_len`` positions.
 
     Inputs (see ``decode_feeds`` to make them):
@@ -235,7 +235,8 @@ def build_decoder(cfg: LlamaConfig, batch: int, tokens: int, max_len: int):
       cache_write (max_len, tokens): cache_write[m, t] = 1 if token t is stored in slot m;
       past.{i}.key / past.{i}.value (batch, kv_heads, max_len, head_dim): the cache.
     Returns (graph, logits of the last token (batch, vocab), new caches in ``cache_names``
-    order). The cache update is a blend, cache * (1 - written) + cache_write @ k_new, so a
+    order). With ``cache_as_state`` the caches are ``g.state`` tensors (kept on the device;
+    compile with ``state_updates`` mapping them to the new caches) instead of inputs. The cache update is a blend, cache * (1 - written) + cache_write @ k_new, so a
     slot is replaced exactly where a token is written."""
     g = Graph()
     hd, nkv = cfg.head_dim, cfg.num_key_value_heads
@@ -244,7 +245,8 @@ def build_decoder(cfg: LlamaConfig, batch: int, tokens: int, max_len: int):
     sin = g.input("rope_sin", (tokens, hd))
     mask = g.input("attn_mask", (tokens, max_len))
     write = g.input("cache_write", (max_len, tokens))
-    past = [g.input(n, (batch, nkv, max_len, hd)) for n in cache_names(cfg)]
+    make = g.state if cache_as_state else g.input
+    past = [make(n, (batch, nkv, max_len, hd)) for n in cache_names(cfg)]
     embed, layers, norm, head = _params(g, cfg)
     keep = 1.0 - ops.sum(write, 1, keepdim=True)             # (max_len, 1): slots not written
     new_cache = []

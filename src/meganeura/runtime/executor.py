@@ -82,7 +82,7 @@ class Plan:
 
 
 class GpuExecutor:
-    def __init__(self, program, values: dict, precision="strict"):
+    def __init__(self, program, values: dict, precision="strict", share_with=None):
         self.dev = get_device()
         self.recorder = StepRecorder(self.dev)
         self.program, self.values, self.precision = program, values, precision
@@ -90,12 +90,20 @@ class GpuExecutor:
             import warnings
             warnings.warn(f"{self.dev.name} has no shader-f16: accelerated precision runs as strict")
             self.precision = "strict"
-        self.buffers: dict = {}
         self.plans: dict = {}
         self.last_plan = None
         self._dtypes = {t.name: t for t in program.graph.nodes if t.op in ("input", "parameter", "state")}
+        self.input_buffers: dict = {}    # inputs are never shared: shapes differ per program
+        if share_with is not None:       # parameters and state shared with another session
+            self.buffers = share_with.buffers
+            kept = {n: t for n, t in self._dtypes.items() if t.op != "input"}
+            self._dtypes = {**{n: t for n, t in share_with._dtypes.items() if t.op != "input"}, **self._dtypes}
+            share_with._dtypes.update(kept)
+        else:
+            self.buffers = {}
         for name, arr in values.items():
-            self.set_value(name, arr)
+            if name not in self.buffers:
+                self.set_value(name, arr)
 
     def rewrite(self, forward_targets):
         """Accelerated precision: forward matmuls (those the fetched outputs and loss depend
@@ -113,10 +121,12 @@ class GpuExecutor:
 
     # --------------------------------------------------------------- buffers
     def named_buffer(self, name, nbytes):
-        b = self.buffers.get(name)
+        t = self._dtypes.get(name)
+        pool = self.input_buffers if t is not None and t.op == "input" else self.buffers
+        b = pool.get(name)
         if b is None:
             b = self.dev.create_buffer(nbytes, label=name)
-            self.buffers[name] = b
+            pool[name] = b
         return b
 
     def set_value(self, name, arr):
