@@ -1,9 +1,15 @@
 """Low-level GPU runtime: device, pipelines, one-pass step recording, profiling."""
+import os
+import tempfile
+
+# Mesa's Vulkan loader complains on every adapter query when this is unset (headless
+# machines, CI); compute needs no display, so any private folder will do.
+os.environ.setdefault("XDG_RUNTIME_DIR", tempfile.gettempdir())
 
 from .device import Device, Pipeline, get_device, enumerate_adapters, adapter_summary, \
-    is_software_adapter
-from .recorder import PreparedStep, StepRecorder
-from .profiler import format_kernel_table, kernel_table, write_chrome_trace
+    is_software_adapter  # noqa: E402
+from .recorder import PreparedStep, StepRecorder  # noqa: E402
+from .profiler import format_kernel_table, kernel_table, write_chrome_trace  # noqa: E402
 
 __all__ = [
     "Device", "Pipeline", "get_device", "StepRecorder", "PreparedStep",
