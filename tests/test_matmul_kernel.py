@@ -1,5 +1,5 @@
-"""The matmul kernel at tile boundaries, with and without bounds checks, both tile sizes,
-transposed operands and broadcast batches, against NumPy in float64."""
+"""The matmul kernel at tile boundaries, with and without bounds checks, every tile size,
+split K, transposed operands and broadcast batches, against NumPy in float64."""
 import numpy as np
 import pytest
 
@@ -10,11 +10,12 @@ SHAPES = [((1, 40), (40, 300)), ((3, 2, 33), (33, 17)), ((4, 64), (64, 9)),
           ((2, 1, 70, 24), (3, 24, 129)), ((2, 130, 20), (20, 132)), ((256, 64), (64, 128))]
 
 
-@pytest.mark.parametrize("tile", ["64", "128"])
+@pytest.mark.parametrize("tile,split", [("32", "1"), ("64", "1"), ("128", "1"), ("32", "3"), ("64", "2")])
 @pytest.mark.parametrize("ta,tb", [(False, False), (True, False), (False, True), (True, True)])
 @pytest.mark.parametrize("sa,sb", SHAPES, ids=[f"{a}x{b}" for a, b in SHAPES])
-def test_matmul_kernel(monkeypatch, tile, ta, tb, sa, sb):
+def test_matmul_kernel(monkeypatch, tile, split, ta, tb, sa, sb):
     monkeypatch.setenv("MEGANEURA_MATMUL_TILE", tile)
+    monkeypatch.setenv("MEGANEURA_MATMUL_SPLIT", split)
     rng = np.random.default_rng(0)
     A, B = rng.standard_normal(sa).astype(np.float32), rng.standard_normal(sb).astype(np.float32)
     if ta:

@@ -158,7 +158,12 @@ def build_schedule(graph, targets: list[Tensor], target_kinds=None, max_bindings
         out = View.contiguous(new_buf(t, kind), t.shape, t.dtype)
         mat = lambda v, tt: _materialize(v, tt, kernels, new_buf)  # noqa: E731
         ins = [mat(v, i) if isinstance(v, tuple) else v for v, i in ((_read(values, i), i) for i in t.inputs)]
-        for k in lower(t, ins, out, materialize=mat):
+        def temp(shape, dtype, _t=t):
+            b = Buf(max(4, int(np.prod(shape)) * dtype.np.itemsize), "temp", f"{_t.name}.part", dtype)
+            bufs.append(b)
+            return View.contiguous(b, shape, dtype)
+        extra = {"temp": temp} if t.op == "matmul" else {}
+        for k in lower(t, ins, out, materialize=mat, **extra):
             kernels.append(k)
         values[t.id] = out
     return Schedule(kernels, values, bufs, targets)

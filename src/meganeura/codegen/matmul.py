@@ -16,11 +16,23 @@ from ..schedule import Kernel
 from .common import Bindings, contiguous_batch_strides
 
 
-def lower_matmul(t, ins, out, materialize):
+def lower_matmul(t, ins, out, materialize, temp=None):
     a, b = (materialize(v, x) for v, x in zip(ins, t.inputs))
     m, n = t.shape[-2:]
-    kind = "gemv" if m <= GEMV_MAX_ROWS and -(-n // 8) <= 65535 else "matmul"
-    return [Kernel(kind, "matmul", {"ta": t.attrs["ta"], "tb": t.attrs["tb"], "gemv": kind == "gemv"}, out, [a, b])]
+    k = t.inputs[0].shape[-2] if t.attrs["ta"] else t.inputs[0].shape[-1]
+    spec = {"ta": t.attrs["ta"], "tb": t.attrs["tb"], "batch": tuple(t.shape[:-2])}
+    if m <= GEMV_MAX_ROWS and -(-n // 8) <= 65535:
+        return [Kernel("gemv", "matmul", {**spec, "gemv": True}, out, [a, b])]
+    nb = int(np.prod(t.shape[:-2], dtype=np.int64))
+    tile, split = plan_tiles(m, n, k, nb)
+    spec.update(tile=tile, split=split)
+    if split == 1 or temp is None:
+        return [Kernel("matmul", "matmul", {**spec, "split": 1}, out, [a, b])]
+    # split-K: partial products side by side, then one reduction over the splits
+    part = temp((nb, split, m, n), out.dtype)
+    red = Kernel("matmul.splitk_sum", "reduce", {"kind": "sum", "dims": (1,)},
+                 out, [part])
+    return [Kernel("matmul", "matmul", spec, part, [a, b]), red]
 
 
 def accelerate(a, b, ta, tb):
@@ -29,22 +41,41 @@ def accelerate(a, b, ta, tb):
     return emit("matmul", [cast(a, "f16"), cast(b, "f16")], ta=ta, tb=tb, out_dtype="f32")
 
 
-TK = int(os.environ.get("MEGANEURA_MATMUL_TK", "8"))
+TK = 8
 
 
-def choose_tile(M, N, nb):
-    """128x128 tiles when there are enough of them to fill a large GPU, else 64x64."""
+TARGET_GROUPS = 256   # enough workgroups to occupy a large GPU (an H200 has 132 SMs)
+
+
+def plan_tiles(M, N, K, nb):
+    """(tile, K splits): the largest tile that still yields enough workgroups; small
+    products use 32-wide tiles and split K so that more workgroups share the work."""
+    tiles = lambda t: -(-M // t) * -(-N // t) * nb  # noqa: E731
     forced = os.environ.get("MEGANEURA_MATMUL_TILE")
     if forced:
-        return int(forced)
-    return 128 if -(-M // 128) * -(-N // 128) * nb >= 128 else 64
+        tile = int(forced)
+    elif tiles(128) >= TARGET_GROUPS // 2:
+        tile = 128
+    elif tiles(64) >= TARGET_GROUPS // 4:
+        tile = 64
+    else:
+        tile = 32
+    split = int(os.environ.get("MEGANEURA_MATMUL_SPLIT", "0")) or \
+        max(1, min(-(-TARGET_GROUPS // tiles(tile)), K // 128, 16))
+    return tile, -(-K // split_k(K, split))   # no empty splits
+
+
+def split_k(K, split):
+    """K per split: a whole number of K steps."""
+    return -(-(-(-K // split)) // TK) * TK
 
 
 def _ind(lines, n):
     return "\n".join(" " * n + ln for ln in lines)
 
 
-def _operand(name, view, trans_contig_t, dim_t, K, T, V, tile0, binding, off, chk_t, chk_k, reg, allow_vec=True):
+def _operand(name, view, trans_contig_t, dim_t, K, T, V, tile0, binding, off, chk_t, chk_k, reg, allow_vec=True,
+             threads=256):
     """WGSL that fetches one operand's K-step tile into register ``reg`` and stores it into
     workgroup memory ``name`` (laid out [k][t] as vec4 over t).
 
@@ -53,15 +84,15 @@ def _operand(name, view, trans_contig_t, dim_t, K, T, V, tile0, binding, off, ch
     vec = (dim_t % 4 == 0) if trans_contig_t else (K % 4 == 0)
     vec = vec and allow_vec and view.offset % 4 == 0 and view.dtype.name == "f32"
     total = T * TK // 4 if vec else T * TK
-    per = -(-total // 256)
-    guard = f"v < {total}u" if total % 256 else ""
+    per = -(-total // threads)
+    guard = f"v < {total}u" if total % threads else ""
     ld = dim_t if trans_contig_t else K
     if trans_contig_t:
         idx = f"let kk = v / {V if vec else T}u; let tt = (v % {V if vec else T}u){' * 4u' if vec else ''};"
     else:
         idx = f"let tt = v / {TK // 4 if vec else TK}u; let kk = (v % {TK // 4 if vec else TK}u){' * 4u' if vec else ''};"
     at = f"{off} + (k0 + kk) * {ld}u + {tile0} + tt" if trans_contig_t else f"{off} + ({tile0} + tt) * {K}u + k0 + kk"
-    conds = [c for c, on in ((f"{tile0} + tt < {dim_t}u", chk_t), (f"k0 + kk < {K}u", chk_k)) if on]
+    conds = [c for c, on in ((f"{tile0} + tt < {dim_t}u", chk_t), ("k0 + kk < kend", chk_k)) if on]
     last = view.offset + view.size - 1
     if vec:
         read = f"b{binding}[({at}) / 4u]"
@@ -76,7 +107,7 @@ def _operand(name, view, trans_contig_t, dim_t, K, T, V, tile0, binding, off, ch
             read.replace(f"[{at}]", f"[min({at}, {lastv}u)]")
         read = f"select({zero}, {read}, {' && '.join(conds)})"
     ty = "vec4<f32>" if vec else "f32"
-    fetch = [f"for (var l = 0u; l < {per}u; l = l + 1u) {{", f"    let v = tid + l * 256u;"]
+    fetch = [f"for (var l = 0u; l < {per}u; l = l + 1u) {{", f"    let v = tid + l * {threads}u;"]
     fetch += ([f"    if ({guard}) {{"] if guard else []) + [f"    {idx}", f"    {reg}[l] = {read};"] + (["    }"] if guard else []) + ["}"]
     if vec and trans_contig_t:
         st = [f"    {name}[base + kk * {V}u + tt / 4u] = {reg}[l];"]
@@ -84,7 +115,7 @@ def _operand(name, view, trans_contig_t, dim_t, K, T, V, tile0, binding, off, ch
         st = [f"    {name}[base + (kk + {j}u) * {V}u + tt / 4u][tt % 4u] = {reg}[l][{j}];" for j in range(4)]
     else:
         st = [f"    {name}[base + kk * {V}u + tt / 4u][tt % 4u] = {reg}[l];"]
-    store = [f"for (var l = 0u; l < {per}u; l = l + 1u) {{", f"    let v = tid + l * 256u;"]
+    store = [f"for (var l = 0u; l < {per}u; l = l + 1u) {{", f"    let v = tid + l * {threads}u;"]
     store += ([f"    if ({guard}) {{"] if guard else []) + [f"    {idx}"] + st + (["    }"] if guard else []) + ["}"]
     return vec, f"array<{ty}, {per}>", fetch, store
 
@@ -96,16 +127,19 @@ def render(kernel):
     out, ta, tb = kernel.out, kernel.spec["ta"], kernel.spec["tb"]
     M, N = out.shape[-2:]
     K = a.shape[-2] if ta else a.shape[-1]
-    batch = out.shape[:-2]
+    batch = kernel.spec.get("batch", out.shape[:-2])   # split-K writes (batch, splits, M, N)
     nb = int(np.prod(batch, dtype=np.int64))
-    T = choose_tile(M, N, nb)
-    G = T // 64                  # groups of 4 rows (and columns) per thread, 64 apart
+    T, S = kernel.spec.get("tile") or plan_tiles(M, N, K, nb)[0], kernel.spec.get("split", 1)
+    W = 8 if T == 32 else 16     # threads per side
+    G = T // (4 * W)             # groups of 4 rows (and columns) per thread, 4*W apart
     V = T // 4                   # vec4s per tile row in workgroup memory
+    KC = split_k(K, S)
     sa = contiguous_batch_strides(a.shape[:-2], batch, a.shape[-2] * a.shape[-1])
     sb = contiguous_batch_strides(bv.shape[:-2], batch, bv.shape[-2] * bv.shape[-1])
     # static shapes: bounds checks only where a dimension is not a multiple of its tile
-    chk_m, chk_n, chk_k = M % T != 0, N % T != 0, K % TK != 0
-    bl = ["    var br = wid.z;"]
+    chk_m, chk_n, chk_k = M % T != 0, N % T != 0, K % KC != 0 or KC % TK != 0
+    bl = [f"    let split = wid.z % {S}u; var br = wid.z / {S}u;",
+          f"    let kbeg = split * {KC}u; let kend = min(kbeg + {KC}u, {K}u);"]
     aoff, boff = [f"{a.offset}u"], [f"{bv.offset}u"]
     for d in range(len(batch) - 1, -1, -1):
         bl.append(f"    let z{d} = br % {batch[d]}u; br = br / {batch[d]}u;")
@@ -116,19 +150,24 @@ def render(kernel):
     # operand bindings: vec4 arrays where the layout allows 16-byte loads
     bind = Bindings()
     ob, ab, bb = bind.index(out.buf, out.dtype), bind.index(a.buf, a.dtype), bind.index(bv.buf, bv.dtype)
-    a_vec, a_reg, a_fetch, a_store = _operand("As", a, ta, M, K, T, V, "row0", ab, "aoff", chk_m, chk_k, "ra")
-    b_vec, b_reg, b_fetch, b_store = _operand("Bs", bv, not tb, N, K, T, V, "col0", bb, "boff", chk_n, chk_k, "rb")
+    th = W * W
+    a_vec, a_reg, a_fetch, a_store = _operand("As", a, ta, M, K, T, V, "row0", ab, "aoff", chk_m, chk_k, "ra",
+                                              threads=th)
+    b_vec, b_reg, b_fetch, b_store = _operand("Bs", bv, not tb, N, K, T, V, "col0", bb, "boff", chk_n, chk_k, "rb",
+                                              threads=th)
     if ab == bb and a_vec != b_vec:     # one buffer, one declared type: fall back to scalars
-        a_vec, a_reg, a_fetch, a_store = _operand("As", a, ta, M, K, T, V, "row0", ab, "aoff", chk_m, chk_k, "ra", False)
-        b_vec, b_reg, b_fetch, b_store = _operand("Bs", bv, not tb, N, K, T, V, "col0", bb, "boff", chk_n, chk_k, "rb", False)
+        a_vec, a_reg, a_fetch, a_store = _operand("As", a, ta, M, K, T, V, "row0", ab, "aoff", chk_m, chk_k, "ra",
+                                                  False, threads=th)
+        b_vec, b_reg, b_fetch, b_store = _operand("Bs", bv, not tb, N, K, T, V, "col0", bb, "boff", chk_n, chk_k,
+                                                  "rb", False, threads=th)
     if a_vec:
         bind.types[ab] = "vec4<f32>"
     if b_vec:
         bind.types[bb] = "vec4<f32>"
     fma = []
     for g in range(G):
-        fma.append(f"            let a{g} = As[kk * {V}u + {16 * g}u + ty];")
-        fma.append(f"            let b{g} = Bs[kk * {V}u + {16 * g}u + tx];")
+        fma.append(f"            let a{g} = As[kk * {V}u + {W * g}u + ty];")
+        fma.append(f"            let b{g} = Bs[kk * {V}u + {W * g}u + tx];")
     for gr in range(G):
         for r in range(4):
             for gc in range(G):
@@ -137,22 +176,22 @@ def render(kernel):
     writes = []
     for gr in range(G):
         for r in range(4):
-            row = f"row0 + {64 * gr + r}u + ty * 4u"
+            row = f"row0 + {4 * W * gr + r}u + ty * 4u"
             for gc in range(G):
-                col = f"col0 + {64 * gc}u + tx * 4u"
+                col = f"col0 + {4 * W * gc}u + tx * 4u"
                 v = f"acc[{(gr * 4 + r) * G + gc}]"
                 for c in range(4):
                     cond = " && ".join(x for x, on in ((f"gm < {M}u", chk_m), (f"gn + {c}u < {N}u", chk_n)) if on)
                     st = f"b{ob}[coff + gm * {N}u + gn + {c}u] = {out.dtype.wgsl}({v}[{c}]);"
                     writes.append(f"        {{ let gm = {row}; let gn = {col}; " + (f"if ({cond}) {{ {st} }}" if cond else st) + " }")
-    nk = -(-K // TK)
+    nk = KC // TK
     src = f"""{bind.decls()}
 var<workgroup> As: array<vec4<f32>, {2 * TK * V}>;
 var<workgroup> Bs: array<vec4<f32>, {2 * TK * V}>;
 
-@compute @workgroup_size(16, 16)
+@compute @workgroup_size({W}, {W})
 fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_id) lid3: vec3<u32>) {{
-    let tx = lid3.x; let ty = lid3.y; let tid = ty * 16u + tx;
+    let tx = lid3.x; let ty = lid3.y; let tid = ty * {W}u + tx;
     let row0 = wid.y * {T}u; let col0 = wid.x * {T}u;
 {chr(10).join(bl)}
     let aoff = {" + ".join(aoff)};
@@ -165,7 +204,7 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_id) lid
     // is multiplied, then stored into the other half; one barrier per step
     for (var t = 0u; t <= {nk}u; t = t + 1u) {{
         if (t < {nk}u) {{
-            let k0 = t * {TK}u;
+            let k0 = kbeg + t * {TK}u;
 {_ind(a_fetch + b_fetch, 12)}
         }}
         if (t > 0u) {{
@@ -183,7 +222,7 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_id) lid
 {chr(10).join(writes)}
 }}
 """
-    return src, bind.bufs, (-(-N // T), -(-M // T), nb)
+    return src, bind.bufs, (-(-N // T), -(-M // T), nb * S)
 
 
 GEMV_MAX_ROWS = 4

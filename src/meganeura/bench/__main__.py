@@ -1,0 +1,82 @@
+"""``python -m meganeura.bench [run|gates|train|report] ...``; ``run`` is the default.
+
+  run     time the workloads against PyTorch (JSON, Markdown, ratio chart, top kernels)
+  gates   forward/backward accuracy gates per workload and precision mode
+  train   N AdamW steps of ours vs torch's on the same data: loss curves side by side
+  report  merge bench JSON files (e.g. one per workload) and re-render the table and chart
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+COMMANDS = ("run", "gates", "train", "report")
+
+
+def _common(p, modes_default="strict,accelerated"):
+    p.add_argument("--size", choices=("tiny", "real"), default="tiny",
+                   help="tiny: test configs (CI); real: the paper's shapes (GPU machines only)")
+    p.add_argument("--workloads", default="all", help="comma-separated: smollm2,smolvla,unet,resnet50,whisper")
+    p.add_argument("--modes", default=modes_default, help="comma-separated: strict,accelerated")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default="bench/results/latest", help="output folder")
+
+
+def parser():
+    p = argparse.ArgumentParser(prog="python -m meganeura.bench", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="command")
+    r = sub.add_parser("run", help="time the workloads against PyTorch")
+    _common(r)
+    r.add_argument("--phases", default="all", help="comma-separated: inference,minimal,flb,train_step,compile")
+    r.add_argument("--quick", action="store_true", help="2 warm-ups and 5 samples instead of 5 and 20")
+    r.add_argument("--device", default=None, help="torch device (default: cuda when available, else cpu)")
+    r.add_argument("--no-torch-compile", action="store_true", help="time PyTorch eager only")
+    r.add_argument("--no-progress", action="store_true", help="no progress bar")
+    r.add_argument("--debug", action="store_true", help="print tracebacks of failures")
+    r.add_argument("--warmup", type=int, default=None, help=argparse.SUPPRESS)
+    r.add_argument("--samples", type=int, default=None, help=argparse.SUPPRESS)
+    g = sub.add_parser("gates", help="accuracy gates against PyTorch")
+    _common(g)
+    g.add_argument("--backend", choices=("gpu", "numpy"), default="gpu")
+    t = sub.add_parser("train", help="N AdamW steps, ours vs torch's loss curve")
+    _common(t, modes_default="strict")
+    t.add_argument("--backend", choices=("gpu", "numpy"), default="gpu")
+    t.add_argument("--steps", type=int, default=50)
+    t.add_argument("--lr", type=float, default=1e-4)
+    m = sub.add_parser("report", help="merge bench JSON files and re-render the Markdown and chart")
+    m.add_argument("files", nargs="+")
+    m.add_argument("--out", required=True)
+    return p
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] not in COMMANDS + ("-h", "--help"):
+        argv = ["run"] + argv
+    args = parser().parse_args(argv)
+    if args.command == "gates":
+        from .gates import cmd_gates
+        return cmd_gates(args)
+    if args.command == "train":
+        from .gates import cmd_train
+        return cmd_train(args)
+    if args.command == "report":
+        from . import report
+        return 0 if report.write_bench(report.merge(args.files), args.out) else 1
+    from . import harness, report
+    if args.warmup is None:
+        args.warmup = 2 if args.quick else 5
+    if args.samples is None:
+        args.samples = 5 if args.quick else 20
+    result = harness.run(args)
+    report.write_bench(result, args.out)
+    bad = [c for c in result["cells"] if not c.get("valid")]
+    if bad:
+        print(f"{len(bad)} cell(s) invalid (gate failed or error): "
+              + ", ".join(f"{c['workload']}/{c['mode']}/{c['phase']}" for c in bad[:12]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
