@@ -72,9 +72,14 @@ def cmd_generate(args):
 
 
 def main(argv=None):
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["bench"]:          # the benchmark harness has its own options
+        from .bench.__main__ import main as bench_main
+        return bench_main(argv[1:])
     p = argparse.ArgumentParser(prog="meganeura", description="Portable GPU training and inference (wgpu).")
     sub = p.add_subparsers(dest="cmd", required=True)
     sub.add_parser("info", help="list adapters, the chosen one, its features and limits").set_defaults(fn=cmd_info)
+    sub.add_parser("bench", help="benchmark the five workloads against PyTorch (see: meganeura bench --help)")
     d = sub.add_parser("train-demo", help="train a small MLP on the digits, save, reload, evaluate")
     d.add_argument("--backend", default="gpu", choices=["gpu", "numpy"])
     d.add_argument("--epochs", type=int, default=20)

@@ -320,35 +320,12 @@ class SmolLM2(Workload):
 
 
 def build_cached_decoder(cfg, batch: int, max_len: int):
-    """``llama.build_decoder`` for one token with the key/value cache as graph *state*
-    (persistent device buffers updated by every run) instead of fed inputs and fetched
-    outputs, so a decode step moves no cache through the host. Returns (graph, logits
-    (batch, vocab), {cache state: new value}); the states are named ``cache_names(cfg)``."""
-    from .. import ops
-    from ..graph import Graph, i32
+    """One-token ``llama.build_decoder`` with the key/value cache as device state, so a
+    decode step moves no cache through the host. Returns (graph, logits (batch, vocab),
+    {cache state: new value}); the states are named ``cache_names(cfg)``."""
     from ..models import llama as L
-    g = Graph()
-    hd, nkv, H = cfg.head_dim, cfg.num_key_value_heads, cfg.hidden_size
-    ids = g.input("input_ids", (batch, 1), i32)
-    cos, sin = g.input("rope_cos", (1, hd)), g.input("rope_sin", (1, hd))
-    mask = g.input("attn_mask", (1, max_len))
-    write = g.input("cache_write", (max_len, 1))
-    past = [g.state(n, (batch, nkv, max_len, hd), init=0.0) for n in L.cache_names(cfg)]
-    embed, layers, norm, head = L._params(g, cfg)
-    keep = 1.0 - ops.sum(write, 1, keepdim=True)
-    updates = {}
-
-    def attend(i, lay, h):
-        q, k, v = L._qkv(cfg, lay, h)
-        q, k = L.rope_fed(q, cos, sin), L.rope_fed(k, cos, sin)
-        kc = past[2 * i] * keep + ops.mm(write, k)
-        vc = past[2 * i + 1] * keep + ops.mm(write, v)
-        updates[past[2 * i]], updates[past[2 * i + 1]] = kc, vc
-        return L._merge(ops.scaled_dot_product_attention(q, kc, vc, attn_mask=mask, enable_gqa=True))
-
-    x = L._trunk(cfg, layers, ops.embedding(ids, embed), attend)
-    x = ops.rms_norm(ops.reshape(x, (batch, H)), (H,), norm, cfg.rms_norm_eps)
-    return g, ops.linear(x, head), updates
+    g, logits, new = L.build_decoder(cfg, batch, 1, max_len, cache_as_state=True)
+    return g, logits, dict(zip((g.states[n] for n in L.cache_names(cfg)), new))
 
 
 # ============================================================================ SmolVLA
