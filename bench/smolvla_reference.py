@@ -54,7 +54,7 @@ def rope(x, theta):
     d, n = x.shape[-1], x.shape[-2]
     inv = 1.0 / theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d)
     ang = torch.outer(torch.arange(n, dtype=torch.float64), inv)
-    ang = torch.cat([ang, ang], -1).to(x.dtype)
+    ang = torch.cat([ang, ang], -1).to(device=x.device, dtype=x.dtype)
     x1, x2 = x[..., : d // 2], x[..., d // 2:]
     return x * ang.cos() + torch.cat([-x2, x1], -1) * ang.sin()
 
