@@ -2,7 +2,7 @@
 from .graph import DType, Graph, ShapeError, Tensor, f16, f32, i32, u32  # noqa: F401
 from . import ops  # noqa: F401
 from .autodiff import grad  # noqa: F401
-from . import optim  # noqa: F401
+from . import io, optim  # noqa: F401
 from .api import compile, Session  # noqa: F401
 
 __version__ = "0.1.0"
