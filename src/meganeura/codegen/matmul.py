@@ -70,6 +70,21 @@ def split_k(K, split):
     return -(-(-(-K // split)) // TK) * TK
 
 
+def _batch_offsets(a, b, batch, index):
+    """WGSL lines splitting the batch ``index`` into coordinates, and the element offset
+    terms of each operand (broadcast batch dims contribute nothing)."""
+    sa = contiguous_batch_strides(a.shape[:-2], batch, a.shape[-2] * a.shape[-1])
+    sb = contiguous_batch_strides(b.shape[:-2], batch, b.shape[-2] * b.shape[-1])
+    lines, aoff, boff = [f"    var br = {index};"], [f"{a.offset}u"], [f"{b.offset}u"]
+    for d in range(len(batch) - 1, -1, -1):
+        lines.append(f"    let z{d} = br % {batch[d]}u; br = br / {batch[d]}u;")
+        if sa[d]:
+            aoff.append(f"z{d} * {sa[d]}u")
+        if sb[d]:
+            boff.append(f"z{d} * {sb[d]}u")
+    return lines, aoff, boff
+
+
 def _ind(lines, n):
     return "\n".join(" " * n + ln for ln in lines)
 
@@ -134,19 +149,10 @@ def render(kernel):
     G = T // (4 * W)             # groups of 4 rows (and columns) per thread, 4*W apart
     V = T // 4                   # vec4s per tile row in workgroup memory
     KC = split_k(K, S)
-    sa = contiguous_batch_strides(a.shape[:-2], batch, a.shape[-2] * a.shape[-1])
-    sb = contiguous_batch_strides(bv.shape[:-2], batch, bv.shape[-2] * bv.shape[-1])
     # static shapes: bounds checks only where a dimension is not a multiple of its tile
     chk_m, chk_n, chk_k = M % T != 0, N % T != 0, K % KC != 0 or KC % TK != 0
-    bl = [f"    let split = wid.z % {S}u; var br = wid.z / {S}u;",
-          f"    let kbeg = split * {KC}u; let kend = min(kbeg + {KC}u, {K}u);"]
-    aoff, boff = [f"{a.offset}u"], [f"{bv.offset}u"]
-    for d in range(len(batch) - 1, -1, -1):
-        bl.append(f"    let z{d} = br % {batch[d]}u; br = br / {batch[d]}u;")
-        if sa[d]:
-            aoff.append(f"z{d} * {sa[d]}u")
-        if sb[d]:
-            boff.append(f"z{d} * {sb[d]}u")
+    bl, aoff, boff = _batch_offsets(a, bv, batch, f"wid.z / {S}u")
+    bl = [f"    let split = wid.z % {S}u;", f"    let kbeg = split * {KC}u; let kend = min(kbeg + {KC}u, {K}u);"] + bl
     # operand bindings: vec4 arrays where the layout allows 16-byte loads
     bind = Bindings()
     ob, ab, bb = bind.index(out.buf, out.dtype), bind.index(a.buf, a.dtype), bind.index(bv.buf, bv.dtype)
@@ -240,18 +246,9 @@ def render_gemv(kernel):
     K = a.shape[-2] if ta else a.shape[-1]
     batch = out.shape[:-2]
     nb = int(np.prod(batch, dtype=np.int64))
-    sa = contiguous_batch_strides(a.shape[:-2], batch, a.shape[-2] * a.shape[-1])
-    sb = contiguous_batch_strides(bv.shape[:-2], batch, bv.shape[-2] * bv.shape[-1])
     bind = Bindings()
     ob, ab, bb = bind.index(out.buf, out.dtype), bind.index(a.buf, a.dtype), bind.index(bv.buf, bv.dtype)
-    bl = ["    var br = wid.z;"]
-    aoff, boff = [f"{a.offset}u"], [f"{bv.offset}u"]
-    for d in range(len(batch) - 1, -1, -1):
-        bl.append(f"    let z{d} = br % {batch[d]}u; br = br / {batch[d]}u;")
-        if sa[d]:
-            aoff.append(f"z{d} * {sa[d]}u")
-        if sb[d]:
-            boff.append(f"z{d} * {sb[d]}u")
+    bl, aoff, boff = _batch_offsets(a, bv, batch, "wid.z")
     a_at = (lambda m, k: f"aoff + {k} * {M}u + {m}") if ta else (lambda m, k: f"aoff + {m} * {K}u + {k}")
     head = f"""{bind.decls()}
 var<workgroup> part: array<f32, {256 * M}>;
