@@ -88,8 +88,9 @@ def _op_nodes(sample):
     return g, feeds, nodes
 
 
+# softmax is a composite with a fused row kernel of its own on the GPU
 ALLOWED = {"matmul", "mul", "add", "sub", "div", "exp", "reduce_max", "reduce_sum", "where", "gt", "reshape",
-           "constant"}
+           "constant", "softmax"}
 
 
 @pytest.mark.parametrize("sample", SAMPLES, ids=[s.name for s in SAMPLES])

@@ -2,16 +2,17 @@
 (WGSL text, bound logical buffers in binding order, workgroup counts). Importing this
 package attaches the lowerings to the op registry records."""
 from ..ops.registry import OPS
-from . import gather, layout, matmul, pointwise, reduce
+from . import gather, layout, matmul, pointwise, reduce, rows
 
 RENDER = {"pointwise": pointwise.render, "reduce": reduce.render, "matmul": matmul.render,
-          "gather": gather.render}
+          "gather": gather.render, "rows": rows.render}
 
 for _op in ("reduce_sum", "reduce_mean", "reduce_max"):
     OPS[_op].lower = reduce.lower_reduce
 OPS["matmul"].lower = matmul.lower_matmul
 OPS["concat"].lower = layout.lower_concat
 OPS["slice_grad"].lower = layout.lower_slice_grad
+OPS["softmax"].lower = OPS["log_softmax"].lower = rows.lower_softmax
 for _op, _lower in gather.LOWER.items():
     OPS[_op].lower = _lower
 

@@ -126,7 +126,7 @@ def _grouped(x, group):
 
 def _probs(q, k, mask, is_causal, scale, group):
     """Attention probabilities, shape (*b, Hq, Lq, Lk)."""
-    from . import amax, exp, gt, mm, reshape, sum, where
+    from . import amax, exp, gt, mm, reshape, softmax, sum, where
     s = mm(_grouped(q, group), k, tb=True) * scale
     s = reshape(s, q.shape[:-1] + (k.shape[-2],))
     if mask is not None:
@@ -136,11 +136,11 @@ def _probs(q, k, mask, is_causal, scale, group):
         # keep[i, j] = j <= i: torch's top-left aligned lower triangle, also for Lq != Lk
         keep = q.graph.constant(np.tril(np.ones((lq, lk), dtype=np.uint32)))
         s = where(keep, s, NEG_INF)
-    m = amax(s, -1, keepdim=True)
     if mask is None:
-        # causal alone always keeps column 0, so no row is fully masked
-        e = exp(s - m)
-        return e / sum(e, -1, keepdim=True)
+        # causal alone always keeps column 0, so no row is fully masked: a plain softmax
+        # (one fused row kernel on the GPU)
+        return softmax(s, -1)
+    m = amax(s, -1, keepdim=True)
     live = gt(m, NEG_INF)                    # the row has a position left
     e = exp(s - where(live, m, 0.0))         # all zeros in a fully masked row
     return e / where(live, sum(e, -1, keepdim=True), 1.0)
