@@ -1,6 +1,7 @@
-"""Row kernels with prologue and epilogue: softmax and log_softmax along one axis in a
-single dispatch (max, sum of exponentials and the normalised write), instead of the four
-kernels their decompositions take."""
+"""Row kernels with prologue and epilogue, one dispatch each instead of the four or more
+kernels their decompositions take: softmax and log_softmax along one axis (max, sum of
+exponentials, normalised write) and layer_norm / rms_norm over trailing axes (statistics,
+then the normalised, scaled and shifted write)."""
 from __future__ import annotations
 
 import numpy as np
@@ -68,3 +69,62 @@ def render(kernel):
 }}
 """
     return src, b.bufs, grid(n_rows)
+
+
+def lower_norm(t, ins, out, materialize):
+    """layer_norm / rms_norm over the trailing axes: one row per normalised slice."""
+    dense = [materialize(v, x) for v, x in zip(ins, t.inputs)]
+    a = t.attrs
+    spec = {"kind": t.op, "eps": float(a["eps"]), "row": int(np.prod(a["normalized_shape"], dtype=np.int64)),
+            "weight": bool(a.get("has_weight")), "bias": bool(a.get("has_bias"))}
+    return [Kernel(t.op, "norm", spec, out, dense)]
+
+
+def render_norm(kernel):
+    spec, out = kernel.spec, kernel.out
+    x = kernel.reads[0]
+    r = spec["row"]
+    n_rows = out.size // r
+    b = Bindings()
+    ob, xb = b.index(out.buf, out.dtype), b.index(x.buf, x.dtype)
+    extra = kernel.reads[1:]
+    wb = b.index(extra[0].buf, extra[0].dtype) if spec["weight"] else None
+    bb = b.index(extra[-1].buf, extra[-1].dtype) if spec["bias"] else None
+    xv = f"b{xb}[{x.offset}u + base + j]"
+    y = "(xj - mean) * inv" if spec["kind"] == "layer_norm" else "xj * inv"
+    if wb is not None:
+        y = f"{y} * b{wb}[{extra[0].offset}u + j]"
+    if bb is not None:
+        y = f"{y} + b{bb}[{extra[-1].offset}u + j]"
+    center = spec["kind"] == "layer_norm"
+    wg = WG if r >= 64 else 1
+    if wg == 1:   # short rows: one thread each
+        head = f"""    let row = ({GROUP_INDEX}) * {WG}u + lid;
+    if (row >= {n_rows}u) {{ return; }}
+    let base = row * {r}u;
+"""
+        sums = lambda expr: f"var acc = 0.0;\n    for (var j = 0u; j < {r}u; j = j + 1u) {{ acc = acc + {expr}; }}"  # noqa: E731
+        loop = f"for (var j = 0u; j < {r}u; j = j + 1u)"
+    else:
+        head = f"""    let row = {GROUP_INDEX};
+    if (row >= {n_rows}u) {{ return; }}
+    let base = row * {r}u;
+"""
+        sums = lambda expr: (f"var acc = 0.0;\n    for (var j = lid; j < {r}u; j = j + {WG}u) {{ acc = acc + {expr}; }}\n"  # noqa: E731
+                             f"    part[lid] = acc;\n    workgroupBarrier();\n"
+                             f"    for (var s = {WG // 2}u; s > 0u; s = s >> 1u) {{\n"
+                             f"        if (lid < s) {{ part[lid] = part[lid] + part[lid + s]; }}\n"
+                             f"        workgroupBarrier();\n    }}\n    acc = part[0];\n    workgroupBarrier();")
+        loop = f"for (var j = lid; j < {r}u; j = j + {WG}u)"
+    body = head
+    if center:
+        body += "    var mean = 0.0;\n    {\n    " + sums(xv) + f"\n    mean = acc / {float(r)!r};\n    }}\n"
+        body += "    var var_ = 0.0;\n    {\n    " + sums(f"({xv} - mean) * ({xv} - mean)") + \
+            f"\n    var_ = acc / {float(r)!r};\n    }}\n"
+    else:
+        body += "    var var_ = 0.0;\n    {\n    " + sums(f"{xv} * {xv}") + f"\n    var_ = acc / {float(r)!r};\n    }}\n"
+    body += f"    let inv = inverseSqrt(var_ + {spec['eps']!r});\n"
+    body += f"    {loop} {{\n        let xj = {xv};\n        b{ob}[{out.offset}u + base + j] = {y};\n    }}\n}}\n"
+    shared = f"\nvar<workgroup> part: array<f32, {WG}>;\n" if wg > 1 else "\n"
+    src = b.decls() + shared + "\n" + ENTRY.format(wg=WG) + body
+    return src, b.bufs, grid(n_rows if wg > 1 else -(-n_rows // WG))
