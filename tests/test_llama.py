@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import meganeura as mg
+from meganeura.bench.gates import backward_check, rel_l2 as rel
 from meganeura.io import load_hf
 from meganeura.models.generate import LlamaGenerator, generate, generate_text, sample
 from meganeura.models.llama import (LlamaConfig, build_causal_lm, build_decoder, build_training, cache_names,
@@ -46,11 +47,6 @@ def batch_data(seed=0, vocab=64):
     labels = rng.integers(0, vocab, (BATCH, SEQ)).astype(np.int32)
     labels[0, 3] = labels[1, 6] = -100        # ignored tokens
     return ids, labels
-
-
-def rel(a, b):
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
 
 
 def torch_forward(m, ids, labels):
@@ -103,11 +99,8 @@ def test_gradients_match_torch(model, backend):
     t.compute_grads({"input_ids": ids, "labels": labels})
     ours = t.grads()
     assert set(ours) == set(ref)
-    names = sorted(ref)
-    n_ours = np.array([np.linalg.norm(ours[n].astype(np.float64)) for n in names])
-    n_ref = np.array([np.linalg.norm(ref[n].astype(np.float64)) for n in names])
-    e_total = abs(np.linalg.norm(n_ours) - np.linalg.norm(n_ref)) / np.linalg.norm(n_ref)
-    e_norms = rel(n_ours, n_ref)
+    gate = backward_check(ours, ref)
+    e_total, e_norms = gate["total_norm_err"], gate["norms_rel_l2"]
     full = {n: rel(ours[n], ref[n]) for n in ("model.embed_tokens.weight", "lm_head.weight",
                                               "model.layers.0.self_attn.q_proj.weight",
                                               "model.layers.0.self_attn.k_proj.weight",

@@ -9,6 +9,8 @@ import pytest
 import torch
 
 import meganeura as mg
+from meganeura.bench.gates import backward_check, rel_l2 as rel
+from meganeura.bench.workloads import resnet_reference as reference
 from meganeura.models.resnet import (ResNetConfig, build_resnet, build_resnet_training, fold_batch_norm,
                                      torch_state_dict, with_state_updates)
 
@@ -16,23 +18,6 @@ transformers = pytest.importorskip("transformers")
 
 BACKENDS = ["numpy", "gpu"]
 BATCH = 4
-
-
-def rel(a, b):
-    return float(np.linalg.norm(np.asarray(a, np.float64) - b) / np.linalg.norm(b))
-
-
-def reference(cfg, seed=0):
-    torch.manual_seed(seed)
-    m = transformers.ResNetForImageClassification(transformers.ResNetConfig(**cfg.hf_kwargs()))
-    with torch.no_grad():   # the default init leaves batch norm at identity: give it real statistics
-        for mod in m.modules():
-            if isinstance(mod, torch.nn.BatchNorm2d):
-                mod.weight.uniform_(0.5, 1.5)
-                mod.bias.uniform_(-0.5, 0.5)
-                mod.running_mean.uniform_(-0.5, 0.5)
-                mod.running_var.uniform_(0.5, 2.0)
-    return m
 
 
 @pytest.fixture(scope="module")
@@ -88,11 +73,8 @@ def test_train_mode_forward_loss_gradients_and_running_stats(setup, backend):
     sess.compute_grads(feeds)
     grads, tgrads = sess.grads(), s["grads"]
     assert sorted(grads) == sorted(tgrads)   # running stats are not trained
-    names = sorted(tgrads)
-    a = np.array([np.linalg.norm(grads[n]) for n in names])
-    b = np.array([np.linalg.norm(tgrads[n]) for n in names])
-    total_err = abs(np.linalg.norm(a) - np.linalg.norm(b)) / np.linalg.norm(b)
-    norms_err = rel(a, b)
+    gate = backward_check(grads, tgrads)
+    total_err, norms_err = gate["total_norm_err"], gate["norms_rel_l2"]
     full = {n: rel(grads[n], tgrads[n]) for n in
             ("resnet.embedder.embedder.convolution.weight", "resnet.embedder.embedder.normalization.weight",
              "resnet.encoder.stages.0.layers.0.shortcut.convolution.weight",

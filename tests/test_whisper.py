@@ -5,6 +5,7 @@ import pytest
 import torch
 
 import meganeura as mg
+from meganeura.bench.gates import backward_check, rel_l2 as rel
 from meganeura.models.whisper import (WhisperEncoderConfig, build_whisper_encoder,
                                       build_whisper_encoder_training)
 
@@ -13,10 +14,6 @@ from transformers.models.whisper.modeling_whisper import WhisperEncoder  # noqa:
 
 BACKENDS = ["numpy", "gpu"]
 BATCH = 2
-
-
-def rel(a, b):
-    return float(np.linalg.norm(np.asarray(a, np.float64) - b) / np.linalg.norm(b))
 
 
 def reference(cfg, seed=0):
@@ -70,12 +67,9 @@ def test_loss_and_gradients_match_torch(setup, backend):
     ours_loss = sess.compute_grads(feeds)
     grads = sess.grads()
     assert sorted(grads) == sorted(tgrads)   # embed_positions is frozen on both sides
-    names = sorted(tgrads)
-    a = np.array([np.linalg.norm(grads[n]) for n in names])
-    b = np.array([np.linalg.norm(tgrads[n]) for n in names])
+    gate = backward_check(grads, tgrads)
     loss_err = abs(ours_loss - tloss) / abs(tloss)
-    total_err = abs(np.linalg.norm(a) - np.linalg.norm(b)) / np.linalg.norm(b)
-    norms_err = rel(a, b)
+    total_err, norms_err = gate["total_norm_err"], gate["norms_rel_l2"]
     full = {n: rel(grads[n], tgrads[n]) for n in
             ("conv1.weight", "conv2.bias", "layers.0.self_attn.k_proj.weight", "layers.0.self_attn.q_proj.bias",
              "layers.1.fc1.weight", "layer_norm.weight")}

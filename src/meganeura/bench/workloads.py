@@ -423,6 +423,23 @@ class UNet(Workload):
 
 
 # ============================================================================ ResNet-50
+def resnet_reference(cfg, seed=0):
+    """transformers' ResNetForImageClassification for ``cfg`` with seeded weights; batch norm
+    gets non-trivial weights and running statistics (the default init is the identity)."""
+    transformers = __import__("transformers")
+    torch = _torch()
+    torch.manual_seed(seed)
+    m = transformers.ResNetForImageClassification(transformers.ResNetConfig(**cfg.hf_kwargs()))
+    with torch.no_grad():
+        for mod in m.modules():
+            if isinstance(mod, torch.nn.BatchNorm2d):
+                mod.weight.uniform_(0.5, 1.5)
+                mod.bias.uniform_(-0.5, 0.5)
+                mod.running_mean.uniform_(-0.5, 0.5)
+                mod.running_var.uniform_(0.5, 2.0)
+    return m
+
+
 class ResNet50(Workload):
     """ResNet-50 (transformers ResNetForImageClassification): class cross-entropy, batch 4
     at 224x224. Inference folds batch norm into the convs; training uses batch statistics
@@ -437,18 +454,7 @@ class ResNet50(Workload):
         return 1 if graph == "minimal" else 4
 
     def make_reference(self):
-        transformers = __import__("transformers")
-        torch = _torch()
-        torch.manual_seed(self.seed)
-        m = transformers.ResNetForImageClassification(transformers.ResNetConfig(**self.cfg.hf_kwargs()))
-        with torch.no_grad():     # the default init leaves batch norm at identity: give it statistics
-            for mod in m.modules():
-                if isinstance(mod, torch.nn.BatchNorm2d):
-                    mod.weight.uniform_(0.5, 1.5)
-                    mod.bias.uniform_(-0.5, 0.5)
-                    mod.running_mean.uniform_(-0.5, 0.5)
-                    mod.running_var.uniform_(0.5, 2.0)
-        return m
+        return resnet_reference(self.cfg, self.seed)
 
     def make_inputs(self, batch):
         c = self.cfg
