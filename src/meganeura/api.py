@@ -71,10 +71,11 @@ class Program:
         self.kept = list(graph.parameters.values()) + list(graph.states.values())
 
     def targets(self, phase):
-        """(fetches, gradient names, [(kept name, new value)]) computed by ``phase``."""
+        """(fetches, gradient names, [(kept name, new value)], every tensor to compute in
+        that order) for ``phase``."""
         grad_names = list(self.grads) if phase in ("grads", "step", "micro") else []
         upd = [(t.name, v) for t, v in self.updates.get(phase, {}).items()]
-        return self.fetches, grad_names, upd
+        return self.fetches, grad_names, upd, self.fetches + [self.grads[n] for n in grad_names] + [v for _, v in upd]
 
 
 class Session:
@@ -173,6 +174,10 @@ class Session:
             problems += [f"missing parameter {n!r}" for n in missing]
         if problems:
             raise ValueError("load_state_dict: " + "; ".join(problems))
+        self.assign(arrays)
+
+    def assign(self, arrays: dict):
+        """Store already validated arrays, by name, on the host and the device."""
         for name, arr in arrays.items():
             self.values[name] = arr
             self.executor.set_value(name, arr)

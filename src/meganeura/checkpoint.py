@@ -81,10 +81,7 @@ def load(session, path, strict=True):
         problems += [f"missing parameter {n!r}" for n in session.graph.parameters if n not in tensors]
     if problems:
         raise CheckpointError(f"cannot load {os.fspath(path)!r}: " + "; ".join(problems))
-    for name, arr in tensors.items():
-        if name in kept:
-            session.values[name] = arr
-            session.executor.set_value(name, arr)
+    session.assign({name: arr for name, arr in tensors.items() if name in kept})
     if session.optimizer is not None and any(n in session.graph.states for n in tensors):
         session.steps_done = int(meta.get("step", 0))
     return meta

@@ -33,7 +33,7 @@ class Optimizer:
         if self.clip_grad_norm is None:
             return grads
         g = grads[0].graph
-        total = ops.sqrt(sum_all([ops.sum(x * x) for x in grads], g))
+        total = ops.sqrt(sum_all([ops.sum(x * x) for x in grads]))
         coef = ops.minimum(self.clip_grad_norm / (total + 1e-6), g.constant(1.0))
         return [x * coef for x in grads]
 
@@ -54,7 +54,7 @@ def _state(g, name, like):
     return g.states[name] if name in g.states else g.state(name, like.shape, like.dtype, init=0.0)
 
 
-def sum_all(xs, g):
+def sum_all(xs):
     out = xs[0]
     for x in xs[1:]:
         out = out + x

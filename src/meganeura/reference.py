@@ -71,8 +71,7 @@ class NumpyExecutor:
 
     def execute(self, feeds: dict, phase: str):
         p = self.program
-        fetches, grad_names, upd = p.targets(phase)
-        targets = fetches + [p.grads[n] for n in grad_names] + [v for _, v in upd]
+        fetches, grad_names, upd, targets = p.targets(phase)
         vals = evaluate(p.graph, targets, {**self.values, **feeds}) if targets else []
         nf, ng = len(fetches), len(grad_names)
         if grad_names:

@@ -156,38 +156,33 @@ def build_schedule(graph, targets: list[Tensor], target_kinds=None, max_bindings
         if lower is None:
             raise NotImplementedError(f"no GPU kernel for op {t.op!r}")
         out = View.contiguous(new_buf(t, kind), t.shape, t.dtype)
-        mat = lambda v, tt: _materialize(v, tt, kernels, new_buf)  # noqa: E731
-        ins = [mat(v, i) if isinstance(v, tuple) else v for v, i in ((_read(values, i), i) for i in t.inputs)]
+        def materialize(v, tt):
+            return _materialize(v, tt, kernels, new_buf)
+
         def temp(shape, dtype, _t=t):
+            """A scratch intermediate for a lowering that needs more than one kernel."""
             b = Buf(max(4, int(np.prod(shape)) * dtype.np.itemsize), "temp", f"{_t.name}.part", dtype)
             bufs.append(b)
             return View.contiguous(b, shape, dtype)
-        extra = {"temp": temp} if t.op == "matmul" else {}
-        for k in lower(t, ins, out, materialize=mat, **extra):
-            kernels.append(k)
+        kernels.extend(lower(t, [_read(values, i) for i in t.inputs], out, materialize=materialize, temp=temp))
         values[t.id] = out
     return Schedule(kernels, values, bufs, targets)
 
 
 def _read(values, t):
+    # scalar constants are inlined only when every consumer is pointwise, so any other
+    # kernel finds its inputs here
     if t.id in values:
         return values[t.id]
-    if t.op == "constant":          # an inlined scalar read by a non-pointwise kernel
-        return ("scalar", t)
     raise RuntimeError(f"value of {t.name!r} ({t.op}) was not computed")
 
 
 def _materialize(v, t, kernels, new_buf):
     """A contiguous copy of a strided view (for kernels that need dense operands)."""
-    if isinstance(v, View) and v.is_contiguous():
+    if v.is_contiguous():
         return v
     out = View.contiguous(new_buf(t, "temp"), t.shape, t.dtype)
-    if isinstance(v, tuple):
-        expr = ("const", v[1])
-        reads = []
-    else:
-        expr, reads = ("leaf", 0), [v]
-    kernels.append(Kernel("copy", "pointwise", {"expr": expr, "dtype": t.dtype}, out, reads))
+    kernels.append(Kernel("copy", "pointwise", {"expr": ("leaf", 0), "dtype": t.dtype}, out, [v]))
     return out
 
 

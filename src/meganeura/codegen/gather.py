@@ -10,7 +10,7 @@ from .common import ENTRY, GROUP_INDEX, WG, Bindings, coords, grid, literal
 
 
 def _kernel(name, body):
-    def lower(t, ins, out, materialize):
+    def lower(t, ins, out, materialize, temp):
         dense = [materialize(v, x) for v, x in zip(ins, t.inputs)]
         return [Kernel(name, "gather", {"body": body(t), "inputs": [x.dtype for x in t.inputs]}, out, dense)]
     return lower

@@ -16,7 +16,7 @@ from ..schedule import Kernel
 from .common import Bindings, contiguous_batch_strides
 
 
-def lower_matmul(t, ins, out, materialize, temp=None):
+def lower_matmul(t, ins, out, materialize, temp):
     a, b = (materialize(v, x) for v, x in zip(ins, t.inputs))
     m, n = t.shape[-2:]
     k = t.inputs[0].shape[-2] if t.attrs["ta"] else t.inputs[0].shape[-1]
@@ -26,7 +26,7 @@ def lower_matmul(t, ins, out, materialize, temp=None):
     nb = int(np.prod(t.shape[:-2], dtype=np.int64))
     tile, split = plan_tiles(m, n, k, nb)
     spec.update(tile=tile, split=split)
-    if split == 1 or temp is None:
+    if split == 1:
         return [Kernel("matmul", "matmul", {**spec, "split": 1}, out, [a, b])]
     # split-K: partial products side by side, then one reduction over the splits
     part = temp((nb, split, m, n), out.dtype)

@@ -14,7 +14,7 @@ INIT = {"sum": "0.0", "mean": "0.0", "max": "bitcast<f32>(0xff800000u)"}
 COMBINE = {"sum": "{a} + {b}", "mean": "{a} + {b}", "max": "max({a}, {b})"}
 
 
-def lower_reduce(t, ins, out, materialize):
+def lower_reduce(t, ins, out, materialize, temp):
     kind = {"reduce_sum": "sum", "reduce_mean": "mean", "reduce_max": "max"}[t.op]
     return [Kernel(t.op, "reduce", {"kind": kind, "dims": tuple(t.attrs["dims"])}, out, [ins[0]])]
 

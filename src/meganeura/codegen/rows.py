@@ -12,7 +12,7 @@ from .common import ENTRY, GROUP_INDEX, WG, Bindings, coords, grid
 NEG_INF = "bitcast<f32>(0xff800000u)"
 
 
-def lower_softmax(t, ins, out, materialize):
+def lower_softmax(t, ins, out, materialize, temp):
     return [Kernel(t.op, "rows", {"kind": t.op, "dim": t.attrs["dim"]}, out, [ins[0]])]
 
 
@@ -71,7 +71,7 @@ def render(kernel):
     return src, b.bufs, grid(n_rows)
 
 
-def lower_norm(t, ins, out, materialize):
+def lower_norm(t, ins, out, materialize, temp):
     """layer_norm / rms_norm over the trailing axes: one row per normalised slice."""
     dense = [materialize(v, x) for v, x in zip(ins, t.inputs)]
     a = t.attrs

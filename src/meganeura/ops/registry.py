@@ -16,7 +16,7 @@ from typing import Callable
 
 import numpy as np
 
-from ..graph import DType, Graph, ShapeError, Tensor, dtype_of, f32, fmt_shape
+from ..graph import DType, Graph, ShapeError, Tensor, dtype_of, fmt_shape
 
 
 @dataclass
@@ -140,6 +140,3 @@ def unbroadcast(ct: Tensor, shape: tuple) -> Tensor:
     r = reduce_sum(ct, tuple(axes), keepdim=False) if axes else ct
     return reshape(r, shape) if r.shape != tuple(shape) else r
 
-
-def f32_like(x):
-    return f32 if x is None else x

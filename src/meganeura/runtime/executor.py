@@ -133,6 +133,10 @@ class GpuExecutor:
         arr = np.asarray(arr, dtype=self._dtypes[name].dtype.np, order="C")
         self.dev.upload(self.named_buffer(name, arr.nbytes), arr)
 
+    def upload(self, feeds: dict):
+        for name, arr in feeds.items():
+            self.set_value(name, arr)
+
     def get_value(self, name):
         t = self._dtypes[name]
         n = t.size * t.dtype.np.itemsize
@@ -148,8 +152,7 @@ class GpuExecutor:
     def plan(self, phase: str) -> Plan:
         if phase not in self.plans:
             p = self.program
-            fetches, grad_names, upd = p.targets(phase)
-            targets = fetches + [p.grads[n] for n in grad_names] + [v for _, v in upd]
+            fetches, grad_names, upd, targets = p.targets(phase)
             self.plans[phase] = Plan(self, targets, len(fetches), grad_names, upd)
         return self.plans[phase]
 
@@ -158,8 +161,7 @@ class GpuExecutor:
         per-kernel table and writes a Chrome/Perfetto trace to ``path`` if given."""
         from .profiler import kernel_table
         plan = self.plan(phase)
-        for name, arr in feeds.items():
-            self.set_value(name, arr)
+        self.upload(feeds)
         ts = self.recorder.run(plan.step, timestamps=True)
         if path:
             write_chrome_trace(path, plan.names, ts)
@@ -167,8 +169,7 @@ class GpuExecutor:
 
     def execute(self, feeds: dict, phase: str):
         plan = self.plan(phase)
-        for name, arr in feeds.items():
-            self.set_value(name, arr)
+        self.upload(feeds)
         trace = os.environ.get("MEGANEURA_TRACE")
         if trace:
             ts = self.recorder.run(plan.step, copies_after=plan.copies_after, timestamps=True)
