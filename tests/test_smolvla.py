@@ -9,7 +9,9 @@ import pytest
 import torch
 
 import meganeura as mg
-from meganeura.bench.gates import backward_check, rel_l2 as rel
+from meganeura.bench.gates import rel_l2 as rel
+
+from .harness import check_training_graph
 from meganeura.models.smolvla import SmolVLAConfig, build_smolvla_inference, build_smolvla_training
 
 _REF_PATH = pathlib.Path(__file__).resolve().parents[1] / "bench" / "smolvla_reference.py"
@@ -45,27 +47,7 @@ def case():
 
 
 def check(backend, case):
-    state, feeds, ref_out, ref_loss, ref_grads = case
-    built = build_smolvla_training(CFG, BATCH)
-    assert set(built.graph.parameters) == set(state), "parameter names differ from the reference's state_dict"
-    sess = mg.compile(built.graph, outputs=[built.output], loss=built.loss, backend=backend)
-    sess.load_state_dict(state)
-    out, loss = sess.run(feeds)
-    loss_g = sess.compute_grads(feeds)
-    grads = sess.grads()
-
-    fwd = rel(out, ref_out)
-    loss_err = abs(float(loss) - ref_loss) / abs(ref_loss)
-    loss_g_err = abs(loss_g - ref_loss) / abs(ref_loss)
-    gate = backward_check(grads, ref_grads)
-    total, per_param = gate["total_norm_err"], gate["norms_rel_l2"]
-    worst, worst_err = gate["worst_param"], gate["worst_param_rel_l2"]
-    print(f"\nsmolvla tiny [{backend}]: forward rel L2 {fwd:.2e}, loss rel err {loss_err:.2e} "
-          f"(grads pass {loss_g_err:.2e}), total grad norm rel err {total:.2e}, per-parameter grad norm rel L2 "
-          f"{per_param:.2e}, worst full gradient rel L2 {worst_err:.2e} ({worst})")
-    assert fwd < 1e-4 and loss_err < 1e-4 and loss_g_err < 1e-4
-    assert total < 1e-3 and per_param < 1e-3
-    assert not gate["missing"] and worst_err < 1e-3, worst
+    check_training_graph("smolvla tiny", build_smolvla_training(CFG, BATCH), backend, case)
 
 
 def test_smolvla_tiny_numpy(case):

@@ -6,7 +6,7 @@ import tempfile
 # machines, CI); compute needs no display, so any private folder will do.
 os.environ.setdefault("XDG_RUNTIME_DIR", tempfile.gettempdir())
 
-from .device import Device, Pipeline, get_device, enumerate_adapters, adapter_summary, \
+from .device import WANTED_LIMITS, Device, Pipeline, get_device, enumerate_adapters, adapter_summary, \
     is_software_adapter  # noqa: E402
 from .recorder import PreparedStep, StepRecorder  # noqa: E402
 from .profiler import format_kernel_table, kernel_table, write_chrome_trace  # noqa: E402
@@ -16,19 +16,8 @@ __all__ = [
     "write_chrome_trace", "kernel_table", "format_kernel_table", "describe",
 ]
 
-_KEY_LIMITS = (
-    "max-storage-buffer-binding-size",
-    "max-buffer-size",
-    "max-compute-workgroup-storage-size",
-    "max-compute-invocations-per-workgroup",
-    "max-compute-workgroup-size-x",
-    "max-compute-workgroup-size-y",
-    "max-compute-workgroup-size-z",
-    "max-compute-workgroups-per-dimension",
-    "max-storage-buffers-per-shader-stage",
-    "max-bind-groups",
-    "max-immediate-size",
-)
+# what `describe` shows: the requested limits but the per-group binding count
+_KEY_LIMITS = tuple(k for k in WANTED_LIMITS if k != "max-bindings-per-bind-group")
 
 
 def describe(device=None) -> str:
