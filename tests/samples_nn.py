@@ -147,6 +147,10 @@ SAMPLES = [
       [F((1, 2, 3, 8))]),
     S("rope_base", lambda o, x: o.rope(x, base=500.0), lambda t, x: torch_rope(t, x, base=500.0),
       [F((2, 1, 4, 4))]),
+    S("rotate_half", lambda o, x: o.rotate_half(x), lambda t, x: t.cat([-x[..., 3:], x[..., :3]], -1), [F((2, 5, 6))]),
+    S("rotate_half_of_view", lambda o, x, c: o.rotate_half(o.transpose(x, 0, 1)) * c + x[0, 0, 0],
+      lambda t, x, c: t.cat([-x.transpose(0, 1)[..., 2:], x.transpose(0, 1)[..., :2]], -1) * c + x[0, 0, 0],
+      [F((3, 2, 4)), F((2, 3, 4))]),
     # compositions
     S("softmax_of_layer_norm", lambda o, x, w: o.softmax(o.layer_norm(x, (4,), w), 1),
       lambda t, x, w: t.softmax(_fn(t).layer_norm(x, (4,), w), 1), [F((2, 3, 4)), F((4,))]),

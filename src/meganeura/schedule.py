@@ -59,11 +59,32 @@ def contiguous_strides(shape):
 
 @dataclass(eq=False)
 class Kernel:
+    """One launch of an archetype (the kernel IR). ``epilogue``: an expression applied to
+    each output value before it is stored, over ("acc",) (the archetype's value) and
+    leaves ("leaf", i) indexing ``epi_reads``, Views read at the output's coordinates
+    (broadcast like a pointwise kernel's); fusion passes fill it."""
     name: str                  # the ops it runs, for traces
     archetype: str
     spec: dict                 # what the codegen of that archetype needs
     out: View
     reads: list = field(default_factory=list)  # Views read
+    epilogue: tuple | None = None
+    epi_reads: list = field(default_factory=list)
+
+    @property
+    def shape(self):
+        """The archetype's own output shape (``out`` may be a reshaped fused consumer's)."""
+        return self.spec.get("shape", self.out.shape)
+
+    @property
+    def dtype(self):
+        return self.spec.get("out_dtype", self.out.dtype)
+
+    def written_bufs(self):
+        return [self.out.buf]
+
+    def read_views(self):
+        return list(self.reads) + list(self.epi_reads)
 
 
 # ------------------------------------------------------------------------ view algebra
@@ -88,6 +109,11 @@ def view_op(t: Tensor, v: View) -> View | None:
 
 
 VIEW_OPS = ("reshape", "permute", "slice", "broadcast_to")
+
+
+# pointwise ops whose operand is read at another index than the output's: the operand is a
+# leaf read through that op's index function ("rleaf" in the expression)
+INDEXED_READS = ("rotate_half",)
 
 
 def is_pointwise(op):
@@ -125,7 +151,8 @@ def build_schedule(graph, targets: list[Tensor], target_kinds=None, max_bindings
         if t.id in target_ids or not is_pointwise(t.op):
             return False
         cs = consumers[t.id]
-        return len(cs) == 1 and is_pointwise(cs[0].op) and cs[0].shape == t.shape
+        # ops that read their operand at other indices (INDEXED_READS) need it in memory
+        return len(cs) == 1 and is_pointwise(cs[0].op) and cs[0].shape == t.shape and cs[0].op not in INDEXED_READS
 
     for t in nodes:
         if t.op in ("input", "parameter", "state"):
@@ -192,18 +219,26 @@ def _pointwise_kernel(t, values, buf, fusible, max_bindings) -> Kernel:
     leaf_index: dict[int, int] = {}
     names = []
 
-    def expr_of(x: Tensor):
-        if x.op == "constant" and x.size == 1 and x.id not in values:
-            return ("const", x)
-        if x.id not in values and fusible(x) and len({id(l.buf) for l in leaves}) < max_bindings - 2:
-            names.append(x.op)
-            return ("op", x, [expr_of(i) for i in x.inputs])
+    def leaf(x: Tensor):
         if x.id not in values:
             raise RuntimeError(f"value of {x.name!r} ({x.op}) was not computed")
         if x.id not in leaf_index:
             leaf_index[x.id] = len(leaves)
             leaves.append(values[x.id])
         return ("leaf", leaf_index[x.id])
+
+    def node(x: Tensor):
+        if x.op in INDEXED_READS:
+            return ("op", x, [("rleaf",) + leaf(i)[1:] for i in x.inputs])
+        return ("op", x, [expr_of(i) for i in x.inputs])
+
+    def expr_of(x: Tensor):
+        if x.op == "constant" and x.size == 1 and x.id not in values:
+            return ("const", x)
+        if x.id not in values and fusible(x) and len({id(l.buf) for l in leaves}) < max_bindings - 2:
+            names.append(x.op)
+            return node(x)
+        return leaf(x)
 
     if t.op in VIEW_OPS:           # a layout op that is not a view: copy through its view
         src = values[t.inputs[0].id]
@@ -217,6 +252,6 @@ def _pointwise_kernel(t, values, buf, fusible, max_bindings) -> Kernel:
         return Kernel(t.op, "pointwise", {"expr": ("leaf", 0), "dtype": t.dtype},
                       View.contiguous(buf, t.shape, t.dtype), leaves)
     names.append(t.op)
-    expr = ("op", t, [expr_of(i) for i in t.inputs])
+    expr = node(t)
     out = View.contiguous(buf, t.shape, t.dtype)
     return Kernel("+".join(reversed(names)), "pointwise", {"expr": expr, "dtype": t.dtype}, out, leaves)

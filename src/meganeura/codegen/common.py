@@ -29,9 +29,11 @@ class Bindings:
     """Distinct logical buffers a kernel touches, numbered in order of first use."""
 
     def __init__(self):
-        self.bufs, self.types = [], []
+        self.bufs, self.types, self.written = [], [], set()
 
-    def index(self, buf, dtype) -> int:
+    def index(self, buf, dtype, write=False) -> int:
+        if write:
+            self.written.add(id(buf))
         for k, b in enumerate(self.bufs):
             if b is buf and self.types[k] == dtype.wgsl:
                 return k
@@ -40,9 +42,12 @@ class Bindings:
         return len(self.bufs) - 1
 
     def decls(self) -> str:
+        """Buffers the kernel only reads are declared ``read``: wgpu then needs no barrier
+        between two dispatches that both only read them."""
         enable = ["enable f16;"] if "f16" in self.types else []
-        return "\n".join(enable + [f"@group(0) @binding({k}) var<storage, read_write> b{k}: array<{ty}>;"
-                                   for k, ty in enumerate(self.types)])
+        return "\n".join(enable + [
+            f"@group(0) @binding({k}) var<storage, {'read_write' if id(b) in self.written else 'read'}> "
+            f"b{k}: array<{ty}>;" for k, (b, ty) in enumerate(zip(self.bufs, self.types))])
 
 
 def grid(n_groups: int) -> tuple[int, int, int]:

@@ -6,6 +6,7 @@ Each lowering supplies the WGSL lines that compute ``val`` from the output coord
 from __future__ import annotations
 
 from ..schedule import Kernel
+from .expr import OutputStore
 from .common import ENTRY, GROUP_INDEX, WG, Bindings, coords, grid, literal
 
 
@@ -91,10 +92,9 @@ LOWER = {"one_hot": _kernel("one_hot", _one_hot), "embedding": _kernel("embeddin
 
 
 def render(kernel):
-    out = kernel.out
-    n = out.size
+    n = kernel.out.size
     b = Bindings()
-    ob = b.index(out.buf, out.dtype)
+    store = OutputStore(kernel, b, kernel.dtype)
     lines = []
     for k, v in enumerate(kernel.reads):
         bi = b.index(v.buf, v.dtype)
@@ -102,8 +102,8 @@ def render(kernel):
     body = kernel.spec["body"]
     for k, v in enumerate(kernel.reads):
         body = body.replace(f"x{k}[", f"b{b.index(v.buf, v.dtype)}[")
-    src = b.decls() + "\n\n" + ENTRY.format(wg=WG) + \
+    src = b.decls() + "\n" + store.module_text() + "\n\n" + ENTRY.format(wg=WG) + \
         f"    let i = ({GROUP_INDEX}) * {WG}u + lid;\n    if (i >= {n}u) {{ return; }}\n" + \
-        "\n".join(lines) + "\n" + body + f"\n    b{ob}[{out.offset}u + i] = val;\n}}\n"
+        "\n".join(lines) + "\n" + body + "\n    store_out(i, val);\n}\n"
     return src, b.bufs, grid(-(-n // WG))
 

@@ -13,6 +13,7 @@ import os
 import numpy as np
 
 from ..schedule import Kernel
+from .expr import OutputStore
 from .common import Bindings, contiguous_batch_strides
 
 
@@ -139,10 +140,10 @@ def render(kernel):
     if kernel.spec.get("gemv"):
         return render_gemv(kernel)
     a, bv = kernel.reads
-    out, ta, tb = kernel.out, kernel.spec["ta"], kernel.spec["tb"]
-    M, N = out.shape[-2:]
+    ta, tb = kernel.spec["ta"], kernel.spec["tb"]
+    M, N = kernel.shape[-2:]
     K = a.shape[-2] if ta else a.shape[-1]
-    batch = kernel.spec.get("batch", out.shape[:-2])   # split-K writes (batch, splits, M, N)
+    batch = kernel.spec.get("batch", kernel.shape[:-2])   # split-K writes (batch, splits, M, N)
     nb = int(np.prod(batch, dtype=np.int64))
     T, S = kernel.spec.get("tile") or plan_tiles(M, N, K, nb)[0], kernel.spec.get("split", 1)
     W = 8 if T == 32 else 16     # threads per side
@@ -155,7 +156,7 @@ def render(kernel):
     bl = [f"    let split = wid.z % {S}u;", f"    let kbeg = split * {KC}u; let kend = min(kbeg + {KC}u, {K}u);"] + bl
     # operand bindings: vec4 arrays where the layout allows 16-byte loads
     bind = Bindings()
-    ob, ab, bb = bind.index(out.buf, out.dtype), bind.index(a.buf, a.dtype), bind.index(bv.buf, bv.dtype)
+    ab, bb = bind.index(a.buf, a.dtype), bind.index(bv.buf, bv.dtype)
     th = W * W
     a_vec, a_reg, a_fetch, a_store = _operand("As", a, ta, M, K, T, V, "row0", ab, "aoff", chk_m, chk_k, "ra",
                                               threads=th)
@@ -170,6 +171,7 @@ def render(kernel):
         bind.types[ab] = "vec4<f32>"
     if b_vec:
         bind.types[bb] = "vec4<f32>"
+    store = OutputStore(kernel, bind)     # after the operand types are fixed (epilogue reads bind scalars)
     fma = []
     for g in range(G):
         fma.append(f"            let a{g} = As[kk * {V}u + {W * g}u + ty];")
@@ -188,10 +190,11 @@ def render(kernel):
                 v = f"acc[{(gr * 4 + r) * G + gc}]"
                 for c in range(4):
                     cond = " && ".join(x for x, on in ((f"gm < {M}u", chk_m), (f"gn + {c}u < {N}u", chk_n)) if on)
-                    st = f"b{ob}[coff + gm * {N}u + gn + {c}u] = {out.dtype.wgsl}({v}[{c}]);"
+                    st = f"store_out(coff + gm * {N}u + gn + {c}u, {v}[{c}]);"
                     writes.append(f"        {{ let gm = {row}; let gn = {col}; " + (f"if ({cond}) {{ {st} }}" if cond else st) + " }")
     nk = KC // TK
     src = f"""{bind.decls()}
+{store.module_text()}
 var<workgroup> As: array<vec4<f32>, {2 * TK * V}>;
 var<workgroup> Bs: array<vec4<f32>, {2 * TK * V}>;
 
@@ -202,7 +205,7 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_id) lid
 {chr(10).join(bl)}
     let aoff = {" + ".join(aoff)};
     let boff = {" + ".join(boff)};
-    let coff = {out.offset}u + wid.z * {M * N}u;
+    let coff = wid.z * {M * N}u;
     var acc: array<vec4<f32>, {4 * G * G}>;
     var ra: {a_reg};
     var rb: {b_reg};
@@ -241,16 +244,18 @@ def render_gemv(kernel):
     over K, then combine through workgroup memory (8 columns per workgroup). B plain
     ([K, N]): one thread per output column walks K."""
     a, bv = kernel.reads
-    out, ta, tb = kernel.out, kernel.spec["ta"], kernel.spec["tb"]
-    M, N = out.shape[-2:]
+    ta, tb = kernel.spec["ta"], kernel.spec["tb"]
+    M, N = kernel.shape[-2:]
     K = a.shape[-2] if ta else a.shape[-1]
-    batch = out.shape[:-2]
+    batch = kernel.shape[:-2]
     nb = int(np.prod(batch, dtype=np.int64))
     bind = Bindings()
-    ob, ab, bb = bind.index(out.buf, out.dtype), bind.index(a.buf, a.dtype), bind.index(bv.buf, bv.dtype)
+    store = OutputStore(kernel, bind)
+    ab, bb = bind.index(a.buf, a.dtype), bind.index(bv.buf, bv.dtype)
     bl, aoff, boff = _batch_offsets(a, bv, batch, "wid.z")
     a_at = (lambda m, k: f"aoff + {k} * {M}u + {m}") if ta else (lambda m, k: f"aoff + {m} * {K}u + {k}")
     head = f"""{bind.decls()}
+{store.module_text()}
 var<workgroup> part: array<f32, {256 * M}>;
 
 @compute @workgroup_size(256)
@@ -258,7 +263,7 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
 {chr(10).join(bl)}
     let aoff = {" + ".join(aoff)};
     let boff = {" + ".join(boff)};
-    let coff = {out.offset}u + wid.z * {M * N}u;
+    let coff = wid.z * {M * N}u;
 """
     accs = "\n".join(f"    var acc{m} = 0.0;" for m in range(M))
     if tb:
@@ -266,7 +271,7 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
         parts = "\n".join(f"    part[{m * 256}u + lid] = acc{m};" for m in range(M))
         reduce = "\n".join(f"            part[{m * 256}u + lid] = part[{m * 256}u + lid] + part[{m * 256}u + lid + s];"
                            for m in range(M))
-        writes = "\n".join(f"        b{ob}[coff + {m * N}u + n] = {out.dtype.wgsl}(part[{m * 256}u + lid]);" for m in range(M))
+        writes = "\n".join(f"        store_out(coff + {m * N}u + n, part[{m * 256}u + lid]);" for m in range(M))
         body = f"""    let lane = lid % 32u;
     let n = wid.x * 8u + lid / 32u;
 {accs}
@@ -291,7 +296,7 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
 """
         return head + body, bind.bufs, (-(-N // 8), 1, nb)
     fmas = "\n".join(f"        acc{m} = fma(f32(b{ab}[{a_at(str(m) + 'u', 'k')}]), w, acc{m});" for m in range(M))
-    writes = "\n".join(f"    b{ob}[coff + {m * N}u + n] = {out.dtype.wgsl}(acc{m});" for m in range(M))
+    writes = "\n".join(f"    store_out(coff + {m * N}u + n, acc{m});" for m in range(M))
     body = f"""    let n = wid.x * 256u + lid;
     if (n >= {N}u) {{ return; }}
 {accs}

@@ -8,6 +8,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..schedule import Kernel
+from .expr import OutputStore
 from .common import ENTRY, GROUP_INDEX, WG, Bindings, coords, grid, literal
 
 INIT = {"sum": "0.0", "mean": "0.0", "max": "bitcast<f32>(0xff800000u)"}
@@ -31,7 +32,8 @@ def render(kernel):
     else:
         INIT_T = INIT
     b = Bindings()
-    ob, ib = b.index(out.buf, out.dtype), b.index(v.buf, v.dtype)
+    store = OutputStore(kernel, b, dt)
+    ib = b.index(v.buf, v.dtype)
     base = " + ".join([str(v.offset) + "u"] + [f"k{i} * {v.strides[d]}u" for i, d in enumerate(kept)])
     step = " + ".join(["0u"] + [f"r{i} * {v.strides[d]}u" for i, d in enumerate(dims)])
     comb = COMBINE[kind]
@@ -40,13 +42,13 @@ def render(kernel):
     inner = coords("j", rshape, prefix="r")
     body_read = "\n".join("    " + ln for ln in inner) + f"\n        acc = {comb.format(a='acc', b=f'b{ib}[base + {step}]')};"
     if r < 64 or n_out >= 4096:
-        src = b.decls() + "\n\n" + ENTRY.format(wg=WG) + \
+        src = b.decls() + "\n" + store.module_text() + "\n\n" + ENTRY.format(wg=WG) + \
             f"    let o = ({GROUP_INDEX}) * {WG}u + lid;\n    if (o >= {n_out}u) {{ return; }}\n" + \
             "\n".join(rows) + f"\n    let base = {base};\n    var acc = {INIT_T[kind]};\n" + \
             f"    for (var j = 0u; j < {r}u; j = j + 1u) {{\n{body_read}\n    }}\n" + \
-            f"    b{ob}[{out.offset}u + o] = {fin};\n}}\n"
+            f"    store_out(o, {fin});\n}}\n"
         return src, b.bufs, grid(-(-n_out // WG))
-    src = b.decls() + f"\nvar<workgroup> part: array<{dt.wgsl}, {WG}>;\n\n" + ENTRY.format(wg=WG) + \
+    src = b.decls() + "\n" + store.module_text() + f"\nvar<workgroup> part: array<{dt.wgsl}, {WG}>;\n\n" + ENTRY.format(wg=WG) + \
         f"    let o = {GROUP_INDEX};\n    if (o >= {n_out}u) {{ return; }}\n" + \
         "\n".join(rows) + f"\n    let base = {base};\n    var acc = {INIT_T[kind]};\n" + \
         f"    for (var j = lid; j < {r}u; j = j + {WG}u) {{\n{body_read}\n    }}\n" + \
@@ -54,5 +56,5 @@ def render(kernel):
         f"    for (var s = {WG // 2}u; s > 0u; s = s >> 1u) {{\n" + \
         f"        if (lid < s) {{ part[lid] = {comb.format(a='part[lid]', b='part[lid + s]')}; }}\n" + \
         "        workgroupBarrier();\n    }\n" + \
-        f"    if (lid == 0u) {{ let acc2 = part[0]; b{ob}[{out.offset}u + o] = {fin.replace('acc', 'acc2')}; }}\n}}\n"
+        f"    if (lid == 0u) {{ let acc2 = part[0]; store_out(o, {fin.replace('acc', 'acc2')}); }}\n}}\n"
     return src, b.bufs, grid(n_out)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..schedule import Kernel, contiguous_strides
+from .expr import OutputStore
 from .common import ENTRY, GROUP_INDEX, WG, Bindings, coords, grid
 
 NEG_INF = "bitcast<f32>(0xff800000u)"
@@ -22,17 +23,18 @@ def render(kernel):
     kept = [i for i in range(len(v.shape)) if i != d]
     kshape = [v.shape[i] for i in kept]
     n_rows, r = int(np.prod(kshape, dtype=np.int64)), v.shape[d]
-    ost = contiguous_strides(out.shape)
+    ost = contiguous_strides(kernel.shape)
     b = Bindings()
-    ob, ib = b.index(out.buf, out.dtype), b.index(v.buf, v.dtype)
+    store = OutputStore(kernel, b)
+    ib = b.index(v.buf, v.dtype)
     ibase = " + ".join([f"{v.offset}u"] + [f"k{n} * {v.strides[i]}u" for n, i in enumerate(kept)])
-    obase = " + ".join([f"{out.offset}u"] + [f"k{n} * {ost[i]}u" for n, i in enumerate(kept)])
-    x = f"b{ib}[ibase + j * {v.strides[d]}u]"
-    y = f"b{ob}[obase + j * {ost[d]}u]"
+    obase = " + ".join(["0u"] + [f"k{n} * {ost[i]}u" for n, i in enumerate(kept)])
+    x = f"f32(b{ib}[ibase + j * {v.strides[d]}u])"   # f32 arithmetic whatever the storage type
+    y = f"obase + j * {ost[d]}u"
     write = f"exp({x} - m) / total" if spec["kind"] == "softmax" else f"{x} - m - log(total)"
     rows = "\n".join(coords("row", kshape, prefix="k"))
     if r < 64:   # short rows: one thread each
-        src = b.decls() + "\n\n" + ENTRY.format(wg=WG) + f"""    let row = ({GROUP_INDEX}) * {WG}u + lid;
+        src = b.decls() + "\n" + store.module_text() + "\n\n" + ENTRY.format(wg=WG) + f"""    let row = ({GROUP_INDEX}) * {WG}u + lid;
     if (row >= {n_rows}u) {{ return; }}
 {rows}
     let ibase = {ibase}; let obase = {obase};
@@ -40,7 +42,7 @@ def render(kernel):
     for (var j = 0u; j < {r}u; j = j + 1u) {{ m = max(m, {x}); }}
     var total = 0.0;
     for (var j = 0u; j < {r}u; j = j + 1u) {{ total = total + exp({x} - m); }}
-    for (var j = 0u; j < {r}u; j = j + 1u) {{ {y} = {write}; }}
+    for (var j = 0u; j < {r}u; j = j + 1u) {{ store_out({y}, {write}); }}
 }}
 """
         return src, b.bufs, grid(-(-n_rows // WG))
@@ -48,7 +50,7 @@ def render(kernel):
         if (lid < s) {{ part[lid] = {op}; }}
         workgroupBarrier();
     }}"""
-    src = b.decls() + f"\nvar<workgroup> part: array<f32, {WG}>;\n\n" + ENTRY.format(wg=WG) + f"""    let row = {GROUP_INDEX};
+    src = b.decls() + "\n" + store.module_text() + f"\nvar<workgroup> part: array<f32, {WG}>;\n\n" + ENTRY.format(wg=WG) + f"""    let row = {GROUP_INDEX};
     if (row >= {n_rows}u) {{ return; }}
 {rows}
     let ibase = {ibase}; let obase = {obase};
@@ -65,7 +67,7 @@ def render(kernel):
     workgroupBarrier();
 {tree.format(half=WG // 2, op="part[lid] + part[lid + s]")}
     let total = part[0];
-    for (var j = lid; j < {r}u; j = j + {WG}u) {{ {y} = {write}; }}
+    for (var j = lid; j < {r}u; j = j + {WG}u) {{ store_out({y}, {write}); }}
 }}
 """
     return src, b.bufs, grid(n_rows)
@@ -86,16 +88,17 @@ def render_norm(kernel):
     r = spec["row"]
     n_rows = out.size // r
     b = Bindings()
-    ob, xb = b.index(out.buf, out.dtype), b.index(x.buf, x.dtype)
+    store = OutputStore(kernel, b)
+    xb = b.index(x.buf, x.dtype)
     extra = kernel.reads[1:]
     wb = b.index(extra[0].buf, extra[0].dtype) if spec["weight"] else None
     bb = b.index(extra[-1].buf, extra[-1].dtype) if spec["bias"] else None
-    xv = f"b{xb}[{x.offset}u + base + j]"
+    xv = f"f32(b{xb}[{x.offset}u + base + j])"
     y = "(xj - mean) * inv" if spec["kind"] == "layer_norm" else "xj * inv"
     if wb is not None:
-        y = f"{y} * b{wb}[{extra[0].offset}u + j]"
+        y = f"{y} * f32(b{wb}[{extra[0].offset}u + j])"
     if bb is not None:
-        y = f"{y} + b{bb}[{extra[-1].offset}u + j]"
+        y = f"{y} + f32(b{bb}[{extra[-1].offset}u + j])"
     center = spec["kind"] == "layer_norm"
     wg = WG if r >= 64 else 1
     if wg == 1:   # short rows: one thread each
@@ -124,7 +127,7 @@ def render_norm(kernel):
     else:
         body += "    var var_ = 0.0;\n    {\n    " + sums(f"{xv} * {xv}") + f"\n    var_ = acc / {float(r)!r};\n    }}\n"
     body += f"    let inv = inverseSqrt(var_ + {spec['eps']!r});\n"
-    body += f"    {loop} {{\n        let xj = {xv};\n        b{ob}[{out.offset}u + base + j] = {y};\n    }}\n}}\n"
+    body += f"    {loop} {{\n        let xj = {xv};\n        store_out(base + j, {y});\n    }}\n}}\n"
     shared = f"\nvar<workgroup> part: array<f32, {WG}>;\n" if wg > 1 else "\n"
-    src = b.decls() + shared + "\n" + ENTRY.format(wg=WG) + body
+    src = b.decls() + "\n" + store.module_text() + shared + "\n" + ENTRY.format(wg=WG) + body
     return src, b.bufs, grid(n_rows if wg > 1 else -(-n_rows // WG))

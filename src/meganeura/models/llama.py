@@ -137,9 +137,7 @@ def rope_fed(x, cos, sin):
     """Rotate-half RoPE with cos/sin tables given as tensors (seq, head_dim), each half
     repeated: x*cos + concat(-x2, x1)*sin. Used where the positions are only known at run
     time (decoding); ``ops.rope`` bakes them into the graph."""
-    h = x.shape[-1] // 2
-    rot = ops.concat([ops.neg(ops.slice(x, -1, h, None)), ops.slice(x, -1, 0, h)], -1)
-    return x * cos + rot * sin
+    return x * cos + ops.rotate_half(x) * sin
 
 
 def rope_tables(positions, head_dim, base):

@@ -28,7 +28,7 @@ from .registry import (emit, norm_dim, op_error, register, require_float, requir
 from .shape import concat, permute, reshape, slice
 
 __all__ = ["softmax", "log_softmax", "cross_entropy", "mse_loss", "one_hot", "embedding", "embedding_grad",
-           "rms_norm", "layer_norm", "group_norm", "batch_norm", "batch_norm_stats", "rope"]
+           "rms_norm", "layer_norm", "group_norm", "batch_norm", "batch_norm_stats", "rope", "rotate_half"]
 
 _REDUCTIONS = ("mean", "sum", "none")
 
@@ -547,9 +547,32 @@ def _rope_ref(x, base, position_offset, inverse):
 def _rope_graph(x, base, position_offset, inverse):
     cos, sin = (x.graph.constant(t.astype(x.dtype.np))
                 for t in _rope_tables(x.shape[-2], x.shape[-1], base, position_offset, inverse))
+    return x * cos + rotate_half(x) * sin
+
+
+def _rotate_half_infer(ins):
+    x = ins[0]
+    require_float("rotate_half", x)
+    if x.ndim < 1 or x.shape[-1] % 2:
+        raise op_error("rotate_half", "the last dim must be even", x)
+    return x.shape, x.dtype
+
+
+def _rotate_half_ref(x):
     h = x.shape[-1] // 2
-    rot = concat([neg(slice(x, -1, h, None)), slice(x, -1, 0, h)], -1)
-    return x * cos + rot * sin
+    return np.concatenate([-x[..., h:], x[..., :h]], axis=-1)
+
+
+# A pointwise op whose operand is read at another index (j + h mod 2h): the GPU evaluates
+# it inside the consuming kernel, so RoPE is one kernel. Its transpose is its negation.
+register("rotate_half", _rotate_half_infer, _rotate_half_ref,
+         lambda ct, y, x: [neg(rotate_half(ct))], wgsl="rotate_half",
+         decompose=lambda x: concat([neg(slice(x, -1, x.shape[-1] // 2, None)), slice(x, -1, 0, x.shape[-1] // 2)], -1))
+
+
+def rotate_half(x):
+    """concat(-x2, x1) over the last dim (halves x1, x2): Llama's RoPE rotation."""
+    return emit("rotate_half", [x])
 
 
 # rotation by -angle is the transpose of rotation by angle

@@ -11,10 +11,7 @@ import time
 
 import numpy as np
 
-from .. import codegen
-from ..memplan import plan_memory
-from ..passes import lower_to_primitives
-from ..schedule import build_schedule
+from ..compiler import CompileOptions, compile_plan
 from .device import get_device
 from .profiler import write_chrome_trace
 from .recorder import StepRecorder
@@ -25,24 +22,17 @@ def _round4(n):
 
 
 class Plan:
-    """Everything one kind of call needs, built once."""
+    """A compiled KernelPlan bound to device buffers, pipelines and bind groups."""
 
     def __init__(self, ex, targets, n_fetch, grad_names, updates):
         dev = ex.dev
         t0 = time.perf_counter()
-        g2, new_targets = lower_to_primitives(targets, keep=codegen.has_kernel, rewrite=ex.rewrite(targets[:n_fetch]))
-        max_b = int(dev.limits.get("max-storage-buffers-per-shader-stage", 8))
-        sched = build_schedule(g2, new_targets, max_bindings=max_b)
-        rendered = []
-        for k in sched.kernels:
-            if k.out.size == 0:
-                continue
-            wgsl, bufs, wg = codegen.render(k)
-            rendered.append((k, wgsl, bufs, wg))
-        self.memory = plan_memory([([k.out.buf], bufs) for k, _, bufs, _ in rendered], sched.bufs)
+        opts = CompileOptions.from_env(ex.precision, dev.limits)
+        kp = compile_plan(targets, n_forward=n_fetch, options=opts)
+        self.kernel_plan, self.memory = kp, kp.memory
         slots = [dev.create_buffer(n, label=f"slot{i}") for i, n in enumerate(self.memory.slot_sizes)]
         phys = {}
-        for b in sched.bufs:
+        for b in kp.bufs:
             if b.kind in ("input", "parameter", "state"):
                 phys[b] = ex.named_buffer(b.name, b.nbytes)
             elif b.kind == "constant":
@@ -52,23 +42,15 @@ class Plan:
                 phys[b] = dev.create_buffer(b.nbytes, label=b.name)
             elif b in self.memory.slot_of:
                 phys[b] = slots[self.memory.slot_of[b]]
-        dispatches, names = [], []
-        for k, wgsl, bufs, wg in rendered:
-            pipe = dev.pipeline(wgsl, access=len(bufs), label=k.name)
-            dispatches.append((pipe, dev.bind_group(pipe, [phys[b] for b in bufs]), wg))
-            names.append(k.name)
-        self.names = names
-        self.n_dispatches = len(dispatches)
-        self.step = ex.recorder.prepare(dispatches, names)
+        dispatches = []
+        for d in kp.dispatches:
+            pipe = dev.pipeline(d.wgsl, label=d.kernel.name)   # access parsed from the declarations
+            dispatches.append((pipe, dev.bind_group(pipe, [phys[b] for b in d.bufs]), d.groups))
+        self.names = kp.names
+        self.n_dispatches = kp.n_dispatches
+        self.step = ex.recorder.prepare(dispatches, self.names)
         # where each target's value lives: (buffer, byte offset, nbytes, dtype, shape)
-        locs = []
-        for t in new_targets:
-            v = sched.values.get(t.id)
-            if v is None:
-                raise RuntimeError(f"target {t.name!r} has no value")
-            if not v.is_contiguous():
-                raise RuntimeError(f"target {t.name!r} is a strided view")
-            locs.append((phys[v.buf], v.offset * t.dtype.np.itemsize, t.size * t.dtype.np.itemsize, t.dtype.np, t.shape))
+        locs = [(phys[b], off, nb, dt, shape) for b, off, nb, dt, shape in kp.target_locs]
         self.fetch_locs = locs[:n_fetch]
         self.grad_locs = dict(zip(grad_names, locs[n_fetch:n_fetch + len(grad_names)]))
         self.copies_after = []
@@ -104,20 +86,6 @@ class GpuExecutor:
         for name, arr in values.items():
             if name not in self.buffers:
                 self.set_value(name, arr)
-
-    def rewrite(self, forward_targets):
-        """Accelerated precision: forward matmuls (those the fetched outputs and loss depend
-        on) read f16 operands and accumulate in f32; the backward graph stays f32."""
-        if self.precision != "accelerated" or not forward_targets:
-            return None
-        from ..reference import needed_nodes
-        forward = {t.id for t in needed_nodes(forward_targets)}
-
-        def rw(t, ins):
-            if t.op == "matmul" and t.id in forward and t.dtype.name == "f32" and not t.attrs.get("out_dtype"):
-                return codegen.matmul.accelerate(ins[0], ins[1], t.attrs["ta"], t.attrs["tb"])
-            return None
-        return rw
 
     # --------------------------------------------------------------- buffers
     def named_buffer(self, name, nbytes):

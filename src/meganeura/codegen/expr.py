@@ -1,0 +1,203 @@
+"""Scalar expressions of the kernel IR rendered as WGSL, and the output store that every
+archetype ends with (where a fused epilogue runs).
+
+An expression is a tuple tree: ("leaf", i) a value read by the kernel, ("acc",) the
+archetype's own value (in an epilogue), ("lit", value, dtype), ("const", scalar tensor),
+("op", node, [children]) an elementwise graph node applied to its children. Types follow
+the nodes' dtypes; mixed f16/f32 operands are converted where a node's inputs differ.
+"""
+from __future__ import annotations
+
+from ..ops.registry import OPS
+from .common import broadcast_view_strides, literal, offset_expr
+
+# WGSL helpers, included when an expression uses them. erf: Abramowitz-Stegun 7.1.26
+# (|error| < 1.5e-7, below f32 resolution of the results); tanh clamps so exp cannot overflow.
+HELPERS = {
+    "erf_f": """fn erf_f(x: f32) -> f32 {
+    let t = 1.0 / (1.0 + 0.3275911 * abs(x));
+    let y = 1.0 - (((((1.061405429 * t - 1.453152027) * t) + 1.421413741) * t - 0.284496736) * t + 0.254829592) * t * exp(-x * x);
+    return select(-y, y, x >= 0.0);
+}""",
+    "tanh_f": """fn tanh_f(x: f32) -> f32 {
+    let e = exp(2.0 * clamp(x, -15.0, 15.0));
+    return (e - 1.0) / (e + 1.0);
+}""",
+    "gelu_erf": """fn gelu_erf(x: f32) -> f32 { return 0.5 * x * (1.0 + erf_f(x * 0.70710678118654752)); }""",
+    "gelu_erf_grad": """fn gelu_erf_grad(x: f32) -> f32 {
+    return 0.5 * (1.0 + erf_f(x * 0.70710678118654752)) + x * exp(-0.5 * x * x) * 0.39894228040143268;
+}""",
+    "gelu_tanh": """fn gelu_tanh(x: f32) -> f32 {
+    return 0.5 * x * (1.0 + tanh_f(0.79788456080286536 * (x + 0.044715 * x * x * x)));
+}""",
+    "gelu_tanh_grad": """fn gelu_tanh_grad(x: f32) -> f32 {
+    let c = 0.79788456080286536;
+    let t = tanh_f(c * (x + 0.044715 * x * x * x));
+    return 0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * c * (1.0 + 3.0 * 0.044715 * x * x);
+}""",
+}
+HELPER_DEPS = {"gelu_erf": ["erf_f"], "gelu_erf_grad": ["erf_f"], "gelu_tanh": ["tanh_f"],
+               "gelu_tanh_grad": ["tanh_f"]}
+
+
+def _op_text(t, args, arg_dtypes, used):
+    """WGSL for elementwise node ``t`` applied to argument expressions ``args``."""
+    ex = OPS[t.op].extra["wgsl"]
+    if t.op == "cast":
+        return f"{t.dtype.wgsl}({args[0]})"
+    if t.op == "pow":
+        e = t.attrs["exponent"]
+        if float(e).is_integer() and abs(e) <= 8:
+            n = int(abs(e))
+            prod = "(" + " * ".join([args[0]] * n) + ")" if n else "1.0"
+            return prod if e >= 0 else f"(1.0 / {prod})"
+        if e == 0.5:
+            return f"sqrt({args[0]})"
+        return f"pow({args[0]}, {literal(e, t.dtype)})"
+    if t.op in ("gelu", "gelu_grad"):
+        ex = ex[t.attrs["approximate"]]
+    if t.op == "where" and arg_dtypes[0].name != "u32":
+        args = [f"u32({args[0]})"] + list(args[1:])
+    if t.op == "tanh":
+        ex = "tanh_f({0})"
+    if t.op == "erf":
+        ex = "erf_f({0})"
+    if t.op == "sign" and not t.dtype.is_float:
+        ex = "sign({0})"
+    for name in HELPERS:
+        if name + "(" in ex:
+            used.add(name)
+            used.update(HELPER_DEPS.get(name, []))
+    if t.op == "relu":
+        ex = "max({0}, " + literal(0, t.dtype) + ")"
+    return ex.format(*args)
+
+
+def op_text(t, args, arg_dtypes, used):
+    """WGSL for elementwise node ``t`` applied to argument expressions ``args``."""
+    ex = OPS[t.op].extra["wgsl"]
+    if t.op == "cast":
+        return f"{t.dtype.wgsl}({args[0]})"
+    # operands of another float type than the node's (an f16 load into an f32 node) convert
+    if t.op not in ("where",) and t.dtype.is_float:
+        args = [a if d is t.dtype or not d.is_float else f"{t.dtype.wgsl}({a})" for a, d in zip(args, arg_dtypes)]
+    if t.op == "pow":
+        e = t.attrs["exponent"]
+        if float(e).is_integer() and abs(e) <= 8:
+            n = int(abs(e))
+            prod = "(" + " * ".join([args[0]] * n) + ")" if n else literal(1.0, t.dtype)
+            return prod if e >= 0 else f"({literal(1.0, t.dtype)} / {prod})"
+        if e == 0.5:
+            return f"sqrt({args[0]})"
+        return f"pow({args[0]}, {literal(e, t.dtype)})"
+    if t.op in ("gelu", "gelu_grad"):
+        ex = ex[t.attrs["approximate"]]
+    if t.op == "where":
+        if arg_dtypes[0].name != "u32":
+            args = [f"u32({args[0]})"] + list(args[1:])
+        args = [args[0]] + [a if d is t.dtype or not d.is_float else f"{t.dtype.wgsl}({a})"
+                            for a, d in zip(args[1:], arg_dtypes[1:])]
+    if t.op == "tanh":
+        ex = "tanh_f({0})"
+    if t.op == "erf":
+        ex = "erf_f({0})"
+    if t.op == "sign" and not t.dtype.is_float:
+        ex = "sign({0})"
+    for name in HELPERS:
+        if name + "(" in ex:
+            used.add(name)
+            used.update(HELPER_DEPS.get(name, []))
+    if t.op == "relu":
+        ex = "max({0}, " + literal(0, t.dtype) + ")"
+    return ex.format(*args)
+
+
+class ExprWriter:
+    """Emits an expression tree as WGSL ``let`` lines; ``leaf(e)`` gives (text, dtype) for
+    ("leaf", i), ("rleaf", i) (a leaf read through its consumer's index function) and
+    ("acc",) nodes. ``last_coord``: the output's last coordinate (for rotate_half)."""
+
+    def __init__(self, leaf, prefix="t", last_coord=None):
+        self.leaf, self.prefix, self.last_coord = leaf, prefix, last_coord
+        self.lines, self.used, self.n = [], set(), 0
+
+    def emit(self, e):
+        if e[0] in ("leaf", "acc", "rleaf"):
+            return self.leaf(e)
+        if e[0] == "lit":
+            return literal(e[1], e[2]), e[2]
+        if e[0] == "const":
+            c = e[1]
+            return literal(c.attrs["value"].reshape(-1)[0], c.dtype), c.dtype
+        _, t, kids = e
+        args = [self.emit(k) for k in kids]
+        if t.op == "rotate_half":
+            # the operand was read at (j + h) mod 2h; the first half is negated
+            a = args[0][0]
+            text = f"select({a}, -{a}, {self.last_coord} < {t.shape[-1] // 2}u)"
+        else:
+            text = op_text(t, [a for a, _ in args], [d for _, d in args], self.used)
+        self.n += 1
+        self.lines.append(f"    let {self.prefix}{self.n} = {text};")
+        return f"{self.prefix}{self.n}", t.dtype
+
+    def helpers(self) -> list[str]:
+        return [HELPERS[h] for h in HELPERS if h in self.used]
+
+
+def expr_ops(e) -> list[str]:
+    """Op names in an expression, innermost first (for kernel names)."""
+    if e is None or e[0] != "op":
+        return []
+    return [n for k in e[2] for n in expr_ops(k)] + [e[1].op]
+
+
+def coord_lines(var, shape, prefix):
+    """``let`` lines splitting flat index ``var`` into coordinates ``prefix0..`` of ``shape``."""
+    if not shape:
+        return []
+    lines, r = [f"    var {prefix}r = {var};"], len(shape)
+    for d in range(r - 1, 0, -1):
+        lines.append(f"    let {prefix}{d} = {prefix}r % {shape[d]}u; {prefix}r = {prefix}r / {shape[d]}u;")
+    lines.append(f"    let {prefix}0 = {prefix}r;")
+    return lines
+
+
+class OutputStore:
+    """``fn store_out(f: u32, acc: f32)``: stores an archetype's value for the output
+    element of flat (row-major, logical) index ``f``, through the kernel's epilogue if it
+    has one. Registers the output and epilogue bindings on ``bind``."""
+
+    def __init__(self, kernel, bind, acc_dtype=None):
+        from ..graph import f32
+        out = kernel.out
+        self.acc_dtype = acc_dtype or f32
+        self.ob = bind.index(out.buf, out.dtype, write=True)
+        leaves = [(bind.index(v.buf, v.dtype), v) for v in kernel.epi_reads]
+        # operands are views of the iteration shape they were fused at: split ``f`` into
+        # coordinates of each distinct shape
+        spaces = {out.shape: "e"}
+        lines = coord_lines("f", out.shape, "e")
+        for v in kernel.epi_reads:
+            if v.shape not in spaces:
+                spaces[v.shape] = f"s{len(spaces)}_"
+                lines += coord_lines("f", v.shape, spaces[v.shape])
+        for k, (bi, v) in enumerate(leaves):
+            lines.append(f"    let l{k} = b{bi}[{offset_expr(v.offset, broadcast_view_strides(v, v.shape), spaces[v.shape])}];")
+
+        def leaf(e):
+            if e[0] == "acc":
+                return "acc", self.acc_dtype
+            return f"l{e[1]}", leaves[e[1]][1].dtype
+        w = ExprWriter(leaf)
+        val, dt = w.emit(kernel.epilogue or ("acc",))
+        if dt is not out.dtype:
+            val = f"{out.dtype.wgsl}({val})"
+        idx = f"{out.offset}u + f" if out.is_contiguous() else offset_expr(out.offset, out.strides, "e")
+        self.helpers = w.helpers()
+        body = lines + w.lines + [f"    b{self.ob}[{idx}] = {val};"]
+        self.fn = f"fn store_out(f: u32, acc: {self.acc_dtype.wgsl}) {{\n" + "\n".join(body) + "\n}"
+
+    def module_text(self) -> str:
+        """The helpers and ``store_out``, for module scope (after the binding decls)."""
+        return "\n".join(self.helpers + [self.fn])

@@ -1,0 +1,119 @@
+"""The device-free compile stage: ``compile_plan(targets, limits, options) -> KernelPlan``.
+
+The passes, in order: decomposition to primitives (``passes.lower``), scheduling into
+kernel IR (``schedule``: views, pointwise fusion), the kernel-IR fusion passes
+(``passes.fuse``), WGSL rendering per archetype (``codegen``) and the memory plan. The
+result names buffers logically; the runtime only allocates them and records dispatches, so
+everything here is testable (kernel counts, WGSL validity) without a GPU.
+"""
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+
+from . import codegen
+from .memplan import MemoryPlan, plan_memory
+from .passes import lower_to_primitives
+from .passes.fuse import FUSION_PASSES, run_fusion
+from .schedule import Buf, Kernel, build_schedule
+
+
+@dataclass
+class CompileOptions:
+    precision: str = "strict"            # "accelerated": forward matmuls read f16 operands
+    max_bindings: int = 8                # storage buffers per shader stage on the adapter
+    disabled: frozenset = frozenset()    # fusion passes switched off (MEGANEURA_NO_FUSE)
+
+    @staticmethod
+    def from_env(precision="strict", limits=None):
+        """Options for an adapter's ``limits``; ``MEGANEURA_NO_FUSE`` names passes to turn
+        off (comma-separated, or ``all``)."""
+        raw = os.environ.get("MEGANEURA_NO_FUSE", "")
+        names = {s.strip() for s in raw.split(",") if s.strip()}
+        if "all" in names:
+            names = set(FUSION_PASSES)
+        unknown = names - set(FUSION_PASSES)
+        if unknown:
+            raise ValueError(f"MEGANEURA_NO_FUSE: unknown pass(es) {sorted(unknown)}; "
+                             f"known: {', '.join(FUSION_PASSES)} or 'all'")
+        mb = int((limits or {}).get("max-storage-buffers-per-shader-stage", 8))
+        return CompileOptions(precision, mb, frozenset(names))
+
+
+@dataclass
+class Dispatch:
+    kernel: Kernel
+    wgsl: str
+    bufs: list           # logical Bufs in binding order
+    groups: tuple        # workgroup counts
+
+
+@dataclass
+class KernelPlan:
+    """What one kind of call runs: dispatches in launch order over logical buffers."""
+    dispatches: list
+    bufs: list                       # every logical Buf
+    memory: MemoryPlan
+    target_locs: list                # per target: (Buf, byte offset, nbytes, np dtype, shape)
+    compile_seconds: float = 0.0
+    stats: dict = field(default_factory=dict)
+
+    @property
+    def names(self):
+        return [d.kernel.name for d in self.dispatches]
+
+    @property
+    def n_dispatches(self):
+        return len(self.dispatches)
+
+
+def accelerated_rewrite(forward_targets):
+    """Accelerated precision: forward matmuls (those the fetched outputs and loss depend on)
+    read f16 operands and accumulate in f32; the backward graph stays f32."""
+    from .reference import needed_nodes
+    forward = {t.id for t in needed_nodes(forward_targets)}
+
+    def rw(t, ins):
+        if t.op == "matmul" and t.id in forward and t.dtype.name == "f32" and not t.attrs.get("out_dtype"):
+            return codegen.matmul.accelerate(ins[0], ins[1], t.attrs["ta"], t.attrs["tb"])
+        return None
+    return rw
+
+
+def compile_plan(targets, n_forward=None, options: CompileOptions | None = None) -> KernelPlan:
+    """Kernels computing ``targets`` (tensors of one graph). ``n_forward``: how many leading
+    targets are forward outputs (accelerated precision applies to what they depend on)."""
+    opts = options or CompileOptions()
+    t0 = time.perf_counter()
+    fwd = targets[:len(targets) if n_forward is None else n_forward]
+    rewrite = accelerated_rewrite(fwd) if opts.precision == "accelerated" and fwd else None
+    g2, new_targets = lower_to_primitives(targets, keep=codegen.has_kernel, rewrite=rewrite)
+    sched = build_schedule(g2, new_targets, max_bindings=opts.max_bindings)
+    n_scheduled = len(sched.kernels)
+    kernels = run_fusion(sched.kernels, disabled=opts.disabled, max_bindings=opts.max_bindings)
+    dispatches = []
+    for k in kernels:
+        if k.out.size == 0:
+            continue
+        wgsl, bufs, groups = codegen.render(k)
+        dispatches.append(Dispatch(k, wgsl, bufs, groups))
+    memory = plan_memory([(k.written_bufs(), d.bufs) for d in dispatches for k in [d.kernel]], sched.bufs)
+    locs = []
+    for t in new_targets:
+        v = sched.values.get(t.id)
+        if v is None:
+            raise RuntimeError(f"target {t.name!r} has no value")
+        if not v.is_contiguous():
+            raise RuntimeError(f"target {t.name!r} is a strided view")
+        locs.append((v.buf, v.offset * t.dtype.np.itemsize, t.size * t.dtype.np.itemsize, t.dtype.np, t.shape))
+    return KernelPlan(dispatches, sched.bufs, memory, locs, time.perf_counter() - t0,
+                      {"scheduled": n_scheduled, "fused": n_scheduled - len(kernels)})
+
+
+def count_dispatches(targets, **kw) -> int:
+    """Dispatches the GPU backend records for ``targets`` (no device needed)."""
+    return compile_plan(targets, **kw).n_dispatches
+
+
+__all__ = ["Buf", "CompileOptions", "KernelPlan", "compile_plan", "count_dispatches"]

@@ -1,0 +1,102 @@
+"""The compile stage without a device: dispatch budgets per model (like tinygrad's
+kernel-count tests), fusion switches, and fused kernels checked on the GPU."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import meganeura as mg
+from meganeura.compiler import CompileOptions, compile_plan
+from meganeura.models import llama
+
+NO_FUSE = CompileOptions(disabled=frozenset({"epilogue"}))
+
+
+def _decoder_targets(cfg, max_len=16):
+    g, logits, new = llama.build_decoder(cfg, 1, 1, max_len, cache_as_state=True)
+    return [logits] + new
+
+
+def _counts(targets):
+    fused = compile_plan(targets).n_dispatches
+    unfused = compile_plan(targets, options=NO_FUSE).n_dispatches
+    return fused, unfused
+
+
+# Budgets: the tiny configs have the real models' layer structure, so per-layer counts
+# carry over. Lower them as fusion improves; a rise is a regression.
+def test_llama_decode_budget():
+    cfg = llama.LlamaConfig.tiny()
+    fused, unfused = _counts(_decoder_targets(cfg))
+    per_layer = fused / cfg.num_hidden_layers
+    assert fused < unfused
+    assert per_layer <= 29, f"{fused} dispatches ({per_layer:.1f} per layer)"
+
+
+def test_llama_prefill_budget():
+    cfg = llama.LlamaConfig.tiny()
+    g, _, logits = llama.build_causal_lm(cfg, 1, 8)
+    fused, unfused = _counts([logits])
+    assert fused < unfused
+    assert fused <= 47
+
+
+def test_kernel_plan_is_device_free_and_names_fusions():
+    g = mg.Graph()
+    x = g.input("x", (8, 16))
+    w = g.parameter("w", (32, 16))
+    b = g.parameter("b", (32,))
+    r = g.input("r", (8, 32))
+    y = mg.ops.relu(mg.ops.linear(x, w, b)) + r
+    kp = compile_plan([y])
+    assert kp.n_dispatches == 1
+    assert kp.names[0].startswith("gemv") or kp.names[0].startswith("matmul")
+    assert "relu" in kp.names[0] and "add" in kp.names[0]
+    assert "store_out" in kp.dispatches[0].wgsl
+    # operands the kernel only reads are declared read-only (no barrier between readers)
+    assert "var<storage, read> " in kp.dispatches[0].wgsl
+    assert compile_plan([y], options=NO_FUSE).n_dispatches == 2   # matmul, add+relu+add
+
+
+def test_no_fuse_switch(monkeypatch):
+    monkeypatch.setenv("MEGANEURA_NO_FUSE", "epilogue")
+    assert CompileOptions.from_env().disabled == frozenset({"epilogue"})
+    monkeypatch.setenv("MEGANEURA_NO_FUSE", "all")
+    assert "epilogue" in CompileOptions.from_env().disabled
+    monkeypatch.setenv("MEGANEURA_NO_FUSE", "bogus")
+    with pytest.raises(ValueError, match="bogus"):
+        CompileOptions.from_env()
+
+
+def _graph_with_epilogues():
+    """matmul (tiled, split-K and GEMV) + bias + activation + residual, a reduction with a
+    scale, a softmax with a multiply, a broadcast operand fused across a reshape."""
+    g = mg.Graph()
+    x = g.input("x", (2, 8, 24))
+    w = g.parameter("w", (40, 24))
+    b = g.parameter("b", (40,))
+    res = g.input("res", (2, 8, 40))
+    h = mg.ops.gelu(mg.ops.linear(x, w, b)) + res                      # tiled matmul epilogue
+    s = mg.ops.softmax(h, -1) * 3.0                                     # row kernel epilogue
+    m = mg.ops.mean(h, -1, keepdim=True) * 0.5 + 1.0                    # reduction epilogue
+    v = g.input("v", (1, 24))
+    gv = mg.ops.tanh(mg.ops.linear(v, w)) * b                           # GEMV epilogue
+    big = g.input("big", (16, 2048))
+    wk = g.parameter("wk", (2048, 64))
+    sk = mg.ops.reshape(mg.ops.matmul(big, wk), (16, 8, 8)) + g.parameter("pb", (8, 1))  # split-K
+    return g, [s, m, gv, sk]
+
+
+def test_fused_epilogues_match_reference():
+    g, outs = _graph_with_epilogues()
+    rng = np.random.default_rng(0)
+    feeds = {n: rng.standard_normal(t.shape).astype(np.float32) for n, t in g.inputs.items()}
+    state = {n: rng.standard_normal(t.shape).astype(np.float32) * 0.2 for n, t in g.parameters.items()}
+    fused = compile_plan(outs)
+    assert fused.stats["fused"] >= 4, fused.names
+    ref = mg.compile(g, outputs=outs, backend="numpy")
+    gpu = mg.compile(g, outputs=outs, backend="gpu")
+    ref.load_state_dict(state)
+    gpu.load_state_dict(state)
+    for a, b_ in zip(ref.run(feeds), gpu.run(feeds)):
+        np.testing.assert_allclose(b_, a, rtol=2e-4, atol=2e-5)
