@@ -26,6 +26,12 @@ def _fn(t):
     return t.nn.functional
 
 
+# row 1 of each batch fully masked, row 0 partly
+_ROW_MASK = np.zeros((2, 3, 4), np.float32)
+_ROW_MASK[:, 1, :] = -np.inf
+_ROW_MASK[:, 0, 2] = -np.inf
+
+
 def torch_rope(t, x, base=10000.0, position_offset=0):
     """Llama's rotary embedding (rotate-half), written as transformers computes it."""
     _, _, seq, dim = x.shape
@@ -64,6 +70,9 @@ SAMPLES = [
     # without the max shift exp would overflow f32 here
     S("softmax_large_logits", lambda o, x: o.softmax(x), lambda t, x: t.softmax(x, -1),
       [F((2, 4), low=100.0, high=104.0)]),
+    S("safe_softmax_masked_rows", lambda o, x: o.safe_softmax(x + x.graph.constant(_ROW_MASK)),
+      lambda t, x: t._safe_softmax(x + t.tensor(_ROW_MASK, dtype=x.dtype), -1), [F((2, 3, 4))]),
+    S("safe_softmax_long_rows", lambda o, x: o.safe_softmax(x, 0), lambda t, x: t._safe_softmax(x, 0), [F((70, 3))]),
     S("log_softmax_last", lambda o, x: o.log_softmax(x), lambda t, x: t.log_softmax(x, -1), [F((3, 5))]),
     S("log_softmax_dim1", lambda o, x: o.log_softmax(x, 1), lambda t, x: t.log_softmax(x, 1), [F((2, 4, 3))]),
     S("log_softmax_large_logits", lambda o, x: o.log_softmax(x, 0), lambda t, x: t.log_softmax(x, 0),

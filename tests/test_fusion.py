@@ -9,7 +9,7 @@ import meganeura as mg
 from meganeura.compiler import CompileOptions, compile_plan
 from meganeura.models import llama
 
-NO_FUSE = CompileOptions(disabled=frozenset({"epilogue"}))
+NO_FUSE = CompileOptions(disabled=frozenset({"epilogue", "horizontal"}))
 
 
 def _decoder_targets(cfg, max_len=16):
@@ -30,7 +30,7 @@ def test_llama_decode_budget():
     fused, unfused = _counts(_decoder_targets(cfg))
     per_layer = fused / cfg.num_hidden_layers
     assert fused < unfused
-    assert per_layer <= 29, f"{fused} dispatches ({per_layer:.1f} per layer)"
+    assert per_layer <= 17, f"{fused} dispatches ({per_layer:.1f} per layer)"
 
 
 def test_llama_prefill_budget():
@@ -38,7 +38,7 @@ def test_llama_prefill_budget():
     g, _, logits = llama.build_causal_lm(cfg, 1, 8)
     fused, unfused = _counts([logits])
     assert fused < unfused
-    assert fused <= 47
+    assert fused <= 33
 
 
 def test_kernel_plan_is_device_free_and_names_fusions():
@@ -100,3 +100,29 @@ def test_fused_epilogues_match_reference():
     gpu.load_state_dict(state)
     for a, b_ in zip(ref.run(feeds), gpu.run(feeds)):
         np.testing.assert_allclose(b_, a, rtol=2e-4, atol=2e-5)
+
+
+def test_horizontal_merge_of_independent_pointwise_kernels():
+    """Two RoPE-like kernels of different shapes and an optimizer-like update of three
+    tensors run as one launch each where nothing between them depends on them."""
+    g = mg.Graph()
+    q = g.input("q", (2, 3, 8))
+    k = g.input("k", (1, 3, 8))
+    cos, sin = g.input("cos", (3, 8)), g.input("sin", (3, 8))
+    qr = q * cos + mg.ops.rotate_half(q) * sin
+    kr = k * cos + mg.ops.rotate_half(k) * sin
+    ps = [g.input(f"p{i}", (5 + i,)) for i in range(3)]
+    gs = [g.input(f"g{i}", (5 + i,)) for i in range(3)]
+    news = [p - 0.1 * mg.ops.tanh(gr) for p, gr in zip(ps, gs)]
+    outs = [qr, kr] + news
+    kp = compile_plan(outs, options=CompileOptions(max_bindings=32))
+    assert kp.n_dispatches == 1 and kp.dispatches[0].kernel.archetype == "multi", kp.names
+    assert compile_plan(outs, options=CompileOptions(max_bindings=8)).n_dispatches == 3   # binding limit
+    no_h = compile_plan(outs, options=CompileOptions(max_bindings=32, disabled=frozenset({"horizontal"})))
+    assert no_h.n_dispatches == 5
+    rng = np.random.default_rng(1)
+    feeds = {n: rng.standard_normal(t.shape).astype(np.float32) for n, t in g.inputs.items()}
+    ref = mg.compile(g, outputs=outs, backend="numpy").run(feeds)
+    got = mg.compile(g, outputs=outs, backend="gpu").run(feeds)
+    for a, b_ in zip(ref, got):
+        np.testing.assert_allclose(b_, a, rtol=1e-5, atol=1e-6)

@@ -155,7 +155,7 @@ def test_accelerated_precision_uses_f16_forward_and_passes_gates():
     ls, lf = strict.compute_grads({"x": x}), fast.compute_grads({"x": x})
     gs, gf = strict.grads(), fast.grads()
     plan = fast.executor.plans["grads"]
-    assert any(n == "cast" for n in plan.names), "no f16 casts in the accelerated plan"
+    assert any("cast" in n.replace("|", "+").split("+") for n in plan.names), "no f16 casts in the accelerated plan"
     assert not any(n == "cast" for n in strict.executor.plans["grads"].names)
     loss_err = abs(lf - ls) / abs(ls)
     ns = np.array([np.linalg.norm(gs[k]) for k in gs])

@@ -81,9 +81,13 @@ class Kernel:
         return self.spec.get("out_dtype", self.out.dtype)
 
     def written_bufs(self):
+        if "parts" in self.spec:        # a horizontal fusion of independent kernels
+            return [b for p in self.spec["parts"] for b in p.written_bufs()]
         return [self.out.buf]
 
     def read_views(self):
+        if "parts" in self.spec:
+            return [v for p in self.spec["parts"] for v in p.read_views()]
         return list(self.reads) + list(self.epi_reads)
 
 
@@ -114,6 +118,26 @@ VIEW_OPS = ("reshape", "permute", "slice", "broadcast_to")
 # pointwise ops whose operand is read at another index than the output's: the operand is a
 # leaf read through that op's index function ("rleaf" in the expression)
 INDEXED_READS = ("rotate_half",)
+
+
+MAX_RECOMPUTE = 256     # output elements per input element when inlining across a broadcast
+
+
+def _cheap_broadcast(t, consumer) -> bool:
+    """t can be evaluated at ``consumer``'s coordinates: its shape broadcasts to the
+    consumer's (so every leaf of t does too) and t is small next to it."""
+    if len(t.shape) > len(consumer.shape) or t.size == 0:
+        return False
+    lead = len(consumer.shape) - len(t.shape)
+    if any(n != 1 and n != m for n, m in zip(t.shape, consumer.shape[lead:])):
+        return False
+    return consumer.size <= MAX_RECOMPUTE * t.size and all(i.shape == t.shape or i.size == 1 or
+                                                         _broadcasts(i.shape, t.shape) for i in t.inputs)
+
+
+def _broadcasts(a, b) -> bool:
+    lead = len(b) - len(a)
+    return lead >= 0 and all(n == 1 or n == m for n, m in zip(a, b[lead:]))
 
 
 def is_pointwise(op):
@@ -151,8 +175,11 @@ def build_schedule(graph, targets: list[Tensor], target_kinds=None, max_bindings
         if t.id in target_ids or not is_pointwise(t.op):
             return False
         cs = consumers[t.id]
-        # ops that read their operand at other indices (INDEXED_READS) need it in memory
-        return len(cs) == 1 and is_pointwise(cs[0].op) and cs[0].shape == t.shape and cs[0].op not in INDEXED_READS
+        # ops that read their operand at other indices (INDEXED_READS) need it in memory;
+        # a consumer that broadcasts t recomputes it per element, which pays while the
+        # broadcast is modest (one new KV-cache row blended into the cache)
+        return (len(cs) == 1 and is_pointwise(cs[0].op) and cs[0].op not in INDEXED_READS
+                and (cs[0].shape == t.shape or _cheap_broadcast(t, cs[0])))
 
     for t in nodes:
         if t.op in ("input", "parameter", "state"):

@@ -4,7 +4,7 @@ package attaches the lowerings to the op registry records."""
 from ..ops.registry import OPS
 from . import gather, layout, matmul, pointwise, reduce, rows
 
-RENDER = {"pointwise": pointwise.render, "reduce": reduce.render, "matmul": matmul.render,
+RENDER = {"pointwise": pointwise.render, "multi": pointwise.render_multi, "reduce": reduce.render, "matmul": matmul.render,
           "gather": gather.render, "rows": rows.render, "norm": rows.render_norm}
 
 for _op in ("reduce_sum", "reduce_mean", "reduce_max"):
@@ -12,7 +12,7 @@ for _op in ("reduce_sum", "reduce_mean", "reduce_max"):
 OPS["matmul"].lower = matmul.lower_matmul
 OPS["concat"].lower = layout.lower_concat
 OPS["slice_grad"].lower = layout.lower_slice_grad
-OPS["softmax"].lower = OPS["log_softmax"].lower = rows.lower_softmax
+OPS["softmax"].lower = OPS["log_softmax"].lower = OPS["safe_softmax"].lower = rows.lower_softmax
 OPS["layer_norm"].lower = OPS["rms_norm"].lower = rows.lower_norm
 for _op, _lower in gather.LOWER.items():
     OPS[_op].lower = _lower

@@ -168,7 +168,7 @@ class OutputStore:
     element of flat (row-major, logical) index ``f``, through the kernel's epilogue if it
     has one. Registers the output and epilogue bindings on ``bind``."""
 
-    def __init__(self, kernel, bind, acc_dtype=None):
+    def __init__(self, kernel, bind, acc_dtype=None, name="store_out"):
         from ..graph import f32
         out = kernel.out
         self.acc_dtype = acc_dtype or f32
@@ -196,7 +196,7 @@ class OutputStore:
         idx = f"{out.offset}u + f" if out.is_contiguous() else offset_expr(out.offset, out.strides, "e")
         self.helpers = w.helpers()
         body = lines + w.lines + [f"    b{self.ob}[{idx}] = {val};"]
-        self.fn = f"fn store_out(f: u32, acc: {self.acc_dtype.wgsl}) {{\n" + "\n".join(body) + "\n}"
+        self.fn = f"fn {name}(f: u32, acc: {self.acc_dtype.wgsl}) {{\n" + "\n".join(body) + "\n}"
 
     def module_text(self) -> str:
         """The helpers and ``store_out``, for module scope (after the binding decls)."""

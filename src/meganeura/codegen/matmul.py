@@ -242,28 +242,48 @@ def render_gemv(kernel):
 
     B transposed ([N, K], the linear layout): 32 lanes share one output column and stride
     over K, then combine through workgroup memory (8 columns per workgroup). B plain
-    ([K, N]): one thread per output column walks K."""
+    ([K, N]): one thread per output column walks K. Sibling GEMVs that share A (q, k and v
+    projections) run as one launch (``spec["parts"]``): each owns a range of workgroups."""
+    parts = kernel.spec.get("parts", [kernel])
+    bind = Bindings()
+    fns, branches, g0 = [], [], 0
+    per_group = 8 if parts[0].spec["tb"] else 256
+    for j, part in enumerate(parts):
+        fn, gx, nb = _gemv_part(part, bind, j)
+        fns.append(fn)
+        branches.append(f"    if (wid.x < {g0 + gx}u) {{ gemv{j}(wid.x - {g0}u, wid.z, lid); return; }}")
+        g0 += gx
+    M = parts[0].shape[-2]
+    shared = f"var<workgroup> part: array<f32, {256 * M}>;\n" if per_group == 8 else ""
+    src = f"""{bind.decls()}
+{shared}{chr(10).join(fns)}
+
+@compute @workgroup_size(256)
+fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) lid: u32) {{
+{chr(10).join(branches)}
+}}
+"""
+    return src, bind.bufs, (g0, 1, nb)
+
+
+def _gemv_part(kernel, bind, j):
+    """(WGSL functions of one GEMV, its x workgroups, its batch workgroups)."""
     a, bv = kernel.reads
     ta, tb = kernel.spec["ta"], kernel.spec["tb"]
     M, N = kernel.shape[-2:]
     K = a.shape[-2] if ta else a.shape[-1]
     batch = kernel.shape[:-2]
     nb = int(np.prod(batch, dtype=np.int64))
-    bind = Bindings()
-    store = OutputStore(kernel, bind)
+    store = OutputStore(kernel, bind, name=f"store_out{j}")
     ab, bb = bind.index(a.buf, a.dtype), bind.index(bv.buf, bv.dtype)
-    bl, aoff, boff = _batch_offsets(a, bv, batch, "wid.z")
+    bl, aoff, boff = _batch_offsets(a, bv, batch, "wz")
     a_at = (lambda m, k: f"aoff + {k} * {M}u + {m}") if ta else (lambda m, k: f"aoff + {m} * {K}u + {k}")
-    head = f"""{bind.decls()}
-{store.module_text()}
-var<workgroup> part: array<f32, {256 * M}>;
-
-@compute @workgroup_size(256)
-fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) lid: u32) {{
+    head = f"""{store.module_text()}
+fn gemv{j}(wx: u32, wz: u32, lid: u32) {{
 {chr(10).join(bl)}
     let aoff = {" + ".join(aoff)};
     let boff = {" + ".join(boff)};
-    let coff = wid.z * {M * N}u;
+    let coff = wz * {M * N}u;
 """
     accs = "\n".join(f"    var acc{m} = 0.0;" for m in range(M))
     if tb:
@@ -271,9 +291,9 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
         parts = "\n".join(f"    part[{m * 256}u + lid] = acc{m};" for m in range(M))
         reduce = "\n".join(f"            part[{m * 256}u + lid] = part[{m * 256}u + lid] + part[{m * 256}u + lid + s];"
                            for m in range(M))
-        writes = "\n".join(f"        store_out(coff + {m * N}u + n, part[{m * 256}u + lid]);" for m in range(M))
+        writes = "\n".join(f"        store_out{j}(coff + {m * N}u + n, part[{m * 256}u + lid]);" for m in range(M))
         body = f"""    let lane = lid % 32u;
-    let n = wid.x * 8u + lid / 32u;
+    let n = wx * 8u + lid / 32u;
 {accs}
     if (n < {N}u) {{
         for (var k = lane; k < {K}u; k = k + 32u) {{
@@ -294,10 +314,10 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
     }}
 }}
 """
-        return head + body, bind.bufs, (-(-N // 8), 1, nb)
+        return head + body, -(-N // 8), nb
     fmas = "\n".join(f"        acc{m} = fma(f32(b{ab}[{a_at(str(m) + 'u', 'k')}]), w, acc{m});" for m in range(M))
-    writes = "\n".join(f"    store_out(coff + {m * N}u + n, acc{m});" for m in range(M))
-    body = f"""    let n = wid.x * 256u + lid;
+    writes = "\n".join(f"    store_out{j}(coff + {m * N}u + n, acc{m});" for m in range(M))
+    body = f"""    let n = wx * 256u + lid;
     if (n >= {N}u) {{ return; }}
 {accs}
     for (var k = 0u; k < {K}u; k = k + 1u) {{
@@ -307,4 +327,4 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
 {writes}
 }}
 """
-    return head.replace(f"var<workgroup> part: array<f32, {256 * M}>;\n", "") + body, bind.bufs, (-(-N // 256), 1, nb)
+    return head + body, -(-N // 256), nb

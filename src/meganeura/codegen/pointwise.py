@@ -6,11 +6,10 @@ from .common import ENTRY, GROUP_INDEX, WG, Bindings, broadcast_view_strides, co
 from .expr import ExprWriter
 
 
-def render(kernel) -> tuple[str, list, tuple]:
-    """WGSL text, the bound logical buffers (binding order), and the workgroup counts."""
+def _body(kernel, b: Bindings):
+    """(helper functions, WGSL lines computing and storing element ``i``) of one pointwise
+    kernel, its buffers registered on ``b``."""
     out, spec = kernel.out, kernel.spec
-    n = out.size
-    b = Bindings()
     ob = b.index(out.buf, out.dtype, write=True)
     lines = coords("i", out.shape)
     leaf_vars = []
@@ -35,11 +34,39 @@ def render(kernel) -> tuple[str, list, tuple]:
     val, dt = w.emit(spec["expr"])
     if dt is not out.dtype:
         val = f"{out.dtype.wgsl}({val})"
-    oidx = offset_expr(out.offset, out.strides)
-    src = "\n".join([b.decls()] + w.helpers()) + "\n\n" + ENTRY.format(wg=WG) + \
+    lines += w.lines + [f"    b{ob}[{offset_expr(out.offset, out.strides)}] = {val};"]
+    return w.helpers(), lines
+
+
+def render(kernel) -> tuple[str, list, tuple]:
+    """WGSL text, the bound logical buffers (binding order), and the workgroup counts."""
+    if kernel.archetype == "multi":
+        return render_multi(kernel)
+    n = kernel.out.size
+    b = Bindings()
+    helpers, lines = _body(kernel, b)
+    src = "\n".join([b.decls()] + helpers) + "\n\n" + ENTRY.format(wg=WG) + \
         f"    let i = ({GROUP_INDEX}) * {WG}u + lid;\n    if (i >= {n}u) {{ return; }}\n" + \
-        "\n".join(lines + w.lines) + f"\n    b{ob}[{oidx}] = {val};\n}}\n"
+        "\n".join(lines) + "\n}\n"
     return src, b.bufs, grid(-(-n // WG))
+
+
+def render_multi(kernel):
+    """Independent pointwise kernels in one dispatch: each owns a range of workgroups
+    (horizontal fusion: one launch and one barrier instead of one per kernel)."""
+    b = Bindings()
+    fns, helpers, branches, g0 = [], {}, [], 0
+    for j, part in enumerate(kernel.spec["parts"]):
+        hs, lines = _body(part, b)
+        helpers.update((h, None) for h in hs)
+        n = part.out.size
+        fns.append(f"fn part{j}(i: u32) {{\n    if (i >= {n}u) {{ return; }}\n" + "\n".join(lines) + "\n}")
+        g1 = g0 + -(-n // WG)
+        branches.append(f"    if (g < {g1}u) {{ part{j}((g - {g0}u) * {WG}u + lid); return; }}")
+        g0 = g1
+    src = "\n".join([b.decls()] + list(helpers) + fns) + "\n\n" + ENTRY.format(wg=WG) + \
+        f"    let g = {GROUP_INDEX};\n" + "\n".join(branches) + "\n}\n"
+    return src, b.bufs, grid(g0)
 
 
 def _rleaves(e) -> set:

@@ -31,7 +31,9 @@ def render(kernel):
     obase = " + ".join(["0u"] + [f"k{n} * {ost[i]}u" for n, i in enumerate(kept)])
     x = f"f32(b{ib}[ibase + j * {v.strides[d]}u])"   # f32 arithmetic whatever the storage type
     y = f"obase + j * {ost[d]}u"
-    write = f"exp({x} - m) / total" if spec["kind"] == "softmax" else f"{x} - m - log(total)"
+    write = {"softmax": f"exp({x} - m) / total", "log_softmax": f"{x} - m - log(total)",
+             # a row of -inf (fully masked) gives zeros
+             "safe_softmax": f"select(exp({x} - m) / total, 0.0, m == {NEG_INF})"}[spec["kind"]]
     rows = "\n".join(coords("row", kshape, prefix="k"))
     if r < 64:   # short rows: one thread each
         src = b.decls() + "\n" + store.module_text() + "\n\n" + ENTRY.format(wg=WG) + f"""    let row = ({GROUP_INDEX}) * {WG}u + lid;

@@ -252,8 +252,12 @@ def build_decoder(cfg: LlamaConfig, batch: int, tokens: int, max_len: int, cache
     def attend(i, L, h):
         q, k, v = _qkv(cfg, L, h)
         q, k = rope_fed(q, cos, sin), rope_fed(k, cos, sin)
-        kc = past[2 * i] * keep + ops.mm(write, k)           # (batch, kv, max_len, hd)
-        vc = past[2 * i + 1] * keep + ops.mm(write, v)
+        if tokens == 1:   # one new row: a broadcast product, pointwise with the blend
+            kc = past[2 * i] * keep + write * k              # (batch, kv, max_len, hd)
+            vc = past[2 * i + 1] * keep + write * v
+        else:
+            kc = past[2 * i] * keep + ops.mm(write, k)
+            vc = past[2 * i + 1] * keep + ops.mm(write, v)
         new_cache.extend([kc, vc])
         return _merge(ops.scaled_dot_product_attention(q, kc, vc, attn_mask=mask, enable_gqa=True))
 

@@ -126,7 +126,7 @@ def _grouped(x, group):
 
 def _probs(q, k, mask, is_causal, scale, group):
     """Attention probabilities, shape (*b, Hq, Lq, Lk)."""
-    from . import amax, exp, gt, mm, reshape, softmax, sum, where
+    from . import mm, reshape, safe_softmax, softmax, where
     s = mm(_grouped(q, group), k, tb=True) * scale
     s = reshape(s, q.shape[:-1] + (k.shape[-2],))
     if mask is not None:
@@ -140,10 +140,7 @@ def _probs(q, k, mask, is_causal, scale, group):
         # causal alone always keeps column 0, so no row is fully masked: a plain softmax
         # (one fused row kernel on the GPU)
         return softmax(s, -1)
-    m = amax(s, -1, keepdim=True)
-    live = gt(m, NEG_INF)                    # the row has a position left
-    e = exp(s - where(live, m, 0.0))         # all zeros in a fully masked row
-    return e / where(live, sum(e, -1, keepdim=True), 1.0)
+    return safe_softmax(s, -1)                # a fully masked row gives zeros (one row kernel)
 
 
 def _decompose(q, k, v, mask=None, *, is_causal, scale, enable_gqa):

@@ -28,7 +28,8 @@ from .registry import (emit, norm_dim, op_error, register, require_float, requir
 from .shape import concat, permute, reshape, slice
 
 __all__ = ["softmax", "log_softmax", "cross_entropy", "mse_loss", "one_hot", "embedding", "embedding_grad",
-           "rms_norm", "layer_norm", "group_norm", "batch_norm", "batch_norm_stats", "rope", "rotate_half"]
+           "rms_norm", "layer_norm", "group_norm", "batch_norm", "batch_norm_stats", "rope", "rotate_half",
+           "safe_softmax"]
 
 _REDUCTIONS = ("mean", "sum", "none")
 
@@ -76,6 +77,31 @@ register("softmax", _float_infer("softmax"), _softmax_ref,
          lambda ct, y, x, dim: [y * (ct - _ksum(ct * y, (dim,)))], decompose=_softmax_graph)
 register("log_softmax", _float_infer("log_softmax"), _log_softmax_ref,
          lambda ct, y, x, dim: [ct - exp(y) * _ksum(ct, (dim,))], decompose=_log_softmax_graph)
+
+
+def _safe_softmax_ref(x, dim):
+    m = np.max(x, axis=dim, keepdims=True)
+    live = m > -np.inf
+    e = np.exp(x - np.where(live, m, 0))
+    return e / np.where(live, np.sum(e, axis=dim, keepdims=True, dtype=x.dtype), 1)
+
+
+def _safe_softmax_graph(x, dim):
+    m = stop_gradient(amax(x, dim, keepdim=True))
+    live = m > float("-inf")                 # the row has a position left
+    e = exp(x - where(live, m, 0.0))         # all zeros in a fully masked row
+    return e / where(live, _ksum(e, (dim,)), 1.0)
+
+
+# softmax where a row of -inf gives zeros instead of NaN (torch's attention "safe softmax");
+# its VJP is softmax's, which is zero on such rows
+register("safe_softmax", _float_infer("safe_softmax"), _safe_softmax_ref,
+         lambda ct, y, x, dim: [y * (ct - _ksum(ct * y, (dim,)))], decompose=_safe_softmax_graph)
+
+
+def safe_softmax(input, dim=-1):
+    """Softmax along ``dim`` that maps a row with every entry -inf to zeros (masked attention)."""
+    return _softmax_like("safe_softmax", input, dim, None)
 
 
 def _softmax_like(op, input, dim, dtype):
@@ -566,8 +592,7 @@ def _rotate_half_ref(x):
 # A pointwise op whose operand is read at another index (j + h mod 2h): the GPU evaluates
 # it inside the consuming kernel, so RoPE is one kernel. Its transpose is its negation.
 register("rotate_half", _rotate_half_infer, _rotate_half_ref,
-         lambda ct, y, x: [neg(rotate_half(ct))], wgsl="rotate_half",
-         decompose=lambda x: concat([neg(slice(x, -1, x.shape[-1] // 2, None)), slice(x, -1, 0, x.shape[-1] // 2)], -1))
+         lambda ct, y, x: [neg(rotate_half(ct))], wgsl="rotate_half")
 
 
 def rotate_half(x):

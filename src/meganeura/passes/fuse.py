@@ -8,13 +8,14 @@ the memory planner and the runtime need no knowledge of them.
 - ``epilogue``: a pointwise kernel that is the only reader of another kernel's output
   becomes that kernel's epilogue (matmul + bias/activation/residual, reductions + scale,
   softmax/norm + mul, ...), so the intermediate is never stored.
+- ``horizontal``: independent pointwise kernels close together run as one launch.
 """
 from __future__ import annotations
 
 from collections import defaultdict
 
 from ..codegen.common import broadcast_view_strides
-from ..schedule import View
+from ..schedule import Kernel, View
 
 # archetypes whose renderers end in ``store_out`` (codegen.expr.OutputStore)
 EPILOGUE_ARCHETYPES = frozenset({"matmul", "reduce", "rows", "norm", "gather"})
@@ -121,7 +122,80 @@ def fuse_epilogues(kernels, max_bindings):
     return [k for k in kernels if k is not None]
 
 
-FUSION_PASSES = {"epilogue": fuse_epilogues}
+def _bindings(kernels) -> int:
+    return len({(id(v.buf), v.dtype.name) for k in kernels for v in k.read_views()}
+               | {(id(b), None) for k in kernels for b in k.written_bufs()})
+
+
+MAX_FLOAT = 8           # kernels a horizontal group may be moved past
+MAX_GROUPS = 65535      # workgroups of one merged launch
+
+
+def _group_key(k):
+    """Kernels with equal keys can share a launch: pointwise ones, and GEMVs (B transposed)
+    that read the same A (sibling projections such as q, k and v)."""
+    if k.archetype == "pointwise":
+        return ("pointwise",)
+    if k.archetype == "matmul" and k.spec.get("gemv") and k.spec["tb"] and "parts" not in k.spec:
+        a = k.reads[0]
+        return ("gemv", id(a.buf), a.offset, a.shape, a.strides, k.spec["ta"], k.shape[:-1])
+    return None
+
+
+def _groups_of(k):
+    from ..codegen.common import WG
+    if k.archetype == "pointwise":
+        return -(-k.out.size // WG)
+    return -(-k.shape[-1] // 8)
+
+
+def merge_horizontal(kernels, max_bindings):
+    """Independent kernels of one kind that sit close together become one launch: RoPE of
+    q and k, optimizer updates of many parameters, the q/k/v projections of one input.
+    A group is emitted where a later kernel first touches what it writes (or writes what
+    it reads); kernels that do neither may run before it."""
+    out, group = [], []
+    state = {"writes": set(), "reads": set(), "passed": 0, "groups": 0, "key": None}
+
+    def close():
+        if len(group) > 1 and state["key"][0] == "pointwise":
+            out.append(Kernel("|".join(k.name for k in group), "multi", {"parts": list(group)}, group[0].out))
+        elif len(group) > 1:
+            out.append(Kernel("|".join(k.name for k in group), "matmul", {"gemv": True, "tb": True, "parts": list(group)},
+                              group[0].out))
+        elif group:
+            out.append(group[0])
+        group.clear()
+        state.update(writes=set(), reads=set(), passed=0, groups=0, key=None)
+
+    for k in kernels:
+        kw = {id(b) for b in k.written_bufs()}
+        kr = {id(v.buf) for v in k.read_views()}
+        key = _group_key(k)
+        conflict = bool((kw | kr) & state["writes"] or kw & state["reads"])
+        groups = _groups_of(k) if key else 0
+        joinable = (key is not None and key == state["key"] and not conflict
+                    and state["groups"] + groups <= MAX_GROUPS and _bindings(group + [k]) <= max_bindings)
+        if joinable:
+            group.append(k)
+            state["writes"] |= kw
+            state["reads"] |= kr
+            state["groups"] += groups
+            continue
+        if conflict or key is not None or state["passed"] >= MAX_FLOAT:
+            close()
+        if key is not None:
+            group.append(k)
+            state.update(writes=kw, reads=kr, groups=groups, key=key)
+            continue
+        out.append(k)
+        if group:
+            state["passed"] += 1
+    close()
+    return out
+
+
+FUSION_PASSES = {"epilogue": fuse_epilogues, "horizontal": merge_horizontal}
 
 
 def run_fusion(kernels, disabled=frozenset(), max_bindings=8):
