@@ -4,5 +4,7 @@ from . import ops  # noqa: F401
 from .autodiff import grad  # noqa: F401
 from . import io, optim  # noqa: F401
 from .api import compile, Session  # noqa: F401
+from . import nn  # noqa: F401
+from .jit import Jit, jit  # noqa: F401
 
 __version__ = "0.1.0"

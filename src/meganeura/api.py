@@ -56,6 +56,38 @@ def check_array(kind, t: Tensor, value) -> np.ndarray:
     return np.asarray(arr, dtype=t.dtype.np, order="C")
 
 
+def _common_prefix(names) -> str:
+    """The longest dotted prefix (ending in '.') shared by every name, or ''."""
+    parts = [n.split(".")[:-1] for n in names]
+    common = []
+    for seg in zip(*parts) if parts else ():
+        if len(set(seg)) != 1:
+            break
+        common.append(seg[0])
+    return ".".join(common) + "." if common else ""
+
+
+def describe_key_mismatch(missing, unexpected, limit=5) -> str:
+    """One message for a state dict whose names do not match: counts, a few names, and
+    the prefix to strip or add when the two sides differ only by one."""
+    def few(names):
+        return ", ".join(repr(n) for n in names[:limit]) + (f" and {len(names) - limit} more" if len(names) > limit else "")
+    parts = []
+    if missing:
+        parts.append(f"{len(missing)} missing key(s): {few(missing)}")
+    if unexpected:
+        parts.append(f"{len(unexpected)} unexpected key(s): {few(unexpected)}")
+    msg = "; ".join(parts)
+    if missing and unexpected:
+        pu, pm = _common_prefix(unexpected), _common_prefix(missing)
+        if pu and {n[len(pu):] for n in unexpected} >= set(missing):
+            msg += (f". Every unexpected key starts with {pu!r}: strip it, e.g. "
+                    f"{{k.removeprefix({pu!r}): v for k, v in state.items()}}")
+        elif pm and {pm + n for n in unexpected} >= set(missing):
+            msg += f". Every expected key starts with {pm!r}, the given ones do not: add it"
+    return msg
+
+
 class Program:
     """What a backend compiles: the graph and, per phase, what is fetched and updated.
 
@@ -158,23 +190,29 @@ class Session:
 
     # ----------------------------------------------------------------- state in/out
     def load_state_dict(self, state: dict, strict: bool = True):
-        """Load parameters (and optimizer state) by name. Every problem is reported at once."""
+        """Load parameters (and optimizer state) by name; values may be arrays or torch
+        tensors. As torch: ``strict`` requires the names to match exactly; with
+        ``strict=False`` unknown names are skipped and missing ones keep their values.
+        Shapes must match either way. Every problem is reported at once, and a prefix that
+        every unknown name carries (or lacks) is named. Returns (missing_keys, unexpected_keys)."""
+        from .nn.module import IncompatibleKeys, to_numpy
         kept = {t.name: t for t in self.program.kept}
         problems, arrays = [], {}
+        unexpected = [n for n in state if n not in kept]
+        missing = [n for n in self.graph.parameters if n not in state]
         for name, value in state.items():
             if name not in kept:
-                problems.append(f"unknown name {name!r}")
                 continue
             try:
-                arrays[name] = check_array("state", kept[name], value)
+                arrays[name] = check_array("state", kept[name], to_numpy(value))
             except (ValueError, TypeError) as e:
                 problems.append(str(e))
-        if strict:
-            missing = [n for n in self.graph.parameters if n not in state]
-            problems += [f"missing parameter {n!r}" for n in missing]
+        if strict and (missing or unexpected):
+            problems.append(describe_key_mismatch(missing, unexpected))
         if problems:
             raise ValueError("load_state_dict: " + "; ".join(problems))
         self.assign(arrays)
+        return IncompatibleKeys(missing, unexpected)
 
     def assign(self, arrays: dict):
         """Store already validated arrays, by name, on the host and the device."""

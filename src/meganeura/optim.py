@@ -15,11 +15,22 @@ SCALAR_PREFIX = "optim."
 
 
 class Optimizer:
-    def __init__(self, lr, clip_grad_norm=None):
+    """Base: ``lr`` is the peak learning rate; ``schedule`` (optional) maps the 0-based
+    update index to a factor of it (see ``cosine``, ``linear``, ``step``), fed to the
+    compiled step as a scalar input: no recompiling."""
+
+    def __init__(self, lr, clip_grad_norm=None, schedule=None):
         if lr <= 0:
             raise ValueError(f"learning rate must be positive, got {lr}")
+        if schedule is not None and not callable(schedule):
+            raise TypeError(f"schedule must be a function of the update index, got {type(schedule).__name__}")
         self.lr = float(lr)
         self.clip_grad_norm = clip_grad_norm
+        self.schedule = schedule
+
+    def lr_at(self, step: int) -> float:
+        """The learning rate of update number ``step`` (1-based, as ``scalars``)."""
+        return self.lr * (1.0 if self.schedule is None else float(self.schedule(step - 1)))
 
     def scalar(self, g, name):
         key = SCALAR_PREFIX + name
@@ -27,7 +38,7 @@ class Optimizer:
 
     def scalars(self, step: int) -> dict:
         """Host-computed scalars for update number ``step`` (1-based)."""
-        return {SCALAR_PREFIX + "lr": self.lr}
+        return {SCALAR_PREFIX + "lr": self.lr_at(step)}
 
     def clip(self, grads):
         if self.clip_grad_norm is None:
@@ -64,8 +75,9 @@ def sum_all(xs):
 class SGD(Optimizer):
     """torch.optim.SGD: momentum, dampening, nesterov, weight decay."""
 
-    def __init__(self, lr=0.01, momentum=0.0, dampening=0.0, nesterov=False, weight_decay=0.0, clip_grad_norm=None):
-        super().__init__(lr, clip_grad_norm)
+    def __init__(self, lr=0.01, momentum=0.0, dampening=0.0, nesterov=False, weight_decay=0.0, clip_grad_norm=None,
+                 schedule=None):
+        super().__init__(lr, clip_grad_norm, schedule)
         if nesterov and (momentum <= 0 or dampening != 0):
             raise ValueError("nesterov needs momentum > 0 and dampening = 0")
         self.momentum, self.dampening, self.nesterov, self.weight_decay = momentum, dampening, nesterov, weight_decay
@@ -93,14 +105,15 @@ class Adam(Optimizer):
     """torch.optim.Adam (L2 weight decay added to the gradient)."""
     decoupled = False
 
-    def __init__(self, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, clip_grad_norm=None):
-        super().__init__(lr, clip_grad_norm)
+    def __init__(self, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, clip_grad_norm=None,
+                 schedule=None):
+        super().__init__(lr, clip_grad_norm, schedule)
         self.b1, self.b2 = betas
         self.eps, self.weight_decay = eps, weight_decay
 
     def scalars(self, step):
         s = super().scalars(step)
-        s[SCALAR_PREFIX + "step_size"] = self.lr / (1 - self.b1 ** step)
+        s[SCALAR_PREFIX + "step_size"] = self.lr_at(step) / (1 - self.b1 ** step)
         s[SCALAR_PREFIX + "inv_sqrt_bc2"] = 1.0 / math.sqrt(1 - self.b2 ** step)
         return s
 
@@ -126,5 +139,70 @@ class AdamW(Adam):
     """torch.optim.AdamW (decoupled weight decay, default 0.01)."""
     decoupled = True
 
-    def __init__(self, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01, clip_grad_norm=None):
-        super().__init__(lr, betas, eps, weight_decay, clip_grad_norm)
+    def __init__(self, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01, clip_grad_norm=None,
+                 schedule=None):
+        super().__init__(lr, betas, eps, weight_decay, clip_grad_norm, schedule)
+
+
+class WithStateUpdates(Optimizer):
+    """An optimizer whose update also writes the given graph states (e.g. batch norm's
+    running statistics); its scalars (and schedule) are the inner optimizer's."""
+
+    def __init__(self, inner: Optimizer, updates: dict):
+        self.inner, self.extra = inner, dict(updates)
+        self.lr, self.clip_grad_norm, self.schedule = inner.lr, inner.clip_grad_norm, inner.schedule
+
+    def scalars(self, step):
+        return self.inner.scalars(step)
+
+    def build(self, params, grads):
+        out = self.inner.build(params, grads)
+        out.update(self.extra)
+        return out
+
+
+def with_state_updates(optimizer: Optimizer, updates: dict) -> Optimizer:
+    """Wrap ``optimizer`` so each ``step`` also applies ``updates`` ({state: new value})."""
+    return WithStateUpdates(optimizer, updates)
+
+
+# ------------------------------------------------------------------ learning-rate schedules
+# Each is a factor of the peak lr as a function of the 0-based update index t, with the
+# conventions of transformers' get_*_schedule_with_warmup and torch's StepLR.
+def cosine(total_steps, warmup_steps=0, min_factor=0.0, num_cycles=0.5):
+    """Linear warm-up from 0 over ``warmup_steps``, then a cosine decay to ``min_factor``
+    at ``total_steps`` (transformers' get_cosine_schedule_with_warmup when min_factor=0)."""
+    _check_steps(total_steps, warmup_steps)
+
+    def factor(t):
+        if t < warmup_steps:
+            return t / max(1, warmup_steps)
+        progress = (t - warmup_steps) / max(1, total_steps - warmup_steps)
+        c = max(0.0, 0.5 * (1.0 + math.cos(math.pi * num_cycles * 2.0 * progress)))
+        return min_factor + (1.0 - min_factor) * c
+    return factor
+
+
+def linear(total_steps, warmup_steps=0, min_factor=0.0):
+    """Linear warm-up, then a linear decay to ``min_factor`` at ``total_steps``
+    (transformers' get_linear_schedule_with_warmup when min_factor=0)."""
+    _check_steps(total_steps, warmup_steps)
+
+    def factor(t):
+        if t < warmup_steps:
+            return t / max(1, warmup_steps)
+        return min_factor + (1.0 - min_factor) * max(0.0, (total_steps - t) / max(1, total_steps - warmup_steps))
+    return factor
+
+
+def step_decay(step_size, gamma=0.1):
+    """torch.optim.lr_scheduler.StepLR: multiply by ``gamma`` every ``step_size`` updates."""
+    if int(step_size) < 1:
+        raise ValueError(f"step_decay: step_size must be >= 1, got {step_size}")
+    return lambda t: gamma ** (t // int(step_size))
+
+
+def _check_steps(total, warmup):
+    if int(total) < 1 or not 0 <= int(warmup) <= int(total):
+        raise ValueError(f"schedule: need total_steps >= 1 and 0 <= warmup_steps <= total_steps, "
+                         f"got total_steps={total}, warmup_steps={warmup}")

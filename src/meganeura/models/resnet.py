@@ -30,7 +30,7 @@ import numpy as np
 
 from .. import ops
 from ..graph import Graph, Tensor, i32
-from ..optim import Optimizer
+from ..optim import Optimizer, with_state_updates as _with_state_updates
 
 BN_MODES = ("train", "eval", "folded")
 
@@ -170,27 +170,11 @@ def build_resnet_training(cfg: ResNetConfig, batch: int) -> ResNetGraph:
     return build_resnet(cfg, batch, bn="train", with_loss=True)
 
 
-class _WithStateUpdates(Optimizer):
-    """An optimizer whose update also writes the given graph states (e.g. running stats)."""
-
-    def __init__(self, inner: Optimizer, updates: dict):
-        self.inner, self.extra = inner, dict(updates)
-        self.lr, self.clip_grad_norm = inner.lr, inner.clip_grad_norm
-
-    def scalars(self, step):
-        return self.inner.scalars(step)
-
-    def build(self, params, grads):
-        out = self.inner.build(params, grads)
-        out.update(self.extra)
-        return out
-
-
 def with_state_updates(optimizer: Optimizer, updates: dict) -> Optimizer:
     """Wrap ``optimizer`` so each ``step`` also applies ``updates`` ({state: new value}),
     e.g. ``ResNetGraph.state_updates``: batch norm's running statistics then follow
     torch's train-mode updates."""
-    return _WithStateUpdates(optimizer, updates)
+    return _with_state_updates(optimizer, updates)
 
 
 def torch_state_dict(state: dict) -> dict:

@@ -19,7 +19,7 @@ import numpy as np
 from ..graph import Tensor, fmt_shape
 from .registry import emit, op_error, register, require_float, same_dtype
 
-__all__ = ["conv2d", "max_pool2d", "avg_pool2d", "adaptive_avg_pool2d", "upsample_nearest2d", "unfold", "fold"]
+__all__ = ["conv1d", "conv2d", "max_pool2d", "avg_pool2d", "adaptive_avg_pool2d", "upsample_nearest2d", "unfold", "fold"]
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -363,6 +363,29 @@ def conv2d(input, weight, bias=None, stride=1, padding=0, dilation=1, groups=1):
         return y + reshape(bias, (weight.shape[0], 1, 1)) if bias is not None else y
     run.__name__ = "conv2d"
     return _unbatched(input, run)
+
+
+def conv1d(input, weight, bias=None, stride=1, padding=0, dilation=1, groups=1):
+    """torch.nn.functional.conv1d: input (N, C_in, L) or (C_in, L), weight
+    (C_out, C_in / groups, k); runs as conv2d on a height-1 view."""
+    from . import reshape
+    if not isinstance(weight, Tensor) or weight.ndim != 3:
+        if isinstance(weight, Tensor):
+            raise op_error("conv1d", "weight must be 3-D (C_out, C_in / groups, k)", weight)
+        raise TypeError(f"conv1d: weight must be a Tensor, got {type(weight).__name__}")
+    if input.ndim not in (2, 3):
+        raise op_error("conv1d", "input must be 2-D (C_in, L) or 3-D (N, C_in, L)", input)
+
+    def one(v, what):
+        v = tuple(v) if isinstance(v, (tuple, list)) else (v,)
+        if len(v) != 1:
+            raise ValueError(f"conv1d: {what} must be an int or a 1-tuple, got {v!r}")
+        return (1 if what != "padding" else 0, int(v[0]))
+    pad = padding if isinstance(padding, str) else one(padding, "padding")
+    x = reshape(input, input.shape[:-1] + (1, input.shape[-1]))
+    w = reshape(weight, weight.shape[:2] + (1, weight.shape[2]))
+    y = conv2d(x, w, bias, one(stride, "stride"), pad, one(dilation, "dilation"), groups)
+    return reshape(y, y.shape[:-2] + y.shape[-1:])
 
 
 # ------------------------------------------------------------------------- max_pool2d

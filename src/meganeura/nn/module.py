@@ -1,0 +1,399 @@
+"""``mg.nn.Module``: layers that build into a graph with PyTorch's parameter names.
+
+A module holds its parameters and buffers as NumPy arrays (their initial or loaded
+values). Calling it on graph Tensors adds its parameters to that graph under their
+hierarchical names (``features.0.weight``: attribute path then parameter name, exactly
+as torch's ``state_dict``), so state dicts move between torch and meganeura unchanged.
+Inside ``forward``, ``self.weight`` is the graph tensor of that parameter, so a custom
+module reads like its torch twin.
+
+Float buffers (batch norm's running statistics) become graph *state*: kept by the
+session, never trained. In training mode a module may add state updates (batch norm's
+running statistics) and random feeds (dropout masks); ``mg.jit`` applies and feeds them,
+and ``state_updates(g)`` / ``random_feeds(g, rng)`` give them to a hand-made session.
+"""
+from __future__ import annotations
+
+import weakref
+from collections import OrderedDict, namedtuple
+
+import numpy as np
+
+from ..graph import Graph, Tensor, fmt_shape
+
+IncompatibleKeys = namedtuple("IncompatibleKeys", ["missing_keys", "unexpected_keys"])
+
+# per graph: {state tensor: new value} and {input name: (shape, keep probability)}
+_UPDATES: "weakref.WeakKeyDictionary[Graph, dict]" = weakref.WeakKeyDictionary()
+_RANDOM: "weakref.WeakKeyDictionary[Graph, dict]" = weakref.WeakKeyDictionary()
+_TRACE: list = []          # graphs of the module calls in progress, innermost last
+_CALLED: list = []         # while mg.jit traces: lists that collect every module called
+
+
+class Parameter:
+    """A trainable array (float32 unless ``data`` says f16)."""
+
+    def __init__(self, data, requires_grad=True):
+        arr = np.asarray(data)
+        self.data = np.array(arr, dtype=arr.dtype if arr.dtype == np.float16 else np.float32)
+        self.requires_grad = requires_grad
+
+    @property
+    def shape(self):
+        return self.data.shape
+
+    def __repr__(self):
+        return f"Parameter(shape={fmt_shape(self.data.shape)})"
+
+
+def to_numpy(v) -> np.ndarray:
+    """A NumPy copy of an array, a Parameter, or a torch tensor (no torch import needed)."""
+    if isinstance(v, Parameter):
+        v = v.data
+    if hasattr(v, "detach") and hasattr(v, "cpu"):
+        v = v.detach().cpu().numpy()
+    return np.array(v)
+
+
+def state_updates(graph: Graph) -> dict:
+    """{state tensor: new value} that modules in training mode added to ``graph``."""
+    return dict(_UPDATES.get(graph, {}))
+
+
+def random_feeds(graph: Graph, rng: np.random.Generator) -> dict:
+    """Fresh dropout masks (already scaled by 1/keep) for every Dropout input of ``graph``."""
+    return {name: (rng.random(shape) < keep).astype(np.float32) / np.float32(keep)
+            for name, (shape, keep) in _RANDOM.get(graph, {}).items()}
+
+
+def random_input(x: Tensor, name: str, keep: float) -> Tensor:
+    """A graph input fed with a fresh random keep-mask of ``x``'s shape every call."""
+    g = x.graph
+    key, k = name, 0
+    while key in g.inputs:               # a module called twice in one graph
+        k += 1
+        key = f"{name}.{k}"
+    _RANDOM.setdefault(g, {})[key] = (x.shape, float(keep))
+    return g.input(key, x.shape, x.dtype)
+
+
+def current_graph():
+    return _TRACE[-1] if _TRACE else None
+
+
+def _find_graph(obj):
+    if isinstance(obj, Tensor):
+        return obj.graph
+    if isinstance(obj, (list, tuple)):
+        for o in obj:
+            g = _find_graph(o)
+            if g is not None:
+                return g
+    if isinstance(obj, dict):
+        return _find_graph(list(obj.values()))
+    return None
+
+
+class Module:
+    """Base class of every layer, as torch.nn.Module: assign Parameters and Modules as
+    attributes, write ``forward``, call the module on Tensors."""
+
+    def __init__(self):
+        object.__setattr__(self, "_parameters", OrderedDict())
+        object.__setattr__(self, "_buffers", OrderedDict())
+        object.__setattr__(self, "_non_persistent", set())
+        object.__setattr__(self, "_modules", OrderedDict())
+        object.__setattr__(self, "training", True)
+        object.__setattr__(self, "_prefix", "")
+
+    # ------------------------------------------------------------------ attributes
+    def __setattr__(self, name, value):
+        if "_parameters" not in self.__dict__:
+            raise AttributeError(f"call super().__init__() in {type(self).__name__}.__init__ before assigning {name!r}")
+        for d in (self._parameters, self._buffers, self._modules):
+            d.pop(name, None)
+        if isinstance(value, Parameter):
+            self._parameters[name] = value
+        elif isinstance(value, Module):
+            self._modules[name] = value
+        else:
+            object.__setattr__(self, name, value)
+
+    def __getattr__(self, name):
+        d = self.__dict__
+        if name in d.get("_parameters", ()):
+            return self._tensor(name, "parameter") if _TRACE else d["_parameters"][name]
+        if name in d.get("_buffers", ()):
+            return self._tensor(name, "buffer") if _TRACE else d["_buffers"][name]
+        if name in d.get("_modules", ()):
+            return d["_modules"][name]
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
+    def __delattr__(self, name):
+        for d in (self._parameters, self._buffers, self._modules):
+            if name in d:
+                del d[name]
+                return
+        object.__delattr__(self, name)
+
+    def register_buffer(self, name, value, persistent=True):
+        """A non-trained array saved in the state dict (float ones are graph state)."""
+        self._buffers[name] = None if value is None else np.array(value)
+        if not persistent:
+            self._non_persistent.add(name)
+
+    def register_parameter(self, name, param):
+        if param is None:
+            self._parameters.pop(name, None)
+            object.__setattr__(self, name, None)
+        else:
+            self._parameters[name] = param
+
+    def add_module(self, name, module):
+        self._modules[str(name)] = module
+
+    def _tensor(self, name, kind) -> Tensor:
+        """The graph tensor of one of this module's parameters or buffers."""
+        g = current_graph()
+        full = self._prefix + name
+        if kind == "parameter":
+            value = self._parameters[name].data
+            t = g.parameters.get(full)
+            if t is None:
+                return g.parameter(full, value.shape, value.dtype, init=value.copy())
+        else:
+            value = self._buffers[name]
+            if value is None or value.dtype.kind != "f":
+                raise TypeError(f"{type(self).__name__}: buffer {full!r} is not a float array and has no graph tensor")
+            t = g.states.get(full)
+            if t is None:
+                return g.state(full, value.shape, value.dtype, init=value.astype(value.dtype).copy())
+        if t.shape != value.shape:
+            raise ValueError(f"{full!r} is already in the graph with shape {fmt_shape(t.shape)}, "
+                             f"this module's is {fmt_shape(value.shape)}")
+        return t
+
+    # ---------------------------------------------------------------------- calling
+    def forward(self, *args, **kwargs):
+        raise NotImplementedError(f"{type(self).__name__} has no forward()")
+
+    def __call__(self, *args, **kwargs):
+        if _TRACE:
+            g = _TRACE[-1]
+        else:
+            g = _find_graph((args, kwargs))
+            if g is None:
+                raise TypeError(f"{type(self).__name__}: call it on mg Tensors (graph inputs), or wrap it in "
+                                "mg.jit to call it on NumPy arrays")
+            for prefix, m in self.named_modules():      # names as in this module's state_dict
+                object.__setattr__(m, "_prefix", prefix + "." if prefix else "")
+        _TRACE.append(g)
+        for seen in _CALLED:
+            seen.append(self)
+        try:
+            return self.forward(*args, **kwargs)
+        finally:
+            _TRACE.pop()
+
+    def record_update(self, state: Tensor, value: Tensor):
+        """In training mode: ``state`` takes ``value`` after each step (e.g. running statistics)."""
+        _UPDATES.setdefault(state.graph, {})[state] = value
+
+    # ------------------------------------------------------------------------- tree
+    def named_modules(self, prefix="", memo=None):
+        memo = set() if memo is None else memo
+        if id(self) in memo:
+            return
+        memo.add(id(self))
+        yield prefix, self
+        for n, m in self._modules.items():
+            if m is not None:
+                yield from m.named_modules(f"{prefix}.{n}" if prefix else n, memo)
+
+    def modules(self):
+        return [m for _, m in self.named_modules()]
+
+    def children(self):
+        return [m for m in self._modules.values() if m is not None]
+
+    def named_children(self):
+        return [(n, m) for n, m in self._modules.items() if m is not None]
+
+    def named_parameters(self, prefix=""):
+        seen = set()
+        for mp, m in self.named_modules(prefix):
+            for n, p in m._parameters.items():
+                if p is not None and id(p) not in seen:
+                    seen.add(id(p))
+                    yield (f"{mp}.{n}" if mp else n), p
+
+    def parameters(self):
+        return [p for _, p in self.named_parameters()]
+
+    def named_buffers(self, prefix=""):
+        for mp, m in self.named_modules(prefix):
+            for n, b in m._buffers.items():
+                if b is not None:
+                    yield (f"{mp}.{n}" if mp else n), b
+
+    def _entries(self):
+        """{state-dict name: (owner module, attribute, is_parameter)}."""
+        out = {}
+        for mp, m in self.named_modules():
+            pre = mp + "." if mp else ""
+            for n, p in m._parameters.items():
+                if p is not None:
+                    out[pre + n] = (m, n, True)
+            for n, b in m._buffers.items():
+                if b is not None and n not in m._non_persistent:
+                    out[pre + n] = (m, n, False)
+        return out
+
+    def state_dict(self) -> dict:
+        """{name: NumPy copy} of parameters and persistent buffers, torch's names and order."""
+        return {k: (m._parameters[n].data if isp else m._buffers[n]).copy()
+                for k, (m, n, isp) in self._entries().items()}
+
+    def load_state_dict(self, state: dict, strict: bool = True) -> IncompatibleKeys:
+        """Copy values in by name (torch tensors or arrays). Shapes must match; with
+        ``strict`` every name must match too. Returns (missing_keys, unexpected_keys)."""
+        from ..api import describe_key_mismatch
+        entries = self._entries()
+        missing = [k for k in entries if k not in state]
+        unexpected = [k for k in state if k not in entries]
+        problems = []
+        values = {}
+        for k, v in state.items():
+            if k not in entries:
+                continue
+            m, n, isp = entries[k]
+            arr = to_numpy(v)
+            want = m._parameters[n].data if isp else m._buffers[n]
+            if arr.shape != want.shape:
+                problems.append(f"{k!r}: got shape {fmt_shape(arr.shape)}, expected {fmt_shape(want.shape)}")
+            else:
+                values[k] = arr.astype(want.dtype)
+        if strict and (missing or unexpected):
+            problems.append(describe_key_mismatch(missing, unexpected))
+        if problems:
+            raise ValueError(f"{type(self).__name__}.load_state_dict: " + "; ".join(problems))
+        for k, arr in values.items():
+            m, n, isp = entries[k]
+            if isp:
+                m._parameters[n].data = arr
+            else:
+                m._buffers[n] = arr
+        return IncompatibleKeys(missing, unexpected)
+
+    # ------------------------------------------------------------------------ modes
+    def train(self, mode: bool = True):
+        for m in self.modules():
+            object.__setattr__(m, "training", bool(mode))
+        return self
+
+    def eval(self):
+        return self.train(False)
+
+    def apply(self, fn):
+        for m in self.children():
+            m.apply(fn)
+        fn(self)
+        return self
+
+    def extra_repr(self) -> str:
+        return ""
+
+    def __repr__(self):
+        lines = [f"({n}): " + repr(m).replace("\n", "\n  ") for n, m in self._modules.items()]
+        head = f"{type(self).__name__}({self.extra_repr()}"
+        return head + ("\n  " + "\n  ".join(lines) + "\n)" if lines else ")")
+
+
+class Sequential(Module):
+    """Modules applied in order, named ``0``, ``1``, ... (or by the keys of an OrderedDict)."""
+
+    def __init__(self, *mods):
+        super().__init__()
+        if len(mods) == 1 and isinstance(mods[0], OrderedDict):
+            for n, m in mods[0].items():
+                self.add_module(n, m)
+        else:
+            for i, m in enumerate(mods):
+                self.add_module(str(i), m)
+
+    def __getitem__(self, i):
+        items = list(self._modules.values())
+        return Sequential(*items[i]) if isinstance(i, slice) else items[i]
+
+    def __len__(self):
+        return len(self._modules)
+
+    def __iter__(self):
+        return iter(self._modules.values())
+
+    def append(self, m):
+        self.add_module(str(len(self)), m)
+        return self
+
+    def forward(self, x):
+        for m in self._modules.values():
+            x = m(x)
+        return x
+
+
+class ModuleList(Module):
+    """A list of modules named ``0``, ``1``, ..."""
+
+    def __init__(self, mods=()):
+        super().__init__()
+        for m in mods:
+            self.append(m)
+
+    def append(self, m):
+        self.add_module(str(len(self._modules)), m)
+        return self
+
+    def extend(self, mods):
+        for m in mods:
+            self.append(m)
+        return self
+
+    def __getitem__(self, i):
+        items = list(self._modules.values())
+        return ModuleList(items[i]) if isinstance(i, slice) else items[i]
+
+    def __len__(self):
+        return len(self._modules)
+
+    def __iter__(self):
+        return iter(self._modules.values())
+
+
+class ModuleDict(Module):
+    """Modules by name."""
+
+    def __init__(self, mods=None):
+        super().__init__()
+        for n, m in (mods or {}).items():
+            self.add_module(n, m)
+
+    def __getitem__(self, k):
+        return self._modules[k]
+
+    def __setitem__(self, k, m):
+        self.add_module(k, m)
+
+    def __contains__(self, k):
+        return k in self._modules
+
+    def __len__(self):
+        return len(self._modules)
+
+    def keys(self):
+        return self._modules.keys()
+
+    def items(self):
+        return self._modules.items()
+
+    def values(self):
+        return self._modules.values()
