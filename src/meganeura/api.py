@@ -56,15 +56,15 @@ def check_array(kind, t: Tensor, value) -> np.ndarray:
     return np.asarray(arr, dtype=t.dtype.np, order="C")
 
 
-def _common_prefix(names) -> str:
-    """The longest dotted prefix (ending in '.') shared by every name, or ''."""
+def _prefixes(names) -> list:
+    """Dotted prefixes (ending in '.') that every name shares, longest first."""
     parts = [n.split(".")[:-1] for n in names]
     common = []
     for seg in zip(*parts) if parts else ():
         if len(set(seg)) != 1:
             break
         common.append(seg[0])
-    return ".".join(common) + "." if common else ""
+    return [".".join(common[:k]) + "." for k in range(len(common), 0, -1)]
 
 
 def describe_key_mismatch(missing, unexpected, limit=5) -> str:
@@ -79,12 +79,13 @@ def describe_key_mismatch(missing, unexpected, limit=5) -> str:
         parts.append(f"{len(unexpected)} unexpected key(s): {few(unexpected)}")
     msg = "; ".join(parts)
     if missing and unexpected:
-        pu, pm = _common_prefix(unexpected), _common_prefix(missing)
-        if pu and {n[len(pu):] for n in unexpected} >= set(missing):
-            msg += (f". Every unexpected key starts with {pu!r}: strip it, e.g. "
-                    f"{{k.removeprefix({pu!r}): v for k, v in state.items()}}")
-        elif pm and {pm + n for n in unexpected} >= set(missing):
-            msg += f". Every expected key starts with {pm!r}, the given ones do not: add it"
+        for p in _prefixes(unexpected):
+            if {n[len(p):] for n in unexpected} >= set(missing):
+                return msg + (f". Every unexpected key starts with {p!r}: strip it, e.g. "
+                              f"{{k.removeprefix({p!r}): v for k, v in state.items()}}")
+        for p in _prefixes(missing):
+            if {p + n for n in unexpected} >= set(missing):
+                return msg + f". Every expected key starts with {p!r}, the given ones do not: add it"
     return msg
 
 
