@@ -18,7 +18,7 @@ def _common(p, modes_default="strict,accelerated"):
                    help="tiny: test configs (CI); real: the paper's shapes (GPU machines only)")
     p.add_argument("--workloads", default="all", help="comma-separated: smollm2,smolvla,unet,resnet50,whisper")
     p.add_argument("--modes", default=modes_default, help="comma-separated: strict,accelerated")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the inputs and weights")
     p.add_argument("--out", default="bench/results/latest", help="output folder")
 
 
@@ -38,15 +38,15 @@ def parser():
     r.add_argument("--samples", type=int, default=None, help=argparse.SUPPRESS)
     g = sub.add_parser("gates", help="accuracy gates against PyTorch")
     _common(g)
-    g.add_argument("--backend", choices=("gpu", "numpy"), default="gpu")
+    g.add_argument("--backend", choices=("gpu", "numpy"), default="gpu", help="our backend to check (default gpu)")
     t = sub.add_parser("train", help="N AdamW steps, ours vs torch's loss curve")
     _common(t, modes_default="strict")
-    t.add_argument("--backend", choices=("gpu", "numpy"), default="gpu")
-    t.add_argument("--steps", type=int, default=50)
-    t.add_argument("--lr", type=float, default=1e-4)
+    t.add_argument("--backend", choices=("gpu", "numpy"), default="gpu", help="our backend (default gpu)")
+    t.add_argument("--steps", type=int, default=50, help="AdamW steps (default 50)")
+    t.add_argument("--lr", type=float, default=1e-4, help="learning rate (default 1e-4)")
     m = sub.add_parser("report", help="merge bench JSON files and re-render the Markdown and chart")
-    m.add_argument("files", nargs="+")
-    m.add_argument("--out", required=True)
+    m.add_argument("files", nargs="+", help="bench JSON files to merge")
+    m.add_argument("--out", required=True, help="output folder")
     return p
 
 
