@@ -74,7 +74,7 @@ class Jit:
         self.sessions: dict = {}
         self._entries: dict = {}                     # signature -> [(modules, their modes, Session, ...)]
         # one anchor session and one step counter for every jit sharing weights
-        self._shared = share_with._shared if share_with is not None else {"anchor": None, "steps": 0}
+        self._shared = share_with._shared if share_with is not None else {"anchor": None, "steps": 0, "buffers": {}}
         if share_with is not None and share_with.backend != backend:
             raise ValueError(f"jit: share_with runs on {share_with.backend!r}, this one on {backend!r}")
         self._rng = np.random.default_rng(seed)
@@ -119,6 +119,10 @@ class Jit:
         finally:
             _nnm._CALLED.remove(seen)
         mods = list({id(m): m for m in seen}.values())
+        for m in mods:          # module buffers by state-dict name: graph state, or (integers) the module's own
+            for n, b in m._buffers.items():
+                if b is not None and n not in m._non_persistent:
+                    self._shared["buffers"][m._prefix + n] = (m, n)
         updates = _nnm.state_updates(g)
         anchor = self._shared["anchor"]
         common = dict(backend=self.backend, precision=self.precision, seed=self.seed, share_with=anchor)
@@ -160,16 +164,22 @@ class Jit:
         return self._shared["steps"]
 
     def state_dict(self, include_optimizer=False) -> dict:
-        """Current parameter values (and optimizer state) by name."""
+        """Current parameters and module buffers (torch's state-dict names), plus the
+        optimizer state when ``include_optimizer``."""
         anchor = self._shared["anchor"]
-        if anchor is not None:
-            names = {n for s in self._all_sessions() for n in s.graph.parameters}
-            if include_optimizer:
-                names |= {n for s in self._all_sessions() for n in s.graph.states}
-            return {n: anchor.executor.get_value(n).copy() for n in sorted(names)}
-        if isinstance(self.fn, _nnm.Module):
-            return self.fn.state_dict()
-        raise RuntimeError("state_dict: call the function once first (nothing is traced yet)")
+        if anchor is None:
+            if isinstance(self.fn, _nnm.Module):
+                return self.fn.state_dict()
+            raise RuntimeError("state_dict: call the function once first (nothing is traced yet)")
+        buffers = self._shared["buffers"]
+        states = {n for s in self._all_sessions() for n in s.graph.states}
+        out = {n: anchor.executor.get_value(n).copy()
+               for n in dict.fromkeys(n for s in self._all_sessions() for n in s.graph.parameters)}
+        for n, (m, attr) in buffers.items():
+            out[n] = anchor.executor.get_value(n).copy() if n in states else m._buffers[attr].copy()
+        if include_optimizer:
+            out.update({n: anchor.executor.get_value(n).copy() for n in sorted(states) if n not in out})
+        return out
 
     def _all_sessions(self):
         return [e[2] for es in self._entries.values() for e in es]
