@@ -59,9 +59,9 @@ class Sample:
 
 
 def all_samples():
-    from . import samples_core, samples_nn, samples_attention, samples_conv
+    from . import samples_core, samples_nn, samples_attention, samples_conv, samples_torchlike
     out = []
-    for m in (samples_core, samples_nn, samples_attention, samples_conv):
+    for m in (samples_core, samples_nn, samples_attention, samples_conv, samples_torchlike):
         out.extend(m.SAMPLES)
     names = [s.name for s in out]
     dup = {n for n in names if names.count(n) > 1}

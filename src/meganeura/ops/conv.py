@@ -483,11 +483,19 @@ def _pool_args(op, kernel_size, stride, padding, dilation=1):
 
 def max_pool2d(input, kernel_size, stride=None, padding=0, dilation=1, ceil_mode=False, return_indices=False):
     """torch.nn.functional.max_pool2d (padding acts as -inf; stride defaults to kernel_size)."""
-    if ceil_mode:
-        raise NotImplementedError("max_pool2d: ceil_mode=True is not supported")
     if return_indices:
         raise NotImplementedError("max_pool2d: return_indices=True is not supported")
     k, s, p, d = _pool_args("max_pool2d", kernel_size, stride, padding, dilation)
+    if ceil_mode:   # torch's rule: round up, but the last window must start inside the (left-padded) input
+        size = input.shape[-2:]
+        extra = []
+        for a in (0, 1):
+            span = size[a] + 2 * p[a][0] - d[a] * (k[a] - 1) - 1
+            out = -(-span // s[a]) + 1 if span >= 0 else 1
+            if (out - 1) * s[a] >= size[a] + p[a][0]:
+                out -= 1
+            extra.append(max(0, (out - 1) * s[a] + d[a] * (k[a] - 1) + 1 - (size[a] + 2 * p[a][0])))
+        p = tuple((p[a][0], p[a][1] + extra[a]) for a in (0, 1))   # the overhang is padding (-inf)
 
     def run(x):
         return emit("max_pool2d", [x], kernel=k, stride=s, padding=p, dilation=d)

@@ -101,9 +101,12 @@ register("pow", _unary_infer("pow"), lambda x, exponent: np.power(x, x.dtype.typ
 
 
 def pow(x, exponent):
-    """x ** exponent for a constant exponent (integers handle negative x)."""
-    if isinstance(exponent, Tensor):
-        raise TypeError("pow: only a constant (Python number) exponent is supported")
+    """x ** exponent. A constant exponent handles negative x for integer powers. A tensor
+    exponent (or a number base with a tensor exponent) computes exp(exponent * log(x)), so
+    the base must be positive: a negative base gives nan, as torch does for non-integer powers."""
+    if isinstance(exponent, Tensor) or not isinstance(x, Tensor):
+        x, exponent = _pair(x, exponent)
+        return exp(exponent * log(x))
     if float(exponent) == 1.0:
         return x
     return emit("pow", [x], exponent=float(exponent))
@@ -111,6 +114,20 @@ def pow(x, exponent):
 
 def square(x):
     return x * x
+
+
+def clamp(x, min=None, max=None):
+    """torch.clamp: bounds are numbers or tensors (broadcast); either may be None."""
+    if min is None and max is None:
+        raise ValueError("clamp: give min and/or max")
+    if min is not None:
+        x = maximum(x, min)
+    if max is not None:
+        x = minimum(x, max)
+    return x
+
+
+clip = clamp
 
 
 # ---------------------------------------------------------------------------- binary

@@ -109,6 +109,9 @@ def _softmax_like(op, input, dim, dtype):
         dim = 0 if input.ndim in (0, 1, 3) else 1
     if dtype is not None:
         input = cast(input, dtype)
+    if input.ndim == 0:   # torch: a 0-d input is one row of one element
+        norm_dim(op, int(dim), 1, input)
+        return reshape(emit(op, [reshape(input, (1,))], dim=0), ())
     return emit(op, [input], dim=norm_dim(op, int(dim), input.ndim, input))
 
 
@@ -212,19 +215,17 @@ register("cross_entropy", _ce_infer, _ce_ref, _ce_vjp, decompose=_ce_graph)
 
 def cross_entropy(input, target, weight=None, size_average=None, ignore_index=-100, reduce=None,
                   reduction="mean", label_smoothing=0.0):
-    """torch.nn.functional.cross_entropy with integer class targets.
+    """torch.nn.functional.cross_entropy.
 
-    ``input`` is (C,), (N, C) or (N, C, d1, ...); ``target`` () / (N,) / (N, d1, ...) of
-    i32/u32 class indices. 'mean' averages over rows whose label is not ``ignore_index``
-    (nan when every row is ignored, as torch). Class weights and probability targets are
-    not supported."""
-    if weight is not None:
-        raise NotImplementedError("cross_entropy: class weights are not supported")
+    ``input`` is (C,), (N, C) or (N, C, d1, ...). ``target`` is either integer class
+    indices () / (N,) / (N, d1, ...) (i32/u32), or class probabilities of the input's shape
+    (float). ``weight`` (C,) weighs each class. With class indices, 'mean' divides by the
+    summed weights of the rows whose label is not ``ignore_index`` (nan when every row is
+    ignored, as torch); with probabilities, by the number of rows."""
     reduction = _legacy_reduction(size_average, reduce, reduction)
-    if target.dtype.is_float:
-        raise TypeError(f"cross_entropy: target {target.name!r} has dtype {target.dtype.name}, expected integer "
-                        "class indices (i32/u32); probability targets are not supported")
     require_float("cross_entropy", input)
+    if weight is not None or target.dtype.is_float:
+        return _ce_general(input, target, weight, int(ignore_index), reduction, float(label_smoothing))
     if not 0.0 <= label_smoothing <= 1.0:
         raise ValueError(f"cross_entropy: label_smoothing must be in [0, 1], got {label_smoothing}")
     if input.ndim == 0:
@@ -244,6 +245,62 @@ def cross_entropy(input, target, weight=None, size_average=None, ignore_index=-1
     out = emit("cross_entropy", [logits, labels], ignore_index=int(ignore_index), reduction=reduction,
                label_smoothing=float(label_smoothing))
     return reshape(out, target.shape) if reduction == "none" else out
+
+
+def _classes_last(input):
+    """(rows, C) logits with the class axis last, and the per-row shape."""
+    c = input.shape[0 if input.ndim == 1 else 1]
+    if input.ndim == 1:
+        return reshape(input, (1, c)), ()
+    if input.ndim == 2:
+        return input, input.shape[:1]
+    rows = input.shape[:1] + input.shape[2:]
+    return reshape(permute(input, (0,) + tuple(range(2, input.ndim)) + (1,)), (-1, c)), rows
+
+
+def _ce_general(input, target, weight, ignore_index, reduction, label_smoothing):
+    """Cross-entropy with class weights and/or probability targets, composed from
+    log_softmax and primitives (torch's formulas, label smoothing included)."""
+    if input.ndim == 0:
+        raise op_error("cross_entropy", "input must have a class axis", input)
+    if not 0.0 <= label_smoothing <= 1.0:
+        raise ValueError(f"cross_entropy: label_smoothing must be in [0, 1], got {label_smoothing}")
+    logits, rows = _classes_last(input)
+    c = logits.shape[1]
+    if weight is not None and (not isinstance(weight, Tensor) or weight.shape != (c,)):
+        if isinstance(weight, Tensor):
+            raise op_error("cross_entropy", f"weight must have shape ({c},), one per class", input, weight)
+        weight = input.graph.constant(np.asarray(weight, input.dtype.np).reshape(-1))
+        if weight.shape != (c,):
+            raise op_error("cross_entropy", f"weight must have shape ({c},), one per class", input, weight)
+    logp = emit("log_softmax", [logits], dim=1)
+    wlogp = logp * weight if weight is not None else logp
+    if target.dtype.is_float:                       # probabilities (or soft labels)
+        if target.shape != input.shape:
+            raise op_error("cross_entropy", "probability targets must have the input's shape", input, target)
+        q, _ = _classes_last(target)
+        if label_smoothing:
+            q = q * (1.0 - label_smoothing) + label_smoothing / c
+        loss = neg(reduce_sum(q * wlogp, (1,)))
+        if reduction == "none":
+            return reshape(loss, rows)
+        total = reduce_sum(loss, (0,))
+        return total if reduction == "sum" else total * (1.0 / max(logits.shape[0], 1))
+    if target.shape != rows:
+        raise op_error("cross_entropy", f"target must have shape {fmt_shape(rows)} for input "
+                       f"{fmt_shape(input.shape)}", input, target)
+    labels = reshape(target, (logits.shape[0],))
+    oh = _ce_target(logits, labels, ignore_index, 0.0)[1]            # zero rows where ignored
+    w_row = reduce_sum(oh * weight, (1,))                            # weight of each row's class, 0 if ignored
+    loss = neg(reduce_sum(oh * wlogp, (1,)))
+    if label_smoothing:
+        valid = reduce_sum(oh, (1,))
+        smooth = neg(reduce_sum(wlogp, (1,))) * valid
+        loss = loss * (1.0 - label_smoothing) + smooth * (label_smoothing / c)
+    if reduction == "none":
+        return reshape(loss, rows)
+    total = reduce_sum(loss, (0,))
+    return total if reduction == "sum" else total / reduce_sum(w_row, (0,))
 
 
 def _legacy_reduction(size_average, reduce, reduction):

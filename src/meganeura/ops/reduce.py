@@ -67,6 +67,48 @@ def amax(x, dim=None, keepdim=False):
     return emit("reduce_max", [x], dims=norm_dims("amax", dim, x.ndim, x), keepdim=bool(keepdim))
 
 
+def amin(x, dim=None, keepdim=False):
+    """torch.amin: the minimum values along ``dim`` (as -amax(-x))."""
+    return -amax(-x, dim, keepdim)
+
+
+def _is_other(b):
+    from ..graph import Tensor
+    return isinstance(b, Tensor) or isinstance(b, float) or (isinstance(b, np.ndarray) and b.dtype.kind == "f")
+
+
 def max(x, dim=None, keepdim=False):
-    """Maximum values along ``dim`` (values only; torch.max(x, dim).values)."""
+    """torch.max: ``max(x)`` and ``max(x, dim, keepdim)`` give the maximum values (values
+    only, not the indices); ``max(x, other)`` with a Tensor (or float) ``other`` is the
+    elementwise maximum, as torch.maximum."""
+    from .elementwise import maximum
+    if _is_other(dim):
+        return maximum(x, dim)
     return amax(x, dim, keepdim)
+
+
+def min(x, dim=None, keepdim=False):
+    """torch.min: like ``max`` (values along ``dim``, or elementwise with a Tensor)."""
+    from .elementwise import minimum
+    if _is_other(dim):
+        return minimum(x, dim)
+    return amin(x, dim, keepdim)
+
+
+def var(x, dim=None, correction=1, keepdim=False, unbiased=None):
+    """torch.var: mean squared deviation over ``dim`` times n / (n - correction)
+    (``unbiased=False`` is correction 0); nan where n <= correction, as torch."""
+    from .registry import norm_dims
+    if unbiased is not None:
+        correction = 1 if unbiased else 0
+    dims = norm_dims("var", dim, x.ndim, x)
+    n = _count(x, dims) if dims else 1
+    d = x - mean(x, dims, keepdim=True)
+    ss = emit("reduce_sum", [d * d], dims=dims, keepdim=bool(keepdim))
+    return ss * (1.0 / (n - correction) if n > correction else float("nan"))
+
+
+def std(x, dim=None, correction=1, keepdim=False, unbiased=None):
+    """torch.std: the square root of ``var``."""
+    from .elementwise import sqrt
+    return sqrt(var(x, dim, correction, keepdim, unbiased))

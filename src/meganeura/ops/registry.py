@@ -126,6 +126,11 @@ def norm_dims(op, dim, ndim, t=None) -> tuple:
         return tuple(range(ndim))
     if isinstance(dim, (int, np.integer)):
         dim = (int(dim),)
+    if ndim == 0:          # torch accepts dim 0 or -1 on a 0-d tensor: nothing to reduce
+        for d in dim:
+            if int(d) not in (0, -1):
+                raise ShapeError(f"{op}: dim {d} out of range for a 0-d tensor" + (f" {t.name!r}" if t is not None else ""))
+        return ()
     out = sorted({norm_dim(op, int(d), ndim, t) for d in dim})
     return tuple(out)
 

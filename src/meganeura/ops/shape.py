@@ -42,6 +42,10 @@ def reshape(x, shape):
 
 
 def flatten(x, start_dim=0, end_dim=-1):
+    """torch.flatten (a 0-d tensor becomes shape (1,), as torch)."""
+    if x.ndim == 0:
+        norm_dim("flatten", start_dim, 1, x), norm_dim("flatten", end_dim, 1, x)
+        return reshape(x, (1,))
     s, e = norm_dim("flatten", start_dim, x.ndim, x), norm_dim("flatten", end_dim, x.ndim, x)
     return reshape(x, x.shape[:s] + (int(np.prod(x.shape[s:e + 1], dtype=np.int64)),) + x.shape[e + 1:])
 
@@ -51,11 +55,19 @@ def unsqueeze(x, dim):
     return reshape(x, x.shape[:d] + (1,) + x.shape[d:])
 
 
-def squeeze(x, dim):
-    d = norm_dim("squeeze", dim, x.ndim, x)
-    if x.shape[d] != 1:
-        raise op_error("squeeze", f"dim {dim} has size {x.shape[d]}, expected 1", x)
-    return reshape(x, x.shape[:d] + x.shape[d + 1:])
+def squeeze(x, dim=None):
+    """torch.squeeze: drop size-1 axes (all of them, the one ``dim``, or a tuple of dims);
+    a named axis whose size is not 1 is kept, as torch."""
+    if dim is None:
+        dims = range(x.ndim)
+    elif x.ndim == 0:
+        for d in (dim if isinstance(dim, (tuple, list)) else (dim,)):
+            norm_dim("squeeze", d, 1, x)
+        return x
+    else:
+        dims = {norm_dim("squeeze", int(d), x.ndim, x) for d in (dim if isinstance(dim, (tuple, list)) else (dim,))}
+    drop = {d for d in dims if x.shape[d] == 1}
+    return reshape(x, tuple(n for i, n in enumerate(x.shape) if i not in drop))
 
 
 # --------------------------------------------------------------------------- permute
@@ -81,7 +93,10 @@ def permute(x, dims):
 
 
 def transpose(x, dim0, dim1):
-    """torch.transpose: swap two axes."""
+    """torch.transpose: swap two axes (on a 0-d tensor, dims 0/-1 give it back)."""
+    if x.ndim == 0:
+        norm_dim("transpose", dim0, 1, x), norm_dim("transpose", dim1, 1, x)
+        return x
     d = list(range(x.ndim))
     a, b = norm_dim("transpose", dim0, x.ndim, x), norm_dim("transpose", dim1, x.ndim, x)
     d[a], d[b] = d[b], d[a]
@@ -162,7 +177,8 @@ def getitem(x, idx):
             out = slice(out, axis, i.start, i.stop, 1 if i.step is None else i.step)
             final.append(out.shape[axis])
         else:
-            raise TypeError(f"getitem: unsupported index {i!r} (use mg.ops.embedding/gather for tensor indices)")
+            raise TypeError(f"getitem: unsupported index {i!r} (for tensor indices use mg.ops.gather, "
+                            "mg.ops.index_select or mg.ops.embedding)")
         axis += 1
     return reshape(out, tuple(final))
 
@@ -202,6 +218,61 @@ def concat(tensors, dim=0):
 
 
 cat = concat
+
+
+def stack(tensors, dim=0):
+    """torch.stack: join same-shaped tensors along a new axis ``dim``."""
+    tensors = list(tensors)
+    if not tensors:
+        raise ValueError("stack: needs at least one tensor")
+    for t in tensors[1:]:
+        if t.shape != tensors[0].shape:
+            raise op_error("stack", "every tensor must have the same shape", *tensors)
+    d = norm_dim("stack", dim, tensors[0].ndim + 1, tensors[0])
+    return concat([unsqueeze(t, d) for t in tensors], d)
+
+
+def gather(input, dim, index):
+    """torch.gather: out[..., j, ...] = input[..., index[..., j, ...], ...] along ``dim``;
+    ``index`` (integer) has input's rank and sizes at most input's on the other axes.
+    Built as a one-hot product over the gathered axis (O(out * input.shape[dim]) work), so
+    it runs on every backend and differentiates with respect to ``input``."""
+    from .elementwise import cast
+    from .nn import one_hot
+    from .reduce import reduce_sum
+    if index.dtype.is_float:
+        raise TypeError(f"gather: index {index.name!r} has dtype {index.dtype.name}, expected an integer dtype")
+    if index.ndim != input.ndim:
+        raise op_error("gather", "index must have the same rank as input", input, index)
+    if input.ndim == 0:
+        return input
+    d = norm_dim("gather", dim, input.ndim, input)
+    if any(index.shape[a] > input.shape[a] for a in range(input.ndim) if a != d):
+        raise op_error("gather", f"index may not be larger than input on axes other than {d}", input, index)
+    x = input
+    for a in range(input.ndim):        # only the part of input that index addresses
+        if a != d and x.shape[a] != index.shape[a]:
+            x = slice(x, a, 0, index.shape[a])
+    n = input.shape[d]
+    oh = one_hot(index, n, input.dtype)                  # index.shape + (n,)
+    return reduce_sum(oh * _align_for_gather(x, d), (input.ndim,))
+
+
+def _align_for_gather(x, d):
+    """x with axis d moved to a new last axis and a size-1 axis left in its place."""
+    perm = tuple(a for a in range(x.ndim) if a != d) + (d,)
+    moved = permute(x, perm)                                      # (..others.., n)
+    return unsqueeze(moved, d)                                    # (..others with 1 at d.., n)
+
+
+def index_select(input, dim, index):
+    """torch.index_select: whole slices of ``input`` along ``dim`` picked by a 1-D integer ``index``."""
+    if index.ndim != 1:
+        raise op_error("index_select", "index must be 1-D", index)
+    d = norm_dim("index_select", dim, input.ndim, input)
+    shape = tuple(index.shape[0] if a == d else s for a, s in enumerate(input.shape))
+    idx = broadcast_to(reshape(index, tuple(index.shape[0] if a == d else 1 for a in range(input.ndim))), shape)
+    return gather(input, d, idx)
 
 
 def split(x, split_size_or_sections, dim=0):
