@@ -32,7 +32,7 @@ TORCH = {
     "expand": ("Tensor.expand", ""), "broadcast_tensors": ("torch.broadcast_tensors", ""),
     "gather": ("torch.gather", "one-hot product: O(out x size of dim)"), "index_select": ("torch.index_select", ""),
     "matmul": ("torch.matmul / @", ""), "mm": ("torch.mm", "with transpose flags ta / tb"),
-    "linear": ("F.linear", ""), "softmax": ("F.softmax", ""), "log_softmax": ("F.log_softmax", ""),
+    "linear": ("F.linear", ""), "softmax": ("F.softmax", ""), "safe_softmax": ("F.softmax", "rows of only -inf give 0, not nan"), "log_softmax": ("F.log_softmax", ""),
     "cross_entropy": ("F.cross_entropy", "class indices or probabilities, weights, ignore_index, label smoothing"),
     "mse_loss": ("F.mse_loss", ""), "one_hot": ("F.one_hot", "num_classes required; float result"),
     "embedding": ("F.embedding", "no max_norm"), "embedding_grad": ("(the gradient of F.embedding)", ""),
