@@ -126,3 +126,32 @@ def test_horizontal_merge_of_independent_pointwise_kernels():
     got = mg.compile(g, outputs=outs, backend="gpu").run(feeds)
     for a, b_ in zip(ref, got):
         np.testing.assert_allclose(b_, a, rtol=1e-5, atol=1e-6)
+
+
+def test_optimizer_and_cache_updates_are_written_in_place():
+    """AdamW's parameter and moment updates, and a decoder's KV-cache blend, write into
+    the tensors' own buffers: no copies after the step, and training still matches the
+    NumPy reference."""
+    g = mg.Graph()
+    x = g.input("x", (4, 6))
+    y = g.input("y", (4, 3))
+    h = mg.ops.tanh(mg.ops.linear(x, g.parameter("w1", (5, 6)), g.parameter("b1", (5,), init=0.1)))
+    loss = mg.ops.mse_loss(mg.ops.linear(h, g.parameter("w2", (3, 5))), y)
+    rng = np.random.default_rng(2)
+    feeds = {"x": rng.standard_normal((4, 6)).astype(np.float32), "y": rng.standard_normal((4, 3)).astype(np.float32)}
+    ref = mg.compile(g, loss=loss, optimizer=mg.optim.AdamW(lr=1e-2), backend="numpy")
+    gpu = mg.compile(g, loss=loss, optimizer=mg.optim.AdamW(lr=1e-2), backend="gpu")
+    for _ in range(3):
+        lr_, lg = ref.step(feeds), gpu.step(feeds)
+        assert abs(lr_ - lg) <= 1e-5 * max(1.0, abs(lr_))
+    plan = gpu.executor.plans["step"]
+    n_state = len(g.parameters) + len(g.states)
+    assert plan.kernel_plan.stats["in_place"] == n_state
+    assert len(plan.copies_after) == len(plan.fetch_locs)     # only the loss is copied out
+    for name, want in ref.state_dict(include_optimizer=True).items():
+        np.testing.assert_allclose(gpu.state_dict(include_optimizer=True)[name], want, rtol=1e-4, atol=1e-6)
+    cfg = llama.LlamaConfig.tiny()
+    g2, logits, new = llama.build_decoder(cfg, 1, 1, 16, cache_as_state=True)
+    names = llama.cache_names(cfg)
+    kp = compile_plan([logits] + new, updates={1 + i: n for i, n in enumerate(names)})
+    assert kp.stats["in_place"] == len(names)

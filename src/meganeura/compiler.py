@@ -16,6 +16,9 @@ from . import codegen
 from .memplan import MemoryPlan, plan_memory
 from .passes import lower_to_primitives
 from .passes.fuse import FUSION_PASSES, run_fusion
+
+# switches MEGANEURA_NO_FUSE also accepts besides the fusion passes
+OTHER_PASSES = ("inplace",)
 from .schedule import Buf, Kernel, build_schedule
 
 
@@ -31,12 +34,13 @@ class CompileOptions:
         off (comma-separated, or ``all``)."""
         raw = os.environ.get("MEGANEURA_NO_FUSE", "")
         names = {s.strip() for s in raw.split(",") if s.strip()}
+        known = list(FUSION_PASSES) + list(OTHER_PASSES)
         if "all" in names:
-            names = set(FUSION_PASSES)
-        unknown = names - set(FUSION_PASSES)
+            names = set(known)
+        unknown = names - set(known)
         if unknown:
             raise ValueError(f"MEGANEURA_NO_FUSE: unknown pass(es) {sorted(unknown)}; "
-                             f"known: {', '.join(FUSION_PASSES)} or 'all'")
+                             f"known: {', '.join(known)} or 'all'")
         mb = int((limits or {}).get("max-storage-buffers-per-shader-stage", 8))
         return CompileOptions(precision, mb, frozenset(names))
 
@@ -81,9 +85,11 @@ def accelerated_rewrite(forward_targets):
     return rw
 
 
-def compile_plan(targets, n_forward=None, options: CompileOptions | None = None) -> KernelPlan:
+def compile_plan(targets, n_forward=None, options: CompileOptions | None = None, updates=None) -> KernelPlan:
     """Kernels computing ``targets`` (tensors of one graph). ``n_forward``: how many leading
-    targets are forward outputs (accelerated precision applies to what they depend on)."""
+    targets are forward outputs (accelerated precision applies to what they depend on).
+    ``updates``: {target index: parameter/state name} for targets that become that
+    tensor's new value after the call; where it is safe they are written in place."""
     opts = options or CompileOptions()
     t0 = time.perf_counter()
     fwd = targets[:len(targets) if n_forward is None else n_forward]
@@ -92,6 +98,9 @@ def compile_plan(targets, n_forward=None, options: CompileOptions | None = None)
     sched = build_schedule(g2, new_targets, max_bindings=opts.max_bindings)
     n_scheduled = len(sched.kernels)
     kernels = run_fusion(sched.kernels, disabled=opts.disabled, max_bindings=opts.max_bindings)
+    n_in_place = 0
+    if updates and "inplace" not in opts.disabled:
+        n_in_place = update_in_place(kernels, sched, new_targets, updates)
     dispatches = []
     for k in kernels:
         if k.out.size == 0:
@@ -99,6 +108,7 @@ def compile_plan(targets, n_forward=None, options: CompileOptions | None = None)
         wgsl, bufs, groups = codegen.render(k)
         dispatches.append(Dispatch(k, wgsl, bufs, groups))
     memory = plan_memory([(k.written_bufs(), d.bufs) for d in dispatches for k in [d.kernel]], sched.bufs)
+    used = {id(b) for d in dispatches for b in d.bufs}
     locs = []
     for t in new_targets:
         v = sched.values.get(t.id)
@@ -107,8 +117,57 @@ def compile_plan(targets, n_forward=None, options: CompileOptions | None = None)
         if not v.is_contiguous():
             raise RuntimeError(f"target {t.name!r} is a strided view")
         locs.append((v.buf, v.offset * t.dtype.np.itemsize, t.size * t.dtype.np.itemsize, t.dtype.np, t.shape))
-    return KernelPlan(dispatches, sched.bufs, memory, locs, time.perf_counter() - t0,
-                      {"scheduled": n_scheduled, "fused": n_scheduled - len(kernels)})
+    used |= {id(loc[0]) for loc in locs}
+    bufs = [b for b in sched.bufs if id(b) in used]     # buffers a fusion made unnecessary are never allocated
+    return KernelPlan(dispatches, bufs, memory, locs, time.perf_counter() - t0,
+                      {"scheduled": n_scheduled, "fused": n_scheduled - len(kernels), "in_place": n_in_place})
+
+
+def _units(kernels):
+    """(position, kernel or part of a horizontal fusion) in launch order."""
+    for i, k in enumerate(kernels):
+        for u in k.spec.get("parts", [k]):
+            yield i, u
+
+
+def _views(u):
+    return list(u.reads) + list(u.epi_reads) + [u.out]
+
+
+def update_in_place(kernels, sched, targets, updates) -> int:
+    """A new value of a parameter or state computed elementwise from the old one (an
+    optimizer update, a KV-cache blend) is written straight into the tensor's buffer, when
+    nothing after its writer reads the old value: no copy after the step and no second
+    buffer of that size. Returns how many updates became in place."""
+    named = {b.name: b for b in sched.bufs if b.kind in ("parameter", "state")}
+    done = 0
+    for ti, name in updates.items():
+        v = sched.values.get(targets[ti].id)
+        dst = named.get(name)
+        if v is None or dst is None or v.buf.kind != "target" or v.offset or not v.is_contiguous() \
+                or v.buf.nbytes != dst.nbytes or v.dtype is not dst.dtype:
+            continue
+        units = list(_units(kernels))
+        writers = [(i, u) for i, u in units if u.out.buf is v.buf]
+        if len(writers) != 1 or writers[0][1].archetype != "pointwise":
+            continue
+        wi, w = writers[0]
+        # the writer reads the old value only at the element it writes
+        ok = all(r.shape == w.out.shape and r.offset == 0 and r.is_contiguous()
+                 for r in w.reads if r.buf is dst) and not w.spec.get("flat_leaf")
+        # nothing else touches the old value from the writer's launch on
+        ok = ok and not any(i >= wi and u is not w and any(x.buf is dst for x in _views(u)) for i, u in units)
+        if not ok:
+            continue
+        for _, u in units:
+            for x in _views(u):
+                if x.buf is v.buf:
+                    x.buf = dst
+        for x in sched.values.values():
+            if x.buf is v.buf:
+                x.buf = dst
+        done += 1
+    return done
 
 
 def count_dispatches(targets, **kw) -> int:

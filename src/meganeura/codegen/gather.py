@@ -33,15 +33,6 @@ def _embedding(t):
     return f"    let row = u32({row});\n    let val = x1[xo1 + row * {d}u + i % {d}u];"
 
 
-def _embedding_grad(t):
-    ids, ct = t.inputs
-    d, p = ct.shape[-1], ids.size
-    idv = _idx(ids.dtype, "x0[xo0 + q]")
-    return (f"    let v = i32(i / {d}u); let j = i % {d}u;\n    var val = {literal(0, t.dtype)};\n"
-            f"    for (var q = 0u; q < {p}u; q = q + 1u) {{\n"
-            f"        if ({idv} == v) {{ val = val + x1[xo1 + q * {d}u + j]; }}\n    }}")
-
-
 def _im2col(t):
     a = t.attrs
     n, c, h, w = t.inputs[0].shape
@@ -86,13 +77,33 @@ def _col2im(t):
     }}"""
 
 
+def _lower_embedding_grad(t, ins, out, materialize, temp):
+    """Zero the (vocabulary, dim) gradient, then add each position's row into the row of
+    its id: one thread per (position, column) instead of one per vocabulary entry looping
+    over every position. Without atomics, the first position of each id sums the rows of
+    all positions with that id (loops over positions only)."""
+    from .layout import fill
+    ids, ct = (materialize(v, x) for v, x in zip(ins, t.inputs))
+    d, p = t.inputs[1].shape[-1], t.inputs[0].size
+    idv = lambda q: _idx(t.inputs[0].dtype, f"x0[xo0 + {q}]")   # noqa: E731
+    body = (f"    let q0 = i / {d}u; let j = i % {d}u;\n    let v = {idv('q0')};\n"
+            f"    if (v < 0i || v >= {t.shape[0]}i) {{ return; }}\n"
+            f"    for (var q = 0u; q < q0; q = q + 1u) {{ if ({idv('q')} == v) {{ return; }} }}\n"
+            f"    var val = {literal(0, t.dtype)};\n"
+            f"    for (var q = q0; q < {p}u; q = q + 1u) {{\n"
+            f"        if ({idv('q')} == v) {{ val = val + x1[xo1 + q * {d}u + j]; }}\n    }}\n"
+            f"    let oi = u32(v) * {d}u + j;")
+    scatter = Kernel("embedding_grad", "gather", {"body": body, "threads": p * d, "index": "oi"}, out, [ids, ct])
+    return [fill(out, 0, "embedding_grad.zero"), scatter]
+
+
 LOWER = {"one_hot": _kernel("one_hot", _one_hot), "embedding": _kernel("embedding", _embedding),
-         "embedding_grad": _kernel("embedding_grad", _embedding_grad), "im2col": _kernel("im2col", _im2col),
+         "embedding_grad": _lower_embedding_grad, "im2col": _kernel("im2col", _im2col),
          "col2im": _kernel("col2im", _col2im)}
 
 
 def render(kernel):
-    n = kernel.out.size
+    n = kernel.spec.get("threads", kernel.out.size)
     b = Bindings()
     store = OutputStore(kernel, b, kernel.dtype)
     lines = []
@@ -104,6 +115,6 @@ def render(kernel):
         body = body.replace(f"x{k}[", f"b{b.index(v.buf, v.dtype)}[")
     src = b.decls() + "\n" + store.module_text() + "\n\n" + ENTRY.format(wg=WG) + \
         f"    let i = ({GROUP_INDEX}) * {WG}u + lid;\n    if (i >= {n}u) {{ return; }}\n" + \
-        "\n".join(lines) + "\n" + body + "\n    store_out(i, val);\n}\n"
+        "\n".join(lines) + "\n" + body + f"\n    store_out({kernel.spec.get('index', 'i')}, val);\n}}\n"
     return src, b.bufs, grid(-(-n // WG))
 

@@ -15,9 +15,25 @@ INIT = {"sum": "0.0", "mean": "0.0", "max": "bitcast<f32>(0xff800000u)"}
 COMBINE = {"sum": "{a} + {b}", "mean": "{a} + {b}", "max": "max({a}, {b})"}
 
 
+CHUNK = 4096     # elements one workgroup reduces in the first stage of a long reduction
+
+
 def lower_reduce(t, ins, out, materialize, temp):
     kind = {"reduce_sum": "sum", "reduce_mean": "mean", "reduce_max": "max"}[t.op]
-    return [Kernel(t.op, "reduce", {"kind": kind, "dims": tuple(t.attrs["dims"])}, out, [ins[0]])]
+    dims = tuple(t.attrs["dims"])
+    v = ins[0]
+    r = int(np.prod([v.shape[d] for d in dims], dtype=np.int64))
+    n_out = v.size // max(r, 1)
+    if r >= 2 * CHUNK and (n_out < 512 or r > 4 * CHUNK):
+        # long rows: few workgroups would each loop far too long (slow, and past the
+        # 65535-iteration loop bound of software drivers); chunks of the rows reduce in
+        # parallel into partials, then a second pass reduces the partials
+        chunks = -(-r // CHUNK)
+        part = temp((n_out, chunks), out.dtype)
+        first = Kernel(f"{t.op}.partial", "reduce", {"kind": "max" if kind == "max" else "sum", "dims": dims,
+                                                     "chunks": chunks}, part, [v])
+        return [first, Kernel(t.op, "reduce", {"kind": kind, "dims": (1,), "count": r}, out, [part])]
+    return [Kernel(t.op, "reduce", {"kind": kind, "dims": dims}, out, [v])]
 
 
 def render(kernel):
@@ -37,10 +53,12 @@ def render(kernel):
     base = " + ".join([str(v.offset) + "u"] + [f"k{i} * {v.strides[d]}u" for i, d in enumerate(kept)])
     step = " + ".join(["0u"] + [f"r{i} * {v.strides[d]}u" for i, d in enumerate(dims)])
     comb = COMBINE[kind]
-    fin = "acc" if kind != "mean" else f"acc * {literal(1.0 / max(r, 1), dt)}"
+    fin = "acc" if kind != "mean" else f"acc * {literal(1.0 / max(spec.get('count', r), 1), dt)}"
     rows = coords("o", kshape, prefix="k")
     inner = coords("j", rshape, prefix="r")
     body_read = "\n".join("    " + ln for ln in inner) + f"\n        acc = {comb.format(a='acc', b=f'b{ib}[base + {step}]')};"
+    if spec.get("chunks"):
+        return _render_chunked(kernel, b, store, v, kept, kshape, dims, rshape, r, INIT_T[kind], comb, dt)
     if r < 64 or n_out >= 4096:
         src = b.decls() + "\n" + store.module_text() + "\n\n" + ENTRY.format(wg=WG) + \
             f"    let o = ({GROUP_INDEX}) * {WG}u + lid;\n    if (o >= {n_out}u) {{ return; }}\n" + \
@@ -58,3 +76,36 @@ def render(kernel):
         "        workgroupBarrier();\n    }\n" + \
         f"    if (lid == 0u) {{ let acc2 = part[0]; store_out(o, {fin.replace('acc', 'acc2')}); }}\n}}\n"
     return src, b.bufs, grid(n_out)
+
+
+def _render_chunked(kernel, b, store, v, kept, kshape, dims, rshape, r, init, comb, dt):
+    """First stage of a long reduction: workgroup g reduces chunk g % S of output g / S."""
+    S = kernel.spec["chunks"]
+    C = -(-r // S)
+    n_out = int(np.prod(kshape, dtype=np.int64))
+    ib = b.index(v.buf, v.dtype)
+    base = " + ".join([str(v.offset) + "u"] + [f"k{i} * {v.strides[d]}u" for i, d in enumerate(kept)])
+    step = " + ".join(["0u"] + [f"r{i} * {v.strides[d]}u" for i, d in enumerate(dims)])
+    inner = "\n".join("    " + ln for ln in coords("j", rshape, prefix="r"))
+    src = b.decls() + "\n" + store.module_text() + f"\nvar<workgroup> part: array<{dt.wgsl}, {WG}>;\n\n" + \
+        ENTRY.format(wg=WG) + f"""    let g = {GROUP_INDEX};
+    if (g >= {n_out * S}u) {{ return; }}
+    let o = g / {S}u; let s = g % {S}u;
+{chr(10).join(coords("o", kshape, prefix="k"))}
+    let base = {base};
+    var acc = {init};
+    let jend = min(s * {C}u + {C}u, {r}u);
+    for (var j = s * {C}u + lid; j < jend; j = j + {WG}u) {{
+{inner}
+        acc = {comb.format(a="acc", b=f"b{ib}[base + {step}]")};
+    }}
+    part[lid] = acc;
+    workgroupBarrier();
+    for (var t = {WG // 2}u; t > 0u; t = t >> 1u) {{
+        if (lid < t) {{ part[lid] = {comb.format(a="part[lid]", b="part[lid + t]")}; }}
+        workgroupBarrier();
+    }}
+    if (lid == 0u) {{ store_out(g, part[0]); }}
+}}
+"""
+    return src, b.bufs, grid(n_out * S)

@@ -80,7 +80,8 @@ def fuse_epilogues(kernels, max_bindings):
                 continue
             ki = ws[0]
             k = kernels[ki]
-            if k.archetype not in EPILOGUE_ARCHETYPES or k.out.buf.kind != "temp" or leaf.shape != p.out.shape:
+            if k.archetype not in EPILOGUE_ARCHETYPES or k.out.buf.kind != "temp" or leaf.shape != p.out.shape \
+                    or "index" in k.spec:      # a scatter stores where its data says
                 continue
             if set(uses.readers[id(leaf.buf)]) != {pi} or sum(v.buf is leaf.buf for v in p.reads) != 1:
                 continue

@@ -28,7 +28,9 @@ class Plan:
         dev = ex.dev
         t0 = time.perf_counter()
         opts = CompileOptions.from_env(ex.precision, dev.limits)
-        kp = compile_plan(targets, n_forward=n_fetch, options=opts)
+        base = n_fetch + len(grad_names)
+        kp = compile_plan(targets, n_forward=n_fetch, options=opts,
+                          updates={base + j: name for j, (name, _) in enumerate(updates)})
         self.kernel_plan, self.memory = kp, kp.memory
         slots = [dev.create_buffer(n, label=f"slot{i}") for i, n in enumerate(self.memory.slot_sizes)]
         phys = {}
