@@ -30,7 +30,7 @@ def test_llama_decode_budget():
     fused, unfused = _counts(_decoder_targets(cfg))
     per_layer = fused / cfg.num_hidden_layers
     assert fused < unfused
-    assert per_layer <= 17, f"{fused} dispatches ({per_layer:.1f} per layer)"
+    assert per_layer <= 12.5, f"{fused} dispatches ({per_layer:.1f} per layer)"
 
 
 def test_llama_prefill_budget():
@@ -155,3 +155,23 @@ def test_optimizer_and_cache_updates_are_written_in_place():
     names = llama.cache_names(cfg)
     kp = compile_plan([logits] + new, updates={1 + i: n for i, n in enumerate(names)})
     assert kp.stats["in_place"] == len(names)
+
+
+def test_norm_prologue_in_gemv_matches_reference():
+    """Layer and RMS norms read only by few-row products are computed inside them."""
+    g = mg.Graph()
+    x = g.input("x", (3, 2, 40))           # batch 3 of 2-row GEMVs
+    ln = mg.ops.layer_norm(x, (40,), g.parameter("lw", (40,), init="normal"), g.parameter("lb", (40,), init="normal"))
+    rn = mg.ops.rms_norm(x * 2.0, (40,), None, 1e-5)
+    wa, wb = g.parameter("wa", (24, 40)), g.parameter("wb", (16, 40))
+    outs = [mg.ops.linear(ln, wa), mg.ops.linear(ln, wb) + 1.0, mg.ops.linear(rn, wa)]
+    kp = compile_plan(outs, options=CompileOptions(max_bindings=32))
+    assert not any(d.kernel.archetype == "norm" for d in kp.dispatches), kp.names
+    assert sum("layer_norm>" in n for n in kp.names) == 1 and sum("rms_norm>" in n for n in kp.names) == 1, kp.names
+    rng = np.random.default_rng(3)
+    feeds = {"x": rng.standard_normal((3, 2, 40)).astype(np.float32) * 3 + 1}
+    ref = mg.compile(g, outputs=outs, backend="numpy")
+    gpu = mg.compile(g, outputs=outs, backend="gpu")
+    gpu.load_state_dict(ref.state_dict())
+    for a, b_ in zip(ref.run(feeds), gpu.run(feeds)):
+        np.testing.assert_allclose(b_, a, rtol=1e-4, atol=1e-5)

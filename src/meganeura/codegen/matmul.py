@@ -266,9 +266,52 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
     return src, bind.bufs, (g0, 1, nb)
 
 
+def _norm_prologue(kernel, bind, M, K, a_at, ab):
+    """WGSL computing each A row's normalisation statistics (a norm fused into the GEMV
+    that reads it, ``spec["prologue"]``), and the normalised A element as a function of
+    (m, k)."""
+    pro = kernel.spec["prologue"]
+    extra = kernel.reads[2:]
+    w = extra[0] if pro["has_w"] else None
+    b = extra[-1] if pro["has_b"] else None
+    wb = bind.index(w.buf, w.dtype) if w is not None else None
+    bb = bind.index(b.buf, b.dtype) if b is not None else None
+    center = pro["kind"] == "layer_norm"
+    lines = []
+
+    def tree(expr, m):
+        return [f"    {{ var s = 0.0;",
+                f"      for (var k = lid; k < {K}u; k = k + 256u) {{ let x = f32(b{ab}[{a_at(str(m) + 'u', 'k')}]); s = s + {expr}; }}",
+                f"      part[{m * 256}u + lid] = s; }}"]
+    for m in range(M):
+        if center:
+            lines += tree("x", m)
+        else:
+            lines.append(f"    let mean{m} = 0.0;")
+    red = lambda: ["    workgroupBarrier();", "    for (var s = 128u; s > 0u; s = s >> 1u) {",  # noqa: E731
+                   "        if (lid < s) {"] + [f"            part[{m * 256}u + lid] = part[{m * 256}u + lid] + "
+                                                f"part[{m * 256}u + lid + s];" for m in range(M)] + \
+        ["        }", "        workgroupBarrier();", "    }"]
+    if center:
+        lines += red() + [f"    let mean{m} = part[{m * 256}u] / {float(K)!r};" for m in range(M)] + ["    workgroupBarrier();"]
+    for m in range(M):
+        lines += tree(f"(x - mean{m}) * (x - mean{m})", m)
+    lines += red() + [f"    let inv{m} = inverseSqrt(part[{m * 256}u] / {float(K)!r} + {pro['eps']!r});" for m in range(M)]
+    lines.append("    workgroupBarrier();")
+
+    def elem(m, k):
+        e = f"(f32(b{ab}[{a_at(str(m) + 'u', k)}]) - mean{m}) * inv{m}"
+        if wb is not None:
+            e = f"{e} * f32(b{wb}[{w.offset}u + {k}])"
+        if bb is not None:
+            e = f"{e} + f32(b{bb}[{b.offset}u + {k}])"
+        return e
+    return lines, elem
+
+
 def _gemv_part(kernel, bind, j):
     """(WGSL functions of one GEMV, its x workgroups, its batch workgroups)."""
-    a, bv = kernel.reads
+    a, bv = kernel.reads[:2]
     ta, tb = kernel.spec["ta"], kernel.spec["tb"]
     M, N = kernel.shape[-2:]
     K = a.shape[-2] if ta else a.shape[-1]
@@ -287,7 +330,11 @@ fn gemv{j}(wx: u32, wz: u32, lid: u32) {{
 """
     accs = "\n".join(f"    var acc{m} = 0.0;" for m in range(M))
     if tb:
-        fmas = "\n".join(f"            acc{m} = fma(f32(b{ab}[{a_at(str(m) + 'u', 'k')}]), w, acc{m});" for m in range(M))
+        pro_lines, elem = [], (lambda m, k: f"f32(b{ab}[{a_at(str(m) + 'u', k)}])")
+        if "prologue" in kernel.spec:
+            pro_lines, elem = _norm_prologue(kernel, bind, M, K, a_at, ab)
+        head += "\n".join(pro_lines) + "\n"
+        fmas = "\n".join(f"            acc{m} = fma({elem(m, 'k')}, w, acc{m});" for m in range(M))
         parts = "\n".join(f"    part[{m * 256}u + lid] = acc{m};" for m in range(M))
         reduce = "\n".join(f"            part[{m * 256}u + lid] = part[{m * 256}u + lid] + part[{m * 256}u + lid + s];"
                            for m in range(M))

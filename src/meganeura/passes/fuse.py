@@ -8,6 +8,7 @@ the memory planner and the runtime need no knowledge of them.
 - ``epilogue``: a pointwise kernel that is the only reader of another kernel's output
   becomes that kernel's epilogue (matmul + bias/activation/residual, reductions + scale,
   softmax/norm + mul, ...), so the intermediate is never stored.
+- ``prologue``: a norm read only by GEMVs is computed inside them.
 - ``horizontal``: independent pointwise kernels close together run as one launch.
 """
 from __future__ import annotations
@@ -123,6 +124,47 @@ def fuse_epilogues(kernels, max_bindings):
     return [k for k in kernels if k is not None]
 
 
+def _is_gemv_tb(k):
+    return k.archetype == "matmul" and k.spec.get("gemv") and k.spec["tb"] and not k.spec["ta"] \
+        and "parts" not in k.spec and "prologue" not in k.spec
+
+
+def fuse_norm_prologue(kernels, max_bindings):
+    """A layer/RMS norm whose every reader is a GEMV (decoding: the norm before the q/k/v
+    or gate/up projections) moves into those GEMVs: each workgroup computes the row
+    statistics of its few rows itself and normalises A as it streams it."""
+    kernels = list(kernels)
+    uses = _Uses(kernels)
+    for ni, nk in enumerate(kernels):
+        if nk is None or nk.archetype != "norm" or nk.epilogue is not None or nk.out.buf.kind != "temp":
+            continue
+        readers = sorted(set(uses.readers[id(nk.out.buf)]))
+        if not readers or len(uses.writers[id(nk.out.buf)]) != 1:
+            continue
+        gs = [kernels[i] for i in readers]
+        row = nk.spec["row"]
+        if not all(_is_gemv_tb(g) and g.reads[0].buf is nk.out.buf and _same_elements(nk, g.reads[0])
+                   and g.reads[1].buf is not nk.out.buf and g.reads[0].shape[-1] == row
+                   and not any(v.buf is nk.out.buf for v in g.epi_reads) for g in gs):
+            continue
+        if any(uses.touched_between(v.buf, ni, max(readers), writes_only=True) for v in nk.reads):
+            continue
+        if any(len({id(v.buf) for v in g.read_views() + nk.reads} | {id(g.out.buf)}) > max_bindings for g in gs):
+            continue
+        x = nk.reads[0]
+        for i, g in zip(readers, gs):
+            uses.remove(i, g)
+            a = g.reads[0]
+            g.reads = [View(x.buf, a.shape, a.strides, x.offset, x.dtype), g.reads[1]] + list(nk.reads[1:])
+            g.spec = {**g.spec, "prologue": {"kind": nk.spec["kind"], "eps": nk.spec["eps"],
+                                             "has_w": nk.spec["weight"], "has_b": nk.spec["bias"]}}
+            g.name = f"{nk.spec['kind']}>{g.name}"
+            uses.add(i, g)
+        uses.remove(ni, nk)
+        kernels[ni] = None
+    return [k for k in kernels if k is not None]
+
+
 def _bindings(kernels) -> int:
     return len({(id(v.buf), v.dtype.name) for k in kernels for v in k.read_views()}
                | {(id(b), None) for k in kernels for b in k.written_bufs()})
@@ -139,7 +181,9 @@ def _group_key(k):
         return ("pointwise",)
     if k.archetype == "matmul" and k.spec.get("gemv") and k.spec["tb"] and "parts" not in k.spec:
         a = k.reads[0]
-        return ("gemv", id(a.buf), a.offset, a.shape, a.strides, k.spec["ta"], k.shape[:-1])
+        pro = k.spec.get("prologue")
+        pro = pro and (tuple(sorted(pro.items())), tuple(id(v.buf) for v in k.reads[2:]))
+        return ("gemv", id(a.buf), a.offset, a.shape, a.strides, k.spec["ta"], k.shape[:-1], pro)
     return None
 
 
@@ -196,7 +240,7 @@ def merge_horizontal(kernels, max_bindings):
     return out
 
 
-FUSION_PASSES = {"epilogue": fuse_epilogues, "horizontal": merge_horizontal}
+FUSION_PASSES = {"epilogue": fuse_epilogues, "prologue": fuse_norm_prologue, "horizontal": merge_horizontal}
 
 
 def run_fusion(kernels, disabled=frozenset(), max_bindings=8):
