@@ -67,11 +67,9 @@ def as_tensor(x, like: Tensor) -> Tensor:
     if isinstance(x, Tensor):
         return x
     arr = np.asarray(x)
-    if arr.dtype.kind in "fiub" and like.dtype.is_float:
-        return like.graph.constant(arr.astype(like.dtype.np))
     if arr.dtype.kind == "f" and not like.dtype.is_float:
-        return like.graph.constant(arr.astype(np.float32))
-    return like.graph.constant(arr.astype(like.dtype.np))
+        return like.graph.constant(arr, np.float32)
+    return like.graph.constant(arr, like.dtype)     # refuses values the dtype cannot hold
 
 
 def emit(op: str, inputs, name=None, **attrs) -> Tensor:

@@ -5,10 +5,11 @@ They move data without arithmetic; their gradients are their inverses.
 from __future__ import annotations
 
 import builtins
+import math
 
 import numpy as np
 
-from ..graph import Tensor, fmt_shape
+from ..graph import Tensor, fmt_shape, int_dims
 from .registry import broadcast_shapes, emit, norm_dim, op_error, register, unbroadcast
 
 _py_slice = builtins.slice  # the name `slice` below is our op
@@ -17,7 +18,7 @@ _py_slice = builtins.slice  # the name `slice` below is our op
 # --------------------------------------------------------------------------- reshape
 def _reshape_infer(ins, shape):
     x = ins[0]
-    if int(np.prod(shape, dtype=np.int64)) != x.size:
+    if math.prod(shape) != x.size:
         raise op_error("reshape", f"cannot reshape {x.size} elements to {fmt_shape(shape)}", x)
     return shape, x.dtype
 
@@ -28,11 +29,11 @@ register("reshape", _reshape_infer, lambda x, shape: np.reshape(x, shape),
 
 def reshape(x, shape):
     """torch.reshape; one dimension may be -1."""
-    shape = (int(shape),) if isinstance(shape, (int, np.integer)) else tuple(int(s) for s in shape)
+    shape = int_dims("reshape", shape, allow=(-1,))
     if shape.count(-1) > 1:
         raise op_error("reshape", f"only one -1 allowed in {fmt_shape(shape)}", x)
     if -1 in shape:
-        rest = int(np.prod([s for s in shape if s != -1], dtype=np.int64))
+        rest = math.prod(s for s in shape if s != -1)
         if rest == 0 or x.size % rest:
             raise op_error("reshape", f"cannot infer -1 in {fmt_shape(shape)}", x)
         shape = tuple(x.size // rest if s == -1 else s for s in shape)
@@ -47,7 +48,7 @@ def flatten(x, start_dim=0, end_dim=-1):
         norm_dim("flatten", start_dim, 1, x), norm_dim("flatten", end_dim, 1, x)
         return reshape(x, (1,))
     s, e = norm_dim("flatten", start_dim, x.ndim, x), norm_dim("flatten", end_dim, x.ndim, x)
-    return reshape(x, x.shape[:s] + (int(np.prod(x.shape[s:e + 1], dtype=np.int64)),) + x.shape[e + 1:])
+    return reshape(x, x.shape[:s] + (math.prod(x.shape[s:e + 1]),) + x.shape[e + 1:])
 
 
 def unsqueeze(x, dim):
@@ -285,7 +286,7 @@ def split(x, split_size_or_sections, dim=0):
             raise op_error("split", f"split size must be positive, got {k}", x)
         sizes = [min(k, n - i) for i in range(0, n, k)]
     else:
-        sizes = [int(s) for s in split_size_or_sections]
+        sizes = list(int_dims("split", split_size_or_sections))
         if sum(sizes) != n:
             raise op_error("split", f"sections {sizes} sum to {sum(sizes)}, expected {n} along dim {d}", x)
     out, off = [], 0
@@ -317,7 +318,7 @@ register("broadcast_to", _bcast_infer, lambda x, shape: np.ascontiguousarray(np.
 
 def broadcast_to(x, shape):
     """torch.broadcast_to (-1 keeps a dimension, as in expand)."""
-    shape = tuple(int(s) for s in shape)
+    shape = int_dims("broadcast_to", shape, allow=(-1,))
     lead = len(shape) - x.ndim
     shape = tuple(x.shape[i - lead] if s == -1 and i >= lead else s for i, s in enumerate(shape))
     if shape == x.shape:
