@@ -195,6 +195,7 @@ class Session:
         self.required = {n for n, t in self.feeds.items() if t.id in used}
         self.closed = False
         self._lock = share_with._lock if share_with is not None else threading.RLock()
+        self._users = share_with._users if share_with is not None else [0]   # open sessions sharing values
         if backend == "gpu":
             # before any host or device memory is allocated for them
             from .runtime.executor import check_device_limits
@@ -205,6 +206,8 @@ class Session:
         shared = None
         if share_with is not None:
             # one copy of parameters and state (by name) serves both sessions
+            if share_with.closed:
+                raise RuntimeError("share_with: that session is closed")
             if share_with.backend != backend:
                 raise ValueError(f"share_with: backends differ ({share_with.backend} vs {backend})")
             for t in self.program.kept:
@@ -224,6 +227,7 @@ class Session:
         else:
             from .runtime.executor import GpuExecutor
             self.executor = GpuExecutor(self.program, self.values, precision=precision, share_with=shared)
+        self._users[0] += 1
 
     # ------------------------------------------------------------------- lifetime
     def close(self):
@@ -233,9 +237,13 @@ class Session:
             if self.closed:
                 return
             self.closed = True
+            self._users[0] -= 1
+            last = self._users[0] == 0
             close = getattr(self.executor, "close", None)
             if close is not None:
-                close()
+                close(free_shared=last)
+            if last:
+                self.values.clear()
 
     def __enter__(self):
         return self

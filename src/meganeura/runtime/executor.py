@@ -103,14 +103,11 @@ class GpuExecutor:
         self.input_buffers: dict = {}    # inputs are never shared: shapes differ per program
         if share_with is not None:       # parameters and state shared with another session
             self.buffers = share_with.buffers
-            self._buffer_users = share_with._buffer_users
-            self._buffer_users[0] += 1
             kept = {n: t for n, t in self._dtypes.items() if t.op != "input"}
             self._dtypes = {**{n: t for n, t in share_with._dtypes.items() if t.op != "input"}, **self._dtypes}
             share_with._dtypes.update(kept)
         else:
             self.buffers = {}
-            self._buffer_users = [1]     # sessions using self.buffers; the last close frees them
         for name, arr in values.items():
             if name not in self.buffers:
                 self.set_value(name, arr)
@@ -163,15 +160,15 @@ class GpuExecutor:
             write_chrome_trace(path, plan.names, ts)
         return kernel_table(plan.names, ts)
 
-    def close(self):
-        """Free this session's device buffers (shared parameters with the last user)."""
+    def close(self, free_shared=True):
+        """Free this session's device buffers; parameters and state too when
+        ``free_shared`` (no other session made with share_with uses them)."""
         if self.closed:
             return
         self.closed = True
         owned = [p.staging for p in self.plans.values()]
         owned.append(list(self.input_buffers.values()))
-        self._buffer_users[0] -= 1
-        if self._buffer_users[0] == 0:
+        if free_shared:
             owned.append(list(self.buffers.values()))
             self.buffers.clear()
         # slots, constants and targets live only in the plans' bind groups and copies
