@@ -72,12 +72,15 @@ def save(session, path, include_optimizer=True):
     clean_temp_files(path)
     tmp = os.path.join(folder, f"{_tmp_prefix(path)}{os.getpid()}.{secrets.token_hex(4)}{_TMP_SUFFIX}")
     try:
-        # 0o666 less the umask, like any file open() creates (mkstemp would force 0600)
+        # 0o666 less the umask, as open() gives any new file (mkstemp and the safetensors
+        # writer force 0600): the mode is taken from this placeholder and set again below
         os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
     except OSError as e:
         raise type(e)(e.errno, f"cannot write checkpoint {path!r}: {e.strerror}") from e
     try:
+        mode = os.stat(tmp).st_mode & 0o777
         save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()}, tmp, metadata=meta)
+        os.chmod(tmp, mode)
         with open(tmp, "rb") as f:
             os.fsync(f.fileno())
         os.replace(tmp, path)
