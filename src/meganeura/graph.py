@@ -262,9 +262,10 @@ def cast_exact(arr, dt: DType, what) -> np.ndarray:
     integers out of range, fractions, NaN or infinity into an integer dtype, and finite
     floats that overflow to infinity."""
     arr = np.asarray(arr)
-    out = np.asarray(arr, dtype=dt.np, order="C") if arr.dtype.kind in "fiub" else None
-    if out is None:
+    if arr.dtype.kind not in "fiub":
         raise TypeError(f"{what}: dtype {arr.dtype} cannot become {dt.name}")
+    with np.errstate(over="ignore", invalid="ignore"):   # checked below, with a better message
+        out = np.asarray(arr, dtype=dt.np, order="C")
     if arr.size == 0 or arr.dtype == dt.np:
         return out
     if not dt.is_float:
@@ -272,14 +273,14 @@ def cast_exact(arr, dt: DType, what) -> np.ndarray:
         if arr.dtype.kind == "f":
             bad = ~np.isfinite(arr) | (arr != np.trunc(arr))
             if bad.any():
-                raise ValueError(f"{what}: value {arr[bad].flat[0]!r} is not an integer, cannot become {dt.name}")
+                raise ValueError(f"{what}: value {arr[bad].flat[0].item()!r} is not an integer, cannot become {dt.name}")
         lo, hi = arr.min(), arr.max()
         if lo < info.min or hi > info.max:
-            raise ValueError(f"{what}: value {hi if hi > info.max else lo!r} is out of range for {dt.name} "
+            raise ValueError(f"{what}: value {(hi if hi > info.max else lo).item()!r} is out of range for {dt.name} "
                              f"[{info.min}, {info.max}]")
     elif arr.dtype.kind in "fiu":
         overflow = np.isinf(out) & np.isfinite(arr)
         if overflow.any():
-            raise ValueError(f"{what}: value {arr[overflow].flat[0]!r} overflows {dt.name} "
+            raise ValueError(f"{what}: value {arr[overflow].flat[0].item()!r} overflows {dt.name} "
                              f"(largest {np.finfo(dt.np).max})")
     return out

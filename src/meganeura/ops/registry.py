@@ -85,10 +85,16 @@ def emit(op: str, inputs, name=None, **attrs) -> Tensor:
 
 # ----------------------------------------------------------------------------- helpers
 def broadcast_shapes(op, *tensors) -> tuple:
-    try:
-        return tuple(np.broadcast_shapes(*(t.shape for t in tensors)))
-    except ValueError:
-        raise op_error(op, "shapes cannot be broadcast together (NumPy rules)", *tensors) from None
+    """NumPy's broadcasting rule, in Python ints (np.broadcast_shapes refuses shapes whose
+    size overflows; those are reported by the graph with their element count)."""
+    nd = max(t.ndim for t in tensors)
+    out = []
+    for i in range(nd):
+        sizes = {t.shape[i - nd + t.ndim] for t in tensors if i - nd + t.ndim >= 0} - {1}
+        if len(sizes) > 1:
+            raise op_error(op, "shapes cannot be broadcast together (NumPy rules)", *tensors)
+        out.append(sizes.pop() if sizes else 1)
+    return tuple(out)
 
 
 def same_dtype(op, *tensors) -> DType:
