@@ -162,3 +162,19 @@ def test_integer_feeds_out_of_range_are_refused():
     s = mg.compile(g, outputs=[ids * 2], backend="numpy")
     with pytest.raises(ValueError, match=r"input 'ids': value 4294967296 is out of range for i32"):
         s.run({"ids": np.array([1, 2 ** 32], np.int64)})
+
+
+def test_zero_dimensional_tensors_in_dim_ops():
+    """Found by the property test: these raised IndexError (or failed in the reference)."""
+    g = mg.Graph()
+    s = g.input("s", ())
+    with pytest.raises(mg.ShapeError, match="concat: zero-dimensional tensors cannot be concatenated"):
+        mg.ops.concat([s, s], 0)
+    with pytest.raises(mg.ShapeError, match="slice: dim 0: a zero-dimensional tensor has no dimension"):
+        mg.ops.slice(s, 0, 0, 1)
+    assert mg.ops.squeeze(s, 0) is s                       # torch keeps a 0-d tensor as it is
+    outs = [mg.ops.sum(s, 0), mg.ops.mean(s, -1, keepdim=True), mg.ops.amax(s, 0)]   # torch: the scalar itself
+    assert all(o.shape == () for o in outs)
+    for backend in ("numpy", "gpu"):
+        got = mg.compile(g, outputs=outs, backend=backend).run({"s": np.float32(3.5)})
+        assert [float(v) for v in got] == [3.5, 3.5, 3.5], backend

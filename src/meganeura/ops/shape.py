@@ -136,9 +136,16 @@ register("slice_grad", lambda ins, shape, starts, steps: (shape, ins[0].dtype), 
                   steps=steps)], layout=True)
 
 
+def _axis(op, dim, x):
+    """``dim`` of ``x`` as an index into its shape (a 0-d tensor has none, as in torch)."""
+    if x.ndim == 0:
+        raise op_error(op, f"dim {dim}: a zero-dimensional tensor has no dimension to index", x)
+    return norm_dim(op, dim, x.ndim, x)
+
+
 def slice(x, dim, start=None, end=None, step=1):
     """x[..., start:end:step, ...] along ``dim`` (Python slice rules, step > 0)."""
-    d = norm_dim("slice", dim, x.ndim, x)
+    d = _axis("slice", dim, x)
     a, b, s = _py_slice(start, end, step).indices(x.shape[d])
     if s < 1:
         raise op_error("slice", f"step must be positive, got {step}", x)
@@ -187,6 +194,8 @@ def getitem(x, idx):
 # ----------------------------------------------------------------------------- concat
 def _concat_infer(ins, dim):
     x0 = ins[0]
+    if x0.ndim == 0:
+        raise op_error("concat", "zero-dimensional tensors cannot be concatenated (unsqueeze them first)", *ins)
     for t in ins[1:]:
         if t.ndim != x0.ndim or any(a != b for i, (a, b) in enumerate(zip(t.shape, x0.shape)) if i != dim):
             raise op_error("concat", f"shapes must match except along dim {dim}", *ins)
@@ -278,7 +287,7 @@ def index_select(input, dim, index):
 
 def split(x, split_size_or_sections, dim=0):
     """torch.split: chunks of a given size, or of the listed sizes."""
-    d = norm_dim("split", dim, x.ndim, x)
+    d = _axis("split", dim, x)
     n = x.shape[d]
     if isinstance(split_size_or_sections, (int, np.integer)):
         k = int(split_size_or_sections)
@@ -297,7 +306,7 @@ def split(x, split_size_or_sections, dim=0):
 
 
 def chunk(x, chunks, dim=0):
-    d = norm_dim("chunk", dim, x.ndim, x)
+    d = _axis("chunk", dim, x)
     return split(x, -(-x.shape[d] // chunks), d)
 
 
