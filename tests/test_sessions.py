@@ -227,3 +227,27 @@ def test_unwritable_trace_path_fails_before_the_update(tmp_path, monkeypatch):
     monkeypatch.delenv("MEGANEURA_TRACE")
     s.step(_feeds())
     assert s.steps_done == 1
+
+
+# --------------------------------------------------------------- switches
+@pytest.mark.parametrize("var,value,match", [
+    ("MEGANEURA_MATMUL_TILE", "4096", r"MEGANEURA_MATMUL_TILE='4096': must be one of \[32, 64, 128\]"),
+    ("MEGANEURA_MATMUL_TILE", "96", r"MEGANEURA_MATMUL_TILE='96'"),
+    ("MEGANEURA_MATMUL_TILE", "big", r"MEGANEURA_MATMUL_TILE='big'"),
+    ("MEGANEURA_MATMUL_SPLIT", "-2", r"MEGANEURA_MATMUL_SPLIT='-2': must be a non-negative integer"),
+])
+def test_bad_matmul_switches_are_refused_before_compiling(monkeypatch, var, value, match):
+    monkeypatch.setenv(var, value)
+    g, loss = _regression()
+    with pytest.raises(ValueError, match=match):
+        mg.compile(g, loss=loss, optimizer=mg.optim.SGD(lr=0.1), backend="gpu")
+
+
+def test_a_valid_matmul_tile_switch_still_works(monkeypatch):
+    monkeypatch.setenv("MEGANEURA_MATMUL_TILE", "32")
+    g = mg.Graph()
+    a, b = g.input("a", (40, 24)), g.input("b", (24, 36))
+    rng = np.random.default_rng(0)
+    feeds = {"a": rng.standard_normal((40, 24)).astype(np.float32), "b": rng.standard_normal((24, 36)).astype(np.float32)}
+    out = mg.compile(g, outputs=[a @ b], backend="gpu").run(feeds)[0]
+    np.testing.assert_allclose(out, feeds["a"] @ feeds["b"], rtol=1e-5, atol=1e-5)

@@ -67,6 +67,20 @@ class Plan:
 
 _trace_ids = itertools.count()
 
+# the tile sizes the matmul kernel template is written for (threads x register blocks)
+MATMUL_TILES = (32, 64, 128)
+
+
+def check_environment():
+    """Refuse bad values of the switches the code generators read, before anything is
+    compiled: MEGANEURA_MATMUL_TILE=4096 would otherwise make a kernel that never ends."""
+    tile = os.environ.get("MEGANEURA_MATMUL_TILE", "").strip()
+    if tile and tile not in {str(t) for t in MATMUL_TILES}:
+        raise ValueError(f"MEGANEURA_MATMUL_TILE={tile!r}: must be one of {list(MATMUL_TILES)} (or unset)")
+    split = os.environ.get("MEGANEURA_MATMUL_SPLIT", "").strip()
+    if split and not split.isdigit():
+        raise ValueError(f"MEGANEURA_MATMUL_SPLIT={split!r}: must be a non-negative integer (0 or unset: automatic)")
+
 
 def check_device_limits(tensors, dev=None):
     """Raise DeviceLimitError, naming each tensor, if any is larger than one storage
@@ -88,6 +102,7 @@ class GpuExecutor:
     """Runs a Program on the GPU. Not thread-safe by itself: the Session serialises calls."""
 
     def __init__(self, program, values: dict, precision="strict", share_with=None):
+        check_environment()
         self.dev = get_device()
         self.closed = False
         self.trace_id = next(_trace_ids)     # this session's track in a MEGANEURA_TRACE file
@@ -144,6 +159,7 @@ class GpuExecutor:
     # ------------------------------------------------------------------ plans
     def plan(self, phase: str) -> Plan:
         if phase not in self.plans:
+            check_environment()
             p = self.program
             fetches, grad_names, upd, targets = p.targets(phase)
             self.plans[phase] = Plan(self, targets, len(fetches), grad_names, upd)
