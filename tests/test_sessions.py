@@ -251,3 +251,20 @@ def test_a_valid_matmul_tile_switch_still_works(monkeypatch):
     feeds = {"a": rng.standard_normal((40, 24)).astype(np.float32), "b": rng.standard_normal((24, 36)).astype(np.float32)}
     out = mg.compile(g, outputs=[a @ b], backend="gpu").run(feeds)[0]
     np.testing.assert_allclose(out, feeds["a"] @ feeds["b"], rtol=1e-5, atol=1e-5)
+
+
+def test_trace_keeps_every_step_up_to_its_cap(tmp_path, monkeypatch):
+    from meganeura.runtime.profiler import close_traces, load_trace, trace_writer
+    path = tmp_path / "t.json"
+    monkeypatch.setenv("MEGANEURA_TRACE", str(path))
+    g, loss = _regression()
+    s = mg.compile(g, loss=loss, optimizer=mg.optim.SGD(lr=0.1), backend="gpu")
+    s.step(_feeds())
+    per_step = len([e for e in load_trace(path) if e.get("ph") == "X"])
+    trace_writer(path).max_events = 3 * per_step
+    with pytest.warns(UserWarning, match="later steps are not traced"):
+        for _ in range(4):
+            s.step(_feeds())
+    close_traces()
+    steps = [e["args"]["step"] for e in load_trace(path) if e.get("ph") == "X"]
+    assert sorted(set(steps)) == [0, 1, 2] and s.steps_done == 5

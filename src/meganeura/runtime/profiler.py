@@ -6,6 +6,7 @@ import atexit
 import json
 import os
 import threading
+import warnings
 
 import numpy as np
 
@@ -82,6 +83,11 @@ class TraceWriter:
         self._lock = threading.Lock()
         self._t0 = None
         self._steps = 0
+        self._events = 0
+        self._full = False
+
+    # about 250 MB of JSON: a long run keeps its first steps rather than filling the disk
+    max_events = 2_000_000
 
     def add(self, names, timestamps_ns, session=0, label=""):
         """Append one step's dispatches (times from the trace's first dispatch)."""
@@ -89,6 +95,13 @@ class TraceWriter:
         with self._lock:
             if self._f is None:
                 raise ValueError(f"trace {self.path!r} is closed")
+            if self._events + len(ts) > self.max_events:
+                if not self._full:
+                    self._full = True
+                    warnings.warn(f"MEGANEURA_TRACE={self.path!r}: {self._events} events written, "
+                                  f"later steps are not traced", stacklevel=3)
+                return
+            self._events += len(ts)
             if self._t0 is None and len(ts):
                 self._t0 = int(ts[:, 0].min())
             t0 = self._t0 or 0
