@@ -116,3 +116,65 @@ def test_grad_rules():
     np.testing.assert_array_equal(out[1], [0, 0])
     with pytest.raises(ValueError, match="non-scalar loss needs an explicit cotangent"):
         mg.grad(x * 2.0, [x])
+
+
+def test_shapes_must_be_integers_and_countable():
+    g = mg.Graph()
+    with pytest.raises(mg.ShapeError, match=r"'x': shape \(4.7, 2\) has a non-integer dimension 4.7 \(float\)"):
+        g.input("x", (4.7, 2))
+    with pytest.raises(mg.ShapeError, match=r"non-integer dimension 2.0"):
+        g.parameter("w", (2.0,))                 # refused, not silently truncated
+    with pytest.raises(mg.ShapeError, match=r"non-integer dimension True"):
+        g.input("b", (True, 3))
+    with pytest.raises(mg.ShapeError, match=r"'big': shape \(4294967296, 4294967296\) has 18446744073709551616 "
+                                            r"elements, more than int64 can count"):
+        g.input("big", (2 ** 32, 2 ** 32))
+    a = g.input("a", (2 ** 31, 2 ** 31))
+    with pytest.raises(mg.ShapeError, match="more than int64 can count"):
+        mg.ops.reshape(a, (2 ** 31, 1, 2 ** 31)) * g.input("c", (1, 2 ** 31, 1))   # broadcasting overflows
+    x = g.input("x2", (6,))
+    with pytest.raises(mg.ShapeError, match=r"reshape: shape .* has a non-integer dimension 1.5"):
+        x.reshape(4, 1.5)
+    with pytest.raises(mg.ShapeError, match=r"broadcast_to: shape .* has a non-integer dimension"):
+        mg.ops.broadcast_to(x, (2.0, 6))
+
+
+def test_constants_out_of_their_dtype_range_are_refused():
+    g = mg.Graph()
+    with pytest.raises(ValueError, match=r"constant: value 1099511627776 is out of range for i32"):
+        g.constant(2 ** 40, mg.i32)
+    with pytest.raises(ValueError, match=r"constant 'neg': value -1 is out of range for u32"):
+        g.constant(np.array([1, -1]), mg.u32, name="neg")
+    with pytest.raises(ValueError, match=r"value 2.5 is not an integer, cannot become i32"):
+        g.constant([1.0, 2.5], mg.i32)
+    with pytest.raises(ValueError, match=r"value 1e\+20 overflows f16"):
+        g.constant(1e20, mg.f16)
+    i = g.input("i", (3,), mg.i32)
+    with pytest.raises(ValueError, match=r"out of range for i32"):
+        i * 2 ** 40                                # a Python int operand becomes a checked constant
+    np.testing.assert_array_equal(g.constant(2 ** 31 - 1, mg.i32).attrs["value"], 2 ** 31 - 1)
+    assert np.isinf(g.constant(float("inf"), mg.f16).attrs["value"])    # infinity itself is representable
+
+
+def test_integer_feeds_out_of_range_are_refused():
+    g = mg.Graph()
+    ids = g.input("ids", (2,), mg.i32)
+    s = mg.compile(g, outputs=[ids * 2], backend="numpy")
+    with pytest.raises(ValueError, match=r"input 'ids': value 4294967296 is out of range for i32"):
+        s.run({"ids": np.array([1, 2 ** 32], np.int64)})
+
+
+def test_zero_dimensional_tensors_in_dim_ops():
+    """Found by the property test: these raised IndexError (or failed in the reference)."""
+    g = mg.Graph()
+    s = g.input("s", ())
+    with pytest.raises(mg.ShapeError, match="concat: zero-dimensional tensors cannot be concatenated"):
+        mg.ops.concat([s, s], 0)
+    with pytest.raises(mg.ShapeError, match="slice: dim 0: a zero-dimensional tensor has no dimension"):
+        mg.ops.slice(s, 0, 0, 1)
+    assert mg.ops.squeeze(s, 0) is s                       # torch keeps a 0-d tensor as it is
+    outs = [mg.ops.sum(s, 0), mg.ops.mean(s, -1, keepdim=True), mg.ops.amax(s, 0)]   # torch: the scalar itself
+    assert all(o.shape == () for o in outs)
+    for backend in ("numpy", "gpu"):
+        got = mg.compile(g, outputs=outs, backend=backend).run({"s": np.float32(3.5)})
+        assert [float(v) for v in got] == [3.5, 3.5, 3.5], backend

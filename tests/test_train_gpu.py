@@ -9,6 +9,7 @@ import pytest
 import meganeura as mg
 from meganeura.checkpoint import CheckpointError
 from meganeura.models.mlp import build_mlp, load_digits_split
+from meganeura.runtime.profiler import close_traces, load_trace
 
 from .test_train_numpy import OPTIMIZERS, optimizer_run
 
@@ -136,10 +137,15 @@ def test_trace_written_with_kernel_names(tmp_path, monkeypatch):
     g, loss = _tiny_transformer_loss()
     tr = mg.compile(g, loss=loss, optimizer=mg.optim.SGD(lr=1e-3), backend="gpu")
     tr.step({"x": np.zeros((2, 8, 32), np.float32)})
-    ev = json.loads(path.read_text())["traceEvents"]
+    tr.step({"x": np.zeros((2, 8, 32), np.float32)})
+    # readable while still being written (no closing bracket yet), and every step is kept
+    ev = load_trace(path)
     names = {e["name"] for e in ev if e.get("ph") == "X"}
     assert "matmul" in names and any("reduce" in n for n in names)
     assert all(e["dur"] >= 0 for e in ev if e.get("ph") == "X")
+    assert {e["args"]["step"] for e in ev if e.get("ph") == "X"} == {0, 1}
+    close_traces()
+    assert json.loads(path.read_text()) == ev      # closed: plain JSON
     rows = tr.profile({"x": np.zeros((2, 8, 32), np.float32)}, path=tmp_path / "p.json")
     assert rows and rows[0][1] >= rows[-1][1] and (tmp_path / "p.json").exists()
 

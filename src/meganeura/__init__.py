@@ -1,5 +1,5 @@
 """meganeura: portable GPU training and inference through Vulkan, Metal and DX12 (wgpu)."""
-from .graph import DType, Graph, ShapeError, Tensor, f16, f32, i32, u32  # noqa: F401
+from .graph import DeviceLimitError, DType, Graph, ShapeError, Tensor, f16, f32, i32, u32  # noqa: F401
 from . import ops  # noqa: F401
 from .autodiff import grad  # noqa: F401
 from . import io, optim  # noqa: F401

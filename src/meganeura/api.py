@@ -3,15 +3,22 @@
 A Session keeps parameter and state values, checks every feed by name, shape and dtype,
 and runs either inference (``run``) or a training step (``step``: forward, backward and the
 optimizer update in one go). Backends implement ``Executor``.
+
+Sessions are thread-safe: each call holds the session's lock (shared by sessions made with
+``share_with``, which share their values), so one session used from several threads runs
+its calls one at a time, and different sessions run side by side. ``close`` (or a ``with``
+block) frees the session's device buffers.
 """
 from __future__ import annotations
 
+import functools
+import threading
 import zlib
 
 import numpy as np
 
 from .autodiff import grad as _grad
-from .graph import Graph, Tensor, fmt_shape
+from .graph import Graph, Tensor, cast_exact, fmt_shape
 from .optim import SCALAR_PREFIX, Optimizer
 
 BACKENDS = ("numpy", "gpu")
@@ -53,6 +60,7 @@ def check_array(kind, t: Tensor, value) -> np.ndarray:
             raise TypeError(f"{kind} {t.name!r}: got float dtype {arr.dtype}, expected integer {t.dtype.name}")
         if arr.dtype.kind not in "iub":
             raise TypeError(f"{kind} {t.name!r}: got dtype {arr.dtype}, expected {t.dtype.name}")
+        return cast_exact(arr, t.dtype, f"{kind} {t.name!r}")    # int64 ids beyond i32 never wrap
     return np.asarray(arr, dtype=t.dtype.np, order="C")
 
 
@@ -97,11 +105,19 @@ class Program:
     (a gradient-accumulation step that only adds into the accumulators)."""
 
     def __init__(self, graph: Graph, fetches: list[Tensor], grads: dict, updates: dict):
+        from .reference import needed_nodes
         self.graph = graph
         self.fetches = fetches          # tensors read back, in order
         self.grads = grads              # {parameter name: gradient tensor}
         self.updates = updates          # {phase: {state/parameter tensor: new value tensor}}
-        self.kept = list(graph.parameters.values()) + list(graph.states.values())
+        targets = fetches + list(grads.values()) + [v for u in updates.values() for v in u.values()]
+        self.used = {t.id for t in needed_nodes(targets)} if targets else set()
+        # every parameter and state, except optimizer state that this program does not
+        # touch (another compile of the same graph with another optimizer added it)
+        updated = {t.id for u in updates.values() for t in u}
+        self.kept = list(graph.parameters.values()) + [
+            t for t in graph.states.values()
+            if not t.attrs.get("optimizer_state") or t.id in self.used or t.id in updated]
 
     def targets(self, phase):
         """(fetches, gradient names, [(kept name, new value)], every tensor to compute in
@@ -109,6 +125,17 @@ class Program:
         grad_names = list(self.grads) if phase in ("grads", "step", "micro") else []
         upd = [(t.name, v) for t, v in self.updates.get(phase, {}).items()]
         return self.fetches, grad_names, upd, self.fetches + [self.grads[n] for n in grad_names] + [v for _, v in upd]
+
+
+def _locked(method):
+    """Run a Session method under the session's lock, refusing a closed session."""
+    @functools.wraps(method)
+    def wrapper(self, *args, **kwargs):
+        with self._lock:
+            if self.closed:
+                raise RuntimeError(f"{method.__name__}: this session is closed")
+            return method(self, *args, **kwargs)
+    return wrapper
 
 
 class Session:
@@ -149,6 +176,8 @@ class Session:
                     # accumulators hold the running sum; the k-th micro-step updates with the mean
                     accs = [graph.states.get(f"{p.name}.grad_accum") or graph.state(f"{p.name}.grad_accum", p.shape)
                             for p in params]
+                    for a in accs:
+                        a.attrs["optimizer_state"] = True
                     updates["micro"] = {a: a + g_ for a, g_ in zip(accs, gs)}
                     mean = [(a + g_) * (1.0 / self.accumulate) for a, g_ in zip(accs, gs)]
                     updates["step"] = optimizer.build(params, mean)
@@ -157,18 +186,28 @@ class Session:
                     updates["step"] = optimizer.build(params, gs)
         fetches = self.outputs + ([loss] if loss is not None else [])
         self.program = Program(graph, fetches, grads, updates)
-        from .reference import needed_nodes
-        used = {t.id for t in needed_nodes(fetches + list(grads.values())
-                                           + [v for u in updates.values() for v in u.values()])}
+        used = self.program.used
+        # the names this session keeps, fixed now: later compiles may add states to the graph
+        self.parameter_names = list(graph.parameters)
+        self.state_names = [t.name for t in self.program.kept if t.op == "state"]
         # every input the program reads must be fed; inputs it never reads may be omitted
         self.feeds = {n: t for n, t in graph.inputs.items() if not n.startswith(SCALAR_PREFIX)}
         self.required = {n for n, t in self.feeds.items() if t.id in used}
+        self.closed = False
+        self._lock = share_with._lock if share_with is not None else threading.RLock()
+        self._users = share_with._users if share_with is not None else [0]   # open sessions sharing values
+        if backend == "gpu":
+            # before any host or device memory is allocated for them
+            from .runtime.executor import check_device_limits
+            check_device_limits([t for t in graph.nodes if t.id in used] + self.program.kept)
         fresh = {t.name: default_init(t, seed) if t.op == "parameter" else
                  np.full(t.shape, t.attrs["init"], t.dtype.np) if not isinstance(t.attrs["init"], np.ndarray)
                  else t.attrs["init"].astype(t.dtype.np) for t in self.program.kept}
         shared = None
         if share_with is not None:
             # one copy of parameters and state (by name) serves both sessions
+            if share_with.closed:
+                raise RuntimeError("share_with: that session is closed")
             if share_with.backend != backend:
                 raise ValueError(f"share_with: backends differ ({share_with.backend} vs {backend})")
             for t in self.program.kept:
@@ -188,8 +227,32 @@ class Session:
         else:
             from .runtime.executor import GpuExecutor
             self.executor = GpuExecutor(self.program, self.values, precision=precision, share_with=shared)
+        self._users[0] += 1
+
+    # ------------------------------------------------------------------- lifetime
+    def close(self):
+        """Free the device buffers (parameters and state too, once no session made with
+        ``share_with`` still uses them). Later calls raise; closing twice is harmless."""
+        with self._lock:
+            if self.closed:
+                return
+            self.closed = True
+            self._users[0] -= 1
+            last = self._users[0] == 0
+            close = getattr(self.executor, "close", None)
+            if close is not None:
+                close(free_shared=last)
+            if last:
+                self.values.clear()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
 
     # ----------------------------------------------------------------- state in/out
+    @_locked
     def load_state_dict(self, state: dict, strict: bool = True):
         """Load parameters (and optimizer state) by name; values may be arrays or torch
         tensors. As torch: ``strict`` requires the names to match exactly; with
@@ -215,21 +278,26 @@ class Session:
         self.assign(arrays)
         return IncompatibleKeys(missing, unexpected)
 
+    @_locked
     def assign(self, arrays: dict):
         """Store already validated arrays, by name, on the host and the device."""
         for name, arr in arrays.items():
             self.values[name] = arr
             self.executor.set_value(name, arr)
 
+    @_locked
     def state_dict(self, include_optimizer: bool = False) -> dict:
-        names = list(self.graph.parameters) + (list(self.graph.states) if include_optimizer else [])
+        """Parameters (and, with ``include_optimizer``, every state this session keeps)."""
+        names = self.parameter_names + (self.state_names if include_optimizer else [])
         return {n: self.executor.get_value(n).copy() for n in names}
 
+    @_locked
     def save(self, path, include_optimizer=True):
         """Write a safetensors checkpoint (atomic). See meganeura.checkpoint."""
         from .checkpoint import save
         return save(self, path, include_optimizer)
 
+    @_locked
     def load(self, path, strict=True):
         """Load a checkpoint written by ``save`` (or any safetensors file of parameters)."""
         from .checkpoint import load
@@ -242,6 +310,7 @@ class Session:
             return "no GPU plan compiled yet (run or step once)"
         return "\n".join(f"{key}: {p.memory.report()}, {p.n_dispatches} dispatches" for key, p in plans.items())
 
+    @_locked
     def profile(self, feeds: dict, path=None, phase=None):
         """GPU time per kernel for one run (or training step, without the update) as rows
         (name, total_us, count, mean_us, percent); writes a Chrome/Perfetto trace to ``path``."""
@@ -250,6 +319,7 @@ class Session:
         phase = phase or ("grads" if self.loss is not None and self.optimizer is not None else "run")
         return self.executor.profile(self._feeds(feeds), phase, path)
 
+    @_locked
     def grads(self) -> dict:
         """Gradients of the loss from the last ``step`` (or ``compute_grads``), by parameter name."""
         if self.loss is None:
@@ -272,10 +342,12 @@ class Session:
             out[n] = np.asarray(v, dtype=self.graph.inputs[n].dtype.np)
         return out
 
+    @_locked
     def run(self, feeds: dict) -> list[np.ndarray]:
         """Inference: evaluate the outputs (and the loss, if any) without updating."""
         return self.executor.execute(self._feeds(feeds), "run")
 
+    @_locked
     def compute_grads(self, feeds: dict) -> float:
         """Forward + backward without an update; returns the loss, keeps the gradients."""
         if self.loss is None:
@@ -283,17 +355,20 @@ class Session:
         outs = self.executor.execute(self._feeds(feeds), "grads")
         return float(outs[-1])
 
+    @_locked
     def step(self, feeds: dict) -> float:
         """One training step: forward, loss, backward and the optimizer update."""
         if self.loss is None or self.optimizer is None:
             raise RuntimeError("step: compile with loss= and optimizer= to train")
-        self.micro_done += 1
-        if self.micro_done < self.accumulate:
-            return float(self.executor.execute(self._feeds(feeds), "micro")[-1])
-        self.micro_done = 0
+        # counters move only once the step has run: a failed call leaves them as they were
+        if self.micro_done + 1 < self.accumulate:
+            loss = float(self.executor.execute(self._feeds(feeds), "micro")[-1])
+            self.micro_done += 1
+            return loss
         scal = self.optimizer.scalars(self.steps_done + 1)
         scal = {k: v for k, v in scal.items() if k in self.graph.inputs}
         outs = self.executor.execute(self._feeds(feeds, scal), "step")
+        self.micro_done = 0
         self.steps_done += 1
         return float(outs[-1])
 

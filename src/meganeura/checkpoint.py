@@ -2,86 +2,195 @@
 theirs (``<param>.exp_avg`` ...), and metadata (format version, step, optimizer).
 
 Writes are atomic (a temp file in the same folder, fsync, rename), so a crash never leaves
-a half-written checkpoint. Loading validates every name, shape and dtype before anything
-reaches the device, and reports every mismatch at once.
+a half-written checkpoint; the temp files of saves that were killed are removed by the next
+save to the same path. Files get the mode the umask gives (as ``open`` would). Loading
+validates the file, its metadata and every name, shape and dtype before anything reaches
+the session, and reports every mismatch at once, naming the file.
 """
 from __future__ import annotations
 
 import json
 import os
-import tempfile
+import re
+import secrets
 
 import numpy as np
+from safetensors import safe_open
 from safetensors.numpy import load_file, save_file
 
 FORMAT = "meganeura-checkpoint"
 FORMAT_VERSION = 1
+_TMP_SUFFIX = ".tmp"
 
 
 class CheckpointError(ValueError):
     pass
 
 
+def _tmp_prefix(path):
+    # hidden, named after the checkpoint and the writing process: ".model.safetensors.<pid>."
+    return f".{os.path.basename(path)}."
+
+
+def _process_alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:     # someone else's process
+        return True
+    return True
+
+
+def clean_temp_files(path):
+    """Remove the temp files of saves to ``path`` whose process no longer runs (killed
+    mid-save); saves in progress, here or in another process, are left alone."""
+    folder = os.path.dirname(os.path.abspath(path))
+    prefix = _tmp_prefix(path)
+    for name in os.listdir(folder):
+        if not (name.startswith(prefix) and name.endswith(_TMP_SUFFIX)):
+            continue
+        pid = name[len(prefix):].split(".", 1)[0]
+        if pid.isdigit() and int(pid) != os.getpid() and not _process_alive(int(pid)):
+            try:
+                os.unlink(os.path.join(folder, name))
+            except FileNotFoundError:
+                pass
+
+
 def save(session, path, include_optimizer=True):
     """Write ``session``'s parameters (and optimizer state) to ``path`` atomically."""
+    path = os.fspath(path)
+    if os.path.isdir(path):
+        raise IsADirectoryError(f"checkpoint {path!r} is a folder; give a file name")
     tensors = session.state_dict(include_optimizer=include_optimizer)
     meta = {"format": FORMAT, "format_version": str(FORMAT_VERSION), "step": str(session.steps_done),
-            "parameters": json.dumps(sorted(session.graph.parameters)),
+            "parameters": json.dumps(sorted(session.parameter_names)),
             "optimizer": type(session.optimizer).__name__ if session.optimizer is not None else ""}
-    path = os.fspath(path)
     folder = os.path.dirname(os.path.abspath(path))
     os.makedirs(folder, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".safetensors", dir=folder)
-    os.close(fd)
+    clean_temp_files(path)
+    tmp = os.path.join(folder, f"{_tmp_prefix(path)}{os.getpid()}.{secrets.token_hex(4)}{_TMP_SUFFIX}")
     try:
+        # 0o666 less the umask, as open() gives any new file (mkstemp and the safetensors
+        # writer force 0600): the mode is taken from this placeholder and set again below
+        os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
+    except OSError as e:
+        raise type(e)(e.errno, f"cannot write checkpoint {path!r}: {e.strerror}") from e
+    try:
+        mode = os.stat(tmp).st_mode & 0o777
         save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()}, tmp, metadata=meta)
+        os.chmod(tmp, mode)
         with open(tmp, "rb") as f:
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as e:
         if os.path.exists(tmp):
             os.unlink(tmp)
+        if isinstance(e, Exception) and not isinstance(e, OSError):
+            raise CheckpointError(f"cannot write checkpoint {path!r}: {e}") from e
         raise
+    _fsync_folder(folder)
     return path
 
 
+def _fsync_folder(folder):
+    """Make the rename itself durable (where the platform allows opening a folder)."""
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
 def read(path):
-    """(tensors, metadata) of a checkpoint file, with its format checked."""
-    from safetensors import safe_open
+    """(tensors, metadata) of a checkpoint file, with its format and metadata checked."""
     path = os.fspath(path)
     if not os.path.exists(path):
         raise FileNotFoundError(f"checkpoint {path!r} does not exist")
-    with safe_open(path, framework="numpy") as f:
-        meta = f.metadata() or {}
+    if os.path.isdir(path):
+        raise IsADirectoryError(f"checkpoint {path!r} is a folder, not a safetensors file")
+    try:
+        with safe_open(path, framework="numpy") as f:
+            meta = f.metadata() or {}
+        tensors = load_file(path)
+    except Exception as e:   # the reader's own errors do not say which file
+        raise CheckpointError(f"{path!r} is not a readable safetensors file: {e}") from e
     if meta.get("format") not in (None, FORMAT):
         raise CheckpointError(f"{path!r} is not a meganeura checkpoint (format {meta.get('format')!r})")
-    if int(meta.get("format_version", FORMAT_VERSION)) > FORMAT_VERSION:
-        raise CheckpointError(f"{path!r} has format version {meta['format_version']}, newer than this "
+    version = _count(path, meta, "format_version", FORMAT_VERSION)
+    if version > FORMAT_VERSION:
+        raise CheckpointError(f"{path!r} has format version {version}, newer than this "
                               f"meganeura understands ({FORMAT_VERSION})")
-    return load_file(path), meta
+    _count(path, meta, "step", 0)
+    _parameter_names(path, meta)
+    return tensors, meta
+
+
+def _count(path, meta, key, default):
+    """A non-negative decimal integer of the metadata ("5", not "-5" or "1e3")."""
+    v = meta.get(key)
+    if v is None:
+        return default
+    if not re.fullmatch(r"[0-9]+", v):
+        raise CheckpointError(f"{path!r}: metadata {key}={v!r} is not a non-negative integer")
+    return int(v)
+
+
+def _parameter_names(path, meta):
+    """The names the file lists as parameters (None when it does not say: all are)."""
+    v = meta.get("parameters")
+    if v is None:
+        return None
+    try:
+        names = json.loads(v)
+    except ValueError:
+        names = None
+    if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+        raise CheckpointError(f"{path!r}: metadata 'parameters' is not a JSON list of names: {v[:80]!r}")
+    return set(names)
 
 
 def load(session, path, strict=True):
-    """Load a checkpoint into ``session``. Parameters must all be present when ``strict``;
-    optimizer state is loaded when the session has it and ignored otherwise."""
+    """Load a checkpoint into ``session``; nothing changes unless all of it is valid.
+
+    strict: every parameter of the session must be in the file, and every parameter in
+    the file must be one of the session's; optimizer state in the file must be the
+    session's own if it has an optimizer (it is ignored by a session without one).
+    Otherwise the names both sides have are loaded and the rest is ignored."""
+    path = os.fspath(path)
     tensors, meta = read(path)
+    listed = _parameter_names(path, meta)
+    in_file_params = set(tensors) if listed is None else listed
     kept = {t.name: t for t in session.program.kept}
     problems = []
     for name, arr in tensors.items():
         t = kept.get(name)
         if t is None:
-            if name not in session.graph.states and strict and name in json.loads(meta.get("parameters", "[]")):
-                problems.append(f"unknown parameter {name!r}")
+            if not strict:
+                continue
+            if name in in_file_params:
+                problems.append(f"unexpected parameter {name!r} {tuple(arr.shape)} (not in this graph)")
+            elif session.optimizer is not None:
+                problems.append(f"unexpected optimizer state {name!r} (written by "
+                                f"{meta.get('optimizer') or 'an unknown optimizer'}, this session's is "
+                                f"{type(session.optimizer).__name__})")
             continue
         if tuple(arr.shape) != t.shape:
             problems.append(f"{name!r}: shape {tuple(arr.shape)} in the checkpoint, expected {t.shape}")
         elif arr.dtype != t.dtype.np:
             problems.append(f"{name!r}: dtype {arr.dtype} in the checkpoint, expected {t.dtype.np}")
     if strict:
-        problems += [f"missing parameter {n!r}" for n in session.graph.parameters if n not in tensors]
+        problems += [f"missing parameter {n!r}" for n in session.parameter_names if n not in tensors]
     if problems:
-        raise CheckpointError(f"cannot load {os.fspath(path)!r}: " + "; ".join(problems))
+        raise CheckpointError(f"cannot load {path!r}: " + "; ".join(problems))
+    step = _count(path, meta, "step", 0)
     session.assign({name: arr for name, arr in tensors.items() if name in kept})
-    if session.optimizer is not None and any(n in session.graph.states for n in tensors):
-        session.steps_done = int(meta.get("step", 0))
+    if session.optimizer is not None and any(n in session.state_names for n in tensors):
+        session.steps_done = step
     return meta

@@ -6,11 +6,20 @@ which checks shapes and dtypes against the op's rule when the node is added.
 """
 from __future__ import annotations
 
+import math
+
 import numpy as np
+
+# Element counts must fit the int64 that NumPy and the buffer sizes use.
+MAX_ELEMENTS = np.iinfo(np.int64).max
 
 
 class ShapeError(ValueError):
     """A tensor's shape does not fit the op it is given to."""
+
+
+class DeviceLimitError(ValueError):
+    """A tensor is larger than the device can bind (checked when a GPU session compiles)."""
 
 
 class DType:
@@ -71,7 +80,7 @@ class Tensor:
 
     @property
     def size(self):
-        return int(np.prod(self.shape, dtype=np.int64))
+        return math.prod(self.shape)
 
     def __repr__(self):
         return f"Tensor({self.name!r}, shape={fmt_shape(self.shape)}, dtype={self.dtype.name}, op={self.op})"
@@ -155,9 +164,7 @@ class Graph:
                 return name
 
     def _append(self, op, inputs, attrs, shape, dtype, name=None):
-        for s in shape:
-            if int(s) < 0:
-                raise ShapeError(f"{op}: negative dimension in shape {fmt_shape(shape)}")
+        shape = check_dims(op if name is None else f"{op} {name!r}", shape)
         t = Tensor(self, len(self.nodes), op, tuple(inputs), attrs, shape, dtype,
                    name if name is not None else self._auto_name(op))
         self.nodes.append(t)
@@ -188,10 +195,14 @@ class Graph:
         return t
 
     def constant(self, value, dtype=None, name=None) -> Tensor:
-        """A fixed value baked into the graph."""
+        """A fixed value baked into the graph; refused if ``dtype`` cannot represent it
+        (an integer out of range, a fraction or NaN into an integer, a finite float that
+        would overflow to infinity)."""
         arr = np.asarray(value)
+        if arr.dtype == object:
+            raise TypeError(f"constant{'' if name is None else ' ' + repr(name)}: {value!r} is not numeric")
         dt = dtype_of(dtype if dtype is not None else arr.dtype)
-        arr = np.asarray(arr, dtype=dt.np, order="C")
+        arr = cast_exact(arr, dt, f"constant{'' if name is None else ' ' + repr(name)}")
         if name is not None:
             self._claim(name, "constant")
         return self._append("constant", (), {"value": arr}, arr.shape, dt, name)
@@ -210,12 +221,66 @@ class Graph:
 
 
 def _check_shape(shape, name):
-    if isinstance(shape, (int, np.integer)):
-        shape = (int(shape),)
+    return check_dims(repr(name), shape)
+
+
+def is_int(v) -> bool:
+    """An integer, not a bool (True is an int to Python, never a size)."""
+    return isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_))
+
+
+def int_dims(what, shape, allow=()) -> tuple:
+    """``shape`` (an int or a sequence of ints) as a tuple of ints; a float such as 4.7 (or
+    4.0) is refused rather than truncated. ``allow``: special values kept (e.g. -1)."""
+    if is_int(shape):
+        shape = (shape,)
     try:
-        shape = tuple(int(s) for s in shape)
+        dims = tuple(shape)
     except TypeError:
-        raise ShapeError(f"{name!r}: shape must be a tuple of ints, got {shape!r}") from None
-    if any(s < 0 for s in shape):
-        raise ShapeError(f"{name!r}: shape {fmt_shape(shape)} has a negative dimension")
-    return shape
+        raise ShapeError(f"{what}: shape must be a tuple of ints, got {shape!r}") from None
+    for s in dims:
+        if not is_int(s):
+            raise ShapeError(f"{what}: shape {shape!r} has a non-integer dimension {s!r} "
+                             f"({type(s).__name__}); dimensions must be ints")
+        if s < 0 and s not in allow:
+            raise ShapeError(f"{what}: shape {fmt_shape(dims)} has a negative dimension")
+    return tuple(int(s) for s in dims)
+
+
+def check_dims(what, shape) -> tuple:
+    """A node's shape: non-negative ints whose product fits int64."""
+    dims = int_dims(what, shape)
+    n = math.prod(dims)
+    if n > MAX_ELEMENTS:
+        raise ShapeError(f"{what}: shape {fmt_shape(dims)} has {n} elements, more than int64 can count "
+                         f"({MAX_ELEMENTS})")
+    return dims
+
+
+def cast_exact(arr, dt: DType, what) -> np.ndarray:
+    """``arr`` as ``dt`` (C order), refusing values the cast would change beyond rounding:
+    integers out of range, fractions, NaN or infinity into an integer dtype, and finite
+    floats that overflow to infinity."""
+    arr = np.asarray(arr)
+    if arr.dtype.kind not in "fiub":
+        raise TypeError(f"{what}: dtype {arr.dtype} cannot become {dt.name}")
+    with np.errstate(over="ignore", invalid="ignore"):   # checked below, with a better message
+        out = np.asarray(arr, dtype=dt.np, order="C")
+    if arr.size == 0 or arr.dtype == dt.np:
+        return out
+    if not dt.is_float:
+        info = np.iinfo(dt.np)
+        if arr.dtype.kind == "f":
+            bad = ~np.isfinite(arr) | (arr != np.trunc(arr))
+            if bad.any():
+                raise ValueError(f"{what}: value {arr[bad].flat[0].item()!r} is not an integer, cannot become {dt.name}")
+        lo, hi = arr.min(), arr.max()
+        if lo < info.min or hi > info.max:
+            raise ValueError(f"{what}: value {(hi if hi > info.max else lo).item()!r} is out of range for {dt.name} "
+                             f"[{info.min}, {info.max}]")
+    elif arr.dtype.kind in "fiu":
+        overflow = np.isinf(out) & np.isfinite(arr)
+        if overflow.any():
+            raise ValueError(f"{what}: value {arr[overflow].flat[0].item()!r} overflows {dt.name} "
+                             f"(largest {np.finfo(dt.np).max})")
+    return out

@@ -7,11 +7,26 @@ scalar inputs fed by the session each step, so schedules never recompile.
 from __future__ import annotations
 
 import math
+import numbers
 
 from . import ops
 from .graph import Tensor
 
 SCALAR_PREFIX = "optim."
+
+
+def hyper(owner, name, value, lo=None, hi=None, lo_open=False, hi_open=False) -> float:
+    """A hyper-parameter as a float, refused (naming it) unless it is a finite real number
+    within [lo, hi] (open at an end where asked): NaN, infinity, bools and strings would
+    otherwise poison every weight at the first step."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
+        raise ValueError(f"{owner}: {name} must be a finite number, got {value!r}")
+    v = float(value)
+    if lo is not None and (v < lo or (lo_open and v == lo)):
+        raise ValueError(f"{owner}: {name} must be {'>' if lo_open else '>='} {lo}, got {value!r}")
+    if hi is not None and (v > hi or (hi_open and v == hi)):
+        raise ValueError(f"{owner}: {name} must be {'<' if hi_open else '<='} {hi}, got {value!r}")
+    return v
 
 
 class Optimizer:
@@ -20,17 +35,20 @@ class Optimizer:
     compiled step as a scalar input: no recompiling."""
 
     def __init__(self, lr, clip_grad_norm=None, schedule=None):
-        if lr <= 0:
-            raise ValueError(f"learning rate must be positive, got {lr}")
+        owner = type(self).__name__
         if schedule is not None and not callable(schedule):
             raise TypeError(f"schedule must be a function of the update index, got {type(schedule).__name__}")
-        self.lr = float(lr)
-        self.clip_grad_norm = clip_grad_norm
+        self.lr = hyper(owner, "lr (learning rate)", lr, 0, lo_open=True)
+        self.clip_grad_norm = None if clip_grad_norm is None else \
+            hyper(owner, "clip_grad_norm", clip_grad_norm, 0, lo_open=True)
         self.schedule = schedule
 
     def lr_at(self, step: int) -> float:
-        """The learning rate of update number ``step`` (1-based, as ``scalars``)."""
-        return self.lr * (1.0 if self.schedule is None else float(self.schedule(step - 1)))
+        """The learning rate of update number ``step`` (1-based, as ``scalars``); checked
+        each time, since a schedule (or code that sets ``lr``) could make it NaN."""
+        base = hyper(type(self).__name__, "lr (learning rate)", self.lr, 0, lo_open=True)
+        lr = base * (1.0 if self.schedule is None else self.schedule(step - 1))
+        return hyper(type(self).__name__, f"learning rate of update {step}", lr, 0)
 
     def scalar(self, g, name):
         key = SCALAR_PREFIX + name
@@ -62,7 +80,11 @@ class Optimizer:
 
 def _state(g, name, like):
     """Optimizer state of ``like``'s shape, zero-initialised (reused if compiled again)."""
-    return g.states[name] if name in g.states else g.state(name, like.shape, like.dtype, init=0.0)
+    if name in g.states:
+        return g.states[name]
+    t = g.state(name, like.shape, like.dtype, init=0.0)
+    t.attrs["optimizer_state"] = True    # kept only by sessions whose optimizer uses it
+    return t
 
 
 def sum_all(xs):
@@ -78,9 +100,12 @@ class SGD(Optimizer):
     def __init__(self, lr=0.01, momentum=0.0, dampening=0.0, nesterov=False, weight_decay=0.0, clip_grad_norm=None,
                  schedule=None):
         super().__init__(lr, clip_grad_norm, schedule)
+        momentum = hyper("SGD", "momentum", momentum, 0)
+        dampening = hyper("SGD", "dampening", dampening)
+        weight_decay = hyper("SGD", "weight_decay", weight_decay, 0)
         if nesterov and (momentum <= 0 or dampening != 0):
             raise ValueError("nesterov needs momentum > 0 and dampening = 0")
-        self.momentum, self.dampening, self.nesterov, self.weight_decay = momentum, dampening, nesterov, weight_decay
+        self.momentum, self.dampening, self.nesterov, self.weight_decay = momentum, dampening, bool(nesterov), weight_decay
 
     def scalars(self, step):
         s = super().scalars(step)
@@ -108,8 +133,15 @@ class Adam(Optimizer):
     def __init__(self, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, clip_grad_norm=None,
                  schedule=None):
         super().__init__(lr, clip_grad_norm, schedule)
-        self.b1, self.b2 = betas
-        self.eps, self.weight_decay = eps, weight_decay
+        owner = type(self).__name__
+        try:
+            b1, b2 = betas
+        except (TypeError, ValueError):
+            raise ValueError(f"{owner}: betas must be a pair (beta1, beta2), got {betas!r}") from None
+        self.b1 = hyper(owner, "betas[0]", b1, 0, 1, hi_open=True)
+        self.b2 = hyper(owner, "betas[1]", b2, 0, 1, hi_open=True)
+        self.eps = hyper(owner, "eps", eps, 0)
+        self.weight_decay = hyper(owner, "weight_decay", weight_decay, 0)
 
     def scalars(self, step):
         s = super().scalars(step)

@@ -67,11 +67,9 @@ def as_tensor(x, like: Tensor) -> Tensor:
     if isinstance(x, Tensor):
         return x
     arr = np.asarray(x)
-    if arr.dtype.kind in "fiub" and like.dtype.is_float:
-        return like.graph.constant(arr.astype(like.dtype.np))
     if arr.dtype.kind == "f" and not like.dtype.is_float:
-        return like.graph.constant(arr.astype(np.float32))
-    return like.graph.constant(arr.astype(like.dtype.np))
+        return like.graph.constant(arr, np.float32)
+    return like.graph.constant(arr, like.dtype)     # refuses values the dtype cannot hold
 
 
 def emit(op: str, inputs, name=None, **attrs) -> Tensor:
@@ -87,10 +85,16 @@ def emit(op: str, inputs, name=None, **attrs) -> Tensor:
 
 # ----------------------------------------------------------------------------- helpers
 def broadcast_shapes(op, *tensors) -> tuple:
-    try:
-        return tuple(np.broadcast_shapes(*(t.shape for t in tensors)))
-    except ValueError:
-        raise op_error(op, "shapes cannot be broadcast together (NumPy rules)", *tensors) from None
+    """NumPy's broadcasting rule, in Python ints (np.broadcast_shapes refuses shapes whose
+    size overflows; those are reported by the graph with their element count)."""
+    nd = max(t.ndim for t in tensors)
+    out = []
+    for i in range(nd):
+        sizes = {t.shape[i - nd + t.ndim] for t in tensors if i - nd + t.ndim >= 0} - {1}
+        if len(sizes) > 1:
+            raise op_error(op, "shapes cannot be broadcast together (NumPy rules)", *tensors)
+        out.append(sizes.pop() if sizes else 1)
+    return tuple(out)
 
 
 def same_dtype(op, *tensors) -> DType:

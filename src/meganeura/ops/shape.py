@@ -5,10 +5,11 @@ They move data without arithmetic; their gradients are their inverses.
 from __future__ import annotations
 
 import builtins
+import math
 
 import numpy as np
 
-from ..graph import Tensor, fmt_shape
+from ..graph import Tensor, fmt_shape, int_dims
 from .registry import broadcast_shapes, emit, norm_dim, op_error, register, unbroadcast
 
 _py_slice = builtins.slice  # the name `slice` below is our op
@@ -17,7 +18,7 @@ _py_slice = builtins.slice  # the name `slice` below is our op
 # --------------------------------------------------------------------------- reshape
 def _reshape_infer(ins, shape):
     x = ins[0]
-    if int(np.prod(shape, dtype=np.int64)) != x.size:
+    if math.prod(shape) != x.size:
         raise op_error("reshape", f"cannot reshape {x.size} elements to {fmt_shape(shape)}", x)
     return shape, x.dtype
 
@@ -28,11 +29,11 @@ register("reshape", _reshape_infer, lambda x, shape: np.reshape(x, shape),
 
 def reshape(x, shape):
     """torch.reshape; one dimension may be -1."""
-    shape = (int(shape),) if isinstance(shape, (int, np.integer)) else tuple(int(s) for s in shape)
+    shape = int_dims("reshape", shape, allow=(-1,))
     if shape.count(-1) > 1:
         raise op_error("reshape", f"only one -1 allowed in {fmt_shape(shape)}", x)
     if -1 in shape:
-        rest = int(np.prod([s for s in shape if s != -1], dtype=np.int64))
+        rest = math.prod(s for s in shape if s != -1)
         if rest == 0 or x.size % rest:
             raise op_error("reshape", f"cannot infer -1 in {fmt_shape(shape)}", x)
         shape = tuple(x.size // rest if s == -1 else s for s in shape)
@@ -47,7 +48,7 @@ def flatten(x, start_dim=0, end_dim=-1):
         norm_dim("flatten", start_dim, 1, x), norm_dim("flatten", end_dim, 1, x)
         return reshape(x, (1,))
     s, e = norm_dim("flatten", start_dim, x.ndim, x), norm_dim("flatten", end_dim, x.ndim, x)
-    return reshape(x, x.shape[:s] + (int(np.prod(x.shape[s:e + 1], dtype=np.int64)),) + x.shape[e + 1:])
+    return reshape(x, x.shape[:s] + (math.prod(x.shape[s:e + 1]),) + x.shape[e + 1:])
 
 
 def unsqueeze(x, dim):
@@ -135,9 +136,16 @@ register("slice_grad", lambda ins, shape, starts, steps: (shape, ins[0].dtype), 
                   steps=steps)], layout=True)
 
 
+def _axis(op, dim, x):
+    """``dim`` of ``x`` as an index into its shape (a 0-d tensor has none, as in torch)."""
+    if x.ndim == 0:
+        raise op_error(op, f"dim {dim}: a zero-dimensional tensor has no dimension to index", x)
+    return norm_dim(op, dim, x.ndim, x)
+
+
 def slice(x, dim, start=None, end=None, step=1):
     """x[..., start:end:step, ...] along ``dim`` (Python slice rules, step > 0)."""
-    d = norm_dim("slice", dim, x.ndim, x)
+    d = _axis("slice", dim, x)
     a, b, s = _py_slice(start, end, step).indices(x.shape[d])
     if s < 1:
         raise op_error("slice", f"step must be positive, got {step}", x)
@@ -186,6 +194,8 @@ def getitem(x, idx):
 # ----------------------------------------------------------------------------- concat
 def _concat_infer(ins, dim):
     x0 = ins[0]
+    if x0.ndim == 0:
+        raise op_error("concat", "zero-dimensional tensors cannot be concatenated (unsqueeze them first)", *ins)
     for t in ins[1:]:
         if t.ndim != x0.ndim or any(a != b for i, (a, b) in enumerate(zip(t.shape, x0.shape)) if i != dim):
             raise op_error("concat", f"shapes must match except along dim {dim}", *ins)
@@ -277,7 +287,7 @@ def index_select(input, dim, index):
 
 def split(x, split_size_or_sections, dim=0):
     """torch.split: chunks of a given size, or of the listed sizes."""
-    d = norm_dim("split", dim, x.ndim, x)
+    d = _axis("split", dim, x)
     n = x.shape[d]
     if isinstance(split_size_or_sections, (int, np.integer)):
         k = int(split_size_or_sections)
@@ -285,7 +295,7 @@ def split(x, split_size_or_sections, dim=0):
             raise op_error("split", f"split size must be positive, got {k}", x)
         sizes = [min(k, n - i) for i in range(0, n, k)]
     else:
-        sizes = [int(s) for s in split_size_or_sections]
+        sizes = list(int_dims("split", split_size_or_sections))
         if sum(sizes) != n:
             raise op_error("split", f"sections {sizes} sum to {sum(sizes)}, expected {n} along dim {d}", x)
     out, off = [], 0
@@ -296,7 +306,7 @@ def split(x, split_size_or_sections, dim=0):
 
 
 def chunk(x, chunks, dim=0):
-    d = norm_dim("chunk", dim, x.ndim, x)
+    d = _axis("chunk", dim, x)
     return split(x, -(-x.shape[d] // chunks), d)
 
 
@@ -317,7 +327,7 @@ register("broadcast_to", _bcast_infer, lambda x, shape: np.ascontiguousarray(np.
 
 def broadcast_to(x, shape):
     """torch.broadcast_to (-1 keeps a dimension, as in expand)."""
-    shape = tuple(int(s) for s in shape)
+    shape = int_dims("broadcast_to", shape, allow=(-1,))
     lead = len(shape) - x.ndim
     shape = tuple(x.shape[i - lead] if s == -1 and i >= lead else s for i, s in enumerate(shape))
     if shape == x.shape:

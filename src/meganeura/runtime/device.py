@@ -1,9 +1,15 @@
 """Process-wide wgpu device: adapter choice, buffers, pipelines, readback.
 
 Everything the compiled plan needs from the GPU goes through one `Device`:
-storage buffers, uploads, readbacks through persistent staging buffers, and
+storage buffers, uploads, readbacks through pooled staging buffers, and
 compute pipelines built from WGSL (trusted shader modules by default, so the
 generated kernels run without wgpu's per-access bounds checks).
+
+Thread safety: submits go through one lock per device queue; a readback takes a staging
+buffer out of the pool for its own use (a mapped buffer must never be the target of
+another thread's copy), and the pipeline cache and pool are guarded by a lock. Both
+caches are bounded (`PIPELINE_CACHE_SIZE`, `STAGING_POOL_BYTES`) and `clear_caches`
+empties them.
 """
 
 from __future__ import annotations
@@ -12,6 +18,7 @@ import os
 import re
 import threading
 import time
+from collections import OrderedDict
 
 import numpy as np
 import wgpu
@@ -70,6 +77,13 @@ _BINDING_RES = (
         r"var\s*<\s*(?P<space>\w+)\s*(?:,\s*(?P<acc>\w+)\s*)?>"
     ),
 )
+
+
+# Compiled pipelines kept for reuse by later plans (a plan holds its own pipelines, so
+# evicting one only costs a recompile if the same kernel is needed again).
+PIPELINE_CACHE_SIZE = 1024
+# Bytes of idle staging buffers kept for reuse by readbacks; the rest are destroyed.
+STAGING_POOL_BYTES = 64 << 20
 
 
 def _round4(n):
@@ -236,15 +250,21 @@ class Device:
             else "wgpu-native exposes no wgpuDeviceCreatePipelineCache")
         self.disk_pipeline_cache = False
 
-        self._pipelines = {}
-        self._staging = {}
-        self._lock = threading.Lock()
+        self._pipelines = OrderedDict()     # key -> Pipeline, least recently used first
+        self._staging = {}                  # size -> idle staging buffers
+        self._staging_idle_bytes = 0
+        self.pipeline_cache_size = PIPELINE_CACHE_SIZE
+        self.staging_pool_bytes = STAGING_POOL_BYTES
+        self._lock = threading.RLock()      # caches and stats
+        self.queue_lock = threading.Lock()  # submits and writes to the queue
+        self._sync_lock = threading.Lock()
         self.stats = {
             "pipelines_compiled": 0,
             "pipeline_cache_hits": 0,
             "compile_seconds": 0.0,
             "shader_seconds": 0.0,
             "staging_buffers_created": 0,
+            "pipelines_evicted": 0,
             "readbacks": 0,
             "bind_groups_created": 0,
         }
@@ -297,17 +317,51 @@ class Device:
             # write_buffer needs a multiple of 4 bytes
             raw = np.concatenate([raw, np.zeros(4 - raw.nbytes % 4, np.uint8)])
         if raw.nbytes:
-            self.queue.write_buffer(buffer, int(offset), raw)
+            with self.queue_lock:
+                self.queue.write_buffer(buffer, int(offset), raw)
+
+    def submit(self, command_buffers):
+        """Submit to the queue (serialised across threads)."""
+        with self.queue_lock:
+            self.queue.submit(command_buffers)
 
     def staging(self, nbytes):
-        """The persistent MAP_READ staging buffer for this (rounded) size."""
+        """A MAP_READ staging buffer of this (rounded) size for the caller alone: taken
+        from the pool when one is idle; hand it back with `release_staging`."""
         size = _round4(nbytes)
-        buf = self._staging.get(size)
-        if buf is None:
-            buf = self.raw.create_buffer(label=f"staging{size}", size=size, usage=_USAGE["staging"])
-            self._staging[size] = buf
+        with self._lock:
+            free = self._staging.get(size)
+            if free:
+                self._staging_idle_bytes -= size
+                return free.pop()
             self.stats["staging_buffers_created"] += 1
-        return buf
+        return self.raw.create_buffer(label=f"staging{size}", size=size, usage=_USAGE["staging"])
+
+    def release_staging(self, buf):
+        """Return a staging buffer to the pool (destroyed if the pool is full)."""
+        with self._lock:
+            if self._staging_idle_bytes + buf.size <= self.staging_pool_bytes:
+                self._staging.setdefault(buf.size, []).append(buf)
+                self._staging_idle_bytes += buf.size
+                return
+        buf.destroy()
+
+    def clear_caches(self):
+        """Drop the cached pipelines and destroy the idle staging buffers (plans that
+        are alive keep their own pipelines and buffers)."""
+        with self._lock:
+            self._pipelines.clear()
+            idle = [b for bufs in self._staging.values() for b in bufs]
+            self._staging.clear()
+            self._staging_idle_bytes = 0
+        for b in idle:
+            b.destroy()
+
+    def cache_info(self) -> dict:
+        with self._lock:
+            return {"pipelines": len(self._pipelines),
+                    "staging_buffers": sum(len(b) for b in self._staging.values()),
+                    "staging_bytes": self._staging_idle_bytes}
 
     def read_staging(self, staging, nbytes, dtype=np.float32, shape=None):
         """Map a staging buffer that a submitted copy has filled; returns a NumPy copy."""
@@ -322,24 +376,29 @@ class Device:
         return out.reshape(shape) if shape is not None else out
 
     def readback(self, buffer, nbytes, dtype=np.float32, shape=None, offset=0):
-        """Copy `nbytes` of `buffer` (from byte `offset`) to the host, through a
-        staging buffer that is reused by every readback of the same size."""
+        """Copy `nbytes` of `buffer` (from byte `offset`) to the host, through a pooled
+        staging buffer that no other readback uses meanwhile."""
         size = _round4(nbytes)
         st = self.staging(size)
-        enc = self.raw.create_command_encoder()
-        enc.copy_buffer_to_buffer(buffer, int(offset), st, 0, size)
-        self.queue.submit([enc.finish()])
-        self.stats["readbacks"] += 1
-        return self.read_staging(st, nbytes, dtype, shape)
+        try:
+            enc = self.raw.create_command_encoder()
+            enc.copy_buffer_to_buffer(buffer, int(offset), st, 0, size)
+            self.submit([enc.finish()])
+            with self._lock:
+                self.stats["readbacks"] += 1
+            return self.read_staging(st, nbytes, dtype, shape)
+        finally:
+            self.release_staging(st)
 
     def sync(self):
         """Wait for all submitted work: a copy into a small buffer is queued after it,
         and mapping that buffer completes only when the queue has reached it."""
-        enc = self.raw.create_command_encoder()
-        enc.copy_buffer_to_buffer(self._sync_src, 0, self._sync_dst, 0, 4)
-        self.queue.submit([enc.finish()])
-        self._sync_dst.map_sync(wgpu.MapMode.READ, 0, 4)
-        self._sync_dst.unmap()
+        with self._sync_lock:
+            enc = self.raw.create_command_encoder()
+            enc.copy_buffer_to_buffer(self._sync_src, 0, self._sync_dst, 0, 4)
+            self.submit([enc.finish()])
+            self._sync_dst.map_sync(wgpu.MapMode.READ, 0, 4)
+            self._sync_dst.unmap()
 
     # ------------------------------------------------------------ pipelines
     def shader_module(self, wgsl, label="", trusted=None):
@@ -372,17 +431,17 @@ class Device:
             access = ["rw"] * access
         access = tuple("read" if a in ("read", "r", "ro") else "rw" for a in access)
         key = (wgsl, entry, access, int(immediate_size))
-        p = self._pipelines.get(key)
-        if p is not None:
-            self.stats["pipeline_cache_hits"] += 1
-            return p
         with self._lock:
             p = self._pipelines.get(key)
             if p is not None:
+                self._pipelines.move_to_end(key)
                 self.stats["pipeline_cache_hits"] += 1
                 return p
             p = self._compile(wgsl, entry, access, label, int(immediate_size))
             self._pipelines[key] = p
+            while len(self._pipelines) > max(self.pipeline_cache_size, 0):
+                self._pipelines.popitem(last=False)
+                self.stats["pipelines_evicted"] += 1
         return p
 
     def _compile(self, wgsl, entry, access, label, immediate_size):

@@ -6,14 +6,16 @@ the persistent buffers of inputs, parameters and optimizer state by name.
 """
 from __future__ import annotations
 
+import itertools
 import os
 import time
 
 import numpy as np
 
 from ..compiler import CompileOptions, compile_plan
+from ..graph import DeviceLimitError, fmt_shape
 from .device import get_device
-from .profiler import write_chrome_trace
+from .profiler import trace_writer, write_chrome_trace
 from .recorder import StepRecorder
 
 
@@ -65,9 +67,47 @@ class Plan:
         self.compile_seconds = time.perf_counter() - t0
 
 
+_trace_ids = itertools.count()
+
+# the tile sizes the matmul kernel template is written for (threads x register blocks)
+MATMUL_TILES = (32, 64, 128)
+
+
+def check_environment():
+    """Refuse bad values of the switches the code generators read, before anything is
+    compiled: MEGANEURA_MATMUL_TILE=4096 would otherwise make a kernel that never ends."""
+    tile = os.environ.get("MEGANEURA_MATMUL_TILE", "").strip()
+    if tile and tile not in {str(t) for t in MATMUL_TILES}:
+        raise ValueError(f"MEGANEURA_MATMUL_TILE={tile!r}: must be one of {list(MATMUL_TILES)} (or unset)")
+    split = os.environ.get("MEGANEURA_MATMUL_SPLIT", "").strip()
+    if split and not split.isdigit():
+        raise ValueError(f"MEGANEURA_MATMUL_SPLIT={split!r}: must be a non-negative integer (0 or unset: automatic)")
+
+
+def check_device_limits(tensors, dev=None):
+    """Raise DeviceLimitError, naming each tensor, if any is larger than one storage
+    binding (or one buffer) of the device may be: found at compile time, not as a wgpu
+    validation error at the first run."""
+    dev = dev or get_device()
+    lims = dev.limits
+    limit, which = min((int(lims[k]), k) for k in ("max-storage-buffer-binding-size", "max-buffer-size") if k in lims)
+    over = [t for t in tensors if t.size * t.dtype.np.itemsize > limit]
+    if over:
+        desc = "; ".join(f"{t.name!r} ({t.op}) {fmt_shape(t.shape)} {t.dtype.name}: {t.size * t.dtype.np.itemsize} bytes"
+                         for t in over[:5])
+        more = f" and {len(over) - 5} more" if len(over) > 5 else ""
+        raise DeviceLimitError(f"{len(over)} tensor(s) exceed the {limit} bytes one buffer binding may hold on "
+                               f"{dev.name!r} ({which}): {desc}{more}")
+
+
 class GpuExecutor:
+    """Runs a Program on the GPU. Not thread-safe by itself: the Session serialises calls."""
+
     def __init__(self, program, values: dict, precision="strict", share_with=None):
+        check_environment()
         self.dev = get_device()
+        self.closed = False
+        self.trace_id = next(_trace_ids)     # this session's track in a MEGANEURA_TRACE file
         self.recorder = StepRecorder(self.dev)
         self.program, self.values, self.precision = program, values, precision
         if precision == "accelerated" and not self.dev.has_f16:
@@ -121,6 +161,7 @@ class GpuExecutor:
     # ------------------------------------------------------------------ plans
     def plan(self, phase: str) -> Plan:
         if phase not in self.plans:
+            check_environment()
             p = self.program
             fetches, grad_names, upd, targets = p.targets(phase)
             self.plans[phase] = Plan(self, targets, len(fetches), grad_names, upd)
@@ -137,13 +178,34 @@ class GpuExecutor:
             write_chrome_trace(path, plan.names, ts)
         return kernel_table(plan.names, ts)
 
+    def close(self, free_shared=True):
+        """Free this session's device buffers; parameters and state too when
+        ``free_shared`` (no other session made with share_with uses them)."""
+        if self.closed:
+            return
+        self.closed = True
+        owned = [p.staging for p in self.plans.values()]
+        owned.append(list(self.input_buffers.values()))
+        if free_shared:
+            owned.append(list(self.buffers.values()))
+            self.buffers.clear()
+        # slots, constants and targets live only in the plans' bind groups and copies
+        self.plans.clear()
+        self.input_buffers.clear()
+        self.last_plan = None
+        self.recorder = None
+        for bufs in owned:
+            for b in bufs:
+                b.destroy()
+
     def execute(self, feeds: dict, phase: str):
         plan = self.plan(phase)
-        self.upload(feeds)
         trace = os.environ.get("MEGANEURA_TRACE")
-        if trace:
+        writer = trace_writer(trace) if trace else None    # an unwritable path fails before the step
+        self.upload(feeds)
+        if writer is not None:
             ts = self.recorder.run(plan.step, copies_after=plan.copies_after, timestamps=True)
-            write_chrome_trace(trace, plan.names, ts)
+            writer.add(plan.names, ts, session=self.trace_id, label=phase)
         else:
             self.recorder.run(plan.step, copies_after=plan.copies_after)
         self.last_plan = plan if plan.grad_locs else self.last_plan

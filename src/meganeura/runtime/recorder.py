@@ -108,7 +108,7 @@ class StepRecorder:
         for c in copies_after:
             src, so, dst, do, n = _norm_copy(c)
             enc.copy_buffer_to_buffer(src, so, dst, do, n)
-        dev.queue.submit([enc.finish()])
+        dev.submit([enc.finish()])
         if wait:
             dev.sync()
         return None
@@ -139,7 +139,9 @@ class StepRecorder:
                 cnt = min(_MAX_QUERIES, n_queries - start)
                 sets.append(dev.raw.create_query_set(type="timestamp", count=cnt))
             resolve = dev.create_buffer(8 * n_queries, "query")
-            q = {"n": n_queries, "sets": sets, "resolve": resolve}
+            # the step's own staging buffer: a pooled one could be mapped by another thread
+            staging = dev.create_buffer(8 * n_queries, "staging", label="timestamps")
+            q = {"n": n_queries, "sets": sets, "resolve": resolve, "staging": staging}
             step._queries = q
         return q
 
@@ -201,9 +203,9 @@ class StepRecorder:
         for c in copies_after:
             src, so, dst, do, nb = _norm_copy(c)
             enc.copy_buffer_to_buffer(src, so, dst, do, nb)
-        st = dev.staging(8 * nq)
+        st = q["staging"]
         enc.copy_buffer_to_buffer(q["resolve"], 0, st, 0, 8 * nq)
-        dev.queue.submit([enc.finish()])
+        dev.submit([enc.finish()])
         ticks = dev.read_staging(st, 8 * nq, np.uint64).astype(np.float64)
         ns = (ticks * dev.timestamp_period()).astype(np.int64).reshape(n, 2)
         self.last_timestamps_ns = ns

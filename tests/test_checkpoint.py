@@ -1,0 +1,164 @@
+"""Checkpoints as a hostile user would try them: killed saves, bad metadata, extra tensors,
+folders and garbage instead of files, and the umask."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+from safetensors.numpy import save_file
+
+import meganeura as mg
+from meganeura import checkpoint
+from meganeura.checkpoint import CheckpointError
+
+
+def _trainer(backend="numpy", optimizer=None):
+    g = mg.Graph()
+    x, y = g.input("x", (4, 3)), g.input("y", (4, 2))
+    w, b = g.parameter("fc.weight", (2, 3)), g.parameter("fc.bias", (2,), init=0.5)
+    loss = mg.ops.mse_loss(mg.ops.linear(x, w, b), y)
+    return mg.compile(g, loss=loss, optimizer=optimizer or mg.optim.Adam(lr=0.1), backend=backend)
+
+
+def _step(s):
+    rng = np.random.default_rng(0)
+    s.step({"x": rng.standard_normal((4, 3)), "y": rng.standard_normal((4, 2))})
+
+
+def _tamper(src, dst, meta=None, extra=None, drop=()):
+    """A copy of checkpoint ``src`` with metadata entries replaced and tensors added or dropped."""
+    from safetensors import safe_open
+    with safe_open(str(src), framework="numpy") as f:
+        m = dict(f.metadata())
+        tensors = {k: f.get_tensor(k) for k in f.keys() if k not in drop}
+    m.update(meta or {})
+    tensors.update(extra or {})
+    save_file(tensors, str(dst), metadata=m)
+    return dst
+
+
+def _unchanged(s, before):
+    after = s.state_dict(include_optimizer=True)
+    assert set(after) == set(before)
+    for k in before:
+        np.testing.assert_array_equal(after[k], before[k], err_msg=k)
+
+
+@pytest.mark.parametrize("step,why", [("1e3", "1e3"), ("-5", "-5"), ("five", "five"), ("", "")])
+def test_bad_step_metadata_is_refused_before_anything_changes(tmp_path, step, why):
+    src = _trainer()
+    _step(src)
+    good = src.save(tmp_path / "good.safetensors")
+    bad = _tamper(good, tmp_path / "bad.safetensors", meta={"step": step})
+    dst = _trainer()
+    before = dst.state_dict(include_optimizer=True)
+    with pytest.raises(CheckpointError, match=rf"bad.safetensors.*step='{why}' is not a non-negative integer"):
+        dst.load(bad)
+    _unchanged(dst, before)
+    assert dst.steps_done == 0
+
+
+def test_bad_format_version_and_parameter_list_name_the_file(tmp_path):
+    good = _trainer().save(tmp_path / "good.safetensors")
+    s = _trainer()
+    with pytest.raises(CheckpointError, match=r"v.safetensors.*format_version='x'"):
+        s.load(_tamper(good, tmp_path / "v.safetensors", meta={"format_version": "x"}))
+    with pytest.raises(CheckpointError, match=r"p.safetensors.*'parameters' is not a JSON list"):
+        s.load(_tamper(good, tmp_path / "p.safetensors", meta={"parameters": "{oops"}))
+
+
+def test_strict_refuses_extra_tensors(tmp_path):
+    good = _trainer().save(tmp_path / "good.safetensors", include_optimizer=False)
+    extra = _tamper(good, tmp_path / "extra.safetensors", extra={"fc2.weight": np.zeros((2, 2), np.float32)},
+                    meta={"parameters": json.dumps(["fc.bias", "fc.weight", "fc2.weight"])})
+    s = _trainer()
+    before = s.state_dict(include_optimizer=True)
+    with pytest.raises(CheckpointError, match=r"extra.safetensors.*unexpected parameter 'fc2.weight'"):
+        s.load(extra)
+    _unchanged(s, before)
+    s.load(extra, strict=False)          # non-strict: loads what both sides have
+    # a plain safetensors file (no metadata): every tensor counts as a parameter
+    plain = tmp_path / "plain.safetensors"
+    save_file({**s.state_dict(), "stray": np.zeros(3, np.float32)}, str(plain))
+    with pytest.raises(CheckpointError, match=r"unexpected parameter 'stray'"):
+        s.load(plain)
+
+
+def test_strict_refuses_another_optimizers_state_but_inference_ignores_it(tmp_path):
+    adam = _trainer(optimizer=mg.optim.Adam(lr=0.1))
+    _step(adam)
+    path = adam.save(tmp_path / "adam.safetensors")
+    sgd = _trainer(optimizer=mg.optim.SGD(lr=0.1, momentum=0.9))
+    with pytest.raises(CheckpointError, match=r"unexpected optimizer state 'fc.weight.exp_avg' \(written by Adam, "
+                                              r"this session's is SGD\)"):
+        sgd.load(path)
+    assert sgd.steps_done == 0
+    g = mg.Graph()
+    x = g.input("x", (4, 3))
+    out = mg.ops.linear(x, g.parameter("fc.weight", (2, 3)), g.parameter("fc.bias", (2,)))
+    inf = mg.compile(g, outputs=[out], backend="numpy")
+    inf.load(path)                        # the optimizer state is not the inference session's business
+    np.testing.assert_array_equal(inf.state_dict()["fc.weight"], adam.state_dict()["fc.weight"])
+
+
+def test_errors_name_the_file_for_folders_and_garbage(tmp_path):
+    s = _trainer()
+    with pytest.raises(IsADirectoryError, match=rf"checkpoint '{tmp_path}' is a folder"):
+        s.load(tmp_path)
+    junk = tmp_path / "junk.safetensors"
+    junk.write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json at all")
+    with pytest.raises(CheckpointError, match=r"junk.safetensors' is not a readable safetensors file"):
+        s.load(junk)
+    with pytest.raises(IsADirectoryError, match="is a folder; give a file name"):
+        s.save(tmp_path)
+
+
+def test_saved_file_mode_follows_the_umask(tmp_path):
+    s = _trainer()
+    old = os.umask(0o022)
+    try:
+        path = s.save(tmp_path / "a.safetensors")
+    finally:
+        os.umask(old)
+    assert os.stat(path).st_mode & 0o777 == 0o644
+    old = os.umask(0o077)
+    try:
+        path = s.save(tmp_path / "b.safetensors")
+    finally:
+        os.umask(old)
+    assert os.stat(path).st_mode & 0o777 == 0o600
+
+
+def test_temp_files_of_killed_saves_are_removed_by_the_next_save(tmp_path):
+    """A child process is killed (SIGKILL) in the middle of writing a checkpoint; the next
+    save to that path removes its temp file, and leaves a running process's alone."""
+    target = tmp_path / "model.safetensors"
+    script = textwrap.dedent(f"""
+        import os, signal, numpy as np, safetensors.numpy as stn
+        import meganeura as mg
+        def die(*a, **k):    # the process dies while the temp file is being written
+            open(a[1], "ab").write(b"partial")
+            os.kill(os.getpid(), signal.SIGKILL)
+        import meganeura.checkpoint as ck
+        ck.save_file = die
+        g = mg.Graph()
+        g.parameter("w", (1000, 100))
+        s = mg.compile(g, outputs=[g["w"]], backend="numpy")
+        s.save(r"{target}")
+    """)
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert r.returncode == -signal.SIGKILL, r.stderr
+    left = [p.name for p in tmp_path.iterdir()]
+    assert len(left) == 1 and left[0].startswith(".model.safetensors.") and left[0].endswith(".tmp"), left
+    assert not target.exists()
+    live = tmp_path / f".model.safetensors.{os.getppid()}.abcd.tmp"      # a save running elsewhere
+    live.write_bytes(b"in progress")
+    s = _trainer()
+    s.save(target)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([target.name, live.name])
+    checkpoint.clean_temp_files(target)
+    assert live.exists()
