@@ -175,3 +175,24 @@ def test_norm_prologue_in_gemv_matches_reference():
     gpu.load_state_dict(ref.state_dict())
     for a, b_ in zip(ref.run(feeds), gpu.run(feeds)):
         np.testing.assert_allclose(b_, a, rtol=1e-4, atol=1e-5)
+
+
+def test_sibling_tiled_matmuls_and_split_k_sums_share_launches():
+    """Projections of one input (q/k/v in a prefill) run as one tiled launch, their split-K
+    sums as one pointwise launch, with their epilogues."""
+    g = mg.Graph()
+    x = g.input("x", (40, 320))
+    ws = [g.parameter(f"w{i}", (n, 320), init="normal") for i, n in enumerate((48, 80, 24))]
+    r = g.input("r", (40, 80))
+    outs = [mg.ops.linear(x, ws[0]), mg.ops.linear(x, ws[1]) + r, mg.ops.silu(mg.ops.linear(x, ws[2]))]
+    kp = compile_plan(outs, options=CompileOptions(max_bindings=32))
+    arch = [d.kernel.archetype for d in kp.dispatches]
+    assert arch in (["matmul", "multi"], ["matmul"]), kp.names
+    assert "|" in kp.names[0]
+    rng = np.random.default_rng(5)
+    feeds = {"x": rng.standard_normal((40, 320)).astype(np.float32), "r": rng.standard_normal((40, 80)).astype(np.float32)}
+    ref = mg.compile(g, outputs=outs, backend="numpy")
+    gpu = mg.compile(g, outputs=outs, backend="gpu")
+    gpu.load_state_dict(ref.state_dict())
+    for a, b_ in zip(ref.run(feeds), gpu.run(feeds)):
+        np.testing.assert_allclose(b_, a, rtol=1e-4, atol=1e-5)

@@ -374,7 +374,8 @@ class Session:
 
 
 def compile(graph: Graph, outputs=None, loss=None, optimizer=None, backend="numpy",
-            precision="strict", seed=0, accumulate=1, state_updates=None, share_with=None) -> Session:
+            precision="strict", seed=0, accumulate=1, state_updates=None, share_with=None,
+            eager=True) -> Session:
     """Compile ``graph`` for inference (``outputs``) or training (``loss`` + ``optimizer``).
 
     backend: "numpy" (the reference interpreter) or "gpu" (WGSL through wgpu).
@@ -383,9 +384,15 @@ def compile(graph: Graph, outputs=None, loss=None, optimizer=None, backend="nump
     state_updates: {state tensor: new value} applied by every ``run`` (e.g. a KV cache).
     share_with: another Session whose parameters and state (same names) this one uses
     instead of its own copy (e.g. prefill and decode programs of one model).
+    eager: on the gpu backend, compile the program of the main call (``step`` with an
+    optimizer, else ``run``; ``compute_grads`` otherwise) now, so that timing ``compile``
+    times the compilation; other calls compile on first use.
     """
     if outputs is None and loss is None:
         raise ValueError("compile: give outputs= (inference) and/or loss= (training)")
     if isinstance(outputs, Tensor):
         outputs = [outputs]
-    return Session(graph, outputs, loss, optimizer, backend, precision, seed, accumulate, state_updates, share_with)
+    s = Session(graph, outputs, loss, optimizer, backend, precision, seed, accumulate, state_updates, share_with)
+    if eager and backend == "gpu":
+        s.executor.plan("step" if optimizer is not None and loss is not None else "run" if outputs else "grads")
+    return s

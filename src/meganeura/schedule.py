@@ -269,13 +269,13 @@ def _pointwise_kernel(t, values, buf, fusible, max_bindings) -> Kernel:
 
     if t.op in VIEW_OPS:           # a layout op that is not a view: copy through its view
         src = values[t.inputs[0].id]
-        tmp = view_op(t, View.contiguous(src.buf, src.shape, src.dtype, 0)) if src.is_contiguous() else None
-        if tmp is None:
+        v = view_op(t, src)        # only a reshape of a strided view is not a view
+        if v is None:
             # reshape of a strided view: read the source in its own logical order
             leaves.append(src)
             out = View.contiguous(buf, t.shape, t.dtype)
             return Kernel(t.op, "pointwise", {"expr": ("leaf", 0), "dtype": t.dtype, "flat_leaf": True}, out, leaves)
-        leaves.append(view_op(t, src))
+        leaves.append(v)
         return Kernel(t.op, "pointwise", {"expr": ("leaf", 0), "dtype": t.dtype},
                       View.contiguous(buf, t.shape, t.dtype), leaves)
     names.append(t.op)

@@ -2,10 +2,11 @@
 (WGSL text, bound logical buffers in binding order, workgroup counts). Importing this
 package attaches the lowerings to the op registry records."""
 from ..ops.registry import OPS
-from . import gather, layout, matmul, pointwise, reduce, rows
+from . import attention, gather, layout, matmul, pointwise, reduce, rows
 
 RENDER = {"pointwise": pointwise.render, "multi": pointwise.render_multi, "reduce": reduce.render, "matmul": matmul.render,
-          "gather": gather.render, "rows": rows.render, "norm": rows.render_norm}
+          "gather": gather.render, "rows": rows.render, "norm": rows.render_norm,
+          "attention": attention.render}
 
 for _op in ("reduce_sum", "reduce_mean", "reduce_max"):
     OPS[_op].lower = reduce.lower_reduce
@@ -22,7 +23,15 @@ def render(kernel):
     return RENDER[kernel.archetype](kernel)
 
 
-def has_kernel(op: str) -> bool:
-    """Ops the GPU runs directly (everything else is decomposed first)."""
+# ops with a kernel for some shapes only: the predicate says which nodes
+KERNEL_WHEN = {"scaled_dot_product_attention": attention.supported}
+OPS["scaled_dot_product_attention"].lower = attention.lower_attention
+
+
+def has_kernel(t) -> bool:
+    """Nodes (or ops, by name) the GPU runs directly; everything else is decomposed first."""
+    op = t if isinstance(t, str) else t.op
     od = OPS[op]
+    if op in KERNEL_WHEN:
+        return not isinstance(t, str) and KERNEL_WHEN[op](t)
     return od.lower is not None or "wgsl" in od.extra or od.extra.get("layout", False)

@@ -8,6 +8,8 @@ the nodes' dtypes; mixed f16/f32 operands are converted where a node's inputs di
 """
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 from ..ops.registry import OPS
 from .common import broadcast_view_strides, literal, offset_expr
 
@@ -71,6 +73,16 @@ def _op_text(t, args, arg_dtypes, used):
     if t.op == "relu":
         ex = "max({0}, " + literal(0, t.dtype) + ")"
     return ex.format(*args)
+
+
+@dataclass(frozen=True)
+class Node:
+    """An elementwise op made by a lowering rather than found in the graph (the sum of
+    split-K partials): what expressions need of a graph node."""
+    op: str
+    dtype: object
+    attrs: dict = field(default_factory=dict)
+    shape: tuple = ()
 
 
 def op_text(t, args, arg_dtypes, used):
@@ -194,6 +206,17 @@ class OutputStore:
         if dt is not out.dtype:
             val = f"{out.dtype.wgsl}({val})"
         idx = f"{out.offset}u + f" if out.is_contiguous() else offset_expr(out.offset, out.strides, "e")
+        smap = kernel.spec.get("store_map")
+        if smap is not None:
+            # a transposed store: element f of the archetype's output goes where the copy
+            # that was fused away put it (row-major position of its coordinates in ``shape``)
+            shape, strides = smap
+            rm = [1] * len(shape)
+            for d in range(len(shape) - 2, -1, -1):
+                rm[d] = rm[d + 1] * shape[d + 1]
+            terms = [f"((f / {s}u) % {n}u) * {r}u" for s, n, r in zip(strides, shape, rm) if n != 1]
+            lines.append(f"    let fd = {' + '.join(terms) or '0u'};")
+            idx = f"{out.offset}u + fd"
         self.helpers = w.helpers()
         body = lines + w.lines + [f"    b{self.ob}[{idx}] = {val};"]
         self.fn = f"fn {name}(f: u32, acc: {self.acc_dtype.wgsl}) {{\n" + "\n".join(body) + "\n}"

@@ -12,8 +12,8 @@ import os
 
 import numpy as np
 
-from ..schedule import Kernel
-from .expr import OutputStore
+from ..schedule import Kernel, View, contiguous_strides
+from .expr import Node, OutputStore
 from .common import Bindings, contiguous_batch_strides
 
 
@@ -29,10 +29,16 @@ def lower_matmul(t, ins, out, materialize, temp):
     spec.update(tile=tile, split=split)
     if split == 1:
         return [Kernel("matmul", "matmul", {**spec, "split": 1}, out, [a, b])]
-    # split-K: partial products side by side, then one reduction over the splits
+    # split-K: partial products side by side, then their sum as a pointwise kernel (one
+    # strided view per split), which fusion treats like any other: epilogues, merging
     part = temp((nb, split, m, n), out.dtype)
-    red = Kernel("matmul.splitk_sum", "reduce", {"kind": "sum", "dims": (1,)},
-                 out, [part])
+    batch = tuple(t.shape[:-2])
+    bst = tuple(s * split for s in contiguous_strides(batch + (m, n))[:len(batch)])
+    leaves = [View(part.buf, t.shape, bst + (n, 1), part.offset + s * m * n, out.dtype) for s in range(split)]
+    total = ("leaf", 0)
+    for s in range(1, split):
+        total = ("op", Node("add", out.dtype), [total, ("leaf", s)])
+    red = Kernel("matmul.splitk_sum", "pointwise", {"expr": total, "dtype": out.dtype}, out, leaves)
     return [Kernel("matmul", "matmul", spec, part, [a, b]), red]
 
 
@@ -137,8 +143,34 @@ def _operand(name, view, trans_contig_t, dim_t, K, T, V, tile0, binding, off, ch
 
 
 def render(kernel):
+    """Tiled matmul; sibling matmuls that share A (``spec["parts"]``, q/k/v or gate/up
+    projections) run as one launch, each owning a range of x workgroups."""
     if kernel.spec.get("gemv"):
         return render_gemv(kernel)
+    parts = kernel.spec.get("parts", [kernel])
+    bind = Bindings()
+    fns, branches, x0 = [], [], 0
+    for j, part in enumerate(parts):
+        fn, (gx, gy, gz), T, W, V = _tiled_part(part, bind, j)
+        fns.append(fn)
+        branches.append(f"    if (wid.x < {x0 + gx}u) {{ mm{j}(vec3<u32>(wid.x - {x0}u, wid.y, wid.z), lid3); return; }}")
+        x0 += gx
+    src = f"""{bind.decls()}
+var<workgroup> As: array<vec4<f32>, {2 * TK * V}>;
+var<workgroup> Bs: array<vec4<f32>, {2 * TK * V}>;
+{chr(10).join(fns)}
+
+@compute @workgroup_size({W}, {W})
+fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_id) lid3: vec3<u32>) {{
+{chr(10).join(branches)}
+}}
+"""
+    return src, bind.bufs, (x0, gy, gz)
+
+
+def _tiled_part(kernel, bind, j):
+    """(WGSL function ``mm{j}``, its workgroup counts, tile, threads per side, vec4s per
+    tile row) of one tiled matmul."""
     a, bv = kernel.reads
     ta, tb = kernel.spec["ta"], kernel.spec["tb"]
     M, N = kernel.shape[-2:]
@@ -155,7 +187,6 @@ def render(kernel):
     bl, aoff, boff = _batch_offsets(a, bv, batch, f"wid.z / {S}u")
     bl = [f"    let split = wid.z % {S}u;", f"    let kbeg = split * {KC}u; let kend = min(kbeg + {KC}u, {K}u);"] + bl
     # operand bindings: vec4 arrays where the layout allows 16-byte loads
-    bind = Bindings()
     ab, bb = bind.index(a.buf, a.dtype), bind.index(bv.buf, bv.dtype)
     th = W * W
     a_vec, a_reg, a_fetch, a_store = _operand("As", a, ta, M, K, T, V, "row0", ab, "aoff", chk_m, chk_k, "ra",
@@ -171,7 +202,7 @@ def render(kernel):
         bind.types[ab] = "vec4<f32>"
     if b_vec:
         bind.types[bb] = "vec4<f32>"
-    store = OutputStore(kernel, bind)     # after the operand types are fixed (epilogue reads bind scalars)
+    store = OutputStore(kernel, bind, name=f"store_out{j}")   # after the operand types are fixed
     fma = []
     for g in range(G):
         fma.append(f"            let a{g} = As[kk * {V}u + {W * g}u + ty];")
@@ -190,16 +221,11 @@ def render(kernel):
                 v = f"acc[{(gr * 4 + r) * G + gc}]"
                 for c in range(4):
                     cond = " && ".join(x for x, on in ((f"gm < {M}u", chk_m), (f"gn + {c}u < {N}u", chk_n)) if on)
-                    st = f"store_out(coff + gm * {N}u + gn + {c}u, {v}[{c}]);"
+                    st = f"store_out{j}(coff + gm * {N}u + gn + {c}u, {v}[{c}]);"
                     writes.append(f"        {{ let gm = {row}; let gn = {col}; " + (f"if ({cond}) {{ {st} }}" if cond else st) + " }")
     nk = KC // TK
-    src = f"""{bind.decls()}
-{store.module_text()}
-var<workgroup> As: array<vec4<f32>, {2 * TK * V}>;
-var<workgroup> Bs: array<vec4<f32>, {2 * TK * V}>;
-
-@compute @workgroup_size({W}, {W})
-fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_id) lid3: vec3<u32>) {{
+    src = f"""{store.module_text()}
+fn mm{j}(wid: vec3<u32>, lid3: vec3<u32>) {{
     let tx = lid3.x; let ty = lid3.y; let tid = ty * {W}u + tx;
     let row0 = wid.y * {T}u; let col0 = wid.x * {T}u;
 {chr(10).join(bl)}
@@ -231,10 +257,21 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_id) lid
 {chr(10).join(writes)}
 }}
 """
-    return src, bind.bufs, (-(-N // T), -(-M // T), nb * S)
+    return src, (-(-N // T), -(-M // T), nb * S), T, W, V
 
 
 GEMV_MAX_ROWS = 4
+GEMV_TARGET_GROUPS = 256    # enough workgroups to occupy a large GPU
+
+
+def gemv_columns(N) -> int:
+    """Output columns per 256-thread workgroup of the B-transposed GEMV: 8 (32 lanes over K
+    each) for wide outputs, fewer, with more lanes each, for narrow ones so that the GPU
+    still gets enough workgroups."""
+    for c in (8, 4, 2):
+        if -(-N // c) >= GEMV_TARGET_GROUPS:
+            return c
+    return 2
 
 
 def render_gemv(kernel):
@@ -339,18 +376,20 @@ fn gemv{j}(wx: u32, wz: u32, lid: u32) {{
         reduce = "\n".join(f"            part[{m * 256}u + lid] = part[{m * 256}u + lid] + part[{m * 256}u + lid + s];"
                            for m in range(M))
         writes = "\n".join(f"        store_out{j}(coff + {m * N}u + n, part[{m * 256}u + lid]);" for m in range(M))
-        body = f"""    let lane = lid % 32u;
-    let n = wx * 8u + lid / 32u;
+        C = gemv_columns(N)
+        L = 256 // C
+        body = f"""    let lane = lid % {L}u;
+    let n = wx * {C}u + lid / {L}u;
 {accs}
     if (n < {N}u) {{
-        for (var k = lane; k < {K}u; k = k + 32u) {{
+        for (var k = lane; k < {K}u; k = k + {L}u) {{
             let w = f32(b{bb}[boff + n * {K}u + k]);
 {fmas}
         }}
     }}
 {parts}
     workgroupBarrier();
-    for (var s = 16u; s > 0u; s = s >> 1u) {{
+    for (var s = {L // 2}u; s > 0u; s = s >> 1u) {{
         if (lane < s) {{
 {reduce}
         }}
@@ -361,7 +400,7 @@ fn gemv{j}(wx: u32, wz: u32, lid: u32) {{
     }}
 }}
 """
-        return head + body, -(-N // 8), nb
+        return head + body, -(-N // C), nb
     fmas = "\n".join(f"        acc{m} = fma(f32(b{ab}[{a_at(str(m) + 'u', 'k')}]), w, acc{m});" for m in range(M))
     writes = "\n".join(f"    store_out{j}(coff + {m * N}u + n, acc{m});" for m in range(M))
     body = f"""    let n = wx * 256u + lid;

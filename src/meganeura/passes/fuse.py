@@ -15,11 +15,13 @@ from __future__ import annotations
 
 from collections import defaultdict
 
+import numpy as np
+
 from ..codegen.common import broadcast_view_strides
 from ..schedule import Kernel, View
 
 # archetypes whose renderers end in ``store_out`` (codegen.expr.OutputStore)
-EPILOGUE_ARCHETYPES = frozenset({"matmul", "reduce", "rows", "norm", "gather"})
+EPILOGUE_ARCHETYPES = frozenset({"matmul", "reduce", "rows", "norm", "gather", "attention"})
 
 
 class _Uses:
@@ -67,11 +69,80 @@ def _same_elements(k, view) -> bool:
             and view.size == o.size)
 
 
+def _permutes(k, view) -> bool:
+    """``view`` reads every element ``k`` wrote exactly once, in another order (a transpose
+    of ``k``'s contiguous output)."""
+    o = k.out
+    if not (o.is_contiguous() and view.buf is o.buf and view.offset == o.offset and view.size == o.size):
+        return False
+    dims = sorted((s, n) for s, n in zip(view.strides, view.shape) if n != 1)
+    expect = 1
+    for s, n in dims:
+        if s != expect:
+            return False
+        expect *= n
+    return True
+
+
+def _store_permuted(k, p, uses, ki, pi) -> bool:
+    """``p`` only copies ``k``'s output into another layout: ``k`` stores there itself."""
+    if p.spec["expr"] != ("leaf", 0) or len(p.reads) != 1 or not p.out.is_contiguous():
+        return False
+    leaf = p.reads[0]
+    if not p.spec.get("flat_leaf") and leaf.shape != p.out.shape:
+        return False
+    if not _permutes(k, leaf) or uses.touched_between(p.out.buf, ki, pi):
+        return False
+    uses.remove(ki, k)
+    uses.remove(pi, p)
+    k.spec = {**k.spec, "shape": k.shape, "out_dtype": k.dtype,
+              "store_map": (leaf.shape, tuple(leaf.strides))}
+    k.out = p.out
+    k.name = f"{k.name}+{p.name}"
+    uses.add(ki, k)
+    return True
+
+
+def _compose_pointwise(k, p, li, leaf, uses, ki, pi, max_bindings) -> bool:
+    """``p`` reads pointwise kernel ``k``'s output at the same elements: one kernel
+    evaluates both (for kernels made by lowerings, such as the split-K sum, or after views
+    the schedule could not see through)."""
+    if k.spec.get("flat_leaf") or _has_rleaf(k.spec["expr"]) or k.out.buf.kind != "temp":
+        return False
+    if set(uses.readers[id(leaf.buf)]) != {pi} or sum(v.buf is leaf.buf for v in p.reads) != 1:
+        return False
+    if not (_same_elements(k, leaf) and leaf.shape == p.out.shape == k.out.shape):
+        return False
+    if k.dtype is not leaf.dtype:
+        return False
+    others = [v for j, v in enumerate(p.reads) if j != li]
+    if any(uses.touched_between(v.buf, ki, pi, writes_only=True) for v in others) \
+            or uses.touched_between(p.out.buf, ki, pi):
+        return False
+    if len({id(v.buf) for v in list(k.reads) + others} | {id(p.out.buf)}) > max_bindings:
+        return False
+    base, leaf_map, n = len(k.reads), {}, 0
+    for j in range(len(p.reads)):
+        if j == li:
+            leaf_map[j] = k.spec["expr"]
+        else:
+            leaf_map[j] = ("leaf", base + n)
+            n += 1
+    uses.remove(ki, k)
+    uses.remove(pi, p)
+    k.spec = {**k.spec, "expr": _relabel(p.spec["expr"], leaf_map), "dtype": p.out.dtype}
+    k.reads = list(k.reads) + others
+    k.out = p.out
+    k.name = f"{k.name}+{p.name}"
+    uses.add(ki, k)
+    return True
+
+
 def fuse_epilogues(kernels, max_bindings):
     kernels = list(kernels)
     uses = _Uses(kernels)
     for pi, p in enumerate(kernels):
-        if p is None or p.archetype != "pointwise" or p.spec.get("flat_leaf") or p.epilogue is not None:
+        if p is None or p.archetype != "pointwise" or p.epilogue is not None:
             continue
         if _has_rleaf(p.spec["expr"]):
             continue            # indexed reads need the pointwise kernel's own coordinates
@@ -81,12 +152,20 @@ def fuse_epilogues(kernels, max_bindings):
                 continue
             ki = ws[0]
             k = kernels[ki]
-            if k.archetype not in EPILOGUE_ARCHETYPES or k.out.buf.kind != "temp" or leaf.shape != p.out.shape \
-                    or "index" in k.spec:      # a scatter stores where its data says
+            if k.archetype == "pointwise":
+                if _compose_pointwise(k, p, li, leaf, uses, ki, pi, max_bindings):
+                    kernels[pi] = None
+                    break
+                continue
+            if k.archetype not in EPILOGUE_ARCHETYPES or k.out.buf.kind != "temp" \
+                    or "index" in k.spec or "store_map" in k.spec:   # a scatter stores where its data says
                 continue
             if set(uses.readers[id(leaf.buf)]) != {pi} or sum(v.buf is leaf.buf for v in p.reads) != 1:
                 continue
-            if not _same_elements(k, leaf):
+            if not _same_elements(k, leaf) or leaf.shape != p.out.shape:
+                if _store_permuted(k, p, uses, ki, pi):
+                    kernels[pi] = None
+                    break
                 continue
             if k.archetype in ("matmul", "rows", "norm") and k.dtype.name != "f32":
                 continue            # the stored value would have been rounded first
@@ -170,8 +249,9 @@ def _bindings(kernels) -> int:
                | {(id(b), None) for k in kernels for b in k.written_bufs()})
 
 
-MAX_FLOAT = 8           # kernels a horizontal group may be moved past
-MAX_GROUPS = 65535      # workgroups of one merged launch
+MAX_FLOAT = 8           # kernels a group that reads intermediates may be moved past
+MAX_GROUPS = 1 << 22    # workgroups of one merged launch
+MAX_PARTS = 64          # kernels in one merged launch (its WGSL grows with each)
 
 
 def _group_key(k):
@@ -184,6 +264,10 @@ def _group_key(k):
         pro = k.spec.get("prologue")
         pro = pro and (tuple(sorted(pro.items())), tuple(id(v.buf) for v in k.reads[2:]))
         return ("gemv", id(a.buf), a.offset, a.shape, a.strides, k.spec["ta"], k.shape[:-1], pro)
+    if k.archetype == "matmul" and not k.spec.get("gemv") and "parts" not in k.spec and "tile" in k.spec:
+        a = k.reads[0]
+        return ("tiled", id(a.buf), a.offset, a.shape, a.strides, k.spec["ta"], k.shape[-2],
+                k.spec.get("batch"), k.spec["tile"], k.spec.get("split", 1))
     return None
 
 
@@ -191,52 +275,93 @@ def _groups_of(k):
     from ..codegen.common import WG
     if k.archetype == "pointwise":
         return -(-k.out.size // WG)
-    return -(-k.shape[-1] // 8)
+    if k.spec.get("gemv"):
+        return -(-k.shape[-1] // 2)       # at most (codegen.matmul.gemv_columns)
+    t = k.spec["tile"]
+    return -(-k.shape[-1] // t) * -(-k.shape[-2] // t) * int(np.prod(k.spec.get("batch") or (1,))) * k.spec.get("split", 1)
+
+
+class _Group:
+    def __init__(self, key):
+        self.key, self.kernels, self.deps = key, [], set()
+        self.writes, self.reads = set(), set()
+        self.passed = self.groups = 0
+        # a group that reads only persistent buffers (an optimizer update reads gradients,
+        # parameters and moments) extends no intermediate's life, so it may float any distance
+        self.temps = False
+
+    def conflicts(self, kw, kr) -> bool:
+        return bool((kw | kr) & self.writes or kw & self.reads)
+
+    def fits(self, k, groups, max_bindings) -> bool:
+        return (len(self.kernels) < MAX_PARTS and self.groups + groups <= MAX_GROUPS
+                and _bindings(self.kernels + [k]) <= max_bindings)
+
+    def add(self, k, kw, kr, groups):
+        self.kernels.append(k)
+        self.writes |= kw
+        self.reads |= kr
+        self.groups += groups
+        self.temps |= any(v.buf.kind == "temp" for v in k.read_views())
+
+    def kernel(self):
+        ks = self.kernels
+        if len(ks) == 1:
+            return ks[0]
+        name = "|".join(k.name for k in ks)
+        if self.key[0] == "pointwise":
+            return Kernel(name, "multi", {"parts": list(ks)}, ks[0].out)
+        if self.key[0] == "tiled":
+            return Kernel(name, "matmul", {"parts": list(ks)}, ks[0].out)
+        return Kernel(name, "matmul", {"gemv": True, "tb": True, "parts": list(ks)}, ks[0].out)
 
 
 def merge_horizontal(kernels, max_bindings):
-    """Independent kernels of one kind that sit close together become one launch: RoPE of
-    q and k, optimizer updates of many parameters, the q/k/v projections of one input.
-    A group is emitted where a later kernel first touches what it writes (or writes what
-    it reads); kernels that do neither may run before it."""
-    out, group = [], []
-    state = {"writes": set(), "reads": set(), "passed": 0, "groups": 0, "key": None}
+    """Independent kernels of one kind become one launch: RoPE of q and k, optimizer
+    updates of many parameters, the q/k/v projections of one input.
 
-    def close():
-        if len(group) > 1 and state["key"][0] == "pointwise":
-            out.append(Kernel("|".join(k.name for k in group), "multi", {"parts": list(group)}, group[0].out))
-        elif len(group) > 1:
-            out.append(Kernel("|".join(k.name for k in group), "matmul", {"gemv": True, "tb": True, "parts": list(group)},
-                              group[0].out))
-        elif group:
-            out.append(group[0])
-        group.clear()
-        state.update(writes=set(), reads=set(), passed=0, groups=0, key=None)
+    Groups stay open while later kernels do not touch what they write (nor write what they
+    read); those kernels run first. A kernel that depends on open groups may still join a
+    group created after them (groups are emitted in creation order, each after the groups
+    it depends on), so chains such as moment update -> parameter update become two wide
+    launches, not one narrow launch per parameter."""
+    out, open_ = [], []
+
+    def close(g):
+        if g not in open_:
+            return
+        for d in sorted(g.deps, key=open_.index) if all(d in open_ for d in g.deps) else list(g.deps):
+            close(d)
+        open_.remove(g)
+        out.append(g.kernel())
 
     for k in kernels:
         kw = {id(b) for b in k.written_bufs()}
         kr = {id(v.buf) for v in k.read_views()}
+        hits = [g for g in open_ if g.conflicts(kw, kr)]
         key = _group_key(k)
-        conflict = bool((kw | kr) & state["writes"] or kw & state["reads"])
-        groups = _groups_of(k) if key else 0
-        joinable = (key is not None and key == state["key"] and not conflict
-                    and state["groups"] + groups <= MAX_GROUPS and _bindings(group + [k]) <= max_bindings)
-        if joinable:
-            group.append(k)
-            state["writes"] |= kw
-            state["reads"] |= kr
-            state["groups"] += groups
+        if key is None:
+            for g in hits:
+                close(g)
+            out.append(k)
+            for g in list(open_):
+                g.passed += 1
+                if g.temps and g.passed >= MAX_FLOAT:
+                    close(g)
             continue
-        if conflict or key is not None or state["passed"] >= MAX_FLOAT:
-            close()
-        if key is not None:
-            group.append(k)
-            state.update(writes=kw, reads=kr, groups=groups, key=key)
-            continue
-        out.append(k)
-        if group:
-            state["passed"] += 1
-    close()
+        groups = _groups_of(k)
+        last_hit = max((open_.index(g) for g in hits), default=-1)
+        g = next((g for g in open_[last_hit + 1:] if g.key == key), None)   # the earliest it may join
+        if g is not None and not g.fits(k, groups, max_bindings):
+            close(g)
+            g = None
+        if g is None:
+            g = _Group(key)
+            open_.append(g)
+        g.deps |= set(hits)
+        g.add(k, kw, kr, groups)
+    while open_:
+        close(open_[0])
     return out
 
 

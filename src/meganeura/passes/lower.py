@@ -30,7 +30,7 @@ def _copy(targets: list[Tensor], keep, rewrite=None) -> tuple[Graph, list[Tensor
             n = rewrite(t, ins) if rewrite is not None else None
             if n is not None:
                 pass
-            elif keep(t.op) or dec is None:
+            elif keep(t) or dec is None:
                 n = emit(t.op, ins, **t.attrs)
             else:
                 n = dec(*ins, **t.attrs)
@@ -42,7 +42,7 @@ def _copy(targets: list[Tensor], keep, rewrite=None) -> tuple[Graph, list[Tensor
 
 
 def lower_to_primitives(targets: list[Tensor], keep, rewrite=None) -> tuple[Graph, list[Tensor]]:
-    """A new graph computing ``targets`` where every op satisfies ``keep(op)`` or has no
+    """A new graph computing ``targets`` where every node satisfies ``keep(node)`` or has no
     decomposition. Returns the graph and the targets' counterparts, in order.
     ``rewrite(node, new_inputs)`` may replace a node of the original graph (first pass only)."""
     g, new, changed = _copy(targets, keep, rewrite)
@@ -51,7 +51,7 @@ def lower_to_primitives(targets: list[Tensor], keep, rewrite=None) -> tuple[Grap
             break
         g, new, changed = _copy(new, keep)
     missing = sorted({t.op for t in needed_nodes(new) if t.op not in ("input", "parameter", "state", "constant")
-                      and not keep(t.op)})
+                      and not keep(t)})
     if missing:
         raise NotImplementedError(f"no GPU kernel or decomposition for op(s) {missing}")
     return g, new

@@ -1,0 +1,131 @@
+"""The attention archetype: scaled dot-product attention for short query rows against
+short key sequences (decoding, a 128-token prefill, cross-attention to a few tokens) in
+one kernel, instead of a scores matmul, a softmax and a probabilities matmul.
+
+One workgroup per query row (batch, head, position): its scores live in workgroup memory,
+softmax statistics combine through a tree, and the output columns are summed over key
+slices. Grouped heads read kv head h // G; a float mask is added to the scaled scores, an
+integer mask keeps non-zero positions, is_causal keeps j <= i; a fully masked row gives
+zeros, as the op's decomposition does. Longer sequences keep the decomposition (a flash
+kernel with query tiles is the right tool there).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from ..schedule import Kernel
+from .common import ENTRY, GROUP_INDEX, WG, Bindings, broadcast_view_strides, coords, grid, literal
+from .expr import OutputStore
+
+MAX_KEYS = 2048          # scores of one row in workgroup memory (8 KiB)
+MAX_ROW_WORK = 1 << 17   # Lq * Lk per head: beyond it the matmul path is faster
+MAX_DIM = 256
+
+NEG_INF = "bitcast<f32>(0xff800000u)"
+
+
+def supported(t) -> bool:
+    """Shapes this kernel takes (others decompose into matmuls and a softmax)."""
+    q, k, v = t.inputs[:3]
+    if q.ndim < 3 or q.dtype.name != "f32" or k.dtype is not q.dtype or v.dtype is not q.dtype:
+        return False
+    lq, lk = q.shape[-2], k.shape[-2]
+    return (0 < lk <= MAX_KEYS and lq * lk <= MAX_ROW_WORK and 0 < q.shape[-1] <= MAX_DIM
+            and 0 < v.shape[-1] <= MAX_DIM and q.shape[:-3] == k.shape[:-3] == v.shape[:-3])
+
+
+def lower_attention(t, ins, out, materialize, temp):
+    reads = list(ins)        # q, k and v are read through their views (head splits cost nothing)
+    spec = {"scale": t.attrs["scale"], "causal": t.attrs["is_causal"], "masked": len(ins) == 4,
+            "int_mask": len(ins) == 4 and not t.inputs[3].dtype.is_float}
+    return [Kernel("attention", "attention", spec, out, reads)]
+
+
+def render(kernel):
+    q, k, v = kernel.reads[:3]
+    spec = kernel.spec
+    *batch, hq, lq, d = q.shape
+    hkv, lk, dv = k.shape[-3], k.shape[-2], v.shape[-1]
+    group = hq // hkv
+    rows = int(np.prod(batch, dtype=np.int64)) * hq * lq
+    b = Bindings()
+    store = OutputStore(kernel, b)
+    qb, kb, vb = (b.index(x.buf, x.dtype) for x in (q, k, v))
+    # output columns: DV lanes (a power of two) per key slice, WG // DV slices
+    DV = 1 << max(0, (dv - 1).bit_length())
+    slices = WG // DV
+    nbd = len(batch)
+
+    def base(x, head):
+        """Element offset of row 0 of ``x`` at batch ``bz`` and head ``head``."""
+        st = x.strides
+        terms = [f"{x.offset}u"] + [f"z{n} * {st[n]}u" for n in range(nbd) if st[n]]
+        return " + ".join(terms + ([f"{head} * {st[nbd]}u"] if st[nbd] else []))
+    qs, ks, vs = q.strides, k.strides, v.strides
+    lines = [f"    let row = {GROUP_INDEX};", f"    if (row >= {rows}u) {{ return; }}",
+             f"    let i = row % {lq}u; let h = (row / {lq}u) % {hq}u; let bz = row / {lq * hq}u;"]
+    lines += coords("bz", batch, prefix="z") if batch else []
+    lines += [f"    let hk = h / {group}u;",
+              f"    let qoff = {base(q, 'h')} + i * {qs[-2]}u;",
+              f"    let koff = {base(k, 'hk')};",
+              f"    let voff = {base(v, 'hk')};"]
+    score = ["        var s = 0.0;",
+             f"        for (var c = 0u; c < {d}u; c = c + 1u) {{ s = fma(b{qb}[qoff + c * {qs[-1]}u], "
+             f"b{kb}[koff + j * {ks[-2]}u + c * {ks[-1]}u], s); }}",
+             f"        s = s * {literal(spec['scale'], q.dtype)};"]
+    if spec["masked"]:
+        m = kernel.reads[3]
+        mb = b.index(m.buf, m.dtype)
+        st = broadcast_view_strides(m, tuple(batch) + (hq, lq, lk))
+        terms = [f"{m.offset}u"] + [f"z{n} * {st[n]}u" for n in range(len(batch)) if st[n]]
+        terms += [f"{c} * {s_}u" for c, s_ in zip(("h", "i"), st[len(batch):len(batch) + 2]) if s_]
+        lines.append(f"    let moff = {' + '.join(terms)};")
+        mv = f"b{mb}[moff + j * {st[-1]}u]"
+        score.append(f"        s = select({NEG_INF}, s, {mv} != {literal(0, m.dtype)});" if spec["int_mask"]
+                     else f"        s = s + {mv};")
+    if spec["causal"]:
+        score.append(f"        s = select({NEG_INF}, s, j <= i);")
+    tree = """    workgroupBarrier();
+    for (var t = {half}u; t > 0u; t = t >> 1u) {{
+        if (lid < t) {{ red[lid] = {op}; }}
+        workgroupBarrier();
+    }}"""
+    body = "\n".join(lines) + f"""
+    var mx = {NEG_INF};
+    for (var j = lid; j < {lk}u; j = j + {WG}u) {{
+{chr(10).join(score)}
+        sc[j] = s;
+        mx = max(mx, s);
+    }}
+    red[lid] = mx;
+{tree.format(half=WG // 2, op="max(red[lid], red[lid + t])")}
+    let m = red[0];
+    let live = m != {NEG_INF};          // a fully masked row gives zeros
+    workgroupBarrier();
+    var tot = 0.0;
+    for (var j = lid; j < {lk}u; j = j + {WG}u) {{
+        let e = select(0.0, exp(sc[j] - m), live);
+        sc[j] = e;
+        tot = tot + e;
+    }}
+    red[lid] = tot;
+{tree.format(half=WG // 2, op="red[lid] + red[lid + t]")}
+    let inv = select(0.0, 1.0 / red[0], live);
+    workgroupBarrier();
+    let col = lid % {DV}u; let sl = lid / {DV}u;
+    var acc = 0.0;
+    if (col < {dv}u) {{
+        for (var j = sl; j < {lk}u; j = j + {slices}u) {{ acc = fma(sc[j], b{vb}[voff + j * {vs[-2]}u + col * {vs[-1]}u], acc); }}
+    }}
+    red[lid] = acc;
+    workgroupBarrier();
+    for (var t = {slices // 2}u; t > 0u; t = t >> 1u) {{
+        if (sl < t) {{ red[lid] = red[lid] + red[lid + t * {DV}u]; }}
+        workgroupBarrier();
+    }}
+    if (sl == 0u && col < {dv}u) {{ store_out(row * {dv}u + col, red[lid] * inv); }}
+}}
+"""
+    src = b.decls() + "\n" + store.module_text() + \
+        f"\nvar<workgroup> sc: array<f32, {lk}>;\nvar<workgroup> red: array<f32, {WG}>;\n\n" + ENTRY.format(wg=WG) + body
+    return src, b.bufs, grid(rows)
