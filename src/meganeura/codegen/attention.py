@@ -69,10 +69,11 @@ def render(kernel):
               f"    let qoff = {base(q, 'h')} + i * {qs[-2]}u;",
               f"    let koff = {base(k, 'hk')};",
               f"    let voff = {base(v, 'hk')};"]
-    score = ["        var s = 0.0;",
-             f"        for (var c = 0u; c < {d}u; c = c + 1u) {{ s = fma(b{qb}[qoff + c * {qs[-1]}u], "
-             f"b{kb}[koff + j * {ks[-2]}u + c * {ks[-1]}u], s); }}",
-             f"        s = s * {literal(spec['scale'], q.dtype)};"]
+    # scores: P lanes share one key (each sums D / P products, independent loads), so a
+    # pass covers WG / P keys; the lanes' partial sums combine through ``red``
+    P = 8 if d >= 8 else 1
+    KPP = WG // P
+    score = [f"        var s = red[lid] * {literal(spec['scale'], q.dtype)};"]
     if spec["masked"]:
         m = kernel.reads[3]
         mb = b.index(m.buf, m.dtype)
@@ -91,11 +92,28 @@ def render(kernel):
         workgroupBarrier();
     }}"""
     body = "\n".join(lines) + f"""
+    for (var c = lid; c < {d}u; c = c + {WG}u) {{ qv[c] = b{qb}[qoff + c * {qs[-1]}u]; }}
+    workgroupBarrier();
+    let p = lid % {P}u; let kl = lid / {P}u;
     var mx = {NEG_INF};
-    for (var j = lid; j < {lk}u; j = j + {WG}u) {{
-{chr(10).join(score)}
-        sc[j] = s;
-        mx = max(mx, s);
+    for (var j0 = 0u; j0 < {lk}u; j0 = j0 + {KPP}u) {{
+        let j = j0 + kl;
+        var part_s = 0.0;
+        if (j < {lk}u) {{
+            for (var c = p; c < {d}u; c = c + {P}u) {{ part_s = fma(qv[c], b{kb}[koff + j * {ks[-2]}u + c * {ks[-1]}u], part_s); }}
+        }}
+        red[lid] = part_s;
+        workgroupBarrier();
+        for (var t = {P // 2}u; t > 0u; t = t >> 1u) {{
+            if (p < t) {{ red[lid] = red[lid] + red[lid + t]; }}
+            workgroupBarrier();
+        }}
+        if (p == 0u && j < {lk}u) {{
+    {chr(10).join("    " + ln for ln in score)}
+            sc[j] = s;
+            mx = max(mx, s);
+        }}
+        workgroupBarrier();
     }}
     red[lid] = mx;
 {tree.format(half=WG // 2, op="max(red[lid], red[lid + t])")}
@@ -127,5 +145,6 @@ def render(kernel):
 }}
 """
     src = b.decls() + "\n" + store.module_text() + \
-        f"\nvar<workgroup> sc: array<f32, {lk}>;\nvar<workgroup> red: array<f32, {WG}>;\n\n" + ENTRY.format(wg=WG) + body
+        f"\nvar<workgroup> sc: array<f32, {lk}>;\nvar<workgroup> red: array<f32, {WG}>;\n" \
+        f"var<workgroup> qv: array<f32, {d}>;\n\n" + ENTRY.format(wg=WG) + body
     return src, b.bufs, grid(rows)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..schedule import Kernel
+from ..schedule import Kernel, View
 from .expr import OutputStore
 from .common import ENTRY, GROUP_INDEX, WG, Bindings, coords, grid, literal
 
@@ -24,6 +24,13 @@ def lower_reduce(t, ins, out, materialize, temp):
     v = ins[0]
     r = int(np.prod([v.shape[d] for d in dims], dtype=np.int64))
     n_out = v.size // max(r, 1)
+    if r == 1 and v.size:
+        # over size-1 dims only (an unbroadcast of a batch of one): a copy, which fusion
+        # folds into the producer's store
+        kept = [d for d in range(len(v.shape)) if d not in dims]
+        st = v.strides if len(t.shape) == len(v.shape) else tuple(v.strides[d] for d in kept)
+        return [Kernel(t.op, "pointwise", {"expr": ("leaf", 0), "dtype": out.dtype}, out,
+                       [View(v.buf, t.shape, tuple(st), v.offset, v.dtype)])]
     if r >= 2 * CHUNK and (n_out < 512 or r > 4 * CHUNK):
         # long rows: few workgroups would each loop far too long (slow, and past the
         # 65535-iteration loop bound of software drivers); chunks of the rows reduce in
