@@ -22,8 +22,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .. import ops
-from ..graph import Graph, i32
+from .. import nn, ops
+from ..graph import Graph, Tensor, i32
 
 NEG_INF = float("-inf")
 
@@ -97,30 +97,6 @@ class LlamaConfig:
 
 
 # ------------------------------------------------------------------------- pieces
-def _params(g: Graph, cfg: LlamaConfig):
-    """Create every parameter, named as transformers does; returns (embed, layers, norm, head)."""
-    H, hd = cfg.hidden_size, cfg.head_dim
-    nq, nkv, F = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.intermediate_size
-    embed = g.parameter("model.embed_tokens.weight", (cfg.vocab_size, H), init="normal")
-    layers = []
-    for i in range(cfg.num_hidden_layers):
-        p = f"model.layers.{i}."
-        layers.append(dict(
-            ln1=g.parameter(p + "input_layernorm.weight", (H,), init="ones"),
-            q=g.parameter(p + "self_attn.q_proj.weight", (nq * hd, H), init="normal"),
-            k=g.parameter(p + "self_attn.k_proj.weight", (nkv * hd, H), init="normal"),
-            v=g.parameter(p + "self_attn.v_proj.weight", (nkv * hd, H), init="normal"),
-            o=g.parameter(p + "self_attn.o_proj.weight", (H, nq * hd), init="normal"),
-            ln2=g.parameter(p + "post_attention_layernorm.weight", (H,), init="ones"),
-            gate=g.parameter(p + "mlp.gate_proj.weight", (F, H), init="normal"),
-            up=g.parameter(p + "mlp.up_proj.weight", (F, H), init="normal"),
-            down=g.parameter(p + "mlp.down_proj.weight", (H, F), init="normal"),
-        ))
-    norm = g.parameter("model.norm.weight", (H,), init="ones")
-    head = embed if cfg.tie_word_embeddings else g.parameter("lm_head.weight", (cfg.vocab_size, H), init="normal")
-    return embed, layers, norm, head
-
-
 def _heads(x, n, hd):
     """(b, s, n*hd) -> (b, n, s, hd)."""
     b, s, _ = x.shape
@@ -148,39 +124,142 @@ def rope_tables(positions, head_dim, base):
     return np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
 
 
-def _mlp(h, L):
-    return ops.linear(ops.silu(ops.linear(h, L["gate"])) * ops.linear(h, L["up"]), L["down"])
+@dataclass
+class DecodeStep:
+    """The fed position inputs of one decoding call (see ``build_decoder``), shared by every
+    layer; ``keep`` (max_len, 1) marks the cache slots no new token writes."""
+    tokens: int
+    cos: Tensor
+    sin: Tensor
+    mask: Tensor
+    write: Tensor
+    keep: Tensor
 
 
-def _trunk(cfg, layers, x, attend):
-    """The decoder layers; ``attend(i, L, h)`` is the attention block of layer i."""
-    H, eps = cfg.hidden_size, cfg.rms_norm_eps
-    for i, L in enumerate(layers):
-        h = ops.rms_norm(x, (H,), L["ln1"], eps)
-        x = x + ops.linear(attend(i, L, h), L["o"])
-        h = ops.rms_norm(x, (H,), L["ln2"], eps)
-        x = x + _mlp(h, L)
-    return x
+# ------------------------------------------------------------------------- modules
+class LlamaAttention(nn.Module):
+    """Grouped-query self-attention; ``forward`` is causal over the whole sequence (RoPE
+    baked in), ``decode`` attends new tokens against a key/value cache."""
+
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        H, hd = cfg.hidden_size, cfg.head_dim
+        self.nq, self.nkv, self.hd, self.theta = cfg.num_attention_heads, cfg.num_key_value_heads, hd, cfg.rope_theta
+        self.q_proj = nn.Linear(H, self.nq * hd, bias=False)
+        self.k_proj = nn.Linear(H, self.nkv * hd, bias=False)
+        self.v_proj = nn.Linear(H, self.nkv * hd, bias=False)
+        self.o_proj = nn.Linear(self.nq * hd, H, bias=False)
+
+    def _qkv(self, h):
+        return (_heads(self.q_proj(h), self.nq, self.hd), _heads(self.k_proj(h), self.nkv, self.hd),
+                _heads(self.v_proj(h), self.nkv, self.hd))
+
+    def forward(self, h):
+        q, k, v = self._qkv(h)
+        q, k = ops.rope(q, self.theta), ops.rope(k, self.theta)
+        return self.o_proj(_merge(ops.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)))
+
+    def decode(self, h, step: DecodeStep, past_key, past_value):
+        """(output, new key cache, new value cache). The cache update is a blend,
+        cache * (1 - written) + cache_write @ k_new, so a slot is replaced exactly where a
+        token is written."""
+        q, k, v = self._qkv(h)
+        q, k = rope_fed(q, step.cos, step.sin), rope_fed(k, step.cos, step.sin)
+        keep, write = step.keep, step.write
+        if step.tokens == 1:   # one new row: a broadcast product, pointwise with the blend
+            kc = past_key * keep + write * k                 # (batch, kv, max_len, hd)
+            vc = past_value * keep + write * v
+        else:
+            kc = past_key * keep + ops.mm(write, k)
+            vc = past_value * keep + ops.mm(write, v)
+        out = _merge(ops.scaled_dot_product_attention(q, kc, vc, attn_mask=step.mask, enable_gqa=True))
+        return self.o_proj(out), kc, vc
 
 
-def _qkv(cfg, L, h):
-    hd = cfg.head_dim
-    return (_heads(ops.linear(h, L["q"]), cfg.num_attention_heads, hd),
-            _heads(ops.linear(h, L["k"]), cfg.num_key_value_heads, hd),
-            _heads(ops.linear(h, L["v"]), cfg.num_key_value_heads, hd))
+class LlamaMLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        H, F = cfg.hidden_size, cfg.intermediate_size
+        self.gate_proj = nn.Linear(H, F, bias=False)
+        self.up_proj = nn.Linear(H, F, bias=False)
+        self.down_proj = nn.Linear(F, H, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(ops.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
-def _hidden(g, cfg, ids):
-    """Final-normed hidden states (b, s, H) of a full causal pass, and the head weight."""
-    embed, layers, norm, head = _params(g, cfg)
+class LlamaDecoderLayer(nn.Module):
+    """Pre-RMSNorm attention and MLP, each with a residual."""
 
-    def attend(i, L, h):
-        q, k, v = _qkv(cfg, L, h)
-        q, k = ops.rope(q, cfg.rope_theta), ops.rope(k, cfg.rope_theta)
-        return _merge(ops.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True))
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        self.self_attn = LlamaAttention(cfg)
+        self.mlp = LlamaMLP(cfg)
+        self.input_layernorm = nn.RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = nn.RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    x = _trunk(cfg, layers, ops.embedding(ids, embed), attend)
-    return ops.rms_norm(x, (cfg.hidden_size,), norm, cfg.rms_norm_eps), head
+    def _mlp_block(self, x):
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+    def forward(self, x):
+        return self._mlp_block(x + self.self_attn(self.input_layernorm(x)))
+
+    def decode(self, x, step: DecodeStep, past_key, past_value):
+        a, kc, vc = self.self_attn.decode(self.input_layernorm(x), step, past_key, past_value)
+        return self._mlp_block(x + a), kc, vc
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.norm = nn.RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, ids):
+        """Final-normed hidden states (b, s, H) of a full causal pass."""
+        x = self.embed_tokens(ids)
+        for layer in self.layers:
+            x = layer(x)
+        return self.norm(x)
+
+
+class LlamaForCausalLM(nn.Module):
+    """transformers' LlamaForCausalLM: ``model`` and, unless tied to the embedding,
+    ``lm_head``. Parameters are deferred (see ``nn.init.deferred``) with Hugging Face's
+    initialisation rules: N(0, 0.02) for projections and the embedding, ones for norms."""
+
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        self.config = cfg
+        with nn.init.deferred():
+            self.model = LlamaModel(cfg)
+            if not cfg.tie_word_embeddings:
+                self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+            for m in self.modules():
+                if isinstance(m, (nn.Linear, nn.Embedding)):
+                    nn.init.normal_(m._parameters["weight"], std=0.02)
+
+    def head(self, h):
+        if self.config.tie_word_embeddings:
+            return ops.linear(h, self.model.embed_tokens.weight)
+        return self.lm_head(h)
+
+    def forward(self, ids, step: DecodeStep | None = None, past=None):
+        """Logits (b, s, vocab); with a decoding ``step`` and the ``past`` caches
+        (``cache_names`` order), the last new token's logits (b, vocab) and the new caches."""
+        if step is None:
+            return self.head(self.model(ids))
+        m, cfg = self.model, self.config
+        batch, tokens = ids.shape
+        x, new_cache = m.embed_tokens(ids), []
+        for i, layer in enumerate(m.layers):
+            x, kc, vc = layer.decode(x, step, past[2 * i], past[2 * i + 1])
+            new_cache.extend([kc, vc])
+        last = x if tokens == 1 else ops.slice(x, 1, tokens - 1, tokens)
+        return self.head(m.norm(ops.reshape(last, (batch, cfg.hidden_size)))), new_cache
 
 
 # ------------------------------------------------------------------------- builders
@@ -188,8 +267,7 @@ def build_causal_lm(cfg: LlamaConfig, batch: int, seq: int):
     """Full-sequence forward. Returns (graph, ids input (batch, seq) i32, logits (batch, seq, vocab))."""
     g = Graph()
     ids = g.input("input_ids", (batch, seq), i32)
-    h, head = _hidden(g, cfg, ids)
-    return g, ids, ops.linear(h, head)
+    return g, ids, LlamaForCausalLM(cfg)(ids)
 
 
 def build_training(cfg: LlamaConfig, batch: int, seq: int, shift_labels: bool = True):
@@ -204,8 +282,7 @@ def build_training(cfg: LlamaConfig, batch: int, seq: int, shift_labels: bool = 
     g = Graph()
     ids = g.input("input_ids", (batch, seq), i32)
     labels = g.input("labels", (batch, seq), i32)
-    h, head = _hidden(g, cfg, ids)
-    logits = ops.linear(h, head)
+    logits = LlamaForCausalLM(cfg)(ids)
     if shift_labels:
         # scoring labels[:, 1:] with an ignored last column keeps the logits whole (no slice copy)
         pad = g.constant(np.full((batch, 1), -100, np.int32))
@@ -234,8 +311,8 @@ def build_decoder(cfg: LlamaConfig, batch: int, tokens: int, max_len: int, cache
       past.{i}.key / past.{i}.value (batch, kv_heads, max_len, head_dim): the cache.
     Returns (graph, logits of the last token (batch, vocab), new caches in ``cache_names``
     order). With ``cache_as_state`` the caches are ``g.state`` tensors (kept on the device;
-    compile with ``state_updates`` mapping them to the new caches) instead of inputs. The cache update is a blend, cache * (1 - written) + cache_write @ k_new, so a
-    slot is replaced exactly where a token is written."""
+    compile with ``state_updates`` mapping them to the new caches) instead of inputs. The
+    cache update is ``LlamaAttention.decode``'s blend."""
     g = Graph()
     hd, nkv = cfg.head_dim, cfg.num_key_value_heads
     ids = g.input("input_ids", (batch, tokens), i32)
@@ -245,26 +322,11 @@ def build_decoder(cfg: LlamaConfig, batch: int, tokens: int, max_len: int, cache
     write = g.input("cache_write", (max_len, tokens))
     make = g.state if cache_as_state else g.input
     past = [make(n, (batch, nkv, max_len, hd)) for n in cache_names(cfg)]
-    embed, layers, norm, head = _params(g, cfg)
     keep = 1.0 - ops.sum(write, 1, keepdim=True)             # (max_len, 1): slots not written
-    new_cache = []
+    step = DecodeStep(tokens, cos, sin, mask, write, keep)
+    logits, new_cache = LlamaForCausalLM(cfg)(ids, step, past)
+    return g, logits, new_cache
 
-    def attend(i, L, h):
-        q, k, v = _qkv(cfg, L, h)
-        q, k = rope_fed(q, cos, sin), rope_fed(k, cos, sin)
-        if tokens == 1:   # one new row: a broadcast product, pointwise with the blend
-            kc = past[2 * i] * keep + write * k              # (batch, kv, max_len, hd)
-            vc = past[2 * i + 1] * keep + write * v
-        else:
-            kc = past[2 * i] * keep + ops.mm(write, k)
-            vc = past[2 * i + 1] * keep + ops.mm(write, v)
-        new_cache.extend([kc, vc])
-        return _merge(ops.scaled_dot_product_attention(q, kc, vc, attn_mask=mask, enable_gqa=True))
-
-    x = _trunk(cfg, layers, ops.embedding(ids, embed), attend)
-    last = x if tokens == 1 else ops.slice(x, 1, tokens - 1, tokens)
-    last = ops.rms_norm(ops.reshape(last, (batch, cfg.hidden_size)), (cfg.hidden_size,), norm, cfg.rms_norm_eps)
-    return g, ops.linear(last, head), new_cache
 
 
 def decode_feeds(cfg: LlamaConfig, start: int, tokens: int, max_len: int) -> dict:

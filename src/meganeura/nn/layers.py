@@ -14,7 +14,15 @@ from .module import Module, Parameter
 
 
 def _empty(*shape):
-    return Parameter(np.zeros(shape, np.float32))
+    """A parameter to initialise: deferred to the graph inside ``init.deferred()``."""
+    return Parameter(shape=shape) if init.deferring() else Parameter(np.zeros(shape, np.float32))
+
+
+def _filled(shape, one: bool):
+    """Ones (scales) or zeros (shifts), as a deferred rule inside ``init.deferred()``."""
+    if init.deferring():
+        return Parameter(shape=shape, init="ones" if one else None)
+    return Parameter(np.ones(shape) if one else np.zeros(shape))
 
 
 class Identity(Module):
@@ -115,8 +123,8 @@ class LayerNorm(Module):
     def __init__(self, normalized_shape, eps=1e-5, elementwise_affine=True, bias=True):
         super().__init__()
         self.normalized_shape, self.eps = _shape(normalized_shape), eps
-        self.weight = Parameter(np.ones(self.normalized_shape)) if elementwise_affine else None
-        self.bias = Parameter(np.zeros(self.normalized_shape)) if elementwise_affine and bias else None
+        self.weight = _filled(self.normalized_shape, True) if elementwise_affine else None
+        self.bias = _filled(self.normalized_shape, False) if elementwise_affine and bias else None
 
     def forward(self, x):
         return ops.layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps)
@@ -126,7 +134,7 @@ class RMSNorm(Module):
     def __init__(self, normalized_shape, eps=None, elementwise_affine=True):
         super().__init__()
         self.normalized_shape, self.eps = _shape(normalized_shape), eps
-        self.weight = Parameter(np.ones(self.normalized_shape)) if elementwise_affine else None
+        self.weight = _filled(self.normalized_shape, True) if elementwise_affine else None
 
     def forward(self, x):
         return ops.rms_norm(x, self.normalized_shape, self.weight, self.eps)
@@ -138,8 +146,8 @@ class GroupNorm(Module):
         if num_channels % num_groups:
             raise ValueError(f"GroupNorm: num_channels {num_channels} must be divisible by num_groups {num_groups}")
         self.num_groups, self.num_channels, self.eps = num_groups, num_channels, eps
-        self.weight = Parameter(np.ones(num_channels)) if affine else None
-        self.bias = Parameter(np.zeros(num_channels)) if affine else None
+        self.weight = _filled((num_channels,), True) if affine else None
+        self.bias = _filled((num_channels,), False) if affine else None
 
     def forward(self, x):
         return ops.group_norm(x, self.num_groups, self.weight, self.bias, self.eps)
@@ -156,8 +164,8 @@ class _BatchNorm(Module):
             raise NotImplementedError(f"{type(self).__name__}: momentum=None (a cumulative average) is not supported")
         self.num_features, self.eps, self.momentum = num_features, eps, momentum
         self.affine, self.track_running_stats = affine, track_running_stats
-        self.weight = Parameter(np.ones(num_features)) if affine else None
-        self.bias = Parameter(np.zeros(num_features)) if affine else None
+        self.weight = _filled((num_features,), True) if affine else None
+        self.bias = _filled((num_features,), False) if affine else None
         if track_running_stats:
             self.register_buffer("running_mean", np.zeros(num_features, np.float32))
             self.register_buffer("running_var", np.ones(num_features, np.float32))

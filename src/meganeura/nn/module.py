@@ -31,19 +31,57 @@ _CALLED: list = []         # while mg.jit traces: lists that collect every modul
 
 
 class Parameter:
-    """A trainable array (float32 unless ``data`` says f16)."""
+    """A trainable array (float32 unless ``data`` says f16).
 
-    def __init__(self, data, requires_grad=True):
-        arr = np.asarray(data)
-        self.data = np.array(arr, dtype=arr.dtype if arr.dtype == np.float16 else np.float32)
+    ``Parameter(shape=..., init=rule)`` (or any layer built inside ``nn.init.deferred()``)
+    holds no array yet: a graph built from the module draws it with ``Graph.parameter``'s
+    rule (None: torch's fan-in uniform for rank >= 2, zeros below; 'normal': N(0, 0.02);
+    'ones'; 'zeros'), seeded by the session and the parameter's full name, so two builds
+    agree and a large model is not held twice before its weights are loaded. Assigning or
+    loading ``data`` replaces the rule; reading it first draws a value by the same rule
+    from ``nn.init``'s generator."""
+
+    def __init__(self, data=None, requires_grad=True, *, shape=None, init=None):
         self.requires_grad = requires_grad
+        self._data, self.init = None, init
+        if data is None:
+            if shape is None:
+                raise TypeError("Parameter: give data, or shape= (and init=) for a deferred value")
+            self._shape = tuple(int(s) for s in shape)
+        else:
+            self.data = data
+
+    @property
+    def deferred(self) -> bool:
+        return self._data is None
+
+    @property
+    def data(self) -> np.ndarray:
+        if self._data is None:
+            from .init import draw
+            self._data = draw(self._shape, self.init)
+        return self._data
+
+    @data.setter
+    def data(self, value):
+        arr = np.asarray(value)
+        self._data = np.array(arr, dtype=arr.dtype if arr.dtype == np.float16 else np.float32)
+        self._shape, self.init = self._data.shape, None
 
     @property
     def shape(self):
-        return self.data.shape
+        return self._shape
+
+    @property
+    def dtype(self):
+        return np.dtype(np.float32) if self._data is None else self._data.dtype
+
+    def graph_init(self):
+        """What ``Graph.parameter`` takes as ``init``: the rule while deferred, else a copy."""
+        return self.init if self._data is None else self._data.copy()
 
     def __repr__(self):
-        return f"Parameter(shape={fmt_shape(self.data.shape)})"
+        return f"Parameter(shape={fmt_shape(self._shape)}{', deferred' if self.deferred else ''})"
 
 
 def to_numpy(v) -> np.ndarray:
@@ -157,10 +195,10 @@ class Module:
         g = current_graph()
         full = self._prefix + name
         if kind == "parameter":
-            value = self._parameters[name].data
+            value = self._parameters[name]
             t = g.parameters.get(full)
             if t is None:
-                return g.parameter(full, value.shape, value.dtype, init=value.copy())
+                return g.parameter(full, value.shape, value.dtype, init=value.graph_init())
         else:
             value = self._buffers[name]
             if value is None or value.dtype.kind != "f":
@@ -268,8 +306,8 @@ class Module:
                 continue
             m, n, isp = entries[k]
             arr = to_numpy(v)
-            want = m._parameters[n].data if isp else m._buffers[n]
-            if arr.shape != want.shape:
+            want = m._parameters[n] if isp else m._buffers[n]
+            if arr.shape != tuple(want.shape):
                 problems.append(f"{k!r}: got shape {fmt_shape(arr.shape)}, expected {fmt_shape(want.shape)}")
             else:
                 values[k] = arr.astype(want.dtype)
