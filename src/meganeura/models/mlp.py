@@ -3,22 +3,27 @@ from __future__ import annotations
 
 import numpy as np
 
-from .. import ops
+from .. import nn, ops
 from ..graph import Graph, i32
 
 
+def mlp(n_in, hidden, n_out, depth=2) -> nn.Sequential:
+    """Linear/ReLU stack (names ``0.weight``, ``2.weight``...); parameters deferred (see
+    ``nn.init.deferred``): torch's Linear rule for weights, zero biases."""
+    dims = [n_in] + [hidden] * (depth - 1) + [n_out]
+    layers = []
+    with nn.init.deferred():
+        for k in range(depth):
+            layers += [nn.Linear(dims[k], dims[k + 1])] + ([nn.ReLU()] if k < depth - 1 else [])
+    return nn.Sequential(*layers)
+
+
 def build_mlp(batch, n_in, hidden, n_out, depth=2):
-    """Linear/ReLU stack with names like torch.nn.Sequential (``0.weight``, ``2.weight``...)."""
+    """Graph of ``mlp`` with a cross-entropy loss: (graph, x, labels, logits, loss)."""
     g = Graph()
     x = g.input("x", (batch, n_in))
     labels = g.input("labels", (batch,), i32)
-    h, dims = x, [n_in] + [hidden] * (depth - 1) + [n_out]
-    for k in range(depth):
-        w = g.parameter(f"{2 * k}.weight", (dims[k + 1], dims[k]))
-        b = g.parameter(f"{2 * k}.bias", (dims[k + 1],))
-        h = ops.linear(h, w, b)
-        if k < depth - 1:
-            h = ops.relu(h)
+    h = mlp(n_in, hidden, n_out, depth)(x)
     return g, x, labels, h, ops.cross_entropy(h, labels)
 
 

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .. import ops
+from .. import nn, ops
 from ..graph import Graph, Tensor, i32
 from ..optim import Optimizer, with_state_updates as _with_state_updates
 
@@ -84,68 +84,106 @@ class ResNetGraph:
     state_updates: dict = field(default_factory=dict)   # {running-stat state: new value} ("train")
 
 
-class _Builder:
-    def __init__(self, g, cfg, bn):
-        if bn not in BN_MODES:
-            raise ValueError(f"bn must be one of {BN_MODES}, got {bn!r}")
-        self.g, self.cfg, self.bn, self.updates = g, cfg, bn, {}
+class ResNetConvLayer(nn.Module):
+    """``convolution`` (no bias, padding kernel // 2) + ``normalization`` (batch norm), or,
+    with ``folded``, a biased convolution alone; then an optional ReLU."""
 
-    def conv_bn(self, prefix, x, c_out, kernel, stride, relu):
-        """``prefix.convolution`` (no bias, padding kernel // 2) + ``prefix.normalization``."""
-        g, cfg = self.g, self.cfg
-        shape = (c_out, x.shape[1], kernel, kernel)
-        w = g.parameter(f"{prefix}.convolution.weight", shape)
-        pad = kernel // 2
-        if self.bn == "folded":
-            b = g.parameter(f"{prefix}.convolution.bias", (c_out,))
-            y = ops.conv2d(x, w, b, stride=stride, padding=pad)
-        else:
-            y = ops.conv2d(x, w, stride=stride, padding=pad)
-            n = f"{prefix}.normalization"
-            gamma = g.parameter(f"{n}.weight", (c_out,), init="ones")
-            beta = g.parameter(f"{n}.bias", (c_out,))
-            rm = g.state(f"{n}.running_mean", (c_out,), init=0.0)
-            rv = g.state(f"{n}.running_var", (c_out,), init=1.0)
-            if self.bn == "train":
-                y2 = ops.batch_norm(y, None, None, gamma, beta, training=True, eps=cfg.bn_eps)
-                mean, var = ops.batch_norm_stats(y)
-                m = cfg.bn_momentum
-                self.updates[rm] = rm * (1.0 - m) + mean * m
-                self.updates[rv] = rv * (1.0 - m) + var * m
-                y = y2
-            else:
-                y = ops.batch_norm(y, rm, rv, gamma, beta, training=False, eps=cfg.bn_eps)
-        return ops.relu(y) if relu else y
-
-    def block(self, prefix, x, c_out, stride):
-        c_in = x.shape[1]
-        shortcut = x
-        if c_in != c_out or stride != 1:
-            shortcut = self.conv_bn(f"{prefix}.shortcut", x, c_out, 1, stride, relu=False)
-        p = f"{prefix}.layer"
-        if self.cfg.layer_type == "bottleneck":
-            mid = c_out // 4
-            first, second = (stride, 1) if self.cfg.downsample_in_bottleneck else (1, stride)
-            h = self.conv_bn(f"{p}.0", x, mid, 1, first, relu=True)
-            h = self.conv_bn(f"{p}.1", h, mid, 3, second, relu=True)
-            h = self.conv_bn(f"{p}.2", h, c_out, 1, 1, relu=False)
-        else:
-            h = self.conv_bn(f"{p}.0", x, c_out, 3, stride, relu=True)
-            h = self.conv_bn(f"{p}.1", h, c_out, 3, 1, relu=False)
-        return ops.relu(h + shortcut)
+    def __init__(self, c_in, c_out, kernel, stride, relu, cfg: ResNetConfig, folded):
+        super().__init__()
+        self.relu = relu
+        self.convolution = nn.Conv2d(c_in, c_out, kernel, stride, kernel // 2, bias=folded)
+        self.normalization = (nn.Identity() if folded
+                              else nn.BatchNorm2d(c_out, eps=cfg.bn_eps, momentum=cfg.bn_momentum))
 
     def forward(self, x):
-        cfg = self.cfg
-        h = self.conv_bn("resnet.embedder.embedder", x, cfg.embedding_size, 7, 2, relu=True)
-        h = ops.max_pool2d(h, 3, 2, 1)
+        y = self.normalization(self.convolution(x))
+        return ops.relu(y) if self.relu else y
+
+
+class ResNetLayer(nn.Module):
+    """A residual block (bottleneck or basic) with a projection ``shortcut`` where channels
+    or stride change."""
+
+    def __init__(self, c_in, c_out, stride, cfg: ResNetConfig, folded):
+        super().__init__()
+        conv = (lambda *a: ResNetConvLayer(*a, cfg, folded))
+        self.shortcut = conv(c_in, c_out, 1, stride, False) if c_in != c_out or stride != 1 else nn.Identity()
+        if cfg.layer_type == "bottleneck":
+            mid = c_out // 4
+            first, second = (stride, 1) if cfg.downsample_in_bottleneck else (1, stride)
+            self.layer = nn.Sequential(conv(c_in, mid, 1, first, True), conv(mid, mid, 3, second, True),
+                                       conv(mid, c_out, 1, 1, False))
+        else:
+            self.layer = nn.Sequential(conv(c_in, c_out, 3, stride, True), conv(c_out, c_out, 3, 1, False))
+
+    def forward(self, x):
+        shortcut = self.shortcut(x)
+        return ops.relu(self.layer(x) + shortcut)
+
+
+class ResNetStage(nn.Module):
+    def __init__(self, c_in, c_out, depth, stride, cfg, folded):
+        super().__init__()
+        self.layers = nn.Sequential(*(ResNetLayer(c_in if k == 0 else c_out, c_out, stride if k == 0 else 1, cfg,
+                                                  folded) for k in range(depth)))
+
+    def forward(self, x):
+        return self.layers(x)
+
+
+class ResNetEmbeddings(nn.Module):
+    def __init__(self, cfg: ResNetConfig, folded):
+        super().__init__()
+        self.embedder = ResNetConvLayer(cfg.num_channels, cfg.embedding_size, 7, 2, True, cfg, folded)
+        self.pooler = nn.MaxPool2d(3, 2, 1)
+
+    def forward(self, x):
+        return self.pooler(self.embedder(x))
+
+
+class ResNetEncoder(nn.Module):
+    def __init__(self, cfg: ResNetConfig, folded):
+        super().__init__()
+        c_in, stages = cfg.embedding_size, []
         for s, (c_out, depth) in enumerate(zip(cfg.hidden_sizes, cfg.depths)):
-            for k in range(depth):
-                stride = 2 if k == 0 and (s > 0 or cfg.downsample_in_first_stage) else 1
-                h = self.block(f"resnet.encoder.stages.{s}.layers.{k}", h, c_out, stride)
-        pooled = ops.flatten(ops.adaptive_avg_pool2d(h, 1), 1)
-        w = self.g.parameter("classifier.1.weight", (cfg.num_labels, cfg.hidden_sizes[-1]))
-        b = self.g.parameter("classifier.1.bias", (cfg.num_labels,))
-        return ops.linear(pooled, w, b)
+            stride = 2 if s > 0 or cfg.downsample_in_first_stage else 1
+            stages.append(ResNetStage(c_in, c_out, depth, stride, cfg, folded))
+            c_in = c_out
+        self.stages = nn.ModuleList(stages)
+
+    def forward(self, x):
+        for stage in self.stages:
+            x = stage(x)
+        return x
+
+
+class ResNetModel(nn.Module):
+    def __init__(self, cfg: ResNetConfig, folded):
+        super().__init__()
+        self.embedder = ResNetEmbeddings(cfg, folded)
+        self.encoder = ResNetEncoder(cfg, folded)
+
+    def forward(self, x):
+        return ops.adaptive_avg_pool2d(self.encoder(self.embedder(x)), 1)
+
+
+class ResNetForImageClassification(nn.Module):
+    """transformers' module tree and names. ``bn``: "train" / "eval" set the batch norms'
+    mode (``train()`` / ``eval()`` switch it later); "folded" has no batch norms and biased
+    convolutions (load ``fold_batch_norm(state)``). Parameters are deferred (see
+    ``nn.init.deferred``)."""
+
+    def __init__(self, cfg: ResNetConfig, bn="folded"):
+        super().__init__()
+        if bn not in BN_MODES:
+            raise ValueError(f"bn must be one of {BN_MODES}, got {bn!r}")
+        with nn.init.deferred():
+            self.resnet = ResNetModel(cfg, bn == "folded")
+            self.classifier = nn.Sequential(nn.Flatten(), nn.Linear(cfg.hidden_sizes[-1], cfg.num_labels))
+        self.train(bn == "train")
+
+    def forward(self, pixel_values):
+        return self.classifier(self.resnet(pixel_values))
 
 
 def build_resnet(cfg: ResNetConfig, batch: int, bn="folded", with_loss=False) -> ResNetGraph:
@@ -154,11 +192,11 @@ def build_resnet(cfg: ResNetConfig, batch: int, bn="folded", with_loss=False) ->
     bn: "folded" (inference, load ``fold_batch_norm(state)``), "eval" (inference with
     running statistics) or "train" (batch statistics). ``with_loss`` adds an i32 ``labels``
     input (batch,) and the mean class cross-entropy."""
+    model = ResNetForImageClassification(cfg, bn)
     g = Graph()
     x = g.input("pixel_values", (batch, cfg.num_channels, cfg.image_size, cfg.image_size))
-    b = _Builder(g, cfg, bn)
-    logits = b.forward(x)
-    out = ResNetGraph(g, x, logits, state_updates=b.updates)
+    logits = model(x)
+    out = ResNetGraph(g, x, logits, state_updates=nn.state_updates(g))
     if with_loss:
         out.labels = g.input("labels", (batch,), i32)
         out.loss = ops.cross_entropy(logits, out.labels)

@@ -15,7 +15,7 @@ from typing import Optional
 
 import numpy as np
 
-from .. import ops
+from .. import nn, ops
 from ..graph import Graph, Tensor
 
 
@@ -61,35 +61,79 @@ class SmolVLAGraph:
     loss: Optional[Tensor] = None
 
 
-def _attention(g, cfg: SmolVLAConfig, name, x, vlm, cross):
-    b, n, dim = x.shape
-    hq, hkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    src = vlm if cross else x
-    kv_in = src.shape[-1]
+class ExpertAttention(nn.Module):
+    """Self-attention among the action tokens (RoPE), or cross-attention from them to the
+    VLM features (k/v projected from ``vlm_kv_dim``); unbiased projections."""
 
-    def proj(what, t, n_in, heads):
-        w = g.parameter(f"{name}.{what}_proj.weight", (heads * d, n_in))
-        return ops.transpose(ops.reshape(ops.linear(t, w), (b, t.shape[1], heads, d)), 1, 2)
-    q = proj("q", x, dim, hq)
-    k = proj("k", src, kv_in, hkv)
-    v = proj("v", src, kv_in, hkv)
-    if not cross:
-        q, k = ops.rope(q, base=cfg.rope_theta), ops.rope(k, base=cfg.rope_theta)
-    o = ops.scaled_dot_product_attention(q, k, v, enable_gqa=hq != hkv)
-    o = ops.reshape(ops.transpose(o, 1, 2), (b, n, hq * d))
-    return ops.linear(o, g.parameter(f"{name}.o_proj.weight", (dim, hq * d)))
+    def __init__(self, cfg: SmolVLAConfig, cross: bool):
+        super().__init__()
+        dim, d, kv_in = cfg.hidden_size, cfg.head_dim, cfg.vlm_kv_dim if cross else cfg.hidden_size
+        self.cross, self.hq, self.hkv, self.d, self.theta = cross, cfg.num_heads, cfg.num_kv_heads, d, cfg.rope_theta
+        self.q_proj = nn.Linear(dim, self.hq * d, bias=False)
+        self.k_proj = nn.Linear(kv_in, self.hkv * d, bias=False)
+        self.v_proj = nn.Linear(kv_in, self.hkv * d, bias=False)
+        self.o_proj = nn.Linear(self.hq * d, dim, bias=False)
+
+    def forward(self, x, vlm):
+        b, n, _ = x.shape
+        src = vlm if self.cross else x
+
+        def heads(proj, t, h):                         # (B, L, h * d) -> (B, h, L, d)
+            return ops.transpose(ops.reshape(proj(t), (b, t.shape[1], h, self.d)), 1, 2)
+        q, k, v = heads(self.q_proj, x, self.hq), heads(self.k_proj, src, self.hkv), heads(self.v_proj, src, self.hkv)
+        if not self.cross:
+            q, k = ops.rope(q, base=self.theta), ops.rope(k, base=self.theta)
+        o = ops.scaled_dot_product_attention(q, k, v, enable_gqa=self.hq != self.hkv)
+        return self.o_proj(ops.reshape(ops.transpose(o, 1, 2), (b, n, self.hq * self.d)))
 
 
-def _mlp(g, cfg: SmolVLAConfig, name, x):
-    dim, inter = cfg.hidden_size, cfg.intermediate_size
-    gate = ops.linear(x, g.parameter(f"{name}.gate_proj.weight", (inter, dim)))
-    up = ops.linear(x, g.parameter(f"{name}.up_proj.weight", (inter, dim)))
-    return ops.linear(ops.silu(gate) * up, g.parameter(f"{name}.down_proj.weight", (dim, inter)))
+class ExpertMLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, cfg: SmolVLAConfig):
+        super().__init__()
+        dim, inter = cfg.hidden_size, cfg.intermediate_size
+        self.gate_proj = nn.Linear(dim, inter, bias=False)
+        self.up_proj = nn.Linear(dim, inter, bias=False)
+        self.down_proj = nn.Linear(inter, dim, bias=False)
+
+    def forward(self, x):
+        gate, up = self.gate_proj(x), self.up_proj(x)
+        return self.down_proj(ops.silu(gate) * up)
 
 
-def _rms(g, cfg, name, x):
-    w = g.parameter(f"{name}.weight", (cfg.hidden_size,), init="ones")
-    return ops.rms_norm(x, (cfg.hidden_size,), w, cfg.rms_norm_eps)
+class ExpertLayer(nn.Module):
+    """Pre-RMSNorm attention and MLP, each with a residual."""
+
+    def __init__(self, cfg: SmolVLAConfig, cross: bool):
+        super().__init__()
+        self.self_attn = ExpertAttention(cfg, cross)
+        self.mlp = ExpertMLP(cfg)
+        self.input_layernorm = nn.RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = nn.RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, h, vlm):
+        h = h + self.self_attn(self.input_layernorm(h), vlm)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class SmolVLAExpert(nn.Module):
+    """(action tokens, VLM features) -> the final-normed hidden state. Parameters are
+    deferred (see ``nn.init.deferred``): torch's Linear rule for projections, ones for norms."""
+
+    def __init__(self, cfg: SmolVLAConfig):
+        super().__init__()
+        if cfg.num_heads % cfg.num_kv_heads:
+            raise ValueError("SmolVLAConfig: num_heads must be a multiple of num_kv_heads")
+        with nn.init.deferred():
+            self.layers = nn.ModuleList(ExpertLayer(cfg, cfg.is_cross(i)) for i in range(cfg.num_layers))
+            self.norm = nn.RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, action_tokens, vlm_features):
+        h = action_tokens
+        for layer in self.layers:
+            h = layer(h, vlm_features)
+        return self.norm(h)
 
 
 def build_smolvla_expert(cfg: SmolVLAConfig, batch: int, training: bool = False,
@@ -97,20 +141,13 @@ def build_smolvla_expert(cfg: SmolVLAConfig, batch: int, training: bool = False,
     """Inputs ``action_tokens`` (B, chunk_size, hidden_size) and ``vlm_features`` (B, vlm_len,
     vlm_kv_dim); output the final-normed hidden state. With ``training``, also ``target``
     (the output's shape) and loss = mse_loss(output, target)."""
-    if cfg.num_heads % cfg.num_kv_heads:
-        raise ValueError("SmolVLAConfig: num_heads must be a multiple of num_kv_heads")
+    model = SmolVLAExpert(cfg)
     g = graph if graph is not None else Graph()
     inputs = {
         "action_tokens": g.input("action_tokens", (batch, cfg.chunk_size, cfg.hidden_size)),
         "vlm_features": g.input("vlm_features", (batch, cfg.vlm_len, cfg.vlm_kv_dim)),
     }
-    h, vlm = inputs["action_tokens"], inputs["vlm_features"]
-    for i in range(cfg.num_layers):
-        name = f"layers.{i}"
-        h = h + _attention(g, cfg, f"{name}.self_attn", _rms(g, cfg, f"{name}.input_layernorm", h), vlm,
-                           cfg.is_cross(i))
-        h = h + _mlp(g, cfg, f"{name}.mlp", _rms(g, cfg, f"{name}.post_attention_layernorm", h))
-    out = _rms(g, cfg, "norm", h)
+    out = model(inputs["action_tokens"], inputs["vlm_features"])
     loss = None
     if training:
         inputs["target"] = g.input("target", out.shape)

@@ -44,7 +44,7 @@ from typing import Optional
 
 import numpy as np
 
-from .. import ops
+from .. import nn, ops
 from ..graph import Graph, Tensor
 
 
@@ -128,125 +128,220 @@ class UNetGraph:
     loss: Optional[Tensor] = None
 
 
-class _Builder:
-    def __init__(self, g: Graph, cfg: UNetConfig):
-        self.g, self.cfg = g, cfg
+class ResnetBlock2D(nn.Module):
+    def __init__(self, c_in, c_out, temb_dim, cfg: UNetConfig):
+        super().__init__()
+        g, eps = cfg.norm_num_groups, cfg.norm_eps
+        self.norm1 = nn.GroupNorm(g, c_in, eps)
+        self.conv1 = nn.Conv2d(c_in, c_out, 3, padding=1)
+        self.time_emb_proj = nn.Linear(temb_dim, c_out)
+        self.norm2 = nn.GroupNorm(g, c_out, eps)
+        self.conv2 = nn.Conv2d(c_out, c_out, 3, padding=1)
+        if c_in != c_out:
+            self.conv_shortcut = nn.Conv2d(c_in, c_out, 1)
 
-    def p(self, name, shape, init=None):
-        return self.g.parameter(name, shape, init=init)
-
-    # ------------------------------------------------------------------ primitives
-    def linear(self, name, x, n_in, n_out, bias=True):
-        w = self.p(f"{name}.weight", (n_out, n_in))
-        b = self.p(f"{name}.bias", (n_out,)) if bias else None
-        return ops.linear(x, w, b)
-
-    def conv(self, name, x, c_out, k=3, stride=1):
-        c_in = x.shape[1]
-        w = self.p(f"{name}.weight", (c_out, c_in, k, k))
-        b = self.p(f"{name}.bias", (c_out,))
-        return ops.conv2d(x, w, b, stride=stride, padding=k // 2)
-
-    def group_norm(self, name, x, eps):
-        c = x.shape[1]
-        return ops.group_norm(x, self.cfg.norm_num_groups, self.p(f"{name}.weight", (c,), "ones"),
-                              self.p(f"{name}.bias", (c,)), eps)
-
-    def layer_norm(self, name, x):
-        c = x.shape[-1]
-        return ops.layer_norm(x, (c,), self.p(f"{name}.weight", (c,), "ones"), self.p(f"{name}.bias", (c,)), 1e-5)
-
-    # ---------------------------------------------------------------------- blocks
-    def resnet(self, name, x, temb, c_out):
-        eps = self.cfg.norm_eps
-        h = self.conv(f"{name}.conv1", ops.silu(self.group_norm(f"{name}.norm1", x, eps)), c_out)
-        t = self.linear(f"{name}.time_emb_proj", ops.silu(temb), temb.shape[1], c_out)
+    def forward(self, x, temb):
+        h = self.conv1(ops.silu(self.norm1(x)))
+        t = self.time_emb_proj(ops.silu(temb))
         h = h + ops.reshape(t, t.shape + (1, 1))
         # dropout is 0 in SD's config and absent here
-        h = self.conv(f"{name}.conv2", ops.silu(self.group_norm(f"{name}.norm2", h, eps)), c_out)
-        skip = self.conv(f"{name}.conv_shortcut", x, c_out, k=1) if x.shape[1] != c_out else x
+        h = self.conv2(ops.silu(self.norm2(h)))
+        skip = self.conv_shortcut(x) if "conv_shortcut" in self._modules else x
         return skip + h
 
-    def attention(self, name, x, ctx, heads):
+
+class Attention(nn.Module):
+    """Multi-head attention with unbiased q/k/v projections (k/v from ``kv_dim``)."""
+
+    def __init__(self, dim, kv_dim, heads):
+        super().__init__()
+        self.heads = heads
+        self.to_q = nn.Linear(dim, dim, bias=False)
+        self.to_k = nn.Linear(kv_dim, dim, bias=False)
+        self.to_v = nn.Linear(kv_dim, dim, bias=False)
+        self.to_out = nn.ModuleList([nn.Linear(dim, dim), nn.Dropout(0.0)])
+
+    def forward(self, x, ctx=None):
         b, n, dim = x.shape
-        d = dim // heads
+        d = dim // self.heads
         src = x if ctx is None else ctx
 
         def split_heads(t):
-            return ops.transpose(ops.reshape(t, (b, t.shape[1], heads, d)), 1, 2)
-        q = split_heads(self.linear(f"{name}.to_q", x, dim, dim, bias=False))
-        k = split_heads(self.linear(f"{name}.to_k", src, src.shape[-1], dim, bias=False))
-        v = split_heads(self.linear(f"{name}.to_v", src, src.shape[-1], dim, bias=False))
+            return ops.transpose(ops.reshape(t, (b, t.shape[1], self.heads, d)), 1, 2)
+        q, k, v = split_heads(self.to_q(x)), split_heads(self.to_k(src)), split_heads(self.to_v(src))
         o = ops.scaled_dot_product_attention(q, k, v)
-        o = ops.reshape(ops.transpose(o, 1, 2), (b, n, dim))
-        return self.linear(f"{name}.to_out.0", o, dim, dim)
+        return self.to_out[0](ops.reshape(ops.transpose(o, 1, 2), (b, n, dim)))
 
-    def transformer_block(self, name, x, ctx, heads):
-        dim = x.shape[-1]
-        x = x + self.attention(f"{name}.attn1", self.layer_norm(f"{name}.norm1", x), None, heads)
-        x = x + self.attention(f"{name}.attn2", self.layer_norm(f"{name}.norm2", x), ctx, heads)
-        h = self.linear(f"{name}.ff.net.0.proj", self.layer_norm(f"{name}.norm3", x), dim, dim * 8)
-        val, gate = ops.slice(h, -1, 0, dim * 4), ops.slice(h, -1, dim * 4, dim * 8)
-        return x + self.linear(f"{name}.ff.net.2", val * ops.gelu(gate), dim * 4, dim)
 
-    def transformer2d(self, name, x, ctx, heads):
+class GEGLU(nn.Module):
+    """``proj`` to 2 x inner, split into value and gate: value * gelu(gate) (exact erf gelu)."""
+
+    def __init__(self, dim, inner):
+        super().__init__()
+        self.inner = inner
+        self.proj = nn.Linear(dim, inner * 2)
+
+    def forward(self, x):
+        h = self.proj(x)
+        val, gate = ops.slice(h, -1, 0, self.inner), ops.slice(h, -1, self.inner, 2 * self.inner)
+        return val * ops.gelu(gate)
+
+
+class FeedForward(nn.Module):
+    def __init__(self, dim):
+        super().__init__()
+        self.net = nn.ModuleList([GEGLU(dim, dim * 4), nn.Dropout(0.0), nn.Linear(dim * 4, dim)])
+
+    def forward(self, x):
+        return self.net[2](self.net[0](x))
+
+
+class BasicTransformerBlock(nn.Module):
+    """Self-attention, cross-attention to the context, GEGLU feed-forward; pre-LayerNorm, residuals."""
+
+    def __init__(self, dim, ctx_dim, heads):
+        super().__init__()
+        self.norm1, self.attn1 = nn.LayerNorm(dim), Attention(dim, dim, heads)
+        self.norm2, self.attn2 = nn.LayerNorm(dim), Attention(dim, ctx_dim, heads)
+        self.norm3, self.ff = nn.LayerNorm(dim), FeedForward(dim)
+
+    def forward(self, x, ctx):
+        x = x + self.attn1(self.norm1(x))
+        x = x + self.attn2(self.norm2(x), ctx)
+        return x + self.ff(self.norm3(x))
+
+
+class Transformer2DModel(nn.Module):
+    """GroupNorm (eps 1e-6) -> proj_in (1x1 conv, or a linear on tokens) -> one
+    BasicTransformerBlock on the H*W tokens -> proj_out -> + input."""
+
+    def __init__(self, c, cfg: UNetConfig, heads):
+        super().__init__()
+        self.linear = cfg.use_linear_projection
+        self.norm = nn.GroupNorm(cfg.norm_num_groups, c, 1e-6)
+        self.proj_in = nn.Linear(c, c) if self.linear else nn.Conv2d(c, c, 1)
+        self.transformer_blocks = nn.ModuleList([BasicTransformerBlock(c, cfg.cross_attention_dim, heads)])
+        self.proj_out = nn.Linear(c, c) if self.linear else nn.Conv2d(c, c, 1)
+
+    def forward(self, x, ctx):
         b, c, hh, ww = x.shape
-        h = self.group_norm(f"{name}.norm", x, 1e-6)
+        h = self.norm(x)
 
         def to_tokens(t):
             return ops.reshape(ops.permute(t, (0, 2, 3, 1)), (b, hh * ww, c))
 
         def to_image(t):
             return ops.permute(ops.reshape(t, (b, hh, ww, c)), (0, 3, 1, 2))
-        if self.cfg.use_linear_projection:
-            h = self.linear(f"{name}.proj_in", to_tokens(h), c, c)
-        else:
-            h = to_tokens(self.conv(f"{name}.proj_in", h, c, k=1))
-        h = self.transformer_block(f"{name}.transformer_blocks.0", h, ctx, heads)
-        if self.cfg.use_linear_projection:
-            h = to_image(self.linear(f"{name}.proj_out", h, c, c))
-        else:
-            h = self.conv(f"{name}.proj_out", to_image(h), c, k=1)
+        h = self.proj_in(to_tokens(h)) if self.linear else to_tokens(self.proj_in(h))
+        h = self.transformer_blocks[0](h, ctx)
+        h = to_image(self.proj_out(h)) if self.linear else self.proj_out(to_image(h))
         return h + x
 
-    # ------------------------------------------------------------------------ model
-    def unet(self, sample, tfeat, ctx):
-        cfg = self.cfg
-        chans, heads = cfg.block_out_channels, cfg.heads()
-        c0, ted = chans[0], cfg.time_embed_dim
-        temb = self.linear("time_embedding.linear_1", tfeat, c0, ted)
-        temb = self.linear("time_embedding.linear_2", ops.silu(temb), ted, ted)
 
-        h = self.conv("conv_in", sample, c0)
-        skips = [h]
-        for i, kind in enumerate(cfg.down_block_types):
-            name, c = f"down_blocks.{i}", chans[i]
-            for j in range(cfg.layers_per_block):
-                h = self.resnet(f"{name}.resnets.{j}", h, temb, c)
-                if kind.startswith("CrossAttn"):
-                    h = self.transformer2d(f"{name}.attentions.{j}", h, ctx, heads[i])
-                skips.append(h)
-            if i < len(chans) - 1:
-                h = self.conv(f"{name}.downsamplers.0.conv", h, c, stride=2)
-                skips.append(h)
+class Sampler(nn.Module):
+    """Downsample2D (a stride-2 3x3 ``conv``) or Upsample2D (nearest x2, then ``conv``)."""
 
-        h = self.resnet("mid_block.resnets.0", h, temb, chans[-1])
-        h = self.transformer2d("mid_block.attentions.0", h, ctx, heads[-1])
-        h = self.resnet("mid_block.resnets.1", h, temb, chans[-1])
+    def __init__(self, c, up):
+        super().__init__()
+        self.up = up
+        self.conv = nn.Conv2d(c, c, 3, 1 if up else 2, 1)
 
-        rchans, rheads = chans[::-1], heads[::-1]
-        for i, kind in enumerate(cfg.up_block_types):
-            name, c = f"up_blocks.{i}", rchans[i]
-            for j in range(cfg.layers_per_block + 1):
+    def forward(self, x):
+        return self.conv(ops.upsample_nearest2d(x, 2) if self.up else x)
+
+
+class UNetBlock(nn.Module):
+    """A down, mid or up block: ``resnets`` each followed by its attention (cross-attention
+    blocks), then a sampler. Up blocks take one skip per resnet, concatenated on channels."""
+
+    def __init__(self, resnets, attentions, samplers, kind):
+        super().__init__()
+        self.resnets = nn.ModuleList(resnets)
+        if attentions:
+            self.attentions = nn.ModuleList(attentions)
+        if samplers:
+            setattr(self, "downsamplers" if kind == "down" else "upsamplers", nn.ModuleList(samplers))
+        self.kind = kind
+
+    def forward(self, h, temb, ctx, skips):
+        attns = self._modules.get("attentions")
+        if self.kind == "mid":
+            h = self.resnets[0](h, temb)
+            h = attns[0](h, ctx)
+            return self.resnets[1](h, temb)
+        for j, resnet in enumerate(self.resnets):
+            if self.kind == "up":
                 h = ops.concat([h, skips.pop()], 1)
-                h = self.resnet(f"{name}.resnets.{j}", h, temb, c)
-                if kind.startswith("CrossAttn"):
-                    h = self.transformer2d(f"{name}.attentions.{j}", h, ctx, rheads[i])
-            if i < len(chans) - 1:
-                h = self.conv(f"{name}.upsamplers.0.conv", ops.upsample_nearest2d(h, 2), c)
+            h = resnet(h, temb)
+            if attns is not None:
+                h = attns[j](h, ctx)
+            if self.kind == "down":
+                skips.append(h)
+        for sampler in self._modules.get("downsamplers", self._modules.get("upsamplers", ())):
+            h = sampler(h)
+            if self.kind == "down":
+                skips.append(h)
+        return h
 
-        h = ops.silu(self.group_norm("conv_norm_out", h, cfg.norm_eps))
-        return self.conv("conv_out", h, cfg.out_channels)
+
+class TimestepEmbedding(nn.Module):
+    def __init__(self, c_in, dim):
+        super().__init__()
+        self.linear_1, self.linear_2 = nn.Linear(c_in, dim), nn.Linear(dim, dim)
+
+    def forward(self, t):
+        return self.linear_2(ops.silu(self.linear_1(t)))
+
+
+class UNet2DConditionModel(nn.Module):
+    """(sample, timestep features, context) -> the noise prediction; diffusers' module tree
+    and names. Parameters are deferred (see ``nn.init.deferred``)."""
+
+    def __init__(self, cfg: UNetConfig):
+        super().__init__()
+        _check(cfg)
+        chans, heads, ted = cfg.block_out_channels, cfg.heads(), cfg.time_embed_dim
+        last = len(chans) - 1
+        with nn.init.deferred():
+            self.time_embedding = TimestepEmbedding(chans[0], ted)
+            self.conv_in = nn.Conv2d(cfg.in_channels, chans[0], 3, padding=1)
+            skips, c_prev, down = [chans[0]], chans[0], []
+            for i, kind in enumerate(cfg.down_block_types):
+                c, cross = chans[i], kind.startswith("CrossAttn")
+                res, att = [], []
+                for j in range(cfg.layers_per_block):
+                    res.append(ResnetBlock2D(c_prev, c, ted, cfg))
+                    att += [Transformer2DModel(c, cfg, heads[i])] if cross else []
+                    skips.append(c_prev := c)
+                samp = [Sampler(c, up=False)] if i < last else []
+                skips += [c] if i < last else []
+                down.append(UNetBlock(res, att, samp, "down"))
+            self.down_blocks = nn.ModuleList(down)
+            self.mid_block = UNetBlock([ResnetBlock2D(c_prev, c_prev, ted, cfg), ResnetBlock2D(c_prev, c_prev, ted, cfg)],
+                                       [Transformer2DModel(c_prev, cfg, heads[-1])], [], "mid")
+            up = []
+            for i, kind in enumerate(cfg.up_block_types):
+                c, cross = chans[::-1][i], kind.startswith("CrossAttn")
+                res, att = [], []
+                for j in range(cfg.layers_per_block + 1):
+                    res.append(ResnetBlock2D(c_prev + skips.pop(), c, ted, cfg))
+                    att += [Transformer2DModel(c, cfg, heads[::-1][i])] if cross else []
+                    c_prev = c
+                up.append(UNetBlock(res, att, [Sampler(c, up=True)] if i < last else [], "up"))
+            self.up_blocks = nn.ModuleList(up)
+            self.conv_norm_out = nn.GroupNorm(cfg.norm_num_groups, chans[0], cfg.norm_eps)
+            self.conv_out = nn.Conv2d(chans[0], cfg.out_channels, 3, padding=1)
+
+    def forward(self, sample, tfeat, ctx):
+        temb = self.time_embedding(tfeat)
+        h = self.conv_in(sample)
+        skips = [h]
+        for block in self.down_blocks:
+            h = block(h, temb, ctx, skips)
+        h = self.mid_block(h, temb, ctx, skips)
+        for block in self.up_blocks:
+            h = block(h, temb, ctx, skips)
+        return self.conv_out(ops.silu(self.conv_norm_out(h)))
 
 
 def _check(cfg: UNetConfig):
@@ -265,7 +360,7 @@ def build_unet(cfg: UNetConfig, batch: int, training: bool = False, graph: Optio
     sinusoidal features (see ``timestep_features``), ``context`` (B, context_len,
     cross_attention_dim); output: the noise prediction (B, out_channels, S, S). With
     ``training``, also ``noise`` (the target) and loss = mse_loss(output, noise)."""
-    _check(cfg)
+    model = UNet2DConditionModel(cfg)
     g = graph if graph is not None else Graph()
     s = cfg.sample_size
     inputs = {
@@ -273,7 +368,7 @@ def build_unet(cfg: UNetConfig, batch: int, training: bool = False, graph: Optio
         "timestep": g.input("timestep", (batch, cfg.block_out_channels[0])),
         "context": g.input("context", (batch, cfg.context_len, cfg.cross_attention_dim)),
     }
-    out = _Builder(g, cfg).unet(inputs["sample"], inputs["timestep"], inputs["context"])
+    out = model(inputs["sample"], inputs["timestep"], inputs["context"])
     loss = None
     if training:
         inputs["noise"] = g.input("noise", out.shape)

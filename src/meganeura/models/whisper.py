@@ -11,14 +11,16 @@ torch state dict loads unchanged. ``embed_positions.weight`` is frozen in transf
 (``requires_grad_(False)``); the training graph therefore keeps it as graph state (loaded
 by the same name, never updated) unless ``train_positions=True``.
 
-A 1-D convolution runs as ``conv2d`` on an (N, C, 1, L) view with the weight viewed as
-(C_out, C_in, 1, k): the parameter keeps torch's (C_out, C_in, k) shape.
+The 1-D convolutions are ``nn.Conv1d`` (``conv2d`` on an (N, C, 1, L) view); the weights
+keep torch's (C_out, C_in, k) shape.
 """
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from .. import ops
+import numpy as np
+
+from .. import nn, ops
 from ..graph import Graph
 
 
@@ -63,67 +65,96 @@ class WhisperEncoderConfig:
             raise ValueError(f"d_model {self.d_model} is not divisible by {self.encoder_attention_heads} heads")
 
 
-def _conv1d(x, weight, bias, stride):
-    """(N, C, L) conv with kernel 3 and padding 1, through conv2d on an (N, C, 1, L) view."""
-    n, c, length = x.shape
-    co, ci, k = weight.shape
-    y = ops.conv2d(ops.reshape(x, (n, c, 1, length)), ops.reshape(weight, (co, ci, 1, k)), bias,
-                   stride=(1, stride), padding=(0, k // 2))
-    return ops.reshape(y, (n, co, y.shape[-1]))
+class WhisperAttention(nn.Module):
+    """Self-attention with biased q/v/out and an unbiased k projection."""
+
+    def __init__(self, cfg: WhisperEncoderConfig):
+        super().__init__()
+        d = cfg.d_model
+        self.h, self.hd = cfg.encoder_attention_heads, cfg.head_dim
+        self.k_proj = nn.Linear(d, d, bias=False)
+        self.v_proj = nn.Linear(d, d)
+        self.q_proj = nn.Linear(d, d)
+        self.out_proj = nn.Linear(d, d)
+
+    def forward(self, x):
+        n, length, d = x.shape
+
+        def heads(t):  # (N, L, D) -> (N, H, L, hd)
+            return ops.permute(ops.reshape(t, (n, length, self.h, self.hd)), (0, 2, 1, 3))
+
+        q, k, v = heads(self.q_proj(x)), heads(self.k_proj(x)), heads(self.v_proj(x))
+        # torch scales q by head_dim ** -0.5 before the product: the same as sdpa's default scale
+        o = ops.scaled_dot_product_attention(q, k, v)
+        return self.out_proj(ops.reshape(ops.permute(o, (0, 2, 1, 3)), (n, length, d)))
 
 
-def _linear(g, prefix, x, n_out, n_in, bias=True):
-    w = g.parameter(f"{prefix}.weight", (n_out, n_in))
-    b = g.parameter(f"{prefix}.bias", (n_out,)) if bias else None
-    return ops.linear(x, w, b)
+class WhisperEncoderLayer(nn.Module):
+    """Pre-LN self-attention and GELU feed-forward, each with a residual."""
+
+    def __init__(self, cfg: WhisperEncoderConfig):
+        super().__init__()
+        d, eps = cfg.d_model, cfg.layer_norm_eps
+        self.self_attn = WhisperAttention(cfg)
+        self.self_attn_layer_norm = nn.LayerNorm(d, eps)
+        self.fc1 = nn.Linear(d, cfg.encoder_ffn_dim)
+        self.fc2 = nn.Linear(cfg.encoder_ffn_dim, d)
+        self.final_layer_norm = nn.LayerNorm(d, eps)
+
+    def forward(self, x):
+        x = x + self.self_attn(self.self_attn_layer_norm(x))
+        return x + self.fc2(ops.gelu(self.fc1(self.final_layer_norm(x))))
 
 
-def _layer_norm(g, prefix, x, cfg):
-    w = g.parameter(f"{prefix}.weight", (cfg.d_model,), init="ones")
-    b = g.parameter(f"{prefix}.bias", (cfg.d_model,))
-    return ops.layer_norm(x, (cfg.d_model,), w, b, eps=cfg.layer_norm_eps)
+class PositionEmbedding(nn.Module):
+    """``weight`` (positions, d_model), added to the frames: trained (N(0, 0.02)), or, as
+    transformers freezes it, a buffer (graph state: loaded by name, never updated)."""
+
+    def __init__(self, positions, d_model, trainable=True):
+        super().__init__()
+        if trainable:
+            self.weight = nn.init.normal_(nn.Parameter(shape=(positions, d_model)), std=0.02)
+        else:
+            self.register_buffer("weight", np.zeros((positions, d_model), np.float32))
+
+    def forward(self, x):
+        return x + self.weight
 
 
-def _self_attention(g, prefix, x, cfg):
-    n, length, d = x.shape
-    h, hd = cfg.encoder_attention_heads, cfg.head_dim
+class WhisperEncoder(nn.Module):
+    """(N, num_mel_bins, 2 * positions) log-mel -> last_hidden_state (N, positions, d_model).
+    Parameters are deferred (see ``nn.init.deferred``)."""
 
-    def heads(t):  # (N, L, D) -> (N, H, L, hd)
-        return ops.permute(ops.reshape(t, (n, length, h, hd)), (0, 2, 1, 3))
+    def __init__(self, cfg: WhisperEncoderConfig, train_positions=True):
+        super().__init__()
+        self.cfg = cfg
+        d = cfg.d_model
+        with nn.init.deferred():
+            self.conv1 = nn.Conv1d(cfg.num_mel_bins, d, 3, padding=1)
+            self.conv2 = nn.Conv1d(d, d, 3, stride=2, padding=1)
+            self.embed_positions = PositionEmbedding(cfg.max_source_positions, d, train_positions)
+            self.layers = nn.ModuleList(WhisperEncoderLayer(cfg) for _ in range(cfg.encoder_layers))
+            self.layer_norm = nn.LayerNorm(d, cfg.layer_norm_eps)
 
-    q = heads(_linear(g, f"{prefix}.q_proj", x, d, d))
-    k = heads(_linear(g, f"{prefix}.k_proj", x, d, d, bias=False))
-    v = heads(_linear(g, f"{prefix}.v_proj", x, d, d))
-    # torch scales q by head_dim ** -0.5 before the product: the same as sdpa's default scale
-    o = ops.scaled_dot_product_attention(q, k, v)
-    o = ops.reshape(ops.permute(o, (0, 2, 1, 3)), (n, length, d))
-    return _linear(g, f"{prefix}.out_proj", o, d, d)
+    def forward(self, input_features):
+        cfg = self.cfg
+        n, mel, frames = input_features.shape
+        if mel != cfg.num_mel_bins or frames != cfg.input_length:
+            raise ValueError(f"whisper encoder: input_features must be (N, {cfg.num_mel_bins}, {cfg.input_length}), "
+                             f"got {input_features.shape}")
+        x = ops.gelu(self.conv2(ops.gelu(self.conv1(input_features))))
+        x = self.embed_positions(ops.permute(x, (0, 2, 1)))           # (N, positions, d_model)
+        for layer in self.layers:
+            x = layer(x)
+        return self.layer_norm(x)
 
 
 def whisper_encoder(g: Graph, input_features, cfg: WhisperEncoderConfig, train_positions=True):
     """Adds the encoder's parameters to ``g`` and returns last_hidden_state (N, positions, d_model)
     for ``input_features`` (N, num_mel_bins, 2 * positions)."""
-    n, mel, frames = input_features.shape
-    if mel != cfg.num_mel_bins or frames != cfg.input_length:
-        raise ValueError(f"whisper encoder: input_features must be (N, {cfg.num_mel_bins}, {cfg.input_length}), "
-                         f"got {input_features.shape}")
-    d, p = cfg.d_model, cfg.max_source_positions
-    x = input_features
-    for name, c_in, stride in (("conv1", mel, 1), ("conv2", d, 2)):
-        w = g.parameter(f"{name}.weight", (d, c_in, 3))
-        b = g.parameter(f"{name}.bias", (d,))
-        x = ops.gelu(_conv1d(x, w, b, stride))
-    x = ops.permute(x, (0, 2, 1))                                   # (N, positions, d_model)
-    pos = (g.parameter("embed_positions.weight", (p, d), init="normal") if train_positions
-           else g.state("embed_positions.weight", (p, d), init=0.0))
-    x = x + pos
-    for i in range(cfg.encoder_layers):
-        pre = f"layers.{i}"
-        x = x + _self_attention(g, f"{pre}.self_attn", _layer_norm(g, f"{pre}.self_attn_layer_norm", x, cfg), cfg)
-        ff = _layer_norm(g, f"{pre}.final_layer_norm", x, cfg)
-        ff = ops.gelu(_linear(g, f"{pre}.fc1", ff, cfg.encoder_ffn_dim, d))
-        x = x + _linear(g, f"{pre}.fc2", ff, d, cfg.encoder_ffn_dim)
-    return _layer_norm(g, "layer_norm", x, cfg)
+    if input_features.graph is not g:
+        raise ValueError("whisper encoder: input_features belongs to another graph")
+    return WhisperEncoder(cfg, train_positions)(input_features)
 
 
 def build_whisper_encoder(cfg: WhisperEncoderConfig, batch: int):

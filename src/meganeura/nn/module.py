@@ -142,7 +142,7 @@ class Module:
         object.__setattr__(self, "_non_persistent", set())
         object.__setattr__(self, "_modules", OrderedDict())
         object.__setattr__(self, "training", True)
-        object.__setattr__(self, "_prefix", "")
+        object.__setattr__(self, "_prefix", None)      # its state-dict path, set when first called
 
     # ------------------------------------------------------------------ attributes
     def __setattr__(self, name, value):
@@ -223,6 +223,7 @@ class Module:
             if g is None:
                 raise TypeError(f"{type(self).__name__}: call it on mg Tensors (graph inputs), or wrap it in "
                                 "mg.jit to call it on NumPy arrays")
+        if not _TRACE or self._prefix is None:           # a root, or a module made inside a forward
             for prefix, m in self.named_modules():      # names as in this module's state_dict
                 object.__setattr__(m, "_prefix", prefix + "." if prefix else "")
         _TRACE.append(g)
