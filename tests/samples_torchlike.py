@@ -89,6 +89,17 @@ SAMPLES = [
       lambda t, x: t.nn.functional.max_pool2d(x, 2, 2, ceil_mode=True), [F((1, 2, 5, 7))]),
     S("max_pool_ceil_pad", lambda o, x: o.max_pool2d(x, 3, 2, 1, ceil_mode=True),
       lambda t, x: t.nn.functional.max_pool2d(x, 3, 2, 1, ceil_mode=True), [F((2, 1, 6, 5))]),
+    # avg_pool2d with ceil_mode: the overhang counts in no divisor (count_include_pad or not)
+    S("avg_pool_ceil", lambda o, x: o.avg_pool2d(x, 2, 2, ceil_mode=True),
+      lambda t, x: t.nn.functional.avg_pool2d(x, 2, 2, ceil_mode=True), [F((1, 2, 5, 7))]),
+    S("avg_pool_ceil_pad_incl", lambda o, x: o.avg_pool2d(x, 3, 2, 1, ceil_mode=True),
+      lambda t, x: t.nn.functional.avg_pool2d(x, 3, 2, 1, ceil_mode=True), [F((2, 1, 6, 5))]),
+    S("avg_pool_ceil_pad_excl", lambda o, x: o.avg_pool2d(x, (3, 2), (2, 3), (1, 0), ceil_mode=True,
+                                                          count_include_pad=False),
+      lambda t, x: t.nn.functional.avg_pool2d(x, (3, 2), (2, 3), (1, 0), ceil_mode=True, count_include_pad=False),
+      [F((1, 2, 6, 7))]),
+    S("avg_pool_ceil_divisor_3d", lambda o, x: o.avg_pool2d(x, 2, 2, ceil_mode=True, divisor_override=3),
+      lambda t, x: t.nn.functional.avg_pool2d(x, 2, 2, ceil_mode=True, divisor_override=3), [F((2, 3, 5))]),
     # conv1d
     S("conv1d", lambda o, x, w, b: o.conv1d(x, w, b, stride=2, padding=1),
       lambda t, x, w, b: t.nn.functional.conv1d(x, w, b, stride=2, padding=1), [F((2, 3, 9)), F((4, 3, 3)), F((4,))]),

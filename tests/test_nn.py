@@ -88,13 +88,18 @@ def test_digits_cnn_training_step_matches_torch(backend):
     assert abs(loss - loss_t) < 1e-5 * max(1.0, abs(loss_t))
     got = step.state_dict(include_optimizer=True)
     for k, v in t.state_dict().items():
-        if k.endswith("num_batches_tracked"):
+        if k.endswith("num_batches_tracked"):       # counted as torch does: one per training call
+            assert got[k].dtype == np.int64 and int(got[k]) == int(v) == 1, k
             continue
         assert _rel(got[k], v.numpy()) < 1e-4, (k, _rel(got[k], v.numpy()))
     # write_back puts the trained values into the module
     step.write_back(ours)
     np.testing.assert_allclose(ours.state_dict()["features.4.running_var"], t.features[4].running_var.numpy(),
                                rtol=1e-5)
+    step(x, y)
+    ours.eval()
+    mg.jit(ours, backend=backend, share_with=step)(x)  # eval calls do not count
+    assert int(ours.state_dict()["features.4.num_batches_tracked"]) == 2
 
 
 def test_every_layer_has_torch_names_shapes_and_outputs():

@@ -16,8 +16,9 @@ a cache hit or one more compile, never a rewrite.
 
 With ``optimizer=`` the function must return a scalar loss and each call is a training
 step; without, each call is inference and returns arrays in the function's structure.
-In training mode, batch norm's running statistics are updated and dropout masks are drawn
-fresh (on the host, from ``seed``) on every call.
+In training mode, batch norm's running statistics are updated (and its
+``num_batches_tracked`` counted) and dropout masks are drawn fresh (on the host, from
+``seed``) on every call.
 """
 from __future__ import annotations
 
@@ -152,11 +153,13 @@ class Jit:
         feeds = {**arrays, **_nnm.random_feeds(sess.graph, self._rng)}
         feeds = {n: v for n, v in feeds.items() if n in sess.feeds}
         if self.optimizer is None:
-            return rebuild(sess.run(feeds))
-        sess.steps_done = self._shared["steps"]      # Adam's bias correction counts every signature's steps
-        loss = sess.step(feeds)
-        self._shared["steps"] = sess.steps_done
-        return loss
+            out = rebuild(sess.run(feeds))
+        else:
+            sess.steps_done = self._shared["steps"]  # Adam's bias correction counts every signature's steps
+            out = sess.step(feeds)
+            self._shared["steps"] = sess.steps_done
+        _nnm.advance_counters(sess.graph)           # batch norm's num_batches_tracked, as torch
+        return out
 
     # ---------------------------------------------------------------------- state
     @property

@@ -169,7 +169,7 @@ class _BatchNorm(Module):
         if track_running_stats:
             self.register_buffer("running_mean", np.zeros(num_features, np.float32))
             self.register_buffer("running_var", np.ones(num_features, np.float32))
-            # torch's counter (int64), kept for state-dict compatibility; unused for a float momentum
+            # torch's counter (int64): training calls so far (momentum=None would average by it)
             self.register_buffer("num_batches_tracked", np.zeros((), np.int64))
 
     def forward(self, x):
@@ -183,6 +183,7 @@ class _BatchNorm(Module):
                 rm, rv, m = self.running_mean, self.running_var, self.momentum
                 self.record_update(rm, rm * (1.0 - m) + mean * m)
                 self.record_update(rv, rv * (1.0 - m) + var * m)
+                self.record_count("num_batches_tracked")
             return y
         return ops.batch_norm(x, self.running_mean, self.running_var, self.weight, self.bias, training=False,
                               eps=self.eps)

@@ -26,6 +26,7 @@ IncompatibleKeys = namedtuple("IncompatibleKeys", ["missing_keys", "unexpected_k
 # per graph: {state tensor: new value} and {input name: (shape, keep probability)}
 _UPDATES: "weakref.WeakKeyDictionary[Graph, dict]" = weakref.WeakKeyDictionary()
 _RANDOM: "weakref.WeakKeyDictionary[Graph, dict]" = weakref.WeakKeyDictionary()
+_COUNTS: "weakref.WeakKeyDictionary[Graph, list]" = weakref.WeakKeyDictionary()
 _TRACE: list = []          # graphs of the module calls in progress, innermost last
 _CALLED: list = []         # while mg.jit traces: lists that collect every module called
 
@@ -102,6 +103,13 @@ def random_feeds(graph: Graph, rng: np.random.Generator) -> dict:
     """Fresh dropout masks (already scaled by 1/keep) for every Dropout input of ``graph``."""
     return {name: (rng.random(shape) < keep).astype(np.float32) / np.float32(keep)
             for name, (shape, keep) in _RANDOM.get(graph, {}).items()}
+
+
+def advance_counters(graph: Graph):
+    """Add one to every host counter that modules in training mode registered on ``graph``
+    (batch norm's ``num_batches_tracked``): call once per run or step of a session of it."""
+    for m, name in _COUNTS.get(graph, ()):
+        m._buffers[name] = m._buffers[name] + 1
 
 
 def random_input(x: Tensor, name: str, keep: float) -> Tensor:
@@ -237,6 +245,11 @@ class Module:
     def record_update(self, state: Tensor, value: Tensor):
         """In training mode: ``state`` takes ``value`` after each step (e.g. running statistics)."""
         _UPDATES.setdefault(state.graph, {})[state] = value
+
+    def record_count(self, buffer: str):
+        """In training mode: the integer buffer ``buffer`` counts the calls (kept on the host,
+        as integers are not graph values; see ``advance_counters``)."""
+        _COUNTS.setdefault(current_graph(), []).append((self, buffer))
 
     # ------------------------------------------------------------------------- tree
     def named_modules(self, prefix="", memo=None):

@@ -474,6 +474,19 @@ register("max_pool2d_grad", _max_pool_grad_infer, _max_pool_grad_ref, _max_pool_
          decompose=_max_pool_grad_decompose)
 
 
+def _ceil_padding(size, k, s, p, d):
+    """ceil_mode as extra right/bottom padding. torch's rule: round the output size up, but
+    the last window must start inside the (left-padded) input."""
+    extra = []
+    for a in (0, 1):
+        span = size[a] + 2 * p[a][0] - d[a] * (k[a] - 1) - 1
+        out = -(-span // s[a]) + 1 if span >= 0 else 1
+        if (out - 1) * s[a] >= size[a] + p[a][0]:
+            out -= 1
+        extra.append(max(0, (out - 1) * s[a] + d[a] * (k[a] - 1) + 1 - (size[a] + 2 * p[a][0])))
+    return tuple((p[a][0], p[a][1] + extra[a]) for a in (0, 1))
+
+
 def _pool_args(op, kernel_size, stride, padding, dilation=1):
     k = _pair(op, "kernel_size", kernel_size, 1)
     s = k if stride is None or (not isinstance(stride, (int, np.integer)) and len(stride) == 0) else \
@@ -486,16 +499,8 @@ def max_pool2d(input, kernel_size, stride=None, padding=0, dilation=1, ceil_mode
     if return_indices:
         raise NotImplementedError("max_pool2d: return_indices=True is not supported")
     k, s, p, d = _pool_args("max_pool2d", kernel_size, stride, padding, dilation)
-    if ceil_mode:   # torch's rule: round up, but the last window must start inside the (left-padded) input
-        size = input.shape[-2:]
-        extra = []
-        for a in (0, 1):
-            span = size[a] + 2 * p[a][0] - d[a] * (k[a] - 1) - 1
-            out = -(-span // s[a]) + 1 if span >= 0 else 1
-            if (out - 1) * s[a] >= size[a] + p[a][0]:
-                out -= 1
-            extra.append(max(0, (out - 1) * s[a] + d[a] * (k[a] - 1) + 1 - (size[a] + 2 * p[a][0])))
-        p = tuple((p[a][0], p[a][1] + extra[a]) for a in (0, 1))   # the overhang is padding (-inf)
+    if ceil_mode:
+        p = _ceil_padding(input.shape[-2:], k, s, p, d)      # the overhang is padding (-inf)
 
     def run(x):
         return emit("max_pool2d", [x], kernel=k, stride=s, padding=p, dilation=d)
@@ -505,16 +510,19 @@ def max_pool2d(input, kernel_size, stride=None, padding=0, dilation=1, ceil_mode
 
 # ------------------------------------------------------------------------- avg_pool2d
 def _avg_divisor(size, kernel, stride, padding, count_include_pad, divisor):
-    """(Hout, Wout) float64 divisors: the override, the window size, or the in-bounds count."""
+    """(Hout, Wout) float64 divisors: the override, the window inside the padded input (the
+    window size, less a ceil_mode overhang past torch's symmetric padding), or the in-bounds
+    count."""
     ho, wo = (_out_len(size[a], kernel[a], stride[a], padding[a][0], padding[a][1], 1) for a in (0, 1))
     if divisor:
         return np.full((ho, wo), float(divisor))
-    if count_include_pad:
-        return np.full((ho, wo), float(kernel[0] * kernel[1]))
     counts = []
     for a, m in ((0, ho), (1, wo)):
         start = np.arange(m) * stride[a] - padding[a][0]
-        counts.append(np.minimum(start + kernel[a], size[a]) - np.maximum(start, 0))
+        if count_include_pad:
+            counts.append(np.minimum(start + kernel[a], size[a] + padding[a][0]) - start)
+        else:
+            counts.append(np.minimum(start + kernel[a], size[a]) - np.maximum(start, 0))
     return np.outer(counts[0], counts[1]).astype(np.float64)
 
 
@@ -561,11 +569,11 @@ register("avg_pool2d", _avg_pool_infer, _avg_pool_ref, _avg_pool_vjp, decompose=
 def avg_pool2d(input, kernel_size, stride=None, padding=0, ceil_mode=False, count_include_pad=True,
                divisor_override=None):
     """torch.nn.functional.avg_pool2d (stride defaults to kernel_size)."""
-    if ceil_mode:
-        raise NotImplementedError("avg_pool2d: ceil_mode=True is not supported")
     if divisor_override is not None and int(divisor_override) < 1:
         raise ValueError(f"avg_pool2d: divisor_override must be a positive int, got {divisor_override!r}")
-    k, s, p, _ = _pool_args("avg_pool2d", kernel_size, stride, padding)
+    k, s, p, d = _pool_args("avg_pool2d", kernel_size, stride, padding)
+    if ceil_mode:
+        p = _ceil_padding(input.shape[-2:], k, s, p, d)      # zeros, left out of every divisor
 
     def run(x):
         return emit("avg_pool2d", [x], kernel=k, stride=s, padding=p, count_include_pad=bool(count_include_pad),
