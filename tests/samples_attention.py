@@ -78,4 +78,13 @@ SAMPLES = [
     S("sdpa_neg_inf_mask", *_const_mask(_NEG_INF_ROW, scale=0.7),
       [F((2, 1, 3, 2)), F((2, 1, 4, 2)), F((2, 1, 4, 3))]),
     S("sdpa_mha_linear", _mha_ours, _mha_theirs, [F((2, 4, 4)), F((4, 4)), F((4, 4)), F((4, 4)), F((3, 4))]),
+    # batch dims broadcast as torch's matmul does, across ranks too (gradients summed back)
+    S("sdpa_bcast_ranks", *_sdpa(), [F((2, 3, 4, 4)), F((3, 5, 4)), F((3, 5, 3))]),
+    S("sdpa_bcast_one_kv_head", *_sdpa(is_causal=True), [F((2, 3, 4, 4)), F((2, 1, 4, 4)), F((2, 1, 4, 3))]),
+    S("sdpa_bcast_2d_q_4d_v", *_sdpa(), [F((3, 4)), F((2, 1, 5, 4)), F((5, 2))]),
+    S("sdpa_bcast_kv_batches", *_sdpa(), [F((2, 2, 3, 4)), F((1, 2, 5, 4)), F((2, 1, 5, 3)), F((2, 1, 1, 5))]),
+    S("sdpa_gqa_bcast_batch", *_sdpa(enable_gqa=True), [F((2, 4, 3, 2)), F((1, 2, 5, 2)), F((2, 2, 5, 3))]),
+    S("sdpa_gqa_3d_q_4d_kv", *_sdpa(enable_gqa=True, is_causal=True), [F((4, 3, 2)), F((2, 2, 3, 2)), F((2, 2, 3, 2))]),
+    # no keys: zeros, as torch
+    S("sdpa_no_keys", *_sdpa(), [F((2, 1, 3, 4)), F((2, 1, 0, 4)), F((2, 1, 0, 3))]),
 ]

@@ -6,7 +6,9 @@ for backends without one.
 
 Layout: q (*batch, Hq, Lq, D), k (*batch, Hkv, Lk, D), v (*batch, Hkv, Lk, Dv) -> out
 (*batch, Hq, Lq, Dv); the head axis only matters for grouped kv heads (enable_gqa), so
-rank-2 and rank-3 inputs (no head axis) work too, as in torch.
+rank-2 and rank-3 inputs (no head axis) work too, as in torch. As in torch, the batch dims
+(and, without enable_gqa, the head dim) of q, k and v broadcast, across ranks too: a
+(B, 1, Lk, D) key serves every query head, a (Lk, D) one every batch.
 
 Grouped heads are never copied: q head h uses kv head h // G (G = Hq / Hkv, torch's
 repeat_interleave), so q viewed as (*batch, Hkv, G * Lq, D) lines up with k's heads and a
@@ -33,8 +35,18 @@ NEG_INF = float("-inf")
 
 
 # ----------------------------------------------------------------------------- shapes
+def _batch(op_hint, tensors, keep):
+    """The broadcast of the tensors' leading dims (all but the last ``keep``), or a clear error."""
+    try:
+        return tuple(np.broadcast_shapes(*(t.shape[:-keep] for t in tensors)))
+    except ValueError:
+        raise op_error(OP, f"{op_hint} dims do not broadcast: "
+                       + " vs ".join(fmt_shape(t.shape[:-keep]) for t in tensors), *tensors) from None
+
+
 def _check(ins, is_causal=False, scale=1.0, enable_gqa=False):
-    """Validate inputs; return (scores shape, output shape, group size G)."""
+    """Validate inputs; return (scores shape, output shape, group size G, the broadcast
+    shapes of q, k and v). Batch dims broadcast across ranks as torch's matmul does."""
     if len(ins) not in (3, 4):
         raise ValueError(f"{OP}: expected 3 or 4 inputs (q, k, v[, mask]), got {len(ins)}")
     q, k, v = ins[:3]
@@ -46,31 +58,35 @@ def _check(ins, is_causal=False, scale=1.0, enable_gqa=False):
     if not (q.dtype is k.dtype is v.dtype):
         raise TypeError(f"{OP}: query, key and value dtypes differ: "
                         + ", ".join(f"{t.name!r} {t.dtype.name}" for t in (q, k, v)))
-    if not q.ndim == k.ndim == v.ndim:
-        raise op_error(OP, "query, key and value must have the same rank", q, k, v)
     if q.shape[-1] != k.shape[-1]:
         raise op_error(OP, f"query and key embedding sizes differ: {q.shape[-1]} vs {k.shape[-1]} (last dim)", q, k)
-    if k.shape[:-1] != v.shape[:-1]:
-        raise op_error(OP, "key and value must agree on every dim but the last (..., Hkv, Lk, *)", k, v)
+    if k.shape[-2] != v.shape[-2]:
+        raise op_error(OP, f"key and value lengths differ: {k.shape[-2]} vs {v.shape[-2]} (dim -2)", k, v)
     if enable_gqa:
-        if q.ndim < 3:
-            raise op_error(OP, "enable_gqa needs a head axis: inputs of rank >= 3 (..., H, L, D)", q, k)
+        if min(q.ndim, k.ndim, v.ndim) < 3:
+            raise op_error(OP, "enable_gqa needs a head axis: inputs of rank >= 3 (..., H, L, D)", q, k, v)
         hq, hkv = q.shape[-3], k.shape[-3]
+        if v.shape[-3] != hkv:
+            raise op_error(OP, f"enable_gqa: key and value head counts differ: {hkv} vs {v.shape[-3]}", k, v)
         if hkv == 0 or hq % hkv:
             raise op_error(OP, f"enable_gqa: query heads ({hq}) must be a multiple of key/value heads ({hkv})",
                            q, k)
-        if q.shape[:-3] != k.shape[:-3]:
-            raise op_error(OP, f"batch dims differ: {fmt_shape(q.shape[:-3])} vs {fmt_shape(k.shape[:-3])}", q, k)
+        lead = _batch("batch", (q, k, v), 3)
+        shapes = [lead + t.shape[-3:] for t in (q, k, v)]
         group = hq // hkv
     else:
-        if q.shape[:-2] != k.shape[:-2]:
-            hint = (" (different head counts need enable_gqa=True)"
-                    if q.ndim >= 3 and q.shape[:-3] == k.shape[:-3] else "")
-            raise op_error(OP, f"batch/head dims differ: {fmt_shape(q.shape[:-2])} vs "
-                           f"{fmt_shape(k.shape[:-2])}{hint}", q, k)
+        try:
+            lead = tuple(np.broadcast_shapes(*(t.shape[:-2] for t in (q, k, v))))
+        except ValueError:
+            hint = (" (different head counts need enable_gqa=True)" if min(q.ndim, k.ndim) >= 3 and
+                    q.shape[-3] != k.shape[-3] and k.shape[-3] != 1 and q.shape[-3] % k.shape[-3] == 0 else "")
+            raise op_error(OP, "batch/head dims do not broadcast: "
+                           + " vs ".join(fmt_shape(t.shape[:-2]) for t in (q, k, v)) + hint, q, k, v) from None
+        shapes = [lead + t.shape[-2:] for t in (q, k, v)]
         group = 1
-    scores = q.shape[:-1] + (k.shape[-2],)
-    out = q.shape[:-1] + (v.shape[-1],)
+    qs, ks, vs = shapes
+    scores = qs[:-1] + (ks[-2],)
+    out = qs[:-1] + (vs[-1],)
     if len(ins) == 4:
         m = ins[3]
         if is_causal:
@@ -87,11 +103,11 @@ def _check(ins, is_causal=False, scale=1.0, enable_gqa=False):
         if not ok:
             raise op_error(OP, f"attn_mask must broadcast to the scores' shape {fmt_shape(scores)} "
                            "(*batch, Hq, Lq, Lk)", m, q, k)
-    return scores, out, group
+    return scores, out, group, (qs, ks, vs)
 
 
 def _infer(ins, is_causal, scale, enable_gqa):
-    _, out, _ = _check(ins, is_causal, scale, enable_gqa)
+    _, out, _, _ = _check(ins, is_causal, scale, enable_gqa)
     return out, ins[0].dtype
 
 
@@ -107,6 +123,8 @@ def _ref(q, k, v, mask=None, *, is_causal, scale, enable_gqa):
     if is_causal:
         lq, lk = s.shape[-2:]
         s = np.where(np.tril(np.ones((lq, lk), dtype=bool)), s, dt.type(NEG_INF))
+    if s.shape[-1] == 0:                     # no keys: zeros, as torch
+        return np.matmul(s, v).astype(dt, copy=False)
     m = np.max(s, axis=-1, keepdims=True)
     full = np.isneginf(m)                    # every position of the row masked
     e = np.exp(s - np.where(full, dt.type(0), m))
@@ -127,8 +145,8 @@ def _grouped(x, group):
 def _probs(q, k, mask, is_causal, scale, group):
     """Attention probabilities, shape (*b, Hq, Lq, Lk)."""
     from . import mm, reshape, safe_softmax, softmax, where
-    s = mm(_grouped(q, group), k, tb=True) * scale
-    s = reshape(s, q.shape[:-1] + (k.shape[-2],))
+    s = mm(_grouped(q, group), k, tb=True) * scale           # batch dims broadcast in the matmul
+    s = reshape(s, s.shape[:-3] + q.shape[-3:-1] + (k.shape[-2],)) if group > 1 else s
     if mask is not None:
         s = s + mask if mask.dtype.is_float else where(mask, s, NEG_INF)
     if is_causal:
@@ -136,6 +154,8 @@ def _probs(q, k, mask, is_causal, scale, group):
         # keep[i, j] = j <= i: torch's top-left aligned lower triangle, also for Lq != Lk
         keep = q.graph.constant(np.tril(np.ones((lq, lk), dtype=np.uint32)))
         s = where(keep, s, NEG_INF)
+    if s.shape[-1] == 0:                      # no keys: the empty scores make a zero output
+        return s
     if mask is None:
         # causal alone always keeps column 0, so no row is fully masked: a plain softmax
         # (one fused row kernel on the GPU)
@@ -145,7 +165,7 @@ def _probs(q, k, mask, is_causal, scale, group):
 
 def _decompose(q, k, v, mask=None, *, is_causal, scale, enable_gqa):
     from . import mm, reshape
-    _, out, group = _check([q, k, v] + ([mask] if mask is not None else []), is_causal, scale, enable_gqa)
+    _, out, group, _ = _check([q, k, v] + ([mask] if mask is not None else []), is_causal, scale, enable_gqa)
     p = _probs(q, k, mask, is_causal, scale, group)
     o = mm(_grouped(p, group), v)
     return reshape(o, out)
@@ -153,16 +173,18 @@ def _decompose(q, k, v, mask=None, *, is_causal, scale, enable_gqa):
 
 def _vjp(ct, out, q, k, v, mask=None, *, is_causal, scale, enable_gqa):
     from . import mm, reshape, sum
-    scores, _, group = _check([q, k, v] + ([mask] if mask is not None else []), is_causal, scale, enable_gqa)
+    scores, _, group, (qs, _, _) = _check([q, k, v] + ([mask] if mask is not None else []), is_causal, scale,
+                                          enable_gqa)
+    # broadcast batch dims: the matmuls broadcast them, unbroadcast sums the gradients back
     p = _grouped(_probs(q, k, mask, is_causal, scale, group), group)    # (*b, Hkv, G*Lq, Lk)
     do = _grouped(ct, group)                                           # (*b, Hkv, G*Lq, Dv)
     dv = mm(p, do, ta=True)                  # contracting G*Lq sums over the group
     dp = mm(do, v, tb=True)
     ds = p * (dp - sum(dp * p, -1, keepdim=True))                      # softmax backward
     qg = _grouped(q, group)
-    dq = reshape(mm(ds, k) * scale, q.shape)
+    dq = reshape(mm(ds, k) * scale, qs)
     dk = mm(ds, qg, ta=True) * scale
-    grads = [dq, dk, dv]
+    grads = [unbroadcast(d, t.shape) for d, t in ((dq, q), (dk, k), (dv, v))]
     if mask is not None:
         # the mask is added after scaling, so its cotangent is dS itself, summed to its shape
         grads.append(unbroadcast(reshape(ds, scores), mask.shape) if mask.dtype.is_float else None)
