@@ -24,7 +24,7 @@ class F:
         if self.low is not None:
             return rng.uniform(self.low, self.high, self.shape).astype(np.float32)
         x = rng.standard_normal(self.shape).astype(np.float32)
-        return (np.abs(x) + 0.5).astype(np.float32) if self.positive else x
+        return np.asarray(np.abs(x) + 0.5, np.float32) if self.positive else x    # stays an array when 0-d
 
 
 @dataclass
@@ -59,9 +59,9 @@ class Sample:
 
 
 def all_samples():
-    from . import samples_core, samples_nn, samples_attention, samples_conv, samples_torchlike
+    from . import samples_core, samples_nn, samples_attention, samples_conv, samples_torchlike, samples_edges
     out = []
-    for m in (samples_core, samples_nn, samples_attention, samples_conv, samples_torchlike):
+    for m in (samples_core, samples_nn, samples_attention, samples_conv, samples_torchlike, samples_edges):
         out.extend(m.SAMPLES)
     names = [s.name for s in out]
     dup = {n for n in names if names.count(n) > 1}
