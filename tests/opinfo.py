@@ -52,6 +52,7 @@ class Sample:
     no_grad_inputs: tuple = ()        # float inputs whose gradient is not checked
     fd: bool = True                   # False where the gradient is not the derivative (stop_gradient)
     tags: tuple = field(default_factory=tuple)
+    gpu_bug: str = ""                 # a known GPU compiler bug: the GPU test is a strict xfail naming it
 
     def arrays(self, seed=0):
         rng = np.random.default_rng([seed, sum(map(ord, self.name))])

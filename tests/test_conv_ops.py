@@ -66,8 +66,6 @@ def test_pool_errors():
         mg.ops.avg_pool2d(t["x"], 5)
     with pytest.raises(NotImplementedError, match=r"\(3, 3\) must divide.*\(4, 4\)"):
         mg.ops.adaptive_avg_pool2d(t["x"], 3)
-    with pytest.raises(NotImplementedError, match="ceil_mode"):
-        mg.ops.avg_pool2d(t["x"], 2, ceil_mode=True)     # (max_pool2d supports it)
     with pytest.raises(NotImplementedError, match="scale_factor"):
         mg.ops.upsample_nearest2d(t["x"], 1.5)
     with pytest.raises(mg.ShapeError, match=r"col2im: expected 9 = 3\*3 columns.*'c' \(1, 8, 5\)"):

@@ -10,6 +10,9 @@ from .harness import assert_close, build
 from .opinfo import all_samples
 
 SAMPLES = all_samples()
+# a known compiler bug keeps its sample: the GPU run must fail until it is fixed (strict)
+PARAMS = [pytest.param(s, id=s.name, marks=pytest.mark.xfail(strict=True, reason=s.gpu_bug) if s.gpu_bug else ())
+          for s in SAMPLES]
 
 
 @pytest.fixture(scope="module")
@@ -30,7 +33,7 @@ def shader_mode(request, monkeypatch, checked_device):
     return request.param
 
 
-@pytest.mark.parametrize("sample", SAMPLES, ids=[s.name for s in SAMPLES])
+@pytest.mark.parametrize("sample", PARAMS)
 def test_gpu_matches_reference(sample, shader_mode):
     g, feeds, float_inputs, outs, _, loss = build(sample)
     grads = [gr for gr in mg.grad(loss, [t for _, t in float_inputs])] if sample.grad else []

@@ -262,6 +262,12 @@ class LlamaForCausalLM(nn.Module):
         return self.head(m.norm(ops.reshape(last, (batch, cfg.hidden_size)))), new_cache
 
 
+def _params(g: Graph, cfg: LlamaConfig) -> dict:
+    """Add every parameter of ``LlamaForCausalLM(cfg)`` to ``g`` (transformers' names, no
+    ops); ``mg.io`` lists a checkpoint's expected weights with it."""
+    return {n: g.parameter(n, p.shape, init=p.graph_init()) for n, p in LlamaForCausalLM(cfg).named_parameters()}
+
+
 # ------------------------------------------------------------------------- builders
 def build_causal_lm(cfg: LlamaConfig, batch: int, seq: int):
     """Full-sequence forward. Returns (graph, ids input (batch, seq) i32, logits (batch, seq, vocab))."""

@@ -109,7 +109,8 @@ def advance_counters(graph: Graph):
     """Add one to every host counter that modules in training mode registered on ``graph``
     (batch norm's ``num_batches_tracked``): call once per run or step of a session of it."""
     for m, name in _COUNTS.get(graph, ()):
-        m._buffers[name] = m._buffers[name] + 1
+        b = m._buffers[name]
+        m._buffers[name] = np.asarray(b + 1, b.dtype)     # stays an array when 0-d
 
 
 def random_input(x: Tensor, name: str, keep: float) -> Tensor:
