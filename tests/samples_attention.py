@@ -83,6 +83,7 @@ SAMPLES = [
     S("sdpa_bcast_one_kv_head", *_sdpa(is_causal=True), [F((2, 3, 4, 4)), F((2, 1, 4, 4)), F((2, 1, 4, 3))]),
     S("sdpa_bcast_2d_q_4d_v", *_sdpa(), [F((3, 4)), F((2, 1, 5, 4)), F((5, 2))]),
     S("sdpa_bcast_kv_batches", *_sdpa(), [F((2, 2, 3, 4)), F((1, 2, 5, 4)), F((2, 1, 5, 3)), F((2, 1, 1, 5))]),
+    S("sdpa_bcast_v_heads", *_sdpa(), [F((2, 3, 4, 4)), F((2, 1, 5, 4)), F((2, 3, 5, 3))]),
     S("sdpa_gqa_bcast_batch", *_sdpa(enable_gqa=True), [F((2, 4, 3, 2)), F((1, 2, 5, 2)), F((2, 2, 5, 3))]),
     S("sdpa_gqa_3d_q_4d_kv", *_sdpa(enable_gqa=True, is_causal=True), [F((4, 3, 2)), F((2, 2, 3, 2)), F((2, 2, 3, 2))]),
     # no keys: zeros, as torch

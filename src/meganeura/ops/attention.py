@@ -217,4 +217,11 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
         ins.append(attn_mask)
     if scale is None:
         scale = 1.0 / math.sqrt(query.shape[-1]) if query.shape and query.shape[-1] else 1.0
+    _check(ins, bool(is_causal), float(scale), bool(enable_gqa))     # errors name the caller's tensors
+    if key.shape[:-2] != value.shape[:-2]:
+        # key and value broadcast against each other: one set of batch dims and heads for
+        # both (the fused kernel reads value's heads through key's)
+        from . import broadcast_to
+        lead = tuple(np.broadcast_shapes(key.shape[:-2], value.shape[:-2]))
+        ins[1], ins[2] = broadcast_to(key, lead + key.shape[-2:]), broadcast_to(value, lead + value.shape[-2:])
     return emit(OP, ins, is_causal=bool(is_causal), scale=float(scale), enable_gqa=bool(enable_gqa))
