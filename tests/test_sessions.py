@@ -268,3 +268,15 @@ def test_trace_keeps_every_step_up_to_its_cap(tmp_path, monkeypatch):
     close_traces()
     steps = [e["args"]["step"] for e in load_trace(path) if e.get("ph") == "X"]
     assert sorted(set(steps)) == [0, 1, 2] and s.steps_done == 5
+
+
+@pytest.mark.parametrize("backend", ["numpy", "gpu"])
+def test_run_without_fetch_keeps_outputs_on_the_device(backend):
+    g = mg.Graph()
+    x = g.input("x", (3, 4))
+    y = mg.ops.tanh(x) * 2.0
+    s = mg.compile(g, outputs=[y], backend=backend)
+    feeds = {"x": np.arange(12, dtype=np.float32).reshape(3, 4) / 7}
+    assert s.run(feeds, fetch=False) is None
+    np.testing.assert_allclose(s.read_outputs()[0], np.tanh(feeds["x"]) * 2.0, rtol=1e-6)
+    np.testing.assert_array_equal(s.read_outputs()[0], s.run(feeds)[0])

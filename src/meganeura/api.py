@@ -343,9 +343,17 @@ class Session:
         return out
 
     @_locked
-    def run(self, feeds: dict) -> list[np.ndarray]:
-        """Inference: evaluate the outputs (and the loss, if any) without updating."""
-        return self.executor.execute(self._feeds(feeds), "run")
+    def run(self, feeds: dict, fetch: bool = True) -> list[np.ndarray] | None:
+        """Inference: evaluate the outputs (and the loss, if any) without updating.
+        ``fetch=False`` leaves them on the device (the call returns when they are ready;
+        ``read_outputs()`` reads them): a model whose outputs feed the next call, or whose
+        caller needs one row of a large output, skips the readback."""
+        return self.executor.execute(self._feeds(feeds), "run", fetch=fetch)
+
+    @_locked
+    def read_outputs(self) -> list[np.ndarray]:
+        """The outputs of the last call, read back from the device."""
+        return self.executor.read_outputs()
 
     @_locked
     def compute_grads(self, feeds: dict) -> float:

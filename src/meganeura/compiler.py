@@ -96,18 +96,18 @@ def compile_plan(targets, n_forward=None, options: CompileOptions | None = None,
     rewrite = accelerated_rewrite(fwd) if opts.precision == "accelerated" and fwd else None
     g2, new_targets = lower_to_primitives(targets, keep=codegen.has_kernel, rewrite=rewrite)
     sched = build_schedule(g2, new_targets, max_bindings=opts.max_bindings)
-    n_scheduled = len(sched.kernels)
-    kernels = run_fusion(sched.kernels, disabled=opts.disabled, max_bindings=opts.max_bindings)
+    # kernels that write nothing are dropped before fusion (a merged launch must not be
+    # judged by an empty first part)
+    kernels = [k for k in sched.kernels if k.out.size > 0]
+    n_scheduled = len(kernels)
+    kernels = run_fusion(kernels, disabled=opts.disabled, max_bindings=opts.max_bindings)
     n_in_place = 0
     if updates and "inplace" not in opts.disabled:
         n_in_place = update_in_place(kernels, sched, new_targets, updates)
     dispatches = []
     for k in kernels:
-        if k.out.size == 0:
-            continue
         wgsl, bufs, groups = codegen.render(k)
         dispatches.append(Dispatch(k, wgsl, bufs, groups))
-    memory = plan_memory([(k.written_bufs(), d.bufs) for d in dispatches for k in [d.kernel]], sched.bufs)
     used = {id(b) for d in dispatches for b in d.bufs}
     locs = []
     for t in new_targets:
@@ -119,6 +119,7 @@ def compile_plan(targets, n_forward=None, options: CompileOptions | None = None,
         locs.append((v.buf, v.offset * t.dtype.np.itemsize, t.size * t.dtype.np.itemsize, t.dtype.np, t.shape))
     used |= {id(loc[0]) for loc in locs}
     bufs = [b for b in sched.bufs if id(b) in used]     # buffers a fusion made unnecessary are never allocated
+    memory = plan_memory([(k.written_bufs(), d.bufs) for d in dispatches for k in [d.kernel]], bufs)
     return KernelPlan(dispatches, bufs, memory, locs, time.perf_counter() - t0,
                       {"scheduled": n_scheduled, "fused": n_scheduled - len(kernels), "in_place": n_in_place})
 

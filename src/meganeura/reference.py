@@ -69,7 +69,17 @@ class NumpyExecutor:
             raise RuntimeError("grads: run step() or compute_grads() first")
         return {n: v.copy() for n, v in self.grads.items()}
 
-    def execute(self, feeds: dict, phase: str):
+    def execute(self, feeds: dict, phase: str, fetch: bool = True):
+        out = self._execute(feeds, phase)
+        self.last_outputs = out
+        return out if fetch else None
+
+    def read_outputs(self):
+        if getattr(self, "last_outputs", None) is None:
+            raise RuntimeError("read_outputs: nothing has run yet")
+        return self.last_outputs
+
+    def _execute(self, feeds: dict, phase: str):
         p = self.program
         fetches, grad_names, upd, targets = p.targets(phase)
         vals = evaluate(p.graph, targets, {**self.values, **feeds}) if targets else []

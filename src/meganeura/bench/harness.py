@@ -2,16 +2,17 @@
 on the same weights and inputs, in one process.
 
 Per workload and precision mode, phases:
-  inference   full-shape forward            ours: Session.run        torch: no_grad forward
-  minimal     one token / batch 1           ours: Session.run        torch: no_grad forward
+  inference   full-shape forward            ours: Session.run (outputs kept on the device)   torch: no_grad forward
+  minimal     one token / batch 1           ours: Session.run (outputs kept on the device)   torch: no_grad forward
   flb         forward + loss + backward     ours: compute_grads      torch: zero grads, loss.backward()
   train_step  flb + AdamW update            ours: Session.step       torch: flb + optimizer.step()
   compile     cold (first in the process) and warm (same graphs again: identical WGSL
               hits the device's pipeline cache) seconds to build, compile and plan;
               torch.compile's first-call seconds, cold and after a dynamo reset.
 
-Each timed sample runs from submit to result ready: our calls return host arrays (the
-readback is included); torch is synchronised. Warm-ups first, then the samples; median,
+Each timed sample runs from submit to result ready: inference leaves the outputs on the
+device on both sides (ours: ``run(feeds, fetch=False)`` waits for the GPU; torch is
+synchronised); training calls return the loss to the host on both sides. Warm-ups first, then the samples; median,
 IQR, min, max and the raw samples are kept, with our GPU timestamps (``Session.profile``)
 beside. Every cell carries its gate result and is invalid when the gate fails.
 """
@@ -106,7 +107,7 @@ def _plan_info(sess, key) -> dict:
 
 def _ours_call(sess, phase, feeds):
     if phase in ("inference", "minimal"):
-        return lambda: sess.run(feeds)
+        return lambda: sess.run(feeds, fetch=False)      # outputs stay on the device, as torch's do
     if phase == "flb":
         return lambda: sess.compute_grads(feeds)
     return lambda: sess.step(feeds)

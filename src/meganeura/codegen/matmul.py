@@ -18,6 +18,11 @@ from .common import Bindings, contiguous_batch_strides
 
 
 def lower_matmul(t, ins, out, materialize, temp):
+    if t.size == 0:
+        return []          # nothing to write (a zero-size batch or output dim)
+    if (t.inputs[0].shape[-2] if t.attrs["ta"] else t.inputs[0].shape[-1]) == 0:
+        from .layout import fill
+        return [fill(out, 0, "matmul.empty_k")]     # an empty sum: zeros
     a, b = (materialize(v, x) for v, x in zip(ins, t.inputs))
     m, n = t.shape[-2:]
     k = t.inputs[0].shape[-2] if t.attrs["ta"] else t.inputs[0].shape[-1]

@@ -63,6 +63,7 @@ class Plan:
             if dst is not buf:
                 self.copies_after.append((buf, off, dst, 0, _round4(n)))
         self.staging = [dev.create_buffer(_round4(n), "staging", label="fetch") for _, _, n, _, _ in self.fetch_locs]
+        self.update_copies = list(self.copies_after)
         self.copies_after += [(buf, off, st, 0, _round4(n)) for (buf, off, n, _, _), st in zip(self.fetch_locs, self.staging)]
         self.compile_seconds = time.perf_counter() - t0
 
@@ -152,6 +153,13 @@ class GpuExecutor:
         n = t.size * t.dtype.np.itemsize
         return self.dev.readback(self.named_buffer(name, n), n, t.dtype.np, t.shape)
 
+    def read_outputs(self):
+        """The outputs of the last call, read from the device."""
+        plan = getattr(self, "last_fetch_plan", None)
+        if plan is None:
+            raise RuntimeError("read_outputs: nothing has run yet")
+        return [self.dev.readback(buf, nb, dt, shape, offset=off) for buf, off, nb, dt, shape in plan.fetch_locs]
+
     def last_grads(self):
         if self.last_plan is None or not self.last_plan.grad_locs:
             raise RuntimeError("grads: run step() or compute_grads() first")
@@ -192,22 +200,29 @@ class GpuExecutor:
         # slots, constants and targets live only in the plans' bind groups and copies
         self.plans.clear()
         self.input_buffers.clear()
-        self.last_plan = None
+        self.last_plan = self.last_fetch_plan = None
         self.recorder = None
         for bufs in owned:
             for b in bufs:
                 b.destroy()
 
-    def execute(self, feeds: dict, phase: str):
+    def execute(self, feeds: dict, phase: str, fetch: bool = True):
+        """Run ``phase``; with ``fetch`` False the outputs stay on the device (the call
+        still waits for the GPU) and ``read_outputs`` reads them later."""
         plan = self.plan(phase)
         trace = os.environ.get("MEGANEURA_TRACE")
         writer = trace_writer(trace) if trace else None    # an unwritable path fails before the step
         self.upload(feeds)
+        copies = plan.copies_after if fetch else plan.update_copies
         if writer is not None:
-            ts = self.recorder.run(plan.step, copies_after=plan.copies_after, timestamps=True)
+            ts = self.recorder.run(plan.step, copies_after=copies, timestamps=True)
             writer.add(plan.names, ts, session=self.trace_id, label=phase)
         else:
-            self.recorder.run(plan.step, copies_after=plan.copies_after)
+            self.recorder.run(plan.step, copies_after=copies)
         self.last_plan = plan if plan.grad_locs else self.last_plan
+        self.last_fetch_plan = plan
+        if not fetch:
+            self.dev.sync()
+            return None
         return [self.dev.read_staging(st, nb, dt, shape)
                 for st, (_, _, nb, dt, shape) in zip(plan.staging, plan.fetch_locs)]
