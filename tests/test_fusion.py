@@ -30,7 +30,7 @@ def test_llama_decode_budget():
     fused, unfused = _counts(_decoder_targets(cfg))
     per_layer = fused / cfg.num_hidden_layers
     assert fused < unfused
-    assert per_layer <= 12.5, f"{fused} dispatches ({per_layer:.1f} per layer)"
+    assert per_layer <= 10.5, f"{fused} dispatches ({per_layer:.1f} per layer)"
 
 
 def test_llama_prefill_budget():
@@ -38,7 +38,7 @@ def test_llama_prefill_budget():
     g, _, logits = llama.build_causal_lm(cfg, 1, 8)
     fused, unfused = _counts([logits])
     assert fused < unfused
-    assert fused <= 33
+    assert fused <= 22
 
 
 def test_kernel_plan_is_device_free_and_names_fusions():
@@ -196,3 +196,20 @@ def test_sibling_tiled_matmuls_and_split_k_sums_share_launches():
     gpu.load_state_dict(ref.state_dict())
     for a, b_ in zip(ref.run(feeds), gpu.run(feeds)):
         np.testing.assert_allclose(b_, a, rtol=1e-4, atol=1e-5)
+
+
+def test_common_subexpressions_are_computed_once():
+    """Equal nodes (same op, inputs and attributes; equal constants) after lowering are one
+    node: a quantity that a backward rule rebuilds is not computed twice."""
+    g = mg.Graph()
+    x = g.input("x", (4, 8))
+    a = mg.ops.softmax(x * 2.0, -1) + mg.ops.exp(x)
+    b = mg.ops.softmax(x * 2.0, -1) * mg.ops.exp(x)        # the same softmax and exp again
+    kp = compile_plan([a, b])
+    assert kp.n_dispatches <= 4, kp.names
+    assert sum("softmax" in n for n in kp.names) == 1, kp.names
+    feeds = {"x": np.random.default_rng(0).standard_normal((4, 8)).astype(np.float32)}
+    want = mg.compile(g, outputs=[a, b], backend="numpy").run(feeds)
+    got = mg.compile(g, outputs=[a, b], backend="gpu").run(feeds)
+    for w, o in zip(want, got):
+        np.testing.assert_allclose(o, w, rtol=1e-5, atol=1e-6)

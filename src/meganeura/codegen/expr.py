@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..ops.registry import OPS
+from ..graph import f32 as _F32
 from .common import broadcast_view_strides, literal, offset_expr
 
 # WGSL helpers, included when an expression uses them. erf: Abramowitz-Stegun 7.1.26
@@ -124,6 +125,11 @@ def op_text(t, args, arg_dtypes, used):
     return ex.format(*args)
 
 
+def _as_f32(t):
+    """``t`` as an f32 node (same op and attributes) for rendering its f32 arithmetic."""
+    return Node(t.op, _F32, dict(t.attrs), tuple(t.shape))
+
+
 class ExprWriter:
     """Emits an expression tree as WGSL ``let`` lines; ``leaf(e)`` gives (text, dtype) for
     ("leaf", i), ("rleaf", i) (a leaf read through its consumer's index function) and
@@ -147,6 +153,13 @@ class ExprWriter:
             # the operand was read at (j + h) mod 2h; the first half is negated
             a = args[0][0]
             text = f"select({a}, -{a}, {self.last_coord} < {t.shape[-1] // 2}u)"
+        elif t.dtype.name == "f16" and t.op not in ("cast", "where"):
+            # half-precision maths runs in f32 and rounds once per op (as NumPy and
+            # PyTorch's CPU kernels do); the helpers are f32 functions
+            f32 = _F32
+            text = op_text(_as_f32(t), [a if d.name != "f16" else f"f32({a})" for a, d in args],
+                           [f32 if d.name == "f16" else d for _, d in args], self.used)
+            text = f"f16({text})"
         else:
             text = op_text(t, [a for a, _ in args], [d for _, d in args], self.used)
         self.n += 1

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..graph import f32
 from ..schedule import Kernel, View
 from .expr import OutputStore
 from .common import ENTRY, GROUP_INDEX, WG, Bindings, coords, grid, literal
@@ -49,7 +50,7 @@ def render(kernel):
     kept = [d for d in range(len(v.shape)) if d not in dims]
     kshape, rshape = [v.shape[d] for d in kept], [v.shape[d] for d in dims]
     n_out, r = int(np.prod(kshape, dtype=np.int64)), int(np.prod(rshape, dtype=np.int64))
-    dt = v.dtype
+    dt = f32 if v.dtype.is_float else v.dtype      # f16 data accumulates in f32
     if not dt.is_float:
         INIT_T = {"sum": literal(0, dt), "mean": literal(0, dt), "max": literal(-2**31 if dt.name == "i32" else 0, dt)}
     else:
@@ -63,7 +64,8 @@ def render(kernel):
     fin = "acc" if kind != "mean" else f"acc * {literal(1.0 / max(spec.get('count', r), 1), dt)}"
     rows = coords("o", kshape, prefix="k")
     inner = coords("j", rshape, prefix="r")
-    body_read = "\n".join("    " + ln for ln in inner) + f"\n        acc = {comb.format(a='acc', b=f'b{ib}[base + {step}]')};"
+    load = f"b{ib}[base + {step}]" if v.dtype is dt else f"{dt.wgsl}(b{ib}[base + {step}])"
+    body_read = "\n".join("    " + ln for ln in inner) + f"\n        acc = {comb.format(a='acc', b=load)};"
     if spec.get("chunks"):
         return _render_chunked(kernel, b, store, v, kept, kshape, dims, rshape, r, INIT_T[kind], comb, dt)
     if r < 64 or n_out >= 4096:
@@ -104,7 +106,7 @@ def _render_chunked(kernel, b, store, v, kept, kshape, dims, rshape, r, init, co
     let jend = min(s * {C}u + {C}u, {r}u);
     for (var j = s * {C}u + lid; j < jend; j = j + {WG}u) {{
 {inner}
-        acc = {comb.format(a="acc", b=f"b{ib}[base + {step}]")};
+        acc = {comb.format(a="acc", b=f"b{ib}[base + {step}]" if v.dtype is dt else f"{dt.wgsl}(b{ib}[base + {step}])")};
     }}
     part[lid] = acc;
     workgroupBarrier();

@@ -6,16 +6,50 @@ part of the graph into a new Graph, decomposing until a fixpoint is reached.
 """
 from __future__ import annotations
 
+import numpy as np
+
 from ..graph import Graph, Tensor
 from ..ops.registry import OPS, emit
 from ..reference import needed_nodes
 
 
-def _copy(targets: list[Tensor], keep, rewrite=None) -> tuple[Graph, list[Tensor], bool]:
+def _frozen(x):
+    """A hashable stand-in for an attribute value (None where it has none)."""
+    if isinstance(x, (str, int, float, bool, type(None))):
+        return x
+    if isinstance(x, (list, tuple)):
+        items = tuple(_frozen(i) for i in x)
+        return None if any(i is None and j is not None for i, j in zip(items, x)) else ("seq", items)
+    if isinstance(x, np.ndarray):
+        return ("array", x.dtype.str, x.shape, x.tobytes())
+    if isinstance(x, dict):
+        items = tuple((k, _frozen(v)) for k, v in sorted(x.items()))
+        return None if any(v is None and x[k] is not None for k, v in items) else ("map", items)
+    return None
+
+
+def _cse_key(t: Tensor, ins):
+    """Nodes with equal keys compute the same value: one is kept (common subexpressions,
+    such as a forward quantity that a backward rule rebuilds)."""
+    attrs = _frozen(t.attrs)
+    if attrs is None:
+        return None
+    return (t.op, tuple(i.id for i in ins), t.dtype.name, attrs)
+
+
+def _copy(targets: list[Tensor], keep, rewrite=None, cse=False) -> tuple[Graph, list[Tensor], bool]:
     g = Graph()
     m: dict[int, Tensor] = {}
+    seen: dict = {}
     changed = False
     for t in needed_nodes(targets):
+        if cse and t.op not in ("input", "parameter", "state"):
+            key = _cse_key(t, [m[i.id] for i in t.inputs])
+            if key is not None and key in seen:
+                m[t.id] = seen[key]
+                continue
+        else:
+            key = None
         if t.op == "input":
             n = g.input(t.name, t.shape, t.dtype)
         elif t.op == "parameter":
@@ -38,6 +72,8 @@ def _copy(targets: list[Tensor], keep, rewrite=None) -> tuple[Graph, list[Tensor
                 if n.shape != t.shape or n.dtype is not t.dtype:
                     raise RuntimeError(f"decompose of {t.op} gave {n.shape} {n.dtype}, expected {t.shape} {t.dtype}")
         m[t.id] = n
+        if key is not None:
+            seen[key] = n
     return g, [m[t.id] for t in targets], changed
 
 
@@ -50,6 +86,7 @@ def lower_to_primitives(targets: list[Tensor], keep, rewrite=None) -> tuple[Grap
         if not changed:
             break
         g, new, changed = _copy(new, keep)
+    g, new, _ = _copy(new, keep, cse=True)
     missing = sorted({t.op for t in needed_nodes(new) if t.op not in ("input", "parameter", "state", "constant")
                       and not keep(t)})
     if missing:
