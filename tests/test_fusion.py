@@ -213,3 +213,22 @@ def test_common_subexpressions_are_computed_once():
     got = mg.compile(g, outputs=[a, b], backend="gpu").run(feeds)
     for w, o in zip(want, got):
         np.testing.assert_allclose(o, w, rtol=1e-5, atol=1e-6)
+
+
+def test_batch_and_group_norm_are_one_row_kernel_with_their_affine():
+    """Training-mode batch norm is a layer norm over each channel's transposed rows, group
+    norm over (sample, group) rows: one kernel each, the per-channel affine and the
+    activation stored through the transposed store."""
+    g = mg.Graph()
+    x = g.input("x", (3, 4, 5, 6))
+    w, b = g.parameter("w", (4,), init="normal"), g.parameter("b", (4,), init="normal")
+    bn = mg.ops.relu(mg.ops.batch_norm(x, None, None, w, b, training=True)) + x
+    gn = mg.ops.silu(mg.ops.group_norm(x, 2, w, b))
+    kp = compile_plan([bn, gn], options=CompileOptions(max_bindings=32))
+    assert [d.kernel.archetype for d in kp.dispatches] == ["norm", "norm"], kp.names
+    feeds = {"x": np.random.default_rng(4).standard_normal((3, 4, 5, 6)).astype(np.float32) * 2 + 1}
+    ref = mg.compile(g, outputs=[bn, gn], backend="numpy")
+    gpu = mg.compile(g, outputs=[bn, gn], backend="gpu")
+    gpu.load_state_dict(ref.state_dict())
+    for want, got in zip(ref.run(feeds), gpu.run(feeds)):
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)

@@ -15,6 +15,12 @@ from .samples_nn import SAMPLES
 ops = mg.ops
 
 
+# composites a decomposition may use (the lowering decomposes to a fixpoint): group_norm and
+# batch_norm are layer norms over (sample, group) or transposed (channel) rows, so the GPU
+# runs each as one row kernel
+NESTED = {"group_norm": {"layer_norm"}, "batch_norm": {"layer_norm"}}
+
+
 def _composite(t):
     return t.op not in SOURCE_OPS and "decompose" in OPS[t.op].extra
 
@@ -34,7 +40,8 @@ def test_decompose_matches_reference(sample):
         first_new = len(g.nodes)
         d = OPS[y.op].extra["decompose"](*y.inputs, **y.attrs)
         assert d.shape == y.shape and d.dtype is y.dtype, y.op
-        assert not any(_composite(t) for t in needed_nodes([d]) if t.id >= first_new), y.op
+        nested = {t.op for t in needed_nodes([d]) if t.id >= first_new and _composite(t)}
+        assert nested <= NESTED.get(y.op, set()), (y.op, nested)
         for compute in (np.float32, np.float64):
             a, b = evaluate(g, [y, d], {k: v for k, v in feeds.items() if k in g.inputs}, compute=compute)
             tol = 1e-5 if compute is np.float32 else 1e-7  # graph constants stay f32 in f64 runs

@@ -199,26 +199,7 @@ class OutputStore:
         self.acc_dtype = acc_dtype or f32
         self.ob = bind.index(out.buf, out.dtype, write=True)
         leaves = [(bind.index(v.buf, v.dtype), v) for v in kernel.epi_reads]
-        # operands are views of the iteration shape they were fused at: split ``f`` into
-        # coordinates of each distinct shape
-        spaces = {out.shape: "e"}
-        lines = coord_lines("f", out.shape, "e")
-        for v in kernel.epi_reads:
-            if v.shape not in spaces:
-                spaces[v.shape] = f"s{len(spaces)}_"
-                lines += coord_lines("f", v.shape, spaces[v.shape])
-        for k, (bi, v) in enumerate(leaves):
-            lines.append(f"    let l{k} = b{bi}[{offset_expr(v.offset, broadcast_view_strides(v, v.shape), spaces[v.shape])}];")
-
-        def leaf(e):
-            if e[0] == "acc":
-                return "acc", self.acc_dtype
-            return f"l{e[1]}", leaves[e[1]][1].dtype
-        w = ExprWriter(leaf)
-        val, dt = w.emit(kernel.epilogue or ("acc",))
-        if dt is not out.dtype:
-            val = f"{out.dtype.wgsl}({val})"
-        idx = f"{out.offset}u + f" if out.is_contiguous() else offset_expr(out.offset, out.strides, "e")
+        lines = []
         smap = kernel.spec.get("store_map")
         if smap is not None:
             # a transposed store: element f of the archetype's output goes where the copy
@@ -229,7 +210,29 @@ class OutputStore:
                 rm[d] = rm[d + 1] * shape[d + 1]
             terms = [f"((f / {s}u) % {n}u) * {r}u" for s, n, r in zip(strides, shape, rm) if n != 1]
             lines.append(f"    let fd = {' + '.join(terms) or '0u'};")
-            idx = f"{out.offset}u + fd"
+        # operands are views of the iteration shape they were fused at, indexed by f (or,
+        # for those fused after a transposed store, by fd): split the index into
+        # coordinates of each distinct (index, shape)
+        fd_from = kernel.spec.get("fd_from", len(leaves)) if smap is not None else len(leaves)
+        dest = "fd" if smap is not None else "f"
+        spaces = {(dest, out.shape): "e"}
+        lines += coord_lines(dest, out.shape, "e")
+        for k, (bi, v) in enumerate(leaves):
+            key = ("fd" if k >= fd_from else "f", v.shape)
+            if key not in spaces:
+                spaces[key] = f"s{len(spaces)}_"
+                lines += coord_lines(key[0], v.shape, spaces[key])
+            lines.append(f"    let l{k} = b{bi}[{offset_expr(v.offset, broadcast_view_strides(v, v.shape), spaces[key])}];")
+
+        def leaf(e):
+            if e[0] == "acc":
+                return "acc", self.acc_dtype
+            return f"l{e[1]}", leaves[e[1]][1].dtype
+        w = ExprWriter(leaf)
+        val, dt = w.emit(kernel.epilogue or ("acc",))
+        if dt is not out.dtype:
+            val = f"{out.dtype.wgsl}({val})"
+        idx = f"{out.offset}u + {dest}" if out.is_contiguous() else offset_expr(out.offset, out.strides, "e")
         self.helpers = w.helpers()
         body = lines + w.lines + [f"    b{self.ob}[{idx}] = {val};"]
         self.fn = f"fn {name}(f: u32, acc: {self.acc_dtype.wgsl}) {{\n" + "\n".join(body) + "\n}"

@@ -76,8 +76,9 @@ def render(kernel):
 
 
 def lower_norm(t, ins, out, materialize, temp):
-    """layer_norm / rms_norm over the trailing axes: one row per normalised slice."""
-    dense = [materialize(v, x) for v, x in zip(ins, t.inputs)]
+    """layer_norm / rms_norm over the trailing axes: one row per normalised slice. The input
+    is read through its view (a batch norm is a layer norm over a transposed view)."""
+    dense = [ins[0]] + [materialize(v, x) for v, x in zip(ins[1:], t.inputs[1:])]
     a = t.attrs
     spec = {"kind": t.op, "eps": float(a["eps"]), "row": int(np.prod(a["normalized_shape"], dtype=np.int64)),
             "weight": bool(a.get("has_weight")), "bias": bool(a.get("has_bias"))}
@@ -95,7 +96,7 @@ def render_norm(kernel):
     extra = kernel.reads[1:]
     wb = b.index(extra[0].buf, extra[0].dtype) if spec["weight"] else None
     bb = b.index(extra[-1].buf, extra[-1].dtype) if spec["bias"] else None
-    xv = f"f32(b{xb}[{x.offset}u + base + j])"
+    xv = f"f32(b{xb}[x_at(row, j)])"
     y = "(xj - mean) * inv" if spec["kind"] == "layer_norm" else "xj * inv"
     if wb is not None:
         y = f"{y} * f32(b{wb}[{extra[0].offset}u + j])"
@@ -131,5 +132,21 @@ def render_norm(kernel):
     body += f"    let inv = inverseSqrt(var_ + {spec['eps']!r});\n"
     body += f"    {loop} {{\n        let xj = {xv};\n        store_out(base + j, {y});\n    }}\n}}\n"
     shared = f"\nvar<workgroup> part: array<f32, {WG}>;\n" if wg > 1 else "\n"
-    src = b.decls() + "\n" + store.module_text() + shared + "\n" + ENTRY.format(wg=WG) + body
+    src = b.decls() + "\n" + store.module_text() + "\n" + _index_fn(x, r) + shared + "\n" + ENTRY.format(wg=WG) + body
     return src, b.bufs, grid(n_rows if wg > 1 else -(-n_rows // WG))
+
+
+def _index_fn(x, r) -> str:
+    """``fn x_at(row, j)``: the element of view ``x`` at position j of normalised row
+    ``row`` (rows over the leading dims, j over the trailing dims of size ``r``)."""
+    if x.is_contiguous():
+        return f"fn x_at(row: u32, j: u32) -> u32 {{ return {x.offset}u + row * {r}u + j; }}\n"
+    k, size = 0, 1
+    while size < r:
+        k += 1
+        size *= x.shape[-k]
+    lead, trail = x.shape[:-k], x.shape[-k:]
+    lines = coords("row", lead, prefix="a") + coords("j", trail, prefix="t")
+    terms = [f"{x.offset}u"] + [f"a{d} * {s}u" for d, s in enumerate(x.strides[:-k]) if s] + \
+        [f"t{d} * {s}u" for d, s in enumerate(x.strides[-k:]) if s]
+    return "fn x_at(row: u32, j: u32) -> u32 {\n" + "\n".join(lines) + f"\n    return {' + '.join(terms)};\n}}\n"

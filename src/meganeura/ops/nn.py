@@ -460,7 +460,21 @@ def _norm_graph(op):
 
     def dec(x, *params, **attrs):
         view, axes, aff = _layout(op, x.shape, attrs)
-        n = reshape(_standardize(reshape(x, view), axes, attrs["eps"], center)[0], x.shape)
+        if op == "group_norm":
+            # a layer norm over each (sample, group) row: one row kernel on the GPU, the
+            # per-channel affine below becoming its epilogue
+            n = reshape(emit("layer_norm", [reshape(x, view)], normalized_shape=(view[-1],), eps=attrs["eps"],
+                             has_weight=False, has_bias=False), x.shape)
+        elif op == "batch_norm":
+            # a layer norm over each channel's (sample, position) row of the transposed view
+            nb, c = x.shape[0], x.shape[1]
+            hw = int(np.prod(x.shape[2:], dtype=np.int64))
+            rows = permute(reshape(x, (nb, c, hw)), (1, 0, 2))
+            ln = emit("layer_norm", [rows], normalized_shape=(nb, hw), eps=attrs["eps"], has_weight=False,
+                      has_bias=False)
+            n = reshape(permute(ln, (1, 0, 2)), x.shape)
+        else:
+            n = reshape(_standardize(reshape(x, view), axes, attrs["eps"], center)[0], x.shape)
         w, b = _params(params, attrs)
         if w is not None:
             n = n * reshape(w, aff)

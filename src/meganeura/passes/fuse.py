@@ -91,12 +91,12 @@ def _store_permuted(k, p, uses, ki, pi) -> bool:
     leaf = p.reads[0]
     if not p.spec.get("flat_leaf") and leaf.shape != p.out.shape:
         return False
-    if not _permutes(k, leaf) or uses.touched_between(p.out.buf, ki, pi):
+    if "store_map" in k.spec or not _permutes(k, leaf) or uses.touched_between(p.out.buf, ki, pi):
         return False
     uses.remove(ki, k)
     uses.remove(pi, p)
     k.spec = {**k.spec, "shape": k.shape, "out_dtype": k.dtype,
-              "store_map": (leaf.shape, tuple(leaf.strides))}
+              "store_map": (leaf.shape, tuple(leaf.strides)), "fd_from": len(k.epi_reads)}
     k.out = p.out
     k.name = f"{k.name}+{p.name}"
     uses.add(ki, k)
@@ -158,7 +158,7 @@ def fuse_epilogues(kernels, max_bindings):
                     break
                 continue
             if k.archetype not in EPILOGUE_ARCHETYPES or k.out.buf.kind != "temp" \
-                    or "index" in k.spec or "store_map" in k.spec:   # a scatter stores where its data says
+                    or "index" in k.spec:      # a scatter stores where its data says
                 continue
             if set(uses.readers[id(leaf.buf)]) != {pi} or sum(v.buf is leaf.buf for v in p.reads) != 1:
                 continue
@@ -215,7 +215,8 @@ def fuse_norm_prologue(kernels, max_bindings):
     kernels = list(kernels)
     uses = _Uses(kernels)
     for ni, nk in enumerate(kernels):
-        if nk is None or nk.archetype != "norm" or nk.epilogue is not None or nk.out.buf.kind != "temp":
+        if nk is None or nk.archetype != "norm" or nk.epilogue is not None or nk.out.buf.kind != "temp" \
+                or not nk.reads[0].is_contiguous():
             continue
         readers = sorted(set(uses.readers[id(nk.out.buf)]))
         if not readers or len(uses.writers[id(nk.out.buf)]) != 1:
