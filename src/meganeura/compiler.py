@@ -141,6 +141,12 @@ def update_in_place(kernels, sched, targets, updates) -> int:
     nothing after its writer reads the old value: no copy after the step and no second
     buffer of that size. Returns how many updates became in place."""
     named = {b.name: b for b in sched.bufs if b.kind in ("parameter", "state")}
+    touching: dict = {}          # buffer id -> [(launch position, unit)] touching it
+    for i, u in _units(kernels):
+        for x in _views(u):
+            lst = touching.setdefault(id(x.buf), [])
+            if not lst or lst[-1][1] is not u:
+                lst.append((i, u))
     done = 0
     for ti, name in updates.items():
         v = sched.values.get(targets[ti].id)
@@ -148,8 +154,7 @@ def update_in_place(kernels, sched, targets, updates) -> int:
         if v is None or dst is None or v.buf.kind != "target" or v.offset or not v.is_contiguous() \
                 or v.buf.nbytes != dst.nbytes or v.dtype is not dst.dtype:
             continue
-        units = list(_units(kernels))
-        writers = [(i, u) for i, u in units if u.out.buf is v.buf]
+        writers = [(i, u) for i, u in touching.get(id(v.buf), []) if u.out.buf is v.buf]
         if len(writers) != 1 or writers[0][1].archetype != "pointwise":
             continue
         wi, w = writers[0]
@@ -157,19 +162,20 @@ def update_in_place(kernels, sched, targets, updates) -> int:
         ok = all(r.shape == w.out.shape and r.offset == 0 and r.is_contiguous()
                  for r in w.reads if r.buf is dst) and not w.spec.get("flat_leaf")
         # nothing else touches the old value from the writer's launch on
-        ok = ok and not any(i >= wi and u is not w and any(x.buf is dst for x in _views(u)) for i, u in units)
+        ok = ok and not any(i >= wi and u is not w for i, u in touching.get(id(dst), []))
         if not ok:
             continue
-        for _, u in units:
+        moved = touching.pop(id(v.buf), [])
+        for _, u in moved:
             for x in _views(u):
                 if x.buf is v.buf:
                     x.buf = dst
+        touching.setdefault(id(dst), []).extend(moved)
         for x in sched.values.values():
             if x.buf is v.buf:
                 x.buf = dst
         done += 1
     return done
-
 
 def count_dispatches(targets, **kw) -> int:
     """Dispatches the GPU backend records for ``targets`` (no device needed)."""
