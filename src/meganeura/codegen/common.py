@@ -30,6 +30,7 @@ class Bindings:
 
     def __init__(self):
         self.bufs, self.types, self.written = [], [], set()
+        self.helpers_done = set()    # WGSL helper functions already in the module
 
     def index(self, buf, dtype, write=False) -> int:
         if write:
