@@ -46,10 +46,25 @@ class Plan:
                 phys[b] = dev.create_buffer(b.nbytes, label=b.name)
             elif b in self.memory.slot_of:
                 phys[b] = slots[self.memory.slot_of[b]]
+        # checked mode: kernels that index with data (embedding ids, labels) report bad
+        # indices into one error buffer, read after each step (see check_indices)
+        self.checks, self.error_buf = [], None
+        checked = [d for d in kp.dispatches if d.kernel.spec.get("checks")] if dev.checked else []
+        if checked:
+            from ..codegen import render
+            from ..schedule import Buf
+            n = sum(len(d.kernel.spec["checks"]) for d in checked)
+            err = Buf(8 * n, "temp", "index_errors")
+            phys[err] = self.error_buf = dev.create_buffer(8 * n, label="index_errors")
+            self.error_zeros = np.zeros(2 * n, np.uint32)
         dispatches = []
         for d in kp.dispatches:
-            pipe = dev.pipeline(d.wgsl, label=d.kernel.name)   # access parsed from the declarations
-            dispatches.append((pipe, dev.bind_group(pipe, [phys[b] for b in d.bufs]), d.groups))
+            wgsl, bufs = d.wgsl, d.bufs
+            if checked and d.kernel.spec.get("checks"):
+                wgsl, bufs, _ = render(d.kernel, errors=(err, len(self.checks)))
+                self.checks += [(c, d.kernel.name) for c in d.kernel.spec["checks"]]
+            pipe = dev.pipeline(wgsl, label=d.kernel.name)   # access parsed from the declarations
+            dispatches.append((pipe, dev.bind_group(pipe, [phys[b] for b in bufs]), d.groups))
         self.names = kp.names
         self.n_dispatches = kp.n_dispatches
         self.step = ex.recorder.prepare(dispatches, self.names)
@@ -66,6 +81,20 @@ class Plan:
         self.update_copies = list(self.copies_after)
         self.copies_after += [(buf, off, st, 0, _round4(n)) for (buf, off, n, _, _), st in zip(self.fetch_locs, self.staging)]
         self.compile_seconds = time.perf_counter() - t0
+
+    def check_indices(self, dev):
+        """Raise IndexError naming the op and tensor of the first check that saw a bad
+        index in the last step (checked mode only)."""
+        if self.error_buf is None:
+            return
+        flags = dev.readback(self.error_buf, self.error_zeros.nbytes, np.uint32)
+        dev.upload(self.error_buf, self.error_zeros)     # cleared for the next step
+        for k, (c, kname) in enumerate(self.checks):
+            if flags[2 * k]:
+                bad = int(flags[2 * k + 1].astype(np.int32))
+                raise IndexError(f"{c['op']}: {c['what']} {bad} in {c['tensor']!r} is out of range for "
+                                 f"{c['bound']} {'classes' if c['what'] == 'label' else 'rows'} "
+                                 f"(found by kernel {kname!r} in checked mode)")
 
 
 _trace_ids = itertools.count()
@@ -219,6 +248,7 @@ class GpuExecutor:
             writer.add(plan.names, ts, session=self.trace_id, label=phase)
         else:
             self.recorder.run(plan.step, copies_after=copies)
+        plan.check_indices(self.dev)
         self.last_plan = plan if plan.grad_locs else self.last_plan
         self.last_fetch_plan = plan
         if not fetch:
