@@ -22,12 +22,6 @@ HELPERS = {
     "isnan_f": """fn isnan_f(x: f32) -> bool { return (bitcast<u32>(x) & 0x7fffffffu) > 0x7f800000u; }""",
     "fmax_f32": """fn fmax_f32(a: f32, b: f32) -> f32 { return select(select(max(a, b), b, isnan_f(b)), a, isnan_f(a)); }""",
     "fmin_f32": """fn fmin_f32(a: f32, b: f32) -> f32 { return select(select(min(a, b), b, isnan_f(b)), a, isnan_f(a)); }""",
-    "fmax_f16": """fn fmax_f16(a: f16, b: f16) -> f16 {
-    return select(select(max(a, b), b, isnan_f(f32(b))), a, isnan_f(f32(a)));
-}""",
-    "fmin_f16": """fn fmin_f16(a: f16, b: f16) -> f16 {
-    return select(select(min(a, b), b, isnan_f(f32(b))), a, isnan_f(f32(a)));
-}""",
     "erf_f": """fn erf_f(x: f32) -> f32 {
     let t = 1.0 / (1.0 + 0.3275911 * abs(x));
     let y = 1.0 - (((((1.061405429 * t - 1.453152027) * t) + 1.421413741) * t - 0.284496736) * t + 0.254829592) * t * exp(-x * x);
@@ -53,12 +47,12 @@ HELPERS = {
 }
 HELPER_DEPS = {"gelu_erf": ["erf_f", "isnan_f"], "gelu_erf_grad": ["erf_f", "isnan_f"],
                "gelu_tanh": ["tanh_f", "isnan_f"], "gelu_tanh_grad": ["tanh_f", "isnan_f"],
-               "erf_f": ["isnan_f"], "tanh_f": ["isnan_f"], "fmax_f32": ["isnan_f"], "fmin_f32": ["isnan_f"],
-               "fmax_f16": ["isnan_f"], "fmin_f16": ["isnan_f"]}
+               "erf_f": ["isnan_f"], "tanh_f": ["isnan_f"], "fmax_f32": ["isnan_f"], "fmin_f32": ["isnan_f"]}
 
 
 def nan_max(a, b, dtype, used, op="max"):
-    """WGSL ``max``/``min`` of ``a`` and ``b`` that returns NaN if either is NaN (as torch)."""
+    """WGSL ``max``/``min`` of ``a`` and ``b`` that returns NaN if either is NaN (as torch);
+    float maths is f32 here (f16 nodes are computed in f32)."""
     if not dtype.is_float:
         return f"{op}({a}, {b})"
     name = f"f{op}_{dtype.name}"
