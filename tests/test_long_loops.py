@@ -26,3 +26,38 @@ def test_long_reductions_are_chunked_and_exact():
     np.testing.assert_allclose(mean_rows, b.mean(1), rtol=2e-5)
     np.testing.assert_allclose(mx, b.max(1), rtol=0)
     np.testing.assert_allclose(loss, (a * a).mean(), rtol=2e-5)
+
+
+def _gemv_case(x_shape, w_shape, build):
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal(x_shape).astype(np.float32)
+    w = rng.standard_normal(w_shape).astype(np.float32)
+    g = mg.Graph()
+    xi, wi = g.input("x", x.shape), g.input("w", w.shape)
+    out = build(xi, wi)
+    return compile_plan([out]), mg.compile(g, outputs=[out], backend="gpu").run({"x": x, "w": w})[0], x, w
+
+
+def test_gemv_over_long_k_is_split():
+    """One-row products whose threads would loop past the bound: B plain (one thread walks
+    K = 100000) and B transposed (128 lanes over K = 2**23 + 1000: 65544 steps each) split K
+    across workgroups and sum the partials."""
+    kp, got, x, w = _gemv_case((1, 100_000), (100_000, 3), mg.ops.matmul)
+    assert kp.names == ["gemv", "matmul.splitk_sum"]
+    np.testing.assert_allclose(got, x.astype(np.float64) @ w, rtol=1e-4, atol=1e-2)
+    k = (1 << 23) + 1000
+    kp, got, x, w = _gemv_case((1, k), (2, k), mg.ops.linear)
+    assert kp.names == ["gemv", "matmul.splitk_sum"]
+    np.testing.assert_allclose(got, x.astype(np.float64) @ w.T.astype(np.float64), rtol=1e-4, atol=5e-2)
+
+
+def test_tiled_matmul_k_loop_is_bounded():
+    """The tiled kernel's K loop (steps of 8 per split) stays within the bound: K = 2**24
+    with 16 splits would take 131072 steps per workgroup. Device-free (the WGSL's bound)."""
+    import re
+    from meganeura.codegen.common import LOOP_BOUND
+    g = mg.Graph()
+    out = mg.ops.matmul(g.input("a", (64, 1 << 24)), g.input("b", (1 << 24, 64)))
+    kp = compile_plan([out])
+    loops = [int(n) for d in kp.dispatches if d.kernel.archetype == "matmul" for n in re.findall(r"t <= (\d+)u", d.wgsl)]
+    assert loops and max(loops) + 1 <= LOOP_BOUND     # the loop runs t = 0..nk

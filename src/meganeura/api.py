@@ -142,7 +142,7 @@ class Session:
     """A compiled graph on one backend. See ``mg.compile``."""
 
     def __init__(self, graph, outputs, loss, optimizer, backend, precision, seed, accumulate=1, state_updates=None,
-                 share_with=None):
+                 share_with=None, detect_anomaly=None):
         if backend not in BACKENDS:
             raise ValueError(f"unknown backend {backend!r}; choose one of {BACKENDS}")
         if precision not in PRECISIONS:
@@ -226,7 +226,8 @@ class Session:
             self.executor = NumpyExecutor(self.program, self.values)
         else:
             from .runtime.executor import GpuExecutor
-            self.executor = GpuExecutor(self.program, self.values, precision=precision, share_with=shared)
+            self.executor = GpuExecutor(self.program, self.values, precision=precision, share_with=shared,
+                                        detect_anomaly=detect_anomaly)
         self._users[0] += 1
 
     # ------------------------------------------------------------------- lifetime
@@ -383,7 +384,7 @@ class Session:
 
 def compile(graph: Graph, outputs=None, loss=None, optimizer=None, backend="numpy",
             precision="strict", seed=0, accumulate=1, state_updates=None, share_with=None,
-            eager=True) -> Session:
+            eager=True, detect_anomaly=None) -> Session:
     """Compile ``graph`` for inference (``outputs``) or training (``loss`` + ``optimizer``).
 
     backend: "numpy" (the reference interpreter) or "gpu" (WGSL through wgpu).
@@ -395,12 +396,17 @@ def compile(graph: Graph, outputs=None, loss=None, optimizer=None, backend="nump
     eager: on the gpu backend, compile the program of the main call (``step`` with an
     optimizer, else ``run``; ``compute_grads`` otherwise) now, so that timing ``compile``
     times the compilation; other calls compile on first use.
+    detect_anomaly: on the gpu backend, check every kernel's output for NaN and Inf after
+    it runs and raise FloatingPointError naming the first kernel that produced one (its
+    trace name, e.g. ``matmul+add``) and the value it wrote; one submit and one readback
+    per dispatch, so slow: for debugging. None reads ``MEGANEURA_DETECT_ANOMALY=1``.
     """
     if outputs is None and loss is None:
         raise ValueError("compile: give outputs= (inference) and/or loss= (training)")
     if isinstance(outputs, Tensor):
         outputs = [outputs]
-    s = Session(graph, outputs, loss, optimizer, backend, precision, seed, accumulate, state_updates, share_with)
+    s = Session(graph, outputs, loss, optimizer, backend, precision, seed, accumulate, state_updates, share_with,
+                detect_anomaly)
     if eager and backend == "gpu":
         s.executor.plan("step" if optimizer is not None and loss is not None else "run" if outputs else "grads")
     return s

@@ -19,7 +19,10 @@ for _op, _lower in gather.LOWER.items():
     OPS[_op].lower = _lower
 
 
-def render(kernel):
+def render(kernel, errors=None):
+    """``errors``: checked mode's error buffer for kernels with index checks (gather)."""
+    if errors is not None:
+        return gather.render(kernel, errors)
     return RENDER[kernel.archetype](kernel)
 
 

@@ -49,7 +49,7 @@ def render(kernel):
     group = hq // hkv
     rows = int(np.prod(batch, dtype=np.int64)) * hq * lq
     b = Bindings()
-    store = OutputStore(kernel, b)
+    store = OutputStore(kernel, b).require("fmax_f32")   # a NaN score gives a NaN row
     qb, kb, vb = (b.index(x.buf, x.dtype) for x in (q, k, v))
     # output columns: DV lanes (a power of two) per key slice, WG // DV slices
     DV = 1 << max(0, (dv - 1).bit_length())
@@ -111,14 +111,14 @@ def render(kernel):
         if (p == 0u && j < {lk}u) {{
     {chr(10).join("    " + ln for ln in score)}
             sc[j] = s;
-            mx = max(mx, s);
+            mx = fmax_f32(mx, s);
         }}
         workgroupBarrier();
     }}
     red[lid] = mx;
-{tree.format(half=WG // 2, op="max(red[lid], red[lid + t])")}
+{tree.format(half=WG // 2, op="fmax_f32(red[lid], red[lid + t])")}
     let m = red[0];
-    let live = m != {NEG_INF};          // a fully masked row gives zeros
+    let live = bitcast<u32>(m) != 0xff800000u;   // a fully masked row gives zeros (a NaN row stays NaN)
     workgroupBarrier();
     var tot = 0.0;
     for (var j = lid; j < {lk}u; j = j + {WG}u) {{

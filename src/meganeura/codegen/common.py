@@ -7,6 +7,10 @@ import numpy as np
 
 WG = 256                     # threads per workgroup for 1-D kernels
 MAX_GROUPS = 65535           # per dispatch dimension
+# loop iterations per invocation that a kernel's main loop stays within: llvmpipe gives each
+# invocation 65535 loop back-edges in total (all loops, nested or not, count) and then leaves
+# every loop early, silently; the rest of the budget is for the small loops around it
+LOOP_BOUND = 1 << 15
 
 
 def literal(value, dtype) -> str:
@@ -30,6 +34,7 @@ class Bindings:
 
     def __init__(self):
         self.bufs, self.types, self.written = [], [], set()
+        self.helpers_done = set()    # WGSL helper functions already in the module
 
     def index(self, buf, dtype, write=False) -> int:
         if write:

@@ -15,16 +15,22 @@ from ..graph import f32 as _F32
 from .common import broadcast_view_strides, literal, offset_expr
 
 # WGSL helpers, included when an expression uses them. erf: Abramowitz-Stegun 7.1.26
-# (|error| < 1.5e-7, below f32 resolution of the results); tanh clamps so exp cannot overflow.
+# (|error| < 1.5e-7, below f32 resolution of the results). NaN is tested on the bits:
+# SPIR-V's FMax/FMin/FClamp leave NaN operands undefined (llvmpipe drops them) and a
+# driver may fold ``x != x`` to false, so max/min/relu/tanh select the NaN explicitly.
 HELPERS = {
+    "isnan_f": """fn isnan_f(x: f32) -> bool { return (bitcast<u32>(x) & 0x7fffffffu) > 0x7f800000u; }""",
+    "fmax_f32": """fn fmax_f32(a: f32, b: f32) -> f32 { return select(select(max(a, b), b, isnan_f(b)), a, isnan_f(a)); }""",
+    "fmin_f32": """fn fmin_f32(a: f32, b: f32) -> f32 { return select(select(min(a, b), b, isnan_f(b)), a, isnan_f(a)); }""",
     "erf_f": """fn erf_f(x: f32) -> f32 {
     let t = 1.0 / (1.0 + 0.3275911 * abs(x));
     let y = 1.0 - (((((1.061405429 * t - 1.453152027) * t) + 1.421413741) * t - 0.284496736) * t + 0.254829592) * t * exp(-x * x);
-    return select(-y, y, x >= 0.0);
+    return select(select(-y, y, x >= 0.0), x, isnan_f(x));
 }""",
+    # exp is clamped so it cannot overflow; tiny |x| returns x (exact to f32, keeps -0.0)
     "tanh_f": """fn tanh_f(x: f32) -> f32 {
     let e = exp(2.0 * clamp(x, -15.0, 15.0));
-    return (e - 1.0) / (e + 1.0);
+    return select((e - 1.0) / (e + 1.0), x, abs(x) < 1e-4 || isnan_f(x));
 }""",
     "gelu_erf": """fn gelu_erf(x: f32) -> f32 { return 0.5 * x * (1.0 + erf_f(x * 0.70710678118654752)); }""",
     "gelu_erf_grad": """fn gelu_erf_grad(x: f32) -> f32 {
@@ -39,41 +45,19 @@ HELPERS = {
     return 0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * c * (1.0 + 3.0 * 0.044715 * x * x);
 }""",
 }
-HELPER_DEPS = {"gelu_erf": ["erf_f"], "gelu_erf_grad": ["erf_f"], "gelu_tanh": ["tanh_f"],
-               "gelu_tanh_grad": ["tanh_f"]}
+HELPER_DEPS = {"gelu_erf": ["erf_f", "isnan_f"], "gelu_erf_grad": ["erf_f", "isnan_f"],
+               "gelu_tanh": ["tanh_f", "isnan_f"], "gelu_tanh_grad": ["tanh_f", "isnan_f"],
+               "erf_f": ["isnan_f"], "tanh_f": ["isnan_f"], "fmax_f32": ["isnan_f"], "fmin_f32": ["isnan_f"]}
 
 
-def _op_text(t, args, arg_dtypes, used):
-    """WGSL for elementwise node ``t`` applied to argument expressions ``args``."""
-    ex = OPS[t.op].extra["wgsl"]
-    if t.op == "cast":
-        return f"{t.dtype.wgsl}({args[0]})"
-    if t.op == "pow":
-        e = t.attrs["exponent"]
-        if float(e).is_integer() and abs(e) <= 8:
-            n = int(abs(e))
-            prod = "(" + " * ".join([args[0]] * n) + ")" if n else "1.0"
-            return prod if e >= 0 else f"(1.0 / {prod})"
-        if e == 0.5:
-            return f"sqrt({args[0]})"
-        return f"pow({args[0]}, {literal(e, t.dtype)})"
-    if t.op in ("gelu", "gelu_grad"):
-        ex = ex[t.attrs["approximate"]]
-    if t.op == "where" and arg_dtypes[0].name != "u32":
-        args = [f"u32({args[0]})"] + list(args[1:])
-    if t.op == "tanh":
-        ex = "tanh_f({0})"
-    if t.op == "erf":
-        ex = "erf_f({0})"
-    if t.op == "sign" and not t.dtype.is_float:
-        ex = "sign({0})"
-    for name in HELPERS:
-        if name + "(" in ex:
-            used.add(name)
-            used.update(HELPER_DEPS.get(name, []))
-    if t.op == "relu":
-        ex = "max({0}, " + literal(0, t.dtype) + ")"
-    return ex.format(*args)
+def nan_max(a, b, dtype, used, op="max"):
+    """WGSL ``max``/``min`` of ``a`` and ``b`` that returns NaN if either is NaN (as torch);
+    float maths is f32 here (f16 nodes are computed in f32)."""
+    if not dtype.is_float:
+        return f"{op}({a}, {b})"
+    name = f"f{op}_{dtype.name}"
+    used.update([name, "isnan_f"])
+    return f"{name}({a}, {b})"
 
 
 @dataclass(frozen=True)
@@ -121,7 +105,9 @@ def op_text(t, args, arg_dtypes, used):
             used.add(name)
             used.update(HELPER_DEPS.get(name, []))
     if t.op == "relu":
-        ex = "max({0}, " + literal(0, t.dtype) + ")"
+        return nan_max(args[0], literal(0, t.dtype), t.dtype, used)
+    if t.op in ("maximum", "minimum"):
+        return nan_max(args[0], args[1], t.dtype, used, t.op[:3])
     return ex.format(*args)
 
 
@@ -197,6 +183,7 @@ class OutputStore:
         from ..graph import f32
         out = kernel.out
         self.acc_dtype = acc_dtype or f32
+        self.bind = bind
         self.ob = bind.index(out.buf, out.dtype, write=True)
         leaves = [(bind.index(v.buf, v.dtype), v) for v in kernel.epi_reads]
         lines = []
@@ -233,10 +220,19 @@ class OutputStore:
         if dt is not out.dtype:
             val = f"{out.dtype.wgsl}({val})"
         idx = f"{out.offset}u + {dest}" if out.is_contiguous() else offset_expr(out.offset, out.strides, "e")
-        self.helpers = w.helpers()
+        self.used = w.used
         body = lines + w.lines + [f"    b{self.ob}[{idx}] = {val};"]
         self.fn = f"fn {name}(f: u32, acc: {self.acc_dtype.wgsl}) {{\n" + "\n".join(body) + "\n}"
 
+    def require(self, *names):
+        """Helpers the archetype's own body calls (emitted once, with the epilogue's)."""
+        for n in names:
+            self.used.update([n] + HELPER_DEPS.get(n, []))
+        return self
+
     def module_text(self) -> str:
         """The helpers and ``store_out``, for module scope (after the binding decls)."""
-        return "\n".join(self.helpers + [self.fn])
+        # several stores can share a module (merged matmuls): each helper once per module
+        new = [h for h in HELPERS if h in self.used and h not in self.bind.helpers_done]
+        self.bind.helpers_done.update(new)
+        return "\n".join([HELPERS[h] for h in new] + [self.fn])

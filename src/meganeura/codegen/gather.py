@@ -10,11 +10,31 @@ from .expr import OutputStore
 from .common import ENTRY, GROUP_INDEX, WG, Bindings, coords, grid, literal
 
 
-def _kernel(name, body):
+def _kernel(name, body, checks=None):
     def lower(t, ins, out, materialize, temp):
         dense = [materialize(v, x) for v, x in zip(ins, t.inputs)]
-        return [Kernel(name, "gather", {"body": body(t), "inputs": [x.dtype for x in t.inputs]}, out, dense)]
+        spec = {"body": body(t), "inputs": [x.dtype for x in t.inputs]}
+        if checks:
+            spec["checks"] = checks(t)
+        return [Kernel(name, "gather", spec, out, dense)]
     return lower
+
+
+# Index checks: a body calls ``report_err(k, value)`` for a bad index of its check k
+# (``spec["checks"][k]``: op, tensor, what, bound). In checked mode the runtime binds an
+# error buffer and raises after the step; otherwise the function does nothing. Either way
+# the kernel never reads or writes out of bounds: a bad index gives a zero row.
+def _check(op, tensor, what, bound):
+    return {"op": op, "tensor": tensor, "what": what, "bound": int(bound)}
+
+
+def _one_hot_checks(t):
+    op, name = t.attrs.get("caller") or ("one_hot", t.inputs[0].name)
+    return [_check(op, name, "label", t.attrs["num_classes"])]
+
+
+def _embedding_checks(t):
+    return [_check("embedding", t.inputs[0].name, "id", t.inputs[1].shape[0])]
 
 
 def _idx(dt, e):
@@ -22,15 +42,25 @@ def _idx(dt, e):
 
 
 def _one_hot(t):
-    lab = _idx(t.inputs[0].dtype, "x0[xo0 + i / {n}u]".format(n=t.attrs["num_classes"]))
+    c = t.attrs["num_classes"]
+    lab = _idx(t.inputs[0].dtype, f"x0[xo0 + i / {c}u]")
     one, zero = literal(1, t.dtype), literal(0, t.dtype)
-    return f"    let val = select({zero}, {one}, {lab} == i32(i % {t.attrs['num_classes']}u));"
+    ign = t.attrs.get("ignore_index")
+    ign = int(ign) if ign is not None and -2**31 <= ign < 2**31 else None
+    ok = f"(lab >= 0i && lab < {c}i)" + (f" || lab == {ign}i" if ign is not None else "")
+    hot = f"lab == i32(i % {c}u)" + (f" && lab != {ign}i" if ign is not None and 0 <= ign < c else "")
+    return (f"    let lab = {lab};\n"
+            f"    if (i % {c}u == 0u && !({ok})) {{ report_err(0u, lab); }}\n"
+            f"    let val = select({zero}, {one}, {hot});")
 
 
 def _embedding(t):
-    d = t.inputs[1].shape[1]
-    row = _idx(t.inputs[0].dtype, f"x0[xo0 + i / {d}u]")
-    return f"    let row = u32({row});\n    let val = x1[xo1 + row * {d}u + i % {d}u];"
+    n, d = t.inputs[1].shape
+    raw = _idx(t.inputs[0].dtype, f"x0[xo0 + i / {d}u]")
+    return (f"    let id = {raw};\n    let ok = id >= 0i && id < {n}i;\n"
+            f"    if (i % {d}u == 0u && !ok) {{ report_err(0u, id); }}\n"
+            f"    let row = select(0u, u32(id), ok);\n"
+            f"    let val = select({literal(0, t.dtype)}, x1[xo1 + row * {d}u + i % {d}u], ok);")
 
 
 def _im2col(t):
@@ -97,15 +127,24 @@ def _lower_embedding_grad(t, ins, out, materialize, temp):
     return [fill(out, 0, "embedding_grad.zero"), scatter]
 
 
-LOWER = {"one_hot": _kernel("one_hot", _one_hot), "embedding": _kernel("embedding", _embedding),
+LOWER = {"one_hot": _kernel("one_hot", _one_hot, _one_hot_checks),
+         "embedding": _kernel("embedding", _embedding, _embedding_checks),
          "embedding_grad": _lower_embedding_grad, "im2col": _kernel("im2col", _im2col),
          "col2im": _kernel("col2im", _col2im)}
 
 
-def render(kernel):
+def render(kernel, errors=None):
+    """``errors``: (buffer, first slot) of checked mode's error buffer: check k of this
+    kernel writes slots 2 (first + k) (a flag) and 2 (first + k) + 1 (the bad index)."""
     n = kernel.spec.get("threads", kernel.out.size)
     b = Bindings()
     store = OutputStore(kernel, b, kernel.dtype)
+    report = "fn report_err(k: u32, v: i32) {}"
+    if errors is not None:
+        from ..graph import u32
+        eb = b.index(errors[0], u32, write=True)
+        report = (f"fn report_err(k: u32, v: i32) {{ b{eb}[{2 * errors[1]}u + 2u * k] = 1u; "
+                  f"b{eb}[{2 * errors[1] + 1}u + 2u * k] = bitcast<u32>(v); }}")
     lines = []
     for k, v in enumerate(kernel.reads):
         bi = b.index(v.buf, v.dtype)
@@ -113,7 +152,7 @@ def render(kernel):
     body = kernel.spec["body"]
     for k, v in enumerate(kernel.reads):
         body = body.replace(f"x{k}[", f"b{b.index(v.buf, v.dtype)}[")
-    src = b.decls() + "\n" + store.module_text() + "\n\n" + ENTRY.format(wg=WG) + \
+    src = b.decls() + "\n" + store.module_text() + "\n" + report + "\n\n" + ENTRY.format(wg=WG) + \
         f"    let i = ({GROUP_INDEX}) * {WG}u + lid;\n    if (i >= {n}u) {{ return; }}\n" + \
         "\n".join(lines) + "\n" + body + f"\n    store_out({kernel.spec.get('index', 'i')}, val);\n}}\n"
     return src, b.bufs, grid(-(-n // WG))

@@ -14,7 +14,7 @@ import numpy as np
 
 from ..schedule import Kernel, View, contiguous_strides
 from .expr import Node, OutputStore
-from .common import Bindings, contiguous_batch_strides
+from .common import LOOP_BOUND, Bindings, contiguous_batch_strides
 
 
 def lower_matmul(t, ins, out, materialize, temp):
@@ -27,16 +27,27 @@ def lower_matmul(t, ins, out, materialize, temp):
     m, n = t.shape[-2:]
     k = t.inputs[0].shape[-2] if t.attrs["ta"] else t.inputs[0].shape[-1]
     spec = {"ta": t.attrs["ta"], "tb": t.attrs["tb"], "batch": tuple(t.shape[:-2])}
-    if m <= GEMV_MAX_ROWS and -(-n // 8) <= 65535:
-        return [Kernel("gemv", "matmul", {**spec, "gemv": True}, out, [a, b])]
     nb = int(np.prod(t.shape[:-2], dtype=np.int64))
+    if m <= GEMV_MAX_ROWS and -(-n // 8) <= 65535:
+        split = gemv_split(k, spec["tb"])
+        if split == 1:
+            return [Kernel("gemv", "matmul", {**spec, "gemv": True}, out, [a, b])]
+        return _split_k(t, out, temp, Kernel("gemv", "matmul", {**spec, "gemv": True, "split": split},
+                                             temp((nb, split, m, n), out.dtype), [a, b]), split)
     tile, split = plan_tiles(m, n, k, nb)
     spec.update(tile=tile, split=split)
     if split == 1:
         return [Kernel("matmul", "matmul", {**spec, "split": 1}, out, [a, b])]
-    # split-K: partial products side by side, then their sum as a pointwise kernel (one
-    # strided view per split), which fusion treats like any other: epilogues, merging
     part = temp((nb, split, m, n), out.dtype)
+    return _split_k(t, out, temp, Kernel("matmul", "matmul", spec, part, [a, b]), split)
+
+
+def _split_k(t, out, temp, mm, split):
+    """Split-K: ``mm`` writes the partial products side by side, then their sum runs as a
+    pointwise kernel (one strided view per split), which fusion treats like any other:
+    epilogues, merging."""
+    part = mm.out
+    m, n = t.shape[-2:]
     batch = tuple(t.shape[:-2])
     bst = tuple(s * split for s in contiguous_strides(batch + (m, n))[:len(batch)])
     leaves = [View(part.buf, t.shape, bst + (n, 1), part.offset + s * m * n, out.dtype) for s in range(split)]
@@ -44,7 +55,7 @@ def lower_matmul(t, ins, out, materialize, temp):
     for s in range(1, split):
         total = ("op", Node("add", out.dtype), [total, ("leaf", s)])
     red = Kernel("matmul.splitk_sum", "pointwise", {"expr": total, "dtype": out.dtype}, out, leaves)
-    return [Kernel("matmul", "matmul", spec, part, [a, b]), red]
+    return [mm, red]
 
 
 def accelerate(a, b, ta, tb):
@@ -74,6 +85,7 @@ def plan_tiles(M, N, K, nb):
         tile = 32
     split = int(os.environ.get("MEGANEURA_MATMUL_SPLIT", "0")) or \
         max(1, min(-(-TARGET_GROUPS // tiles(tile)), K // 128, 16))
+    split = max(split, -(-K // (TK * (LOOP_BOUND - 1))))   # each split loops K / split / TK + 1 times
     return tile, -(-K // split_k(K, split))   # no empty splits
 
 
@@ -269,6 +281,13 @@ GEMV_MAX_ROWS = 4
 GEMV_TARGET_GROUPS = 256    # enough workgroups to occupy a large GPU
 
 
+def gemv_split(K, tb) -> int:
+    """K splits of a GEMV whose lanes would otherwise loop past ``LOOP_BOUND``: B
+    transposed, at least 32 lanes stride over K; B plain, one thread walks all of K. Only
+    K decides it, so sibling GEMVs (one merged launch) split alike."""
+    return -(-K // (LOOP_BOUND * (32 if tb else 1)))
+
+
 def gemv_columns(N) -> int:
     """Output columns per 256-thread workgroup of the B-transposed GEMV: 8 (32 lanes over K
     each) for wide outputs, fewer, with more lanes each, for narrow ones so that the GPU
@@ -291,7 +310,7 @@ def render_gemv(kernel):
     fns, branches, g0 = [], [], 0
     per_group = 8 if parts[0].spec["tb"] else 256
     for j, part in enumerate(parts):
-        fn, gx, nb = _gemv_part(part, bind, j)
+        fn, gx, nb = _gemv_part(part, bind, j)     # nb: batch x K splits, alike for merged parts
         fns.append(fn)
         branches.append(f"    if (wid.x < {g0 + gx}u) {{ gemv{j}(wid.x - {g0}u, wid.z, lid); return; }}")
         g0 += gx
@@ -357,11 +376,14 @@ def _gemv_part(kernel, bind, j):
     ta, tb = kernel.spec["ta"], kernel.spec["tb"]
     M, N = kernel.shape[-2:]
     K = a.shape[-2] if ta else a.shape[-1]
-    batch = kernel.shape[:-2]
+    S = kernel.spec.get("split", 1)      # K splits: the output is (batch, S, M, N) partials
+    batch = kernel.spec["batch"] if S > 1 else kernel.shape[:-2]
     nb = int(np.prod(batch, dtype=np.int64))
+    KC = -(-K // S)
     store = OutputStore(kernel, bind, name=f"store_out{j}")
     ab, bb = bind.index(a.buf, a.dtype), bind.index(bv.buf, bv.dtype)
-    bl, aoff, boff = _batch_offsets(a, bv, batch, "wz")
+    bl, aoff, boff = _batch_offsets(a, bv, batch, f"wz / {S}u" if S > 1 else "wz")
+    bl.append(f"    let kbeg = (wz % {S}u) * {KC}u; let kend = min(kbeg + {KC}u, {K}u);")
     a_at = (lambda m, k: f"aoff + {k} * {M}u + {m}") if ta else (lambda m, k: f"aoff + {m} * {K}u + {k}")
     head = f"""{store.module_text()}
 fn gemv{j}(wx: u32, wz: u32, lid: u32) {{
@@ -387,7 +409,7 @@ fn gemv{j}(wx: u32, wz: u32, lid: u32) {{
     let n = wx * {C}u + lid / {L}u;
 {accs}
     if (n < {N}u) {{
-        for (var k = lane; k < {K}u; k = k + {L}u) {{
+        for (var k = kbeg + lane; k < kend; k = k + {L}u) {{
             let w = f32(b{bb}[boff + n * {K}u + k]);
 {fmas}
         }}
@@ -405,17 +427,17 @@ fn gemv{j}(wx: u32, wz: u32, lid: u32) {{
     }}
 }}
 """
-        return head + body, -(-N // C), nb
+        return head + body, -(-N // C), nb * S
     fmas = "\n".join(f"        acc{m} = fma(f32(b{ab}[{a_at(str(m) + 'u', 'k')}]), w, acc{m});" for m in range(M))
     writes = "\n".join(f"    store_out{j}(coff + {m * N}u + n, acc{m});" for m in range(M))
     body = f"""    let n = wx * 256u + lid;
     if (n >= {N}u) {{ return; }}
 {accs}
-    for (var k = 0u; k < {K}u; k = k + 1u) {{
+    for (var k = kbeg; k < kend; k = k + 1u) {{
         let w = f32(b{bb}[boff + k * {N}u + n]);
 {fmas}
     }}
 {writes}
 }}
 """
-    return head + body, -(-N // 256), nb
+    return head + body, -(-N // 256), nb * S

@@ -61,6 +61,9 @@ def render(kernel):
     base = " + ".join([str(v.offset) + "u"] + [f"k{i} * {v.strides[d]}u" for i, d in enumerate(kept)])
     step = " + ".join(["0u"] + [f"r{i} * {v.strides[d]}u" for i, d in enumerate(dims)])
     comb = COMBINE[kind]
+    if kind == "max" and dt.is_float:      # a NaN anywhere in the row gives NaN, as torch
+        comb = f"fmax_{dt.name}({{a}}, {{b}})"
+        store.require(f"fmax_{dt.name}")
     fin = "acc" if kind != "mean" else f"acc * {literal(1.0 / max(spec.get('count', r), 1), dt)}"
     rows = coords("o", kshape, prefix="k")
     inner = coords("j", rshape, prefix="r")

@@ -25,15 +25,15 @@ def render(kernel):
     n_rows, r = int(np.prod(kshape, dtype=np.int64)), v.shape[d]
     ost = contiguous_strides(kernel.shape)
     b = Bindings()
-    store = OutputStore(kernel, b)
+    store = OutputStore(kernel, b).require("fmax_f32")   # a NaN in a row gives a NaN row
     ib = b.index(v.buf, v.dtype)
     ibase = " + ".join([f"{v.offset}u"] + [f"k{n} * {v.strides[i]}u" for n, i in enumerate(kept)])
     obase = " + ".join(["0u"] + [f"k{n} * {ost[i]}u" for n, i in enumerate(kept)])
     x = f"f32(b{ib}[ibase + j * {v.strides[d]}u])"   # f32 arithmetic whatever the storage type
     y = f"obase + j * {ost[d]}u"
     write = {"softmax": f"exp({x} - m) / total", "log_softmax": f"{x} - m - log(total)",
-             # a row of -inf (fully masked) gives zeros
-             "safe_softmax": f"select(exp({x} - m) / total, 0.0, m == {NEG_INF})"}[spec["kind"]]
+             # a row of -inf (fully masked) gives zeros; compared on the bits, so a NaN row stays NaN
+             "safe_softmax": f"select(exp({x} - m) / total, 0.0, bitcast<u32>(m) == 0xff800000u)"}[spec["kind"]]
     rows = "\n".join(coords("row", kshape, prefix="k"))
     if r < 64:   # short rows: one thread each
         src = b.decls() + "\n" + store.module_text() + "\n\n" + ENTRY.format(wg=WG) + f"""    let row = ({GROUP_INDEX}) * {WG}u + lid;
@@ -41,7 +41,7 @@ def render(kernel):
 {rows}
     let ibase = {ibase}; let obase = {obase};
     var m = {NEG_INF};
-    for (var j = 0u; j < {r}u; j = j + 1u) {{ m = max(m, {x}); }}
+    for (var j = 0u; j < {r}u; j = j + 1u) {{ m = fmax_f32(m, {x}); }}
     var total = 0.0;
     for (var j = 0u; j < {r}u; j = j + 1u) {{ total = total + exp({x} - m); }}
     for (var j = 0u; j < {r}u; j = j + 1u) {{ store_out({y}, {write}); }}
@@ -57,10 +57,10 @@ def render(kernel):
 {rows}
     let ibase = {ibase}; let obase = {obase};
     var mx = {NEG_INF};
-    for (var j = lid; j < {r}u; j = j + {WG}u) {{ mx = max(mx, {x}); }}
+    for (var j = lid; j < {r}u; j = j + {WG}u) {{ mx = fmax_f32(mx, {x}); }}
     part[lid] = mx;
     workgroupBarrier();
-{tree.format(half=WG // 2, op="max(part[lid], part[lid + s])")}
+{tree.format(half=WG // 2, op="fmax_f32(part[lid], part[lid + s])")}
     let m = part[0];
     workgroupBarrier();
     var acc = 0.0;

@@ -12,9 +12,11 @@ New primitives (simple index kernels):
 - ``one_hot``: out[p..., c] = 1 if labels[p...] == c else 0 (out-of-range labels give a zero row)
 
 Indices cannot be checked when the graph is built. The NumPy reference raises on an
-out-of-range id or label (as PyTorch does); a GPU kernel does not check: embedding's row
-for such an id is unspecified, embedding_grad drops it, and cross_entropy counts such a
-label as an ignored row (its one_hot row is zero).
+out-of-range id or label (as PyTorch does). On the GPU, with ``MEGANEURA_CHECKED=1``, the
+embedding and one_hot kernels report such an index and the step raises IndexError naming
+the op (cross_entropy for its labels) and the tensor; in trusted mode nothing is checked
+but nothing is read out of bounds: embedding gives a zero row, embedding_grad drops it, and
+cross_entropy counts such a label as an ignored row (its one_hot row is zero).
 """
 from __future__ import annotations
 
@@ -126,13 +128,19 @@ def log_softmax(input, dim=-1, _stacklevel=3, dtype=None):
 
 
 # --------------------------------------------------------------------------- one_hot
-def _one_hot_infer(ins, num_classes, dtype):
+# ``ignore_index``: a label whose row is zero by design (cross_entropy's ignored rows);
+# ``caller``: (op, tensor) named by checked mode's error for any other out-of-range label
+def _one_hot_infer(ins, num_classes, dtype, ignore_index=None, caller=None):
     require_int("one_hot", ins[0])
     return ins[0].shape + (num_classes,), dtype_of(dtype)
 
 
-def _one_hot_ref(labels, num_classes, dtype):
-    return (labels[..., None].astype(np.int64) == np.arange(num_classes)).astype(dtype_of(dtype).np)
+def _one_hot_ref(labels, num_classes, dtype, ignore_index=None, caller=None):
+    lab = labels[..., None].astype(np.int64)
+    hot = lab == np.arange(num_classes)
+    if ignore_index is not None:
+        hot &= lab != ignore_index
+    return hot.astype(dtype_of(dtype).np)
 
 
 # out[p..., c] reads labels[p...] and compares it with c
@@ -181,10 +189,9 @@ def _ce_ref(logits, labels, ignore_index, reduction, label_smoothing):
 def _ce_target(logits, labels, ignore_index, label_smoothing):
     """Per-row target distribution q (N, C) (zero rows where ignored) and the one-hot."""
     c = logits.shape[1]
-    lab = labels
-    if 0 <= ignore_index < c:  # an in-range ignore_index is moved out of range: zero row
-        lab = where(ne(labels, ignore_index), labels, c)
-    oh = one_hot(lab, c, logits.dtype)
+    # ignored rows are zero rows; any other label outside [0, c) is an error in checked mode
+    oh = emit("one_hot", [labels], num_classes=c, dtype=logits.dtype.name, ignore_index=int(ignore_index),
+              caller=("cross_entropy", labels.name))
     q = oh
     if label_smoothing:
         q = oh * (1.0 - label_smoothing) + _ksum(oh, (1,)) * (label_smoothing / c)

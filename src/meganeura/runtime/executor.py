@@ -46,13 +46,32 @@ class Plan:
                 phys[b] = dev.create_buffer(b.nbytes, label=b.name)
             elif b in self.memory.slot_of:
                 phys[b] = slots[self.memory.slot_of[b]]
+        # checked mode: kernels that index with data (embedding ids, labels) report bad
+        # indices into one error buffer, read after each step (see check_indices)
+        self.checks, self.error_buf = [], None
+        checked = [d for d in kp.dispatches if d.kernel.spec.get("checks")] if dev.checked else []
+        if checked:
+            from ..codegen import render
+            from ..schedule import Buf
+            n = sum(len(d.kernel.spec["checks"]) for d in checked)
+            err = Buf(8 * n, "temp", "index_errors")
+            phys[err] = self.error_buf = dev.create_buffer(8 * n, label="index_errors")
+            self.error_zeros = np.zeros(2 * n, np.uint32)
         dispatches = []
         for d in kp.dispatches:
-            pipe = dev.pipeline(d.wgsl, label=d.kernel.name)   # access parsed from the declarations
-            dispatches.append((pipe, dev.bind_group(pipe, [phys[b] for b in d.bufs]), d.groups))
+            wgsl, bufs = d.wgsl, d.bufs
+            if checked and d.kernel.spec.get("checks"):
+                wgsl, bufs, _ = render(d.kernel, errors=(err, len(self.checks)))
+                self.checks += [(c, d.kernel.name) for c in d.kernel.spec["checks"]]
+            pipe = dev.pipeline(wgsl, label=d.kernel.name)   # access parsed from the declarations
+            dispatches.append((pipe, dev.bind_group(pipe, [phys[b] for b in bufs]), d.groups))
         self.names = kp.names
         self.n_dispatches = kp.n_dispatches
         self.step = ex.recorder.prepare(dispatches, self.names)
+        self.dispatches = dispatches
+        # anomaly mode: per dispatch, the float values it writes (buffer, view)
+        self.written = [[(phys[p.out.buf], p.out) for p in d.kernel.spec.get("parts", [d.kernel])
+                         if p.out.dtype.is_float and p.out.buf in phys] for d in kp.dispatches]
         # where each target's value lives: (buffer, byte offset, nbytes, dtype, shape)
         locs = [(phys[b], off, nb, dt, shape) for b, off, nb, dt, shape in kp.target_locs]
         self.fetch_locs = locs[:n_fetch]
@@ -66,6 +85,54 @@ class Plan:
         self.update_copies = list(self.copies_after)
         self.copies_after += [(buf, off, st, 0, _round4(n)) for (buf, off, n, _, _), st in zip(self.fetch_locs, self.staging)]
         self.compile_seconds = time.perf_counter() - t0
+
+    def run_detecting_anomaly(self, ex, copies):
+        """Anomaly mode: one submit per dispatch, and each dispatch's output read back
+        before the next runs (slow: for debugging). Raises FloatingPointError naming the
+        first kernel, its position and the graph value it wrote, if that holds NaN or Inf."""
+        dev = ex.dev
+        for i, (disp, outs) in enumerate(zip(self.dispatches, self.written)):
+            ex.recorder.run([disp], copies_after=copies if i == len(self.dispatches) - 1 else (), wait=True)
+            for buf, v in outs:
+                vals = _read_view(dev, buf, v)
+                bad = ~np.isfinite(vals)
+                if bad.any():
+                    first = vals[bad].flat[0]
+                    raise FloatingPointError(
+                        f"anomaly: kernel {i} {self.names[i]!r} wrote {int(bad.sum())} non-finite value(s) "
+                        f"({'NaN' if np.isnan(first) else first}, ...) into {v.buf.name!r} "
+                        f"{fmt_shape(v.shape)}: the first kernel of the step to produce NaN or Inf")
+        if not self.dispatches and copies:
+            ex.recorder.run([], copies_after=copies, wait=True)
+
+    def check_indices(self, dev):
+        """Raise IndexError naming the op and tensor of the first check that saw a bad
+        index in the last step (checked mode only)."""
+        if self.error_buf is None:
+            return
+        flags = dev.readback(self.error_buf, self.error_zeros.nbytes, np.uint32)
+        dev.upload(self.error_buf, self.error_zeros)     # cleared for the next step
+        for k, (c, kname) in enumerate(self.checks):
+            if flags[2 * k]:
+                bad = int(flags[2 * k + 1].astype(np.int32))
+                raise IndexError(f"{c['op']}: {c['what']} {bad} in {c['tensor']!r} is out of range for "
+                                 f"{c['bound']} {'classes' if c['what'] == 'label' else 'rows'} "
+                                 f"(found by kernel {kname!r} in checked mode)")
+
+
+def _read_view(dev, buf, v):
+    """The elements of view ``v`` of device buffer ``buf``, as a NumPy array of its shape."""
+    item = v.dtype.np.itemsize
+    span = 1 + sum((n - 1) * st for n, st in zip(v.shape, v.strides)) if v.size else 0
+    start = v.offset * item
+    lo = start & ~3                          # copies start on 4-byte boundaries
+    raw = dev.readback(buf, _round4(start - lo + span * item), np.uint8, offset=lo)
+    flat = raw[start - lo:start - lo + span * item].view(v.dtype.np)
+    return np.lib.stride_tricks.as_strided(flat, v.shape, [st * item for st in v.strides])
+
+
+def anomaly_from_env() -> bool:
+    return os.environ.get("MEGANEURA_DETECT_ANOMALY", "").strip().lower() in ("1", "true", "yes", "on")
 
 
 _trace_ids = itertools.count()
@@ -104,8 +171,9 @@ def check_device_limits(tensors, dev=None):
 class GpuExecutor:
     """Runs a Program on the GPU. Not thread-safe by itself: the Session serialises calls."""
 
-    def __init__(self, program, values: dict, precision="strict", share_with=None):
+    def __init__(self, program, values: dict, precision="strict", share_with=None, detect_anomaly=None):
         check_environment()
+        self.detect_anomaly = detect_anomaly     # None: $MEGANEURA_DETECT_ANOMALY at each call
         self.dev = get_device()
         self.closed = False
         self.trace_id = next(_trace_ids)     # this session's track in a MEGANEURA_TRACE file
@@ -214,11 +282,15 @@ class GpuExecutor:
         writer = trace_writer(trace) if trace else None    # an unwritable path fails before the step
         self.upload(feeds)
         copies = plan.copies_after if fetch else plan.update_copies
-        if writer is not None:
+        anomaly = anomaly_from_env() if self.detect_anomaly is None else self.detect_anomaly
+        if anomaly:
+            plan.run_detecting_anomaly(self, copies)
+        elif writer is not None:
             ts = self.recorder.run(plan.step, copies_after=copies, timestamps=True)
             writer.add(plan.names, ts, session=self.trace_id, label=phase)
         else:
             self.recorder.run(plan.step, copies_after=copies)
+        plan.check_indices(self.dev)
         self.last_plan = plan if plan.grad_locs else self.last_plan
         self.last_fetch_plan = plan
         if not fetch:
