@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 from ..ops.registry import OPS
 from ..graph import f32 as _F32
-from .common import broadcast_view_strides, literal, offset_expr
+from .common import broadcast_view_strides, coords, literal, offset_expr
 
 # WGSL helpers, included when an expression uses them. erf: Abramowitz-Stegun 7.1.26
 # (|error| < 1.5e-7, below f32 resolution of the results). NaN is tested on the bits:
@@ -163,17 +163,6 @@ def expr_ops(e) -> list[str]:
     return [n for k in e[2] for n in expr_ops(k)] + [e[1].op]
 
 
-def coord_lines(var, shape, prefix):
-    """``let`` lines splitting flat index ``var`` into coordinates ``prefix0..`` of ``shape``."""
-    if not shape:
-        return []
-    lines, r = [f"    var {prefix}r = {var};"], len(shape)
-    for d in range(r - 1, 0, -1):
-        lines.append(f"    let {prefix}{d} = {prefix}r % {shape[d]}u; {prefix}r = {prefix}r / {shape[d]}u;")
-    lines.append(f"    let {prefix}0 = {prefix}r;")
-    return lines
-
-
 class OutputStore:
     """``fn store_out(f: u32, acc: f32)``: stores an archetype's value for the output
     element of flat (row-major, logical) index ``f``, through the kernel's epilogue if it
@@ -203,12 +192,12 @@ class OutputStore:
         fd_from = kernel.spec.get("fd_from", len(leaves)) if smap is not None else len(leaves)
         dest = "fd" if smap is not None else "f"
         spaces = {(dest, out.shape): "e"}
-        lines += coord_lines(dest, out.shape, "e")
+        lines += coords(dest, out.shape, "e")
         for k, (bi, v) in enumerate(leaves):
             key = ("fd" if k >= fd_from else "f", v.shape)
             if key not in spaces:
                 spaces[key] = f"s{len(spaces)}_"
-                lines += coord_lines(key[0], v.shape, spaces[key])
+                lines += coords(key[0], v.shape, spaces[key])
             lines.append(f"    let l{k} = b{bi}[{offset_expr(v.offset, broadcast_view_strides(v, v.shape), spaces[key])}];")
 
         def leaf(e):
