@@ -232,3 +232,22 @@ def test_batch_and_group_norm_are_one_row_kernel_with_their_affine():
     gpu.load_state_dict(ref.state_dict())
     for want, got in zip(ref.run(feeds), gpu.run(feeds)):
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+
+
+def test_pointwise_read_only_by_a_reduction_runs_in_its_loads():
+    """sum(ct * n) over rows (a weight gradient), a mean of squares over a transposed
+    view, and a long (chunked) reduction each become one launch."""
+    g = mg.Graph()
+    ct, n = g.input("ct", (6, 40)), g.input("n", (6, 40))
+    w = g.input("w", (40,))
+    outs = [mg.ops.sum(ct * n * w, 0), mg.ops.mean(mg.ops.transpose(mg.ops.tanh(n) ** 2, 0, 1), 1),
+            mg.ops.amax(mg.ops.reshape(g.input("big", (3, 20000)) * 2.0 - 1.0, (60000,)), 0)]
+    kp = compile_plan(outs, options=CompileOptions(max_bindings=32))
+    assert not any(d.kernel.archetype == "pointwise" for d in kp.dispatches), kp.names
+    assert sum(">" in nm for nm in kp.names) >= 3, kp.names
+    rng = np.random.default_rng(6)
+    feeds = {nm: rng.standard_normal(t.shape).astype(np.float32) for nm, t in g.inputs.items()}
+    want = mg.compile(g, outputs=outs, backend="numpy").run(feeds)
+    got = mg.compile(g, outputs=outs, backend="gpu").run(feeds)
+    for a, b_ in zip(want, got):
+        np.testing.assert_allclose(b_, a, rtol=1e-5, atol=1e-5)

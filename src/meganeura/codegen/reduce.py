@@ -9,8 +9,8 @@ import numpy as np
 
 from ..graph import f32
 from ..schedule import Kernel, View
-from .expr import OutputStore
-from .common import ENTRY, GROUP_INDEX, WG, Bindings, coords, grid, literal
+from .common import ENTRY, GROUP_INDEX, WG, Bindings, broadcast_view_strides, coords, grid, literal, offset_expr
+from .expr import ExprWriter, OutputStore
 
 INIT = {"sum": "0.0", "mean": "0.0", "max": "bitcast<f32>(0xff800000u)"}
 COMBINE = {"sum": "{a} + {b}", "mean": "{a} + {b}", "max": "max({a}, {b})"}
@@ -44,8 +44,28 @@ def lower_reduce(t, ins, out, materialize, temp):
     return [Kernel(t.op, "reduce", {"kind": kind, "dims": dims}, out, [v])]
 
 
+def _prologue_load(pro, leaves, b, dt):
+    """``fn load_in(i)``: the reduction's input element at buffer index ``i`` of the fused
+    pointwise kernel's output, evaluated from that kernel's operands instead of memory."""
+    pout = pro["out"]
+    lines = [f"    let f = i - {pout.offset}u;"] + coords("f", pout.shape, "p")
+    vals = []
+    for k, lv in enumerate(leaves):
+        bi = b.index(lv.buf, lv.dtype)
+        lines.append(f"    let v{k} = b{bi}[{offset_expr(lv.offset, broadcast_view_strides(lv, pout.shape), 'p')}];")
+        vals.append((f"v{k}", lv.dtype))
+    w = ExprWriter(lambda e: vals[e[1]])
+    val, vdt = w.emit(pro["expr"])
+    if vdt is not dt:
+        val = f"{dt.wgsl}({val})"
+    fn = f"fn load_in(i: u32) -> {dt.wgsl} {{\n" + "\n".join(lines + w.lines) + f"\n    return {val};\n}}\n"
+    return "\n".join(w.helpers() + [fn]), (lambda idx: f"load_in({idx})")
+
+
 def render(kernel):
-    v, out, spec = kernel.reads[0], kernel.out, kernel.spec
+    spec = kernel.spec
+    pro = spec.get("prologue")
+    v, out = (pro["view"] if pro else kernel.reads[0]), kernel.out
     dims, kind = spec["dims"], spec["kind"]
     kept = [d for d in range(len(v.shape)) if d not in dims]
     kshape, rshape = [v.shape[d] for d in kept], [v.shape[d] for d in dims]
@@ -57,7 +77,12 @@ def render(kernel):
         INIT_T = INIT
     b = Bindings()
     store = OutputStore(kernel, b, dt)
-    ib = b.index(v.buf, v.dtype)
+    if pro:
+        load_fn, load_at = _prologue_load(pro, kernel.reads, b, dt)
+    else:
+        ib = b.index(v.buf, v.dtype)
+        load_fn = ""
+        load_at = (lambda idx: f"b{ib}[{idx}]") if v.dtype is dt else (lambda idx: f"{dt.wgsl}(b{ib}[{idx}])")  # noqa: E731
     base = " + ".join([str(v.offset) + "u"] + [f"k{i} * {v.strides[d]}u" for i, d in enumerate(kept)])
     step = " + ".join(["0u"] + [f"r{i} * {v.strides[d]}u" for i, d in enumerate(dims)])
     comb = COMBINE[kind]
@@ -67,18 +92,19 @@ def render(kernel):
     fin = "acc" if kind != "mean" else f"acc * {literal(1.0 / max(spec.get('count', r), 1), dt)}"
     rows = coords("o", kshape, prefix="k")
     inner = coords("j", rshape, prefix="r")
-    load = f"b{ib}[base + {step}]" if v.dtype is dt else f"{dt.wgsl}(b{ib}[base + {step}])"
+    load = load_at(f"base + {step}")
     body_read = "\n".join("    " + ln for ln in inner) + f"\n        acc = {comb.format(a='acc', b=load)};"
     if spec.get("chunks"):
-        return _render_chunked(kernel, b, store, v, kept, kshape, dims, rshape, r, INIT_T[kind], comb, dt)
+        return _render_chunked(kernel, b, store, load_fn, load_at, v, kept, kshape, dims, rshape, r, INIT_T[kind],
+                               comb, dt)
     if r < 64 or n_out >= 4096:
-        src = b.decls() + "\n" + store.module_text() + "\n\n" + ENTRY.format(wg=WG) + \
+        src = b.decls() + "\n" + store.module_text() + "\n" + load_fn + "\n\n" + ENTRY.format(wg=WG) + \
             f"    let o = ({GROUP_INDEX}) * {WG}u + lid;\n    if (o >= {n_out}u) {{ return; }}\n" + \
             "\n".join(rows) + f"\n    let base = {base};\n    var acc = {INIT_T[kind]};\n" + \
             f"    for (var j = 0u; j < {r}u; j = j + 1u) {{\n{body_read}\n    }}\n" + \
             f"    store_out(o, {fin});\n}}\n"
         return src, b.bufs, grid(-(-n_out // WG))
-    src = b.decls() + "\n" + store.module_text() + f"\nvar<workgroup> part: array<{dt.wgsl}, {WG}>;\n\n" + ENTRY.format(wg=WG) + \
+    src = b.decls() + "\n" + store.module_text() + "\n" + load_fn + f"\nvar<workgroup> part: array<{dt.wgsl}, {WG}>;\n\n" + ENTRY.format(wg=WG) + \
         f"    let o = {GROUP_INDEX};\n    if (o >= {n_out}u) {{ return; }}\n" + \
         "\n".join(rows) + f"\n    let base = {base};\n    var acc = {INIT_T[kind]};\n" + \
         f"    for (var j = lid; j < {r}u; j = j + {WG}u) {{\n{body_read}\n    }}\n" + \
@@ -90,16 +116,15 @@ def render(kernel):
     return src, b.bufs, grid(n_out)
 
 
-def _render_chunked(kernel, b, store, v, kept, kshape, dims, rshape, r, init, comb, dt):
+def _render_chunked(kernel, b, store, load_fn, load_at, v, kept, kshape, dims, rshape, r, init, comb, dt):
     """First stage of a long reduction: workgroup g reduces chunk g % S of output g / S."""
     S = kernel.spec["chunks"]
     C = -(-r // S)
     n_out = int(np.prod(kshape, dtype=np.int64))
-    ib = b.index(v.buf, v.dtype)
     base = " + ".join([str(v.offset) + "u"] + [f"k{i} * {v.strides[d]}u" for i, d in enumerate(kept)])
     step = " + ".join(["0u"] + [f"r{i} * {v.strides[d]}u" for i, d in enumerate(dims)])
     inner = "\n".join("    " + ln for ln in coords("j", rshape, prefix="r"))
-    src = b.decls() + "\n" + store.module_text() + f"\nvar<workgroup> part: array<{dt.wgsl}, {WG}>;\n\n" + \
+    src = b.decls() + "\n" + store.module_text() + "\n" + load_fn + f"\nvar<workgroup> part: array<{dt.wgsl}, {WG}>;\n\n" + \
         ENTRY.format(wg=WG) + f"""    let g = {GROUP_INDEX};
     if (g >= {n_out * S}u) {{ return; }}
     let o = g / {S}u; let s = g % {S}u;
@@ -109,7 +134,7 @@ def _render_chunked(kernel, b, store, v, kept, kshape, dims, rshape, r, init, co
     let jend = min(s * {C}u + {C}u, {r}u);
     for (var j = s * {C}u + lid; j < jend; j = j + {WG}u) {{
 {inner}
-        acc = {comb.format(a="acc", b=f"b{ib}[base + {step}]" if v.dtype is dt else f"{dt.wgsl}(b{ib}[base + {step}])")};
+        acc = {comb.format(a="acc", b=load_at(f"base + {step}"))};
     }}
     part[lid] = acc;
     workgroupBarrier();

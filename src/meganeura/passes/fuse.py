@@ -8,7 +8,8 @@ the memory planner and the runtime need no knowledge of them.
 - ``epilogue``: a pointwise kernel that is the only reader of another kernel's output
   becomes that kernel's epilogue (matmul + bias/activation/residual, reductions + scale,
   softmax/norm + mul, ...), so the intermediate is never stored.
-- ``prologue``: a norm read only by GEMVs is computed inside them.
+- ``prologue``: a pointwise kernel read only by a reduction is evaluated in its loads; a
+  norm read only by GEMVs is computed inside them.
 - ``horizontal``: independent pointwise kernels close together run as one launch.
 """
 from __future__ import annotations
@@ -245,6 +246,45 @@ def fuse_norm_prologue(kernels, max_bindings):
     return [k for k in kernels if k is not None]
 
 
+def fuse_reduce_prologue(kernels, max_bindings):
+    """A pointwise kernel whose only reader is a reduction (a weight gradient's sum of
+    ct * x, a mean of squares) is evaluated inside the reduction's loads."""
+    kernels = list(kernels)
+    uses = _Uses(kernels)
+    for ri, rk in enumerate(kernels):
+        if rk is None or rk.archetype != "reduce" or "prologue" in rk.spec or len(rk.reads) != 1:
+            continue
+        v = rk.reads[0]
+        ws = uses.writers[id(v.buf)]
+        if len(ws) != 1 or ws[0] >= ri:
+            continue
+        pi = ws[0]
+        p = kernels[pi]
+        if p.archetype != "pointwise" or p.spec.get("flat_leaf") or _has_rleaf(p.spec["expr"]) \
+                or not p.out.is_contiguous() or p.out.buf.kind != "temp" or p.out.buf is not v.buf:
+            continue
+        if set(uses.readers[id(v.buf)]) != {ri}:
+            continue
+        if any(uses.touched_between(x.buf, pi, ri, writes_only=True) for x in p.reads):
+            continue
+        if len({id(x.buf) for x in p.reads} | {id(b) for b in rk.written_bufs()}) > max_bindings:
+            continue
+        uses.remove(ri, rk)
+        uses.remove(pi, p)
+        rk.spec = {**rk.spec, "prologue": {"expr": p.spec["expr"], "out": p.out, "view": v}}
+        rk.reads = list(p.reads)
+        rk.name = f"{p.name}>{rk.name}"
+        kernels[pi] = None
+        uses.add(ri, rk)
+    return [k for k in kernels if k is not None]
+
+
+def fuse_prologues(kernels, max_bindings):
+    """Producers computed inside their consumer's loads: pointwise kernels into the
+    reductions that read them, norms into the GEMVs that read them."""
+    return fuse_norm_prologue(fuse_reduce_prologue(kernels, max_bindings), max_bindings)
+
+
 def _bindings(kernels) -> int:
     return len({(id(v.buf), v.dtype.name) for k in kernels for v in k.read_views()}
                | {(id(b), None) for k in kernels for b in k.written_bufs()})
@@ -366,7 +406,7 @@ def merge_horizontal(kernels, max_bindings):
     return out
 
 
-FUSION_PASSES = {"epilogue": fuse_epilogues, "prologue": fuse_norm_prologue, "horizontal": merge_horizontal}
+FUSION_PASSES = {"epilogue": fuse_epilogues, "prologue": fuse_prologues, "horizontal": merge_horizontal}
 
 
 def run_fusion(kernels, disabled=frozenset(), max_bindings=8):
