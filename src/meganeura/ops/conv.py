@@ -166,11 +166,15 @@ def _col2im(cols, size, kernel, stride, padding, dilation):
 
 
 def unfold(input, kernel_size, dilation=1, padding=0, stride=1):
-    """torch.nn.functional.unfold: (N, C, H, W) -> (N, C*kh*kw, L) sliding blocks."""
-    k = _pair("unfold", "kernel_size", kernel_size, 1)
-    _require4("unfold", "input", input)
-    return _im2col(input, k, _pair("unfold", "stride", stride, 1), _sym(_pair("unfold", "padding", padding, 0)),
-                   _pair("unfold", "dilation", dilation, 1))
+    """torch.nn.functional.unfold: (N, C, H, W) -> (N, C*kh*kw, L) sliding blocks ((C, H, W)
+    -> (C*kh*kw, L) unbatched)."""
+    args = (_pair("unfold", "kernel_size", kernel_size, 1), _pair("unfold", "stride", stride, 1),
+            _sym(_pair("unfold", "padding", padding, 0)), _pair("unfold", "dilation", dilation, 1))
+
+    def run(x):
+        return _im2col(x, *args)
+    run.__name__ = "unfold"
+    return _unbatched(input, run)
 
 
 def fold(input, output_size, kernel_size, dilation=1, padding=0, stride=1):
