@@ -30,7 +30,8 @@ def _qkv(qs, ks, vs, dtype=mg.f32):
                                                     "'q' (2, 2, 3, 4)"]),
     ((1, 2, 3, 4), (3, 3, 4), (3, 3, 4), {}, ["do not broadcast", "'k' (3, 3, 4)"]),
     ((2, 4, 3, 4), (3, 2, 3, 4), (3, 2, 3, 4), dict(enable_gqa=True), ["batch dims do not broadcast: (2,) vs (3,)"]),
-    ((1, 4, 3, 4), (1, 2, 3, 4), (1, 1, 3, 4), dict(enable_gqa=True), ["head counts differ: 2 vs 1", "'v'"]),
+    # key and value head counts may differ (torch repeats each), but each must divide the query heads
+    ((1, 6, 3, 4), (1, 2, 3, 4), (1, 4, 3, 4), dict(enable_gqa=True), ["multiple of value heads (4)", "'v'"]),
     ((3, 4), (3, 4), (3, 4), dict(enable_gqa=True), ["head axis", "'q' (3, 4)"]),
     ((4,), (4,), (4,), {}, ["rank >= 2", "'q' (4,)"]),
 ])

@@ -10,7 +10,7 @@ from .. import ops
 from ..graph import Tensor, fmt_shape
 from . import init
 from .functional import dropout
-from .module import Module, Parameter
+from .module import Module, Parameter, host_input
 
 
 def _empty(*shape):
@@ -160,8 +160,6 @@ class _BatchNorm(Module):
 
     def __init__(self, num_features, eps=1e-5, momentum=0.1, affine=True, track_running_stats=True):
         super().__init__()
-        if momentum is None:
-            raise NotImplementedError(f"{type(self).__name__}: momentum=None (a cumulative average) is not supported")
         self.num_features, self.eps, self.momentum = num_features, eps, momentum
         self.affine, self.track_running_stats = affine, track_running_stats
         self.weight = _filled((num_features,), True) if affine else None
@@ -169,7 +167,7 @@ class _BatchNorm(Module):
         if track_running_stats:
             self.register_buffer("running_mean", np.zeros(num_features, np.float32))
             self.register_buffer("running_var", np.ones(num_features, np.float32))
-            # torch's counter (int64): training calls so far (momentum=None would average by it)
+            # torch's counter (int64): training calls so far (momentum=None averages by it)
             self.register_buffer("num_batches_tracked", np.zeros((), np.int64))
 
     def forward(self, x):
@@ -181,6 +179,12 @@ class _BatchNorm(Module):
             if self.training and self.track_running_stats:
                 mean, var = ops.batch_norm_stats(x)
                 rm, rv, m = self.running_mean, self.running_var, self.momentum
+                if m is None:
+                    # a cumulative moving average, as torch: the k-th call (counting from 1)
+                    # weighs its batch by 1/k, read from the host counter at every call
+                    k = self.counted_calls("num_batches_tracked")
+                    m = host_input(x.graph, self._prefix + "cumulative_factor",
+                                   lambda: 1.0 / (int(self._buffers["num_batches_tracked"]) + k + 1))
                 self.record_update(rm, rm * (1.0 - m) + mean * m)
                 self.record_update(rv, rv * (1.0 - m) + var * m)
                 self.record_count("num_batches_tracked")

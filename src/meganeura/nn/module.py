@@ -27,6 +27,7 @@ IncompatibleKeys = namedtuple("IncompatibleKeys", ["missing_keys", "unexpected_k
 _UPDATES: "weakref.WeakKeyDictionary[Graph, dict]" = weakref.WeakKeyDictionary()
 _RANDOM: "weakref.WeakKeyDictionary[Graph, dict]" = weakref.WeakKeyDictionary()
 _COUNTS: "weakref.WeakKeyDictionary[Graph, list]" = weakref.WeakKeyDictionary()
+_HOST: "weakref.WeakKeyDictionary[Graph, dict]" = weakref.WeakKeyDictionary()    # {input name: fn() -> array}
 _TRACE: list = []          # graphs of the module calls in progress, innermost last
 _CALLED: list = []         # while mg.jit traces: lists that collect every module called
 
@@ -100,9 +101,13 @@ def state_updates(graph: Graph) -> dict:
 
 
 def random_feeds(graph: Graph, rng: np.random.Generator) -> dict:
-    """Fresh dropout masks (already scaled by 1/keep) for every Dropout input of ``graph``."""
-    return {name: (rng.random(shape) < keep).astype(np.float32) / np.float32(keep)
-            for name, (shape, keep) in _RANDOM.get(graph, {}).items()}
+    """Fresh dropout masks (already scaled by 1/keep) for every Dropout input of ``graph``,
+    and the current value of every host-computed input (batch norm's cumulative-average
+    factor with ``momentum=None``): feed them to every call."""
+    out = {name: (rng.random(shape) < keep).astype(np.float32) / np.float32(keep)
+           for name, (shape, keep) in _RANDOM.get(graph, {}).items()}
+    out.update({name: fn() for name, fn in _HOST.get(graph, {}).items()})
+    return out
 
 
 def advance_counters(graph: Graph):
@@ -122,6 +127,17 @@ def random_input(x: Tensor, name: str, keep: float) -> Tensor:
         key = f"{name}.{k}"
     _RANDOM.setdefault(g, {})[key] = (x.shape, float(keep))
     return g.input(key, x.shape, x.dtype)
+
+
+def host_input(g: Graph, name: str, fn) -> Tensor:
+    """A 0-d f32 graph input fed ``fn()`` on every call (by ``random_feeds``): a value the
+    host computes per step, such as a factor from an integer counter."""
+    key, k = name, 0
+    while key in g.inputs:
+        k += 1
+        key = f"{name}.{k}"
+    _HOST.setdefault(g, {})[key] = lambda: np.float32(fn())
+    return g.input(key, ())
 
 
 def current_graph():
@@ -251,6 +267,10 @@ class Module:
         """In training mode: the integer buffer ``buffer`` counts the calls (kept on the host,
         as integers are not graph values; see ``advance_counters``)."""
         _COUNTS.setdefault(current_graph(), []).append((self, buffer))
+
+    def counted_calls(self, buffer: str) -> int:
+        """How many ``record_count(buffer)`` calls of this module the current graph already has."""
+        return sum(1 for m, b in _COUNTS.get(current_graph(), ()) if m is self and b == buffer)
 
     # ------------------------------------------------------------------------- tree
     def named_modules(self, prefix="", memo=None):

@@ -66,11 +66,10 @@ def _check(ins, is_causal=False, scale=1.0, enable_gqa=False):
         if min(q.ndim, k.ndim, v.ndim) < 3:
             raise op_error(OP, "enable_gqa needs a head axis: inputs of rank >= 3 (..., H, L, D)", q, k, v)
         hq, hkv = q.shape[-3], k.shape[-3]
-        if v.shape[-3] != hkv:
-            raise op_error(OP, f"enable_gqa: key and value head counts differ: {hkv} vs {v.shape[-3]}", k, v)
-        if hkv == 0 or hq % hkv:
-            raise op_error(OP, f"enable_gqa: query heads ({hq}) must be a multiple of key/value heads ({hkv})",
-                           q, k)
+        for t, what in ((k, "key"), (v, "value")):     # as torch, key and value may differ: each divides hq
+            if t.shape[-3] == 0 or hq % t.shape[-3]:
+                raise op_error(OP, f"enable_gqa: query heads ({hq}) must be a multiple of {what} heads "
+                               f"({t.shape[-3]})", q, t)
         lead = _batch("batch", (q, k, v), 3)
         shapes = [lead + t.shape[-3:] for t in (q, k, v)]
         group = hq // hkv
@@ -195,6 +194,15 @@ register(OP, _infer, _ref, _vjp, decompose=_decompose)
 
 
 # ---------------------------------------------------------------------------- builder
+def _repeat_heads(x, r):
+    """torch.repeat_interleave(x, r, dim=-3): each head r times in a row."""
+    from . import broadcast_to, reshape, unsqueeze
+    if r == 1:
+        return x
+    lead, (h, l, d) = x.shape[:-3], x.shape[-3:]
+    return reshape(broadcast_to(unsqueeze(x, -3), lead + (h, r, l, d)), lead + (h * r, l, d))
+
+
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
                                  enable_gqa=False):
     """torch.nn.functional.scaled_dot_product_attention (no dropout).
@@ -218,6 +226,11 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     if scale is None:
         scale = 1.0 / math.sqrt(query.shape[-1]) if query.shape and query.shape[-1] else 1.0
     _check(ins, bool(is_causal), float(scale), bool(enable_gqa))     # errors name the caller's tensors
+    if enable_gqa and key.shape[-3] != value.shape[-3]:
+        # torch repeats key's heads hq/hk times and value's hq/hv times; repeating each to
+        # lcm(hk, hv) heads (which divides hq) gives the same grouping with one kv head count
+        h = math.lcm(key.shape[-3], value.shape[-3])
+        key, value = ins[1], ins[2] = [_repeat_heads(t, h // t.shape[-3]) for t in (key, value)]
     if key.shape[:-2] != value.shape[:-2]:
         # key and value broadcast against each other: one set of batch dims and heads for
         # both (the fused kernel reads value's heads through key's)

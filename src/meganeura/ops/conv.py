@@ -166,11 +166,15 @@ def _col2im(cols, size, kernel, stride, padding, dilation):
 
 
 def unfold(input, kernel_size, dilation=1, padding=0, stride=1):
-    """torch.nn.functional.unfold: (N, C, H, W) -> (N, C*kh*kw, L) sliding blocks."""
-    k = _pair("unfold", "kernel_size", kernel_size, 1)
-    _require4("unfold", "input", input)
-    return _im2col(input, k, _pair("unfold", "stride", stride, 1), _sym(_pair("unfold", "padding", padding, 0)),
-                   _pair("unfold", "dilation", dilation, 1))
+    """torch.nn.functional.unfold: (N, C, H, W) -> (N, C*kh*kw, L) sliding blocks ((C, H, W)
+    -> (C*kh*kw, L) unbatched)."""
+    args = (_pair("unfold", "kernel_size", kernel_size, 1), _pair("unfold", "stride", stride, 1),
+            _sym(_pair("unfold", "padding", padding, 0)), _pair("unfold", "dilation", dilation, 1))
+
+    def run(x):
+        return _im2col(x, *args)
+    run.__name__ = "unfold"
+    return _unbatched(input, run)
 
 
 def fold(input, output_size, kernel_size, dilation=1, padding=0, stride=1):
@@ -376,15 +380,28 @@ def conv1d(input, weight, bias=None, stride=1, padding=0, dilation=1, groups=1):
     if input.ndim not in (2, 3):
         raise op_error("conv1d", "input must be 2-D (C_in, L) or 3-D (N, C_in, L)", input)
 
-    def one(v, what):
-        v = tuple(v) if isinstance(v, (tuple, list)) else (v,)
-        if len(v) != 1:
+    def one(v, what, minimum):
+        t = tuple(v) if isinstance(v, (tuple, list)) else (v,)
+        if len(t) != 1 or not isinstance(t[0], (int, np.integer)):
             raise ValueError(f"conv1d: {what} must be an int or a 1-tuple, got {v!r}")
-        return (1 if what != "padding" else 0, int(v[0]))
-    pad = padding if isinstance(padding, str) else one(padding, "padding")
+        if t[0] < minimum:
+            raise ValueError(f"conv1d: {what} must be >= {minimum}, got {v!r}")
+        return (1 if what != "padding" else 0, int(t[0]))
+    stride, dilation = one(stride, "stride", 1), one(dilation, "dilation", 1)
+    # checked here so that errors name conv1d and its own (1-D) arguments
+    if isinstance(padding, str):
+        if padding not in ("same", "valid"):
+            raise ValueError(f"conv1d: padding must be an int, a 1-tuple, 'same' or 'valid', got {padding!r}")
+        if padding == "same" and stride != (1, 1):
+            raise ValueError(f"conv1d: padding='same' needs stride 1, got stride {stride[1]}")
+        pad = padding
+    else:
+        pad = one(padding, "padding", 0)
+    if not isinstance(groups, (int, np.integer)) or groups < 1:
+        raise ValueError(f"conv1d: groups must be a positive int, got {groups!r}")
     x = reshape(input, input.shape[:-1] + (1, input.shape[-1]))
     w = reshape(weight, weight.shape[:2] + (1, weight.shape[2]))
-    y = conv2d(x, w, bias, one(stride, "stride"), pad, one(dilation, "dilation"), groups)
+    y = conv2d(x, w, bias, stride, pad, dilation, groups)
     return reshape(y, y.shape[:-2] + y.shape[-1:])
 
 
@@ -444,7 +461,8 @@ def _first_max_mask(x, kernel, stride, padding, dilation):
     from . import amax, eq, reshape, where
     n, c = x.shape[:2]
     k = kernel[0] * kernel[1]
-    cols = reshape(_im2col(x, kernel, stride, padding, dilation, fill=-math.inf), (n, c, k, -1))
+    cols = _im2col(x, kernel, stride, padding, dilation, fill=-math.inf)
+    cols = reshape(cols, (n, c, k, cols.shape[-1]))          # spelled out: an empty batch cannot infer -1
     hit = eq(cols, amax(cols, 2, keepdim=True))
     negk = x.graph.constant(-np.arange(k, dtype=np.float64).reshape(k, 1), dtype=x.dtype)
     # the first hit has the smallest offset: the largest -offset among hits

@@ -229,7 +229,7 @@ def cross_entropy(input, target, weight=None, size_average=None, ignore_index=-1
     (float). ``weight`` (C,) weighs each class. With class indices, 'mean' divides by the
     summed weights of the rows whose label is not ``ignore_index`` (nan when every row is
     ignored, as torch); with probabilities, by the number of rows."""
-    reduction = _legacy_reduction(size_average, reduce, reduction)
+    reduction = _legacy_reduction("cross_entropy", size_average, reduce, reduction)
     require_float("cross_entropy", input)
     if weight is not None or target.dtype.is_float:
         return _ce_general(input, target, weight, int(ignore_index), reduction, float(label_smoothing))
@@ -310,12 +310,12 @@ def _ce_general(input, target, weight, ignore_index, reduction, label_smoothing)
     return total if reduction == "sum" else total / reduce_sum(w_row, (0,))
 
 
-def _legacy_reduction(size_average, reduce, reduction):
+def _legacy_reduction(op, size_average, reduce, reduction):
     if size_average is not None or reduce is not None:  # torch's deprecated flags win
         size_average = True if size_average is None else size_average
         reduction = "none" if reduce is False else ("mean" if size_average else "sum")
     if reduction not in _REDUCTIONS:
-        raise ValueError(f"reduction must be one of {_REDUCTIONS}, got {reduction!r}")
+        raise ValueError(f"{op}: reduction must be one of {_REDUCTIONS}, got {reduction!r}")
     return reduction
 
 
@@ -323,7 +323,7 @@ def _legacy_reduction(size_average, reduce, reduction):
 def mse_loss(input, target, size_average=None, reduce=None, reduction="mean", weight=None):
     """torch.nn.functional.mse_loss (shapes broadcast; with ``weight``, 'mean' divides by
     the weights' sum, as torch)."""
-    reduction = _legacy_reduction(size_average, reduce, reduction)
+    reduction = _legacy_reduction("mse_loss", size_average, reduce, reduction)
     if isinstance(input, Tensor) and isinstance(target, Tensor):
         same_dtype("mse_loss", input, target)
     d = input - target
@@ -397,8 +397,11 @@ def embedding(input, weight, padding_idx=None, max_norm=None, norm_type=2.0, sca
     """torch.nn.functional.embedding: rows of ``weight`` (num_embeddings, dim) picked by the
     integer ``input``. Ids are not range-checked at graph time (see the module doc).
     ``sparse`` is accepted and ignored (gradients are dense)."""
-    if max_norm is not None or scale_grad_by_freq:
-        raise NotImplementedError("embedding: max_norm and scale_grad_by_freq are not supported")
+    if max_norm is not None:
+        raise NotImplementedError(f"embedding: max_norm is not supported (max_norm={max_norm!r}); renormalise "
+                                  "the weight separately")
+    if scale_grad_by_freq:
+        raise NotImplementedError("embedding: scale_grad_by_freq=True is not supported")
     if padding_idx is not None:
         n = weight.shape[0]
         if not -n <= padding_idx < n:

@@ -276,9 +276,12 @@ def _align_for_gather(x, d):
 
 
 def index_select(input, dim, index):
-    """torch.index_select: whole slices of ``input`` along ``dim`` picked by a 1-D integer ``index``."""
+    """torch.index_select: whole slices of ``input`` along ``dim`` picked by a 1-D (or, as
+    torch, 0-d: one slice, the axis kept) integer ``index``."""
+    if index.ndim == 0:
+        index = reshape(index, (1,))
     if index.ndim != 1:
-        raise op_error("index_select", "index must be 1-D", index)
+        raise op_error("index_select", "index must be 1-D (or 0-d)", index)
     d = norm_dim("index_select", dim, input.ndim, input)
     shape = tuple(index.shape[0] if a == d else s for a, s in enumerate(input.shape))
     idx = broadcast_to(reshape(index, tuple(index.shape[0] if a == d else 1 for a in range(input.ndim))), shape)
