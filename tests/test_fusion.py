@@ -251,3 +251,19 @@ def test_pointwise_read_only_by_a_reduction_runs_in_its_loads():
     got = mg.compile(g, outputs=outs, backend="gpu").run(feeds)
     for a, b_ in zip(want, got):
         np.testing.assert_allclose(b_, a, rtol=1e-5, atol=1e-5)
+
+
+def test_pointwise_kernel_writes_a_transposed_copy_itself():
+    """A head merge (transpose, then reshape) of a pointwise result is that kernel's
+    strided store, not a copy kernel."""
+    g = mg.Graph()
+    x = g.input("x", (2, 3, 4, 5))
+    y = mg.ops.reshape(mg.ops.transpose(mg.ops.tanh(x) * 2.0, 1, 2), (2, 4, 15))
+    z = mg.ops.transpose(mg.ops.exp(x), 0, 3) + 0.0        # a copy with an op stays fused anyway
+    kp = compile_plan([y, z], options=CompileOptions(max_bindings=32))
+    assert len(kp.dispatches) <= 2 and not any(n.startswith("reshape") for n in kp.names), kp.names
+    feeds = {"x": np.random.default_rng(8).standard_normal((2, 3, 4, 5)).astype(np.float32)}
+    want = mg.compile(g, outputs=[y, z], backend="numpy").run(feeds)
+    got = mg.compile(g, outputs=[y, z], backend="gpu").run(feeds)
+    for a, b_ in zip(want, got):
+        np.testing.assert_allclose(b_, a, rtol=1e-6, atol=1e-6)

@@ -19,7 +19,7 @@ from collections import defaultdict
 import numpy as np
 
 from ..codegen.common import broadcast_view_strides
-from ..schedule import Kernel, View
+from ..schedule import Kernel, View, contiguous_strides
 
 # archetypes whose renderers end in ``store_out`` (codegen.expr.OutputStore)
 EPILOGUE_ARCHETYPES = frozenset({"matmul", "reduce", "rows", "norm", "gather", "attention"})
@@ -104,6 +104,38 @@ def _store_permuted(k, p, uses, ki, pi) -> bool:
     return True
 
 
+def _pointwise_store_permuted(k, p, leaf, uses, ki, pi) -> bool:
+    """``p`` only copies pointwise kernel ``k``'s output into another layout through a
+    transpose of its dims: ``k`` writes that layout directly (its output becomes a strided
+    view of ``p``'s)."""
+    o = k.out
+    if p.spec["expr"] != ("leaf", 0) or len(p.reads) != 1 or not p.out.is_contiguous() \
+            or k.out.buf.kind != "temp" or k.spec.get("flat_leaf") or not o.is_contiguous() \
+            or p.out.dtype is not o.dtype:
+        return False
+    if not p.spec.get("flat_leaf") and leaf.shape != p.out.shape:
+        return False
+    if set(uses.readers[id(leaf.buf)]) != {pi} or not _permutes(k, leaf) or uses.touched_between(p.out.buf, ki, pi):
+        return False
+    # each of k's dims (size > 1) is one dim of the leaf, found by its stride
+    dest = contiguous_strides(leaf.shape)
+    by_stride = {s: e for e, (s, n) in enumerate(zip(leaf.strides, leaf.shape)) if n != 1}
+    strides = []
+    for s, n in zip(o.strides, o.shape):
+        if n == 1:
+            strides.append(0)
+        elif s in by_stride and leaf.shape[by_stride[s]] == n:
+            strides.append(dest[by_stride[s]])
+        else:
+            return False
+    uses.remove(ki, k)
+    uses.remove(pi, p)
+    k.out = View(p.out.buf, o.shape, tuple(strides), p.out.offset, p.out.dtype)
+    k.name = f"{k.name}+{p.name}"
+    uses.add(ki, k)
+    return True
+
+
 def _compose_pointwise(k, p, li, leaf, uses, ki, pi, max_bindings) -> bool:
     """``p`` reads pointwise kernel ``k``'s output at the same elements: one kernel
     evaluates both (for kernels made by lowerings, such as the split-K sum, or after views
@@ -154,7 +186,8 @@ def fuse_epilogues(kernels, max_bindings):
             ki = ws[0]
             k = kernels[ki]
             if k.archetype == "pointwise":
-                if _compose_pointwise(k, p, li, leaf, uses, ki, pi, max_bindings):
+                if _compose_pointwise(k, p, li, leaf, uses, ki, pi, max_bindings) \
+                        or _pointwise_store_permuted(k, p, leaf, uses, ki, pi):
                     kernels[pi] = None
                     break
                 continue
