@@ -114,12 +114,13 @@ def _ind(lines, n):
 
 
 def _operand(name, view, trans_contig_t, dim_t, K, T, V, tile0, binding, off, chk_t, chk_k, reg, allow_vec=True,
-             threads=256):
+             threads=256, transform=None):
     """WGSL that fetches one operand's K-step tile into register ``reg`` and stores it into
     workgroup memory ``name`` (laid out [k][t] as vec4 over t).
 
     ``trans_contig_t``: the operand is contiguous along the tile's T dimension (A stored
-    (K, M) or B stored (K, N)); else contiguous along K. Returns (vec4 binding?, fetch, store)."""
+    (K, M) or B stored (K, N)); else contiguous along K. ``transform(value, vec)`` rewrites
+    each loaded value (a norm prologue). Returns (vec4 binding?, fetch, store)."""
     vec = (dim_t % 4 == 0) if trans_contig_t else (K % 4 == 0)
     vec = vec and allow_vec and view.offset % 4 == 0 and view.dtype.name == "f32"
     total = T * TK // 4 if vec else T * TK
@@ -141,6 +142,8 @@ def _operand(name, view, trans_contig_t, dim_t, K, T, V, tile0, binding, off, ch
         read = f"f32(b{binding}[{at}])"
         zero = "0.0"
         lastv = last
+    if transform is not None:
+        read = transform(read, vec)
     if conds:
         read = read.replace(f"[({at}) / 4u]", f"[min(({at}) / 4u, {lastv}u)]") if vec else \
             read.replace(f"[{at}]", f"[min({at}, {lastv}u)]")
@@ -172,10 +175,12 @@ def render(kernel):
         fns.append(fn)
         branches.append(f"    if (wid.x < {x0 + gx}u) {{ mm{j}(vec3<u32>(wid.x - {x0}u, wid.y, wid.z), lid3); return; }}")
         x0 += gx
+    stats = "" if not any("prologue" in p.spec for p in parts) else \
+        f"var<workgroup> pm: array<f32, {4 * V}>;\nvar<workgroup> pinv: array<f32, {4 * V}>;\n"
     src = f"""{bind.decls()}
 var<workgroup> As: array<vec4<f32>, {2 * TK * V}>;
 var<workgroup> Bs: array<vec4<f32>, {2 * TK * V}>;
-{chr(10).join(fns)}
+{stats}{chr(10).join(fns)}
 
 @compute @workgroup_size({W}, {W})
 fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_id) lid3: vec3<u32>) {{
@@ -185,10 +190,52 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_id) lid
     return src, bind.bufs, (x0, gy, gz)
 
 
+def _tiled_norm_prologue(kernel, bind, M, K, T, th, ab, a_vec):
+    """A norm fused into the tiled matmul that reads it as A (rows of K): each workgroup
+    computes its T rows' statistics into workgroup memory, and A values are normalised as
+    they are loaded. Returns (statistics lines, transform for ``_operand``)."""
+    pro = kernel.spec["prologue"]
+    extra = kernel.reads[2:]
+    w = extra[0] if pro["has_w"] else None
+    bb_ = extra[-1] if pro["has_b"] else None
+    wb = bind.index(w.buf, w.dtype) if w is not None else None
+    bbi = bind.index(bb_.buf, bb_.dtype) if bb_ is not None else None
+    center = pro["kind"] == "layer_norm"
+    if a_vec:
+        load, n, total, sq = f"b{ab}[(aoff + gr * {K}u) / 4u + k]", K // 4, "dot(q, vec4<f32>(1.0))", "dot(d, d)"
+        dev = "let d = q - vec4<f32>(mean);"
+    else:
+        load, n, total, sq = f"f32(b{ab}[aoff + gr * {K}u + k])", K, "q", "d * d"
+        dev = "let d = q - mean;"
+    lines = [f"    for (var rr = tid; rr < {T}u; rr = rr + {th}u) {{",
+             f"        let gr = row0 + rr;", "        var mean = 0.0;", "        var ss = 0.0;",
+             f"        if (gr < {M}u) {{"]
+    if center:
+        lines += [f"            for (var k = 0u; k < {n}u; k = k + 1u) {{ let q = {load}; mean = mean + {total}; }}",
+                  f"            mean = mean / {float(K)!r};"]
+    lines += [f"            for (var k = 0u; k < {n}u; k = k + 1u) {{ let q = {load}; {dev} ss = ss + {sq}; }}",
+              "        }", "        pm[rr] = mean;", f"        pinv[rr] = inverseSqrt(ss / {float(K)!r} + {pro['eps']!r});",
+              "    }", "    workgroupBarrier();"]
+
+    def param(binding, view, k):
+        return f"f32(b{binding}[{view.offset}u + min({k}, {K - 1}u)])"
+
+    def transform(x, vec):
+        ks = [f"k0 + kk + {c}u" for c in range(4)] if vec else ["k0 + kk"]
+        ty = "vec4<f32>" if vec else "f32"
+        e = f"(({x}) - {ty}(pm[tt])) * pinv[tt]"
+        if wb is not None:
+            e = f"{e} * {ty}({', '.join(param(wb, w, k) for k in ks)})"
+        if bbi is not None:
+            e = f"{e} + {ty}({', '.join(param(bbi, bb_, k) for k in ks)})"
+        return e
+    return lines, transform
+
+
 def _tiled_part(kernel, bind, j):
     """(WGSL function ``mm{j}``, its workgroup counts, tile, threads per side, vec4s per
     tile row) of one tiled matmul."""
-    a, bv = kernel.reads
+    a, bv = kernel.reads[:2]
     ta, tb = kernel.spec["ta"], kernel.spec["tb"]
     M, N = kernel.shape[-2:]
     K = a.shape[-2] if ta else a.shape[-1]
@@ -206,13 +253,17 @@ def _tiled_part(kernel, bind, j):
     # operand bindings: vec4 arrays where the layout allows 16-byte loads
     ab, bb = bind.index(a.buf, a.dtype), bind.index(bv.buf, bv.dtype)
     th = W * W
+    pro_lines, transform = [], None
+    if "prologue" in kernel.spec:
+        a_vec0 = K % 4 == 0 and a.offset % 4 == 0 and a.dtype.name == "f32" and ab != bb
+        pro_lines, transform = _tiled_norm_prologue(kernel, bind, M, K, T, th, ab, a_vec0)
     a_vec, a_reg, a_fetch, a_store = _operand("As", a, ta, M, K, T, V, "row0", ab, "aoff", chk_m, chk_k, "ra",
-                                              threads=th)
+                                              threads=th, allow_vec=transform is None or a_vec0, transform=transform)
     b_vec, b_reg, b_fetch, b_store = _operand("Bs", bv, not tb, N, K, T, V, "col0", bb, "boff", chk_n, chk_k, "rb",
                                               threads=th)
     if ab == bb and a_vec != b_vec:     # one buffer, one declared type: fall back to scalars
         a_vec, a_reg, a_fetch, a_store = _operand("As", a, ta, M, K, T, V, "row0", ab, "aoff", chk_m, chk_k, "ra",
-                                                  False, threads=th)
+                                                  False, threads=th, transform=transform)
         b_vec, b_reg, b_fetch, b_store = _operand("Bs", bv, not tb, N, K, T, V, "col0", bb, "boff", chk_n, chk_k,
                                                   "rb", False, threads=th)
     if a_vec:
@@ -249,6 +300,7 @@ fn mm{j}(wid: vec3<u32>, lid3: vec3<u32>) {{
     let aoff = {" + ".join(aoff)};
     let boff = {" + ".join(boff)};
     let coff = wid.z * {M * N}u;
+{chr(10).join(pro_lines)}
     var acc: array<vec4<f32>, {4 * G * G}>;
     var ra: {a_reg};
     var rb: {b_reg};

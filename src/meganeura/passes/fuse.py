@@ -242,10 +242,19 @@ def _is_gemv_tb(k):
         and "parts" not in k.spec and "prologue" not in k.spec
 
 
+def _is_tiled_plain(k):
+    return k.archetype == "matmul" and not k.spec.get("gemv") and "tile" in k.spec and not k.spec["ta"] \
+        and "parts" not in k.spec and "prologue" not in k.spec
+
+
+MAX_PROLOGUE_ROW = 16384    # a thread loops over one row for its statistics (loop bound)
+
+
 def fuse_norm_prologue(kernels, max_bindings):
-    """A layer/RMS norm whose every reader is a GEMV (decoding: the norm before the q/k/v
-    or gate/up projections) moves into those GEMVs: each workgroup computes the row
-    statistics of its few rows itself and normalises A as it streams it."""
+    """A layer/RMS norm whose every reader is a matmul reading it as A (the norm before
+    the q/k/v or gate/up projections) moves into those matmuls: GEMV workgroups compute
+    their few rows' statistics, tiled workgroups their tile's rows', and A is normalised
+    as it is loaded."""
     kernels = list(kernels)
     uses = _Uses(kernels)
     for ni, nk in enumerate(kernels):
@@ -257,7 +266,10 @@ def fuse_norm_prologue(kernels, max_bindings):
             continue
         gs = [kernels[i] for i in readers]
         row = nk.spec["row"]
-        if not all(_is_gemv_tb(g) and g.reads[0].buf is nk.out.buf and _same_elements(nk, g.reads[0])
+        if row > MAX_PROLOGUE_ROW:
+            continue
+        if not all((_is_gemv_tb(g) or _is_tiled_plain(g)) and g.reads[0].buf is nk.out.buf
+                   and _same_elements(nk, g.reads[0])
                    and g.reads[1].buf is not nk.out.buf and g.reads[0].shape[-1] == row
                    and not any(v.buf is nk.out.buf for v in g.epi_reads) for g in gs):
             continue
@@ -340,8 +352,10 @@ def _group_key(k):
         return ("gemv", id(a.buf), a.offset, a.shape, a.strides, k.spec["ta"], k.shape[:-1], pro)
     if k.archetype == "matmul" and not k.spec.get("gemv") and "parts" not in k.spec and "tile" in k.spec:
         a = k.reads[0]
+        pro = k.spec.get("prologue")
+        pro = pro and (tuple(sorted(pro.items())), tuple(id(v.buf) for v in k.reads[2:]))
         return ("tiled", id(a.buf), a.offset, a.shape, a.strides, k.spec["ta"], k.shape[-2],
-                k.spec.get("batch"), k.spec["tile"], k.spec.get("split", 1))
+                k.spec.get("batch"), k.spec["tile"], k.spec.get("split", 1), pro)
     return None
 
 
