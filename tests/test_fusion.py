@@ -30,7 +30,7 @@ def test_llama_decode_budget():
     fused, unfused = _counts(_decoder_targets(cfg))
     per_layer = fused / cfg.num_hidden_layers
     assert fused < unfused
-    assert per_layer <= 10.5, f"{fused} dispatches ({per_layer:.1f} per layer)"
+    assert per_layer <= 9.5, f"{fused} dispatches ({per_layer:.1f} per layer)"
 
 
 def test_llama_prefill_budget():
@@ -38,7 +38,7 @@ def test_llama_prefill_budget():
     g, _, logits = llama.build_causal_lm(cfg, 1, 8)
     fused, unfused = _counts([logits])
     assert fused < unfused
-    assert fused <= 22
+    assert fused <= 16
 
 
 def test_kernel_plan_is_device_free_and_names_fusions():
@@ -289,3 +289,21 @@ def test_norm_prologue_in_tiled_matmuls_matches_reference(k):
     gpu.load_state_dict(ref.state_dict())
     for a, b_ in zip(ref.run(feeds), gpu.run(feeds)):
         np.testing.assert_allclose(b_, a, rtol=2e-4, atol=2e-4)
+
+
+@pytest.mark.parametrize("norm", [False, True])
+def test_swiglu_gemvs_pair_in_one_launch(norm):
+    """Decoding's gate and up projections: up's epilogue silu(gate) * up gets gate from
+    the same workgroups (one launch, gate never stored)."""
+    g = mg.Graph()
+    x = g.input("x", (2, 48))
+    h = mg.ops.rms_norm(x, (48,), g.parameter("n", (48,), init="normal"), 1e-5) if norm else x
+    gate, up = g.parameter("gate", (40, 48), init="normal"), g.parameter("up", (40, 48), init="normal")
+    y = mg.ops.silu(mg.ops.linear(h, gate)) * mg.ops.linear(h, up) + x[:, :40]
+    kp = compile_plan([y], options=CompileOptions(max_bindings=32))
+    assert kp.n_dispatches == 1 and "&" in kp.names[0], kp.names
+    feeds = {"x": np.random.default_rng(10).standard_normal((2, 48)).astype(np.float32)}
+    ref = mg.compile(g, outputs=[y], backend="numpy")
+    gpu = mg.compile(g, outputs=[y], backend="gpu")
+    gpu.load_state_dict(ref.state_dict())
+    np.testing.assert_allclose(gpu.run(feeds)[0], ref.run(feeds)[0], rtol=1e-4, atol=1e-5)

@@ -126,7 +126,7 @@ class ExprWriter:
         self.lines, self.used, self.n = [], set(), 0
 
     def emit(self, e):
-        if e[0] in ("leaf", "acc", "rleaf"):
+        if e[0] in ("leaf", "acc", "rleaf", "acc2"):
             return self.leaf(e)
         if e[0] == "lit":
             return literal(e[1], e[2]), e[2]
@@ -203,6 +203,8 @@ class OutputStore:
         def leaf(e):
             if e[0] == "acc":
                 return "acc", self.acc_dtype
+            if e[0] == "acc2":          # a paired product's value (kernel.spec["pair"])
+                return "acc2", self.acc_dtype
             return f"l{e[1]}", leaves[e[1]][1].dtype
         w = ExprWriter(leaf)
         val, dt = w.emit(kernel.epilogue or ("acc",))
@@ -211,7 +213,8 @@ class OutputStore:
         idx = f"{out.offset}u + {dest}" if out.is_contiguous() else offset_expr(out.offset, out.strides, "e")
         self.used = w.used
         body = lines + w.lines + [f"    b{self.ob}[{idx}] = {val};"]
-        self.fn = f"fn {name}(f: u32, acc: {self.acc_dtype.wgsl}) {{\n" + "\n".join(body) + "\n}"
+        acc2 = f", acc2: {self.acc_dtype.wgsl}" if "pair" in kernel.spec else ""
+        self.fn = f"fn {name}(f: u32, acc: {self.acc_dtype.wgsl}{acc2}) {{\n" + "\n".join(body) + "\n}"
 
     def require(self, *names):
         """Helpers the archetype's own body calls (emitted once, with the epilogue's)."""

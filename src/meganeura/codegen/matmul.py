@@ -367,7 +367,8 @@ def render_gemv(kernel):
         branches.append(f"    if (wid.x < {g0 + gx}u) {{ gemv{j}(wid.x - {g0}u, wid.z, lid); return; }}")
         g0 += gx
     M = parts[0].shape[-2]
-    shared = f"var<workgroup> part: array<f32, {256 * M}>;\n" if per_group == 8 else ""
+    paired = 2 if any("pair" in p.spec for p in parts) else 1
+    shared = f"var<workgroup> part: array<f32, {256 * M * paired}>;\n" if per_group == 8 else ""
     src = f"""{bind.decls()}
 {shared}{chr(10).join(fns)}
 
@@ -384,7 +385,7 @@ def _norm_prologue(kernel, bind, M, K, a_at, ab):
     that reads it, ``spec["prologue"]``), and the normalised A element as a function of
     (m, k)."""
     pro = kernel.spec["prologue"]
-    extra = kernel.reads[2:]
+    extra = kernel.reads[2:kernel.spec.get("pair", {}).get("b_index", len(kernel.reads))]
     w = extra[0] if pro["has_w"] else None
     b = extra[-1] if pro["has_b"] else None
     wb = bind.index(w.buf, w.dtype) if w is not None else None
@@ -450,11 +451,27 @@ fn gemv{j}(wx: u32, wz: u32, lid: u32) {{
         if "prologue" in kernel.spec:
             pro_lines, elem = _norm_prologue(kernel, bind, M, K, a_at, ab)
         head += "\n".join(pro_lines) + "\n"
-        fmas = "\n".join(f"            acc{m} = fma({elem(m, 'k')}, w, acc{m});" for m in range(M))
-        parts = "\n".join(f"    part[{m * 256}u + lid] = acc{m};" for m in range(M))
+        pair = kernel.spec.get("pair")
+        R = 2 * M if pair else M          # accumulators: this product's, then the paired one's
+        if pair:
+            # a paired GEMV (gate beside up): the same A against a second weight in the same
+            # loop, its result handed to this one's epilogue as acc2
+            pv = kernel.reads[pair["b_index"]]
+            pbb = bind.index(pv.buf, pv.dtype)
+            boff2 = _batch_offsets(a, pv, batch, "wz")[2]
+            head += f"    let boff2 = {' + '.join(boff2)};\n"
+            fmas = "\n".join(f"            let a{m} = {elem(m, 'k')};\n            acc{m} = fma(a{m}, w, acc{m});\n"
+                             f"            acc{M + m} = fma(a{m}, w2, acc{M + m});" for m in range(M))
+            fmas = f"            let w2 = f32(b{pbb}[boff2 + n * {K}u + k]);\n" + fmas
+        else:
+            fmas = "\n".join(f"            acc{m} = fma({elem(m, 'k')}, w, acc{m});" for m in range(M))
+        accs = "\n".join(f"    var acc{m} = 0.0;" for m in range(R))
+        parts = "\n".join(f"    part[{m * 256}u + lid] = acc{m};" for m in range(R))
         reduce = "\n".join(f"            part[{m * 256}u + lid] = part[{m * 256}u + lid] + part[{m * 256}u + lid + s];"
+                           for m in range(R))
+        second = (lambda m: f", part[{(M + m) * 256}u + lid]") if pair else (lambda m: "")  # noqa: E731
+        writes = "\n".join(f"        store_out{j}(coff + {m * N}u + n, part[{m * 256}u + lid]{second(m)});"
                            for m in range(M))
-        writes = "\n".join(f"        store_out{j}(coff + {m * N}u + n, part[{m * 256}u + lid]);" for m in range(M))
         C = gemv_columns(N)
         L = 256 // C
         body = f"""    let lane = lid % {L}u;

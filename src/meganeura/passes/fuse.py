@@ -404,6 +404,51 @@ class _Group:
         return Kernel(name, "matmul", {"gemv": True, "tb": True, "parts": list(ks)}, ks[0].out)
 
 
+def _pair_gemvs(kernels, max_bindings):
+    """A GEMV whose epilogue alone reads another GEMV's output over the same A (SwiGLU:
+    up * silu(gate) while decoding) computes both products in the same workgroups: the
+    other product's value reaches the epilogue as ``acc2`` and is never stored."""
+    kernels = list(kernels)
+    uses = _Uses(kernels)
+
+    def plain(k):
+        return k is not None and k.archetype == "matmul" and k.spec.get("gemv") and k.spec["tb"] \
+            and not k.spec["ta"] and "parts" not in k.spec and "pair" not in k.spec and k.spec.get("split", 1) == 1
+    for ui, u in enumerate(kernels):
+        if not plain(u):
+            continue
+        for li, lv in enumerate(u.epi_reads):
+            ws = uses.writers[id(lv.buf)]
+            if len(ws) != 1 or ws[0] >= ui:
+                continue
+            gi = ws[0]
+            g = kernels[gi]
+            if not plain(g) or g.epilogue is not None or g.out.buf.kind != "temp" or g.shape != u.shape \
+                    or _group_key(g) != _group_key(u):
+                continue
+            if set(uses.readers[id(g.out.buf)]) != {ui} or sum(v.buf is g.out.buf for v in u.epi_reads) != 1:
+                continue
+            if not (g.out.is_contiguous() and lv.is_contiguous() and lv.offset == g.out.offset
+                    and lv.size == g.out.size):
+                continue
+            if any(uses.touched_between(v.buf, gi, ui, writes_only=True) for v in g.reads):
+                continue
+            if len({id(v.buf) for v in u.read_views() + [g.reads[1]]} | {id(u.out.buf)}) > max_bindings:
+                continue
+            uses.remove(ui, u)
+            uses.remove(gi, g)
+            leaf_map = {j: ("acc2",) if j == li else ("leaf", j - (j > li)) for j in range(len(u.epi_reads))}
+            u.epilogue = _relabel(u.epilogue, leaf_map)
+            u.epi_reads = [v for j, v in enumerate(u.epi_reads) if j != li]
+            u.reads = list(u.reads) + [g.reads[1]]
+            u.spec = {**u.spec, "pair": {"b_index": len(u.reads) - 1}}
+            u.name = f"{g.name}&{u.name}"
+            kernels[gi] = None
+            uses.add(ui, u)
+            break
+    return [k for k in kernels if k is not None]
+
+
 def merge_horizontal(kernels, max_bindings):
     """Independent kernels of one kind become one launch: RoPE of q and k, optimizer
     updates of many parameters, the q/k/v projections of one input.
@@ -413,6 +458,7 @@ def merge_horizontal(kernels, max_bindings):
     group created after them (groups are emitted in creation order, each after the groups
     it depends on), so chains such as moment update -> parameter update become two wide
     launches, not one narrow launch per parameter."""
+    kernels = _pair_gemvs(kernels, max_bindings)
     out, open_ = [], []
 
     def close(g):
