@@ -217,19 +217,23 @@ def _tiled_norm_prologue(kernel, bind, M, K, T, th, ab, a_vec):
               "        }", "        pm[rr] = mean;", f"        pinv[rr] = inverseSqrt(ss / {float(K)!r} + {pro['eps']!r});",
               "    }", "    workgroupBarrier();"]
 
-    def param(binding, view, k):
-        return f"f32(b{binding}[{view.offset}u + min({k}, {K - 1}u)])"
-
     def transform(x, vec):
         ks = [f"k0 + kk + {c}u" for c in range(4)] if vec else ["k0 + kk"]
-        ty = "vec4<f32>" if vec else "f32"
-        e = f"(({x}) - {ty}(pm[tt])) * pinv[tt]"
-        if wb is not None:
-            e = f"{e} * {ty}({', '.join(param(wb, w, k) for k in ks)})"
-        if bbi is not None:
-            e = f"{e} + {ty}({', '.join(param(bbi, bb_, k) for k in ks)})"
-        return e
+        return _affine(f"(({x}) - {'vec4<f32>' if vec else 'f32'}(pm[tt])) * pinv[tt]", ks, K,
+                       (wb, w), (bbi, bb_), "vec4<f32>" if vec else "f32")
     return lines, transform
+
+
+def _affine(e, ks, K, weight, bias, ty="f32"):
+    """``e * weight[k] + bias[k]`` (each term where present) at the row positions ``ks``
+    (one, or four for a vec4), indices clamped to the row."""
+    def read(binding, view):
+        return ", ".join(f"f32(b{binding}[{view.offset}u + min({k}, {K - 1}u)])" for k in ks)
+    if weight[0] is not None:
+        e = f"{e} * {ty}({read(*weight)})"
+    if bias[0] is not None:
+        e = f"{e} + {ty}({read(*bias)})"
+    return e
 
 
 def _tiled_part(kernel, bind, j):
@@ -414,12 +418,7 @@ def _norm_prologue(kernel, bind, M, K, a_at, ab):
     lines.append("    workgroupBarrier();")
 
     def elem(m, k):
-        e = f"(f32(b{ab}[{a_at(str(m) + 'u', k)}]) - mean{m}) * inv{m}"
-        if wb is not None:
-            e = f"{e} * f32(b{wb}[{w.offset}u + {k}])"
-        if bb is not None:
-            e = f"{e} + f32(b{bb}[{b.offset}u + {k}])"
-        return e
+        return _affine(f"(f32(b{ab}[{a_at(str(m) + 'u', k)}]) - mean{m}) * inv{m}", [k], K, (wb, w), (bb, b))
     return lines, elem
 
 
