@@ -307,3 +307,27 @@ def test_swiglu_gemvs_pair_in_one_launch(norm):
     gpu = mg.compile(g, outputs=[y], backend="gpu")
     gpu.load_state_dict(ref.state_dict())
     np.testing.assert_allclose(gpu.run(feeds)[0], ref.run(feeds)[0], rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("norm", ["layer_norm", "batch_norm", "group_norm"])
+def test_norm_backward_reductions_run_with_their_reader(norm):
+    """A norm's input gradient (mean(dn), mean(dn * n), then dx) is one row kernel."""
+    g = mg.Graph()
+    x = g.parameter("x", (3, 4, 5, 6), init="normal")
+    w = g.parameter("w", (4,) if norm != "layer_norm" else (6,), init="normal")
+    if norm == "layer_norm":
+        y = mg.ops.layer_norm(x, (6,), w)
+    elif norm == "batch_norm":
+        y = mg.ops.batch_norm(x, None, None, w, None, training=True)
+    else:
+        y = mg.ops.group_norm(x, 2, w)
+    loss = mg.ops.sum(y * g.constant(np.random.default_rng(11).standard_normal((3, 4, 5, 6)).astype(np.float32)))
+    ref = mg.compile(g, loss=loss, backend="numpy")
+    gpu = mg.compile(g, loss=loss, backend="gpu")
+    gpu.load_state_dict(ref.state_dict())
+    ref.compute_grads({})
+    gpu.compute_grads({})
+    plan = gpu.executor.plans["grads"]
+    assert any(d.kernel.archetype == "rowfuse" for d in plan.kernel_plan.dispatches), plan.names
+    for name, want in ref.grads().items():
+        np.testing.assert_allclose(gpu.grads()[name], want, rtol=1e-4, atol=1e-5, err_msg=name)

@@ -2,11 +2,11 @@
 (WGSL text, bound logical buffers in binding order, workgroup counts). Importing this
 package attaches the lowerings to the op registry records."""
 from ..ops.registry import OPS
-from . import attention, gather, layout, matmul, pointwise, reduce, rows
+from . import attention, gather, layout, matmul, pointwise, reduce, rows, rowfuse
 
 RENDER = {"pointwise": pointwise.render, "multi": pointwise.render_multi, "reduce": reduce.render, "matmul": matmul.render,
           "gather": gather.render, "rows": rows.render, "norm": rows.render_norm,
-          "attention": attention.render}
+          "attention": attention.render, "rowfuse": rowfuse.render}
 
 for _op in ("reduce_sum", "reduce_mean", "reduce_max"):
     OPS[_op].lower = reduce.lower_reduce

@@ -126,7 +126,7 @@ class ExprWriter:
         self.lines, self.used, self.n = [], set(), 0
 
     def emit(self, e):
-        if e[0] in ("leaf", "acc", "rleaf", "acc2"):
+        if e[0] in ("leaf", "acc", "rleaf", "acc2", "red"):
             return self.leaf(e)
         if e[0] == "lit":
             return literal(e[1], e[2]), e[2]

@@ -10,6 +10,8 @@ the memory planner and the runtime need no knowledge of them.
   softmax/norm + mul, ...), so the intermediate is never stored.
 - ``prologue``: a pointwise kernel read only by a reduction is evaluated in its loads; a
   norm read only by GEMVs is computed inside them.
+- ``rows``: reductions read only by a pointwise kernel that broadcasts them back over the
+  reduced axes run with it as one row kernel.
 - ``horizontal``: independent pointwise kernels close together run as one launch.
 """
 from __future__ import annotations
@@ -330,6 +332,76 @@ def fuse_prologues(kernels, max_bindings):
     return fuse_norm_prologue(fuse_reduce_prologue(kernels, max_bindings), max_bindings)
 
 
+def _row_reduction(rk, p, leaf):
+    """(dims, input expression, its reads) when reduction ``rk`` can run inside a row
+    kernel with its reader ``p``: it reduces a tensor of ``p``'s shape, and ``p`` reads
+    the result broadcast back over the reduced dims."""
+    if rk is None or rk.archetype != "reduce" or rk.epilogue is not None or "chunks" in rk.spec \
+            or "count" in rk.spec or rk.out.buf.kind != "temp" or not rk.out.is_contiguous():
+        return None
+    pro = rk.spec.get("prologue")
+    view = pro["view"] if pro else rk.reads[0]
+    if view.shape != p.out.shape:
+        return None
+    if pro and not (pro["out"].shape == view.shape and view.is_contiguous() and view.offset == pro["out"].offset):
+        return None
+    dims = tuple(rk.spec["dims"])
+    keep = tuple(1 if d in dims else n for d, n in enumerate(view.shape))
+    lead = len(keep) - len(leaf.shape)
+    if lead < 0 or (1,) * lead + tuple(leaf.shape) != keep or not leaf.is_contiguous() \
+            or leaf.offset != rk.out.offset or leaf.size != rk.out.size:
+        return None
+    return dims, (pro["expr"] if pro else ("leaf", 0)), list(rk.reads) if pro else [view]
+
+
+def fuse_rows(kernels, max_bindings):
+    """Reductions whose only reader is a pointwise kernel that broadcasts their results back
+    over the reduced axes (a norm's backward: mean(dn), mean(dn * n), then dx) become one
+    row kernel: each kept position's workgroup reduces, then writes its row."""
+    kernels = list(kernels)
+    uses = _Uses(kernels)
+    for pi, p in enumerate(kernels):
+        if p is None or p.archetype != "pointwise" or p.spec.get("flat_leaf") or _has_rleaf(p.spec["expr"]):
+            continue
+        found = {}
+        for li, leaf in enumerate(p.reads):
+            ws = uses.writers[id(leaf.buf)]
+            if len(ws) != 1 or ws[0] >= pi or sum(v.buf is leaf.buf for v in p.reads) != 1 \
+                    or set(uses.readers[id(leaf.buf)]) != {pi}:
+                continue
+            got = _row_reduction(kernels[ws[0]], p, leaf)
+            if got is not None:
+                found[li] = (ws[0], got)
+        if not found or len({dims for _, (dims, _, _) in found.values()}) != 1:
+            continue
+        if any(uses.touched_between(v.buf, ri, pi, writes_only=True) for ri, (_, _, rr) in found.values() for v in rr):
+            continue
+        reads, reduces = [], []
+        for li, (ri, (dims, expr, rr)) in sorted(found.items()):
+            rk = kernels[ri]
+            r = int(np.prod([p.out.shape[d] for d in dims], dtype=np.int64))
+            reduces.append({"kind": rk.spec["kind"], "count": r, "expr": expr, "reads": (len(reads), len(reads) + len(rr))})
+            reads += rr
+        others = [j for j in range(len(p.reads)) if j not in found]
+        leaf_map = {li: ("red", n) for n, li in enumerate(sorted(found))}
+        leaf_map.update({j: ("leaf", n) for n, j in enumerate(others)})
+        out_reads = (len(reads), len(reads) + len(others))
+        reads += [p.reads[j] for j in others]
+        if len({id(v.buf) for v in reads} | {id(p.out.buf)}) > max_bindings:
+            continue
+        spec = {"shape": tuple(p.out.shape), "dims": dims, "reduces": reduces, "out_reads": out_reads,
+                "expr": _relabel(p.spec["expr"], leaf_map)}
+        names = "&".join(kernels[ri].name for ri, _ in sorted(found.values()))
+        fused = Kernel(f"{names}>{p.name}", "rowfuse", spec, p.out, reads)
+        for ri, _ in found.values():
+            uses.remove(ri, kernels[ri])
+            kernels[ri] = None
+        uses.remove(pi, p)
+        kernels[pi] = fused
+        uses.add(pi, fused)
+    return [k for k in kernels if k is not None]
+
+
 def _bindings(kernels) -> int:
     return len({(id(v.buf), v.dtype.name) for k in kernels for v in k.read_views()}
                | {(id(b), None) for k in kernels for b in k.written_bufs()})
@@ -499,7 +571,8 @@ def merge_horizontal(kernels, max_bindings):
     return out
 
 
-FUSION_PASSES = {"epilogue": fuse_epilogues, "prologue": fuse_prologues, "horizontal": merge_horizontal}
+FUSION_PASSES = {"epilogue": fuse_epilogues, "prologue": fuse_prologues, "rows": fuse_rows,
+                 "horizontal": merge_horizontal}
 
 
 def run_fusion(kernels, disabled=frozenset(), max_bindings=8):
