@@ -15,7 +15,7 @@ from ..graph import f32
 from .common import ENTRY, GROUP_INDEX, WG, Bindings, broadcast_view_strides, coords, grid, literal, offset_expr
 from .expr import ExprWriter
 
-INIT = {"sum": "0.0", "mean": "0.0", "max": "bitcast<f32>(0xff800000u)"}
+INIT = {"sum": "0.0", "mean": "0.0"}     # sums only: a max would need the NaN-propagating combine
 
 
 def _evaluator(name, expr, leaves, shape, b, extra_params="", special=None):
@@ -69,8 +69,8 @@ def render(kernel):
     split = "\n".join("    " + ln for ln in coords("j", rshape, prefix="q"))
     for i, red in enumerate(spec["reduces"]):
         acc = f"acc{i}"
-        comb = f"max({acc}, x)" if red["kind"] == "max" else f"{acc} + x"
-        tcomb = "max(part[lid], part[lid + t])" if red["kind"] == "max" else "part[lid] + part[lid + t]"
+        comb = f"{acc} + x"
+        tcomb = "part[lid] + part[lid + t]"
         fin = f" * {literal(1.0 / max(red['count'], 1), f32)}" if red["kind"] == "mean" else ""
         body += [f"    var {acc} = {INIT[red['kind']]};",
                  f"    for (var j = lid; j < {r}u; j = j + {WG}u) {{", split, cmap,

@@ -336,7 +336,8 @@ def _row_reduction(rk, p, leaf):
     """(dims, input expression, its reads) when reduction ``rk`` can run inside a row
     kernel with its reader ``p``: it reduces a tensor of ``p``'s shape, and ``p`` reads
     the result broadcast back over the reduced dims."""
-    if rk is None or rk.archetype != "reduce" or rk.epilogue is not None or "chunks" in rk.spec \
+    if rk is None or rk.archetype != "reduce" or rk.spec.get("kind") not in ("sum", "mean") \
+            or rk.epilogue is not None or "chunks" in rk.spec \
             or "count" in rk.spec or rk.out.buf.kind != "temp" or not rk.out.is_contiguous():
         return None
     pro = rk.spec.get("prologue")
