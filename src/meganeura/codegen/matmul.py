@@ -208,7 +208,7 @@ def _tiled_norm_prologue(kernel, bind, M, K, T, th, ab, a_vec):
         load, n, total, sq = f"f32(b{ab}[aoff + gr * {K}u + k])", K, "q", "d * d"
         dev = "let d = q - mean;"
     lines = [f"    for (var rr = tid; rr < {T}u; rr = rr + {th}u) {{",
-             f"        let gr = row0 + rr;", "        var mean = 0.0;", "        var ss = 0.0;",
+             "        let gr = row0 + rr;", "        var mean = 0.0;", "        var ss = 0.0;",
              f"        if (gr < {M}u) {{"]
     if center:
         lines += [f"            for (var k = 0u; k < {n}u; k = k + 1u) {{ let q = {load}; mean = mean + {total}; }}",
@@ -398,7 +398,7 @@ def _norm_prologue(kernel, bind, M, K, a_at, ab):
     lines = []
 
     def tree(expr, m):
-        return [f"    {{ var s = 0.0;",
+        return ["    { var s = 0.0;",
                 f"      for (var k = lid; k < {K}u; k = k + 256u) {{ let x = f32(b{ab}[{a_at(str(m) + 'u', 'k')}]); s = s + {expr}; }}",
                 f"      part[{m * 256}u + lid] = s; }}"]
     for m in range(M):

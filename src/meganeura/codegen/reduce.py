@@ -65,7 +65,7 @@ def _prologue_load(pro, leaves, b, dt):
 def render(kernel):
     spec = kernel.spec
     pro = spec.get("prologue")
-    v, out = (pro["view"] if pro else kernel.reads[0]), kernel.out
+    v = pro["view"] if pro else kernel.reads[0]
     dims, kind = spec["dims"], spec["kind"]
     kept = [d for d in range(len(v.shape)) if d not in dims]
     kshape, rshape = [v.shape[d] for d in kept], [v.shape[d] for d in dims]

@@ -18,7 +18,7 @@ def lower_softmax(t, ins, out, materialize, temp):
 
 
 def render(kernel):
-    v, out, spec = kernel.reads[0], kernel.out, kernel.spec
+    v, spec = kernel.reads[0], kernel.spec
     d = spec["dim"] % len(v.shape)
     kept = [i for i in range(len(v.shape)) if i != d]
     kshape = [v.shape[i] for i in kept]
