@@ -331,3 +331,20 @@ def test_norm_backward_reductions_run_with_their_reader(norm):
     assert any(d.kernel.archetype == "rowfuse" for d in plan.kernel_plan.dispatches), plan.names
     for name, want in ref.grads().items():
         np.testing.assert_allclose(gpu.grads()[name], want, rtol=1e-4, atol=1e-5, err_msg=name)
+
+
+def test_independent_tiled_matmuls_share_a_launch():
+    """Matmuls with different operands but the same tiling (a backward's input and weight
+    gradients) run as one launch, each part loading its own operands."""
+    g = mg.Graph()
+    a, b = g.input("a", (40, 24)), g.input("b", (24, 36))
+    c, d = g.input("c", (40, 16)), g.input("d", (20, 16))
+    outs = [mg.ops.matmul(a, b), mg.ops.linear(c, d) + 1.0, mg.ops.matmul(mg.ops.transpose(c, 0, 1), a)]
+    kp = compile_plan(outs, options=CompileOptions(max_bindings=32))
+    assert sum(d_.kernel.archetype == "matmul" for d_ in kp.dispatches) < 3, kp.names
+    rng = np.random.default_rng(12)
+    feeds = {n: rng.standard_normal(t.shape).astype(np.float32) for n, t in g.inputs.items()}
+    want = mg.compile(g, outputs=outs, backend="numpy").run(feeds)
+    got = mg.compile(g, outputs=outs, backend="gpu").run(feeds)
+    for x, y in zip(want, got):
+        np.testing.assert_allclose(y, x, rtol=1e-5, atol=1e-5)

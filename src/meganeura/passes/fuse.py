@@ -424,11 +424,12 @@ def _group_key(k):
         pro = pro and (tuple(sorted(pro.items())), tuple(id(v.buf) for v in k.reads[2:]))
         return ("gemv", id(a.buf), a.offset, a.shape, a.strides, k.spec["ta"], k.shape[:-1], pro)
     if k.archetype == "matmul" and not k.spec.get("gemv") and "parts" not in k.spec and "tile" in k.spec:
-        a = k.reads[0]
-        pro = k.spec.get("prologue")
-        pro = pro and (tuple(sorted(pro.items())), tuple(id(v.buf) for v in k.reads[2:]))
-        return ("tiled", id(a.buf), a.offset, a.shape, a.strides, k.spec["ta"], k.shape[-2],
-                k.spec.get("batch"), k.spec["tile"], k.spec.get("split", 1), pro)
+        # each part of a merged tiled launch loads its own operands: any independent
+        # matmuls with the same tile and the same y/z workgroup counts can share one
+        # (sibling projections, and the backward's input and weight gradients)
+        t, m = k.spec["tile"], k.shape[-2]
+        nb = int(np.prod(k.spec.get("batch") or (1,))) * k.spec.get("split", 1)
+        return ("tiled", t, -(-m // t), nb)
     return None
 
 
