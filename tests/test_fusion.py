@@ -348,3 +348,27 @@ def test_independent_tiled_matmuls_share_a_launch():
     got = mg.compile(g, outputs=outs, backend="gpu").run(feeds)
     for x, y in zip(want, got):
         np.testing.assert_allclose(y, x, rtol=1e-5, atol=1e-5)
+
+
+# Dispatches per call of every workload (tiny configs, the real models' structure), as
+# the GPU executor compiles them. Lower a budget when fusion improves; a rise is a
+# regression. (Real-size counts: bench/dispatches.py.)
+BUDGETS = {
+    "smollm2": {"inference": 16, "minimal": 15, "flb": 90, "train_step": 92},
+    "smolvla": {"inference": 29, "minimal": 29, "flb": 170, "train_step": 174},
+    "unet": {"inference": 233, "minimal": 233, "flb": 1291, "train_step": 1321},
+    "resnet50": {"inference": 26, "minimal": 26, "flb": 181, "train_step": 222},
+    "whisper": {"inference": 16, "minimal": 16, "flb": 118, "train_step": 122},
+}
+
+
+@pytest.mark.parametrize("workload", list(BUDGETS))
+def test_workload_dispatch_budgets(workload):
+    from meganeura.bench.dispatches import BINDINGS, phase_targets
+    from meganeura.bench.workloads import make
+    w = make(workload, size="tiny")
+    for phase, budget in BUDGETS[workload].items():
+        targets, n_fwd, updates = phase_targets(w, phase)
+        n = compile_plan(targets, n_forward=n_fwd, options=CompileOptions(max_bindings=BINDINGS),
+                         updates=updates).n_dispatches
+        assert n <= budget, f"{workload} {phase}: {n} dispatches, budget {budget}"
