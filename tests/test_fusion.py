@@ -12,6 +12,17 @@ from meganeura.models import llama
 NO_FUSE = CompileOptions(disabled=frozenset({"epilogue", "horizontal"}))
 
 
+def _assert_gpu_matches_reference(g, outs, feeds, rtol, atol, state=None):
+    """``outs`` on the GPU equal the NumPy reference's, with the same parameters."""
+    ref = mg.compile(g, outputs=outs, backend="numpy")
+    gpu = mg.compile(g, outputs=outs, backend="gpu")
+    if state is not None:
+        ref.load_state_dict(state)
+    gpu.load_state_dict(ref.state_dict())
+    for want, got in zip(ref.run(feeds), gpu.run(feeds)):
+        np.testing.assert_allclose(got, want, rtol=rtol, atol=atol)
+
+
 def _decoder_targets(cfg, max_len=16):
     g, logits, new = llama.build_decoder(cfg, 1, 1, max_len, cache_as_state=True)
     return [logits] + new
@@ -94,12 +105,7 @@ def test_fused_epilogues_match_reference():
     state = {n: rng.standard_normal(t.shape).astype(np.float32) * 0.2 for n, t in g.parameters.items()}
     fused = compile_plan(outs)
     assert fused.stats["fused"] >= 4, fused.names
-    ref = mg.compile(g, outputs=outs, backend="numpy")
-    gpu = mg.compile(g, outputs=outs, backend="gpu")
-    ref.load_state_dict(state)
-    gpu.load_state_dict(state)
-    for a, b_ in zip(ref.run(feeds), gpu.run(feeds)):
-        np.testing.assert_allclose(b_, a, rtol=2e-4, atol=2e-5)
+    _assert_gpu_matches_reference(g, outs, feeds, rtol=2e-4, atol=2e-5, state=state)
 
 
 def test_horizontal_merge_of_independent_pointwise_kernels():
@@ -122,10 +128,7 @@ def test_horizontal_merge_of_independent_pointwise_kernels():
     assert no_h.n_dispatches == 5
     rng = np.random.default_rng(1)
     feeds = {n: rng.standard_normal(t.shape).astype(np.float32) for n, t in g.inputs.items()}
-    ref = mg.compile(g, outputs=outs, backend="numpy").run(feeds)
-    got = mg.compile(g, outputs=outs, backend="gpu").run(feeds)
-    for a, b_ in zip(ref, got):
-        np.testing.assert_allclose(b_, a, rtol=1e-5, atol=1e-6)
+    _assert_gpu_matches_reference(g, outs, feeds, rtol=1e-5, atol=1e-6)
 
 
 def test_optimizer_and_cache_updates_are_written_in_place():
@@ -170,11 +173,7 @@ def test_norm_prologue_in_gemv_matches_reference():
     assert sum("layer_norm>" in n for n in kp.names) == 1 and sum("rms_norm>" in n for n in kp.names) == 1, kp.names
     rng = np.random.default_rng(3)
     feeds = {"x": rng.standard_normal((3, 2, 40)).astype(np.float32) * 3 + 1}
-    ref = mg.compile(g, outputs=outs, backend="numpy")
-    gpu = mg.compile(g, outputs=outs, backend="gpu")
-    gpu.load_state_dict(ref.state_dict())
-    for a, b_ in zip(ref.run(feeds), gpu.run(feeds)):
-        np.testing.assert_allclose(b_, a, rtol=1e-4, atol=1e-5)
+    _assert_gpu_matches_reference(g, outs, feeds, rtol=1e-4, atol=1e-5)
 
 
 def test_sibling_tiled_matmuls_and_split_k_sums_share_launches():
@@ -191,11 +190,7 @@ def test_sibling_tiled_matmuls_and_split_k_sums_share_launches():
     assert "|" in kp.names[0]
     rng = np.random.default_rng(5)
     feeds = {"x": rng.standard_normal((40, 320)).astype(np.float32), "r": rng.standard_normal((40, 80)).astype(np.float32)}
-    ref = mg.compile(g, outputs=outs, backend="numpy")
-    gpu = mg.compile(g, outputs=outs, backend="gpu")
-    gpu.load_state_dict(ref.state_dict())
-    for a, b_ in zip(ref.run(feeds), gpu.run(feeds)):
-        np.testing.assert_allclose(b_, a, rtol=1e-4, atol=1e-5)
+    _assert_gpu_matches_reference(g, outs, feeds, rtol=1e-4, atol=1e-5)
 
 
 def test_common_subexpressions_are_computed_once():
@@ -209,10 +204,7 @@ def test_common_subexpressions_are_computed_once():
     assert kp.n_dispatches <= 4, kp.names
     assert sum("softmax" in n for n in kp.names) == 1, kp.names
     feeds = {"x": np.random.default_rng(0).standard_normal((4, 8)).astype(np.float32)}
-    want = mg.compile(g, outputs=[a, b], backend="numpy").run(feeds)
-    got = mg.compile(g, outputs=[a, b], backend="gpu").run(feeds)
-    for w, o in zip(want, got):
-        np.testing.assert_allclose(o, w, rtol=1e-5, atol=1e-6)
+    _assert_gpu_matches_reference(g, [a, b], feeds, rtol=1e-5, atol=1e-6)
 
 
 def test_batch_and_group_norm_are_one_row_kernel_with_their_affine():
@@ -227,11 +219,7 @@ def test_batch_and_group_norm_are_one_row_kernel_with_their_affine():
     kp = compile_plan([bn, gn], options=CompileOptions(max_bindings=32))
     assert [d.kernel.archetype for d in kp.dispatches] == ["norm", "norm"], kp.names
     feeds = {"x": np.random.default_rng(4).standard_normal((3, 4, 5, 6)).astype(np.float32) * 2 + 1}
-    ref = mg.compile(g, outputs=[bn, gn], backend="numpy")
-    gpu = mg.compile(g, outputs=[bn, gn], backend="gpu")
-    gpu.load_state_dict(ref.state_dict())
-    for want, got in zip(ref.run(feeds), gpu.run(feeds)):
-        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+    _assert_gpu_matches_reference(g, [bn, gn], feeds, rtol=1e-4, atol=1e-5)
 
 
 def test_pointwise_read_only_by_a_reduction_runs_in_its_loads():
@@ -247,10 +235,7 @@ def test_pointwise_read_only_by_a_reduction_runs_in_its_loads():
     assert sum(">" in nm for nm in kp.names) >= 3, kp.names
     rng = np.random.default_rng(6)
     feeds = {nm: rng.standard_normal(t.shape).astype(np.float32) for nm, t in g.inputs.items()}
-    want = mg.compile(g, outputs=outs, backend="numpy").run(feeds)
-    got = mg.compile(g, outputs=outs, backend="gpu").run(feeds)
-    for a, b_ in zip(want, got):
-        np.testing.assert_allclose(b_, a, rtol=1e-5, atol=1e-5)
+    _assert_gpu_matches_reference(g, outs, feeds, rtol=1e-5, atol=1e-5)
 
 
 def test_pointwise_kernel_writes_a_transposed_copy_itself():
@@ -263,10 +248,7 @@ def test_pointwise_kernel_writes_a_transposed_copy_itself():
     kp = compile_plan([y, z], options=CompileOptions(max_bindings=32))
     assert len(kp.dispatches) <= 2 and not any(n.startswith("reshape") for n in kp.names), kp.names
     feeds = {"x": np.random.default_rng(8).standard_normal((2, 3, 4, 5)).astype(np.float32)}
-    want = mg.compile(g, outputs=[y, z], backend="numpy").run(feeds)
-    got = mg.compile(g, outputs=[y, z], backend="gpu").run(feeds)
-    for a, b_ in zip(want, got):
-        np.testing.assert_allclose(b_, a, rtol=1e-6, atol=1e-6)
+    _assert_gpu_matches_reference(g, [y, z], feeds, rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.parametrize("k", [64, 30, 2048])
@@ -284,11 +266,7 @@ def test_norm_prologue_in_tiled_matmuls_matches_reference(k):
     assert not any(d.kernel.archetype == "norm" for d in kp.dispatches), kp.names
     rng = np.random.default_rng(9)
     feeds = {"x": (rng.standard_normal((40, k)) * 3 + 1).astype(np.float32)}
-    ref = mg.compile(g, outputs=outs, backend="numpy")
-    gpu = mg.compile(g, outputs=outs, backend="gpu")
-    gpu.load_state_dict(ref.state_dict())
-    for a, b_ in zip(ref.run(feeds), gpu.run(feeds)):
-        np.testing.assert_allclose(b_, a, rtol=2e-4, atol=2e-4)
+    _assert_gpu_matches_reference(g, outs, feeds, rtol=2e-4, atol=2e-4)
 
 
 @pytest.mark.parametrize("norm", [False, True])
@@ -303,10 +281,7 @@ def test_swiglu_gemvs_pair_in_one_launch(norm):
     kp = compile_plan([y], options=CompileOptions(max_bindings=32))
     assert kp.n_dispatches == 1 and "&" in kp.names[0], kp.names
     feeds = {"x": np.random.default_rng(10).standard_normal((2, 48)).astype(np.float32)}
-    ref = mg.compile(g, outputs=[y], backend="numpy")
-    gpu = mg.compile(g, outputs=[y], backend="gpu")
-    gpu.load_state_dict(ref.state_dict())
-    np.testing.assert_allclose(gpu.run(feeds)[0], ref.run(feeds)[0], rtol=1e-4, atol=1e-5)
+    _assert_gpu_matches_reference(g, [y], feeds, rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.parametrize("norm", ["layer_norm", "batch_norm", "group_norm"])
@@ -344,10 +319,7 @@ def test_independent_tiled_matmuls_share_a_launch():
     assert sum(d_.kernel.archetype == "matmul" for d_ in kp.dispatches) < 3, kp.names
     rng = np.random.default_rng(12)
     feeds = {n: rng.standard_normal(t.shape).astype(np.float32) for n, t in g.inputs.items()}
-    want = mg.compile(g, outputs=outs, backend="numpy").run(feeds)
-    got = mg.compile(g, outputs=outs, backend="gpu").run(feeds)
-    for x, y in zip(want, got):
-        np.testing.assert_allclose(y, x, rtol=1e-5, atol=1e-5)
+    _assert_gpu_matches_reference(g, outs, feeds, rtol=1e-5, atol=1e-5)
 
 
 # Dispatches per call of every workload (tiny configs, the real models' structure), as

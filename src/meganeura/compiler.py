@@ -147,6 +147,9 @@ def update_in_place(kernels, sched, targets, updates) -> int:
             lst = touching.setdefault(id(x.buf), [])
             if not lst or lst[-1][1] is not u:
                 lst.append((i, u))
+    values: dict = {}            # buffer id -> the schedule's value views on it (target locations)
+    for x in sched.values.values():
+        values.setdefault(id(x.buf), []).append(x)
     done = 0
     for ti, name in updates.items():
         v = sched.values.get(targets[ti].id)
@@ -171,9 +174,8 @@ def update_in_place(kernels, sched, targets, updates) -> int:
                 if x.buf is v.buf:
                     x.buf = dst
         touching.setdefault(id(dst), []).extend(moved)
-        for x in sched.values.values():
-            if x.buf is v.buf:
-                x.buf = dst
+        for x in values.pop(id(v.buf), []):
+            x.buf = dst
         done += 1
     return done
 

@@ -163,6 +163,17 @@ def expr_ops(e) -> list[str]:
     return [n for k in e[2] for n in expr_ops(k)] + [e[1].op]
 
 
+def read_leaves(leaves, shape, bind, prefix="c"):
+    """WGSL ``let v{k} = ...`` lines reading each view (broadcast) at the coordinates
+    ``prefix0..`` of ``shape``, and the (name, dtype) pairs an ExprWriter's leaves map to."""
+    lines, vals = [], []
+    for k, v in enumerate(leaves):
+        bi = bind.index(v.buf, v.dtype)
+        lines.append(f"    let v{k} = b{bi}[{offset_expr(v.offset, broadcast_view_strides(v, shape), prefix)}];")
+        vals.append((f"v{k}", v.dtype))
+    return lines, vals
+
+
 class OutputStore:
     """``fn store_out(f: u32, acc: f32)``: stores an archetype's value for the output
     element of flat (row-major, logical) index ``f``, through the kernel's epilogue if it

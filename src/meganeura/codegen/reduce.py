@@ -9,8 +9,8 @@ import numpy as np
 
 from ..graph import f32
 from ..schedule import Kernel, View
-from .common import ENTRY, GROUP_INDEX, WG, Bindings, broadcast_view_strides, coords, grid, literal, offset_expr
-from .expr import ExprWriter, OutputStore
+from .common import ENTRY, GROUP_INDEX, WG, Bindings, coords, grid, literal
+from .expr import ExprWriter, OutputStore, read_leaves
 
 INIT = {"sum": "0.0", "mean": "0.0", "max": "bitcast<f32>(0xff800000u)"}
 COMBINE = {"sum": "{a} + {b}", "mean": "{a} + {b}", "max": "max({a}, {b})"}
@@ -48,12 +48,8 @@ def _prologue_load(pro, leaves, b, dt):
     """``fn load_in(i)``: the reduction's input element at buffer index ``i`` of the fused
     pointwise kernel's output, evaluated from that kernel's operands instead of memory."""
     pout = pro["out"]
-    lines = [f"    let f = i - {pout.offset}u;"] + coords("f", pout.shape, "p")
-    vals = []
-    for k, lv in enumerate(leaves):
-        bi = b.index(lv.buf, lv.dtype)
-        lines.append(f"    let v{k} = b{bi}[{offset_expr(lv.offset, broadcast_view_strides(lv, pout.shape), 'p')}];")
-        vals.append((f"v{k}", lv.dtype))
+    reads, vals = read_leaves(leaves, pout.shape, b, "p")
+    lines = [f"    let f = i - {pout.offset}u;"] + coords("f", pout.shape, "p") + reads
     w = ExprWriter(lambda e: vals[e[1]])
     val, vdt = w.emit(pro["expr"])
     if vdt is not dt:

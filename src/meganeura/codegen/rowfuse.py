@@ -12,8 +12,8 @@ from __future__ import annotations
 import numpy as np
 
 from ..graph import f32
-from .common import ENTRY, GROUP_INDEX, WG, Bindings, broadcast_view_strides, coords, grid, literal, offset_expr
-from .expr import ExprWriter
+from .common import ENTRY, GROUP_INDEX, WG, Bindings, coords, grid, literal, offset_expr
+from .expr import ExprWriter, read_leaves
 
 INIT = {"sum": "0.0", "mean": "0.0"}     # sums only: a max would need the NaN-propagating combine
 
@@ -22,11 +22,7 @@ def _evaluator(name, expr, leaves, shape, b, extra_params="", special=None):
     """``fn name(c0.., extra) -> f32`` evaluating ``expr`` over ``leaves`` (views read at
     coordinates c of ``shape``, broadcast)."""
     params = ", ".join([f"c{d}: u32" for d in range(len(shape))] + ([extra_params] if extra_params else []))
-    lines, vals = [], []
-    for k, v in enumerate(leaves):
-        bi = b.index(v.buf, v.dtype)
-        lines.append(f"    let v{k} = b{bi}[{offset_expr(v.offset, broadcast_view_strides(v, shape))}];")
-        vals.append((f"v{k}", v.dtype))
+    lines, vals = read_leaves(leaves, shape, b)
 
     def leaf(e):
         if e[0] == "leaf":

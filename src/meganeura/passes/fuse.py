@@ -51,6 +51,15 @@ class _Uses:
         uses = self.writers[id(buf)] + ([] if writes_only else self.readers[id(buf)])
         return any(lo <= u < hi for u in uses)
 
+    def producer(self, buf, pos):
+        """The position of ``buf``'s only writer when it runs before ``pos``, else None."""
+        ws = self.writers[id(buf)]
+        return ws[0] if len(ws) == 1 and ws[0] < pos else None
+
+    def read_only_by(self, buf, pos, views) -> bool:
+        """``buf`` is read by the kernel at ``pos`` alone, through exactly one of ``views``."""
+        return set(self.readers[id(buf)]) == {pos} and sum(v.buf is buf for v in views) == 1
+
 
 def _relabel(e, leaf_map):
     """``e`` with ("leaf", i) replaced by ``leaf_map[i]`` (an expression)."""
@@ -61,22 +70,32 @@ def _relabel(e, leaf_map):
     return e
 
 
+def _splice(n_leaves, li, replacement, base):
+    """A leaf map for an expression of ``n_leaves`` leaves: leaf ``li`` becomes
+    ``replacement`` and the others become leaves ``base``, ``base + 1``, ... in order."""
+    others = [j for j in range(n_leaves) if j != li]
+    return {li: replacement, **{j: ("leaf", base + n) for n, j in enumerate(others)}}
+
+
 def _has_rleaf(e) -> bool:
     return e[0] == "rleaf" or (e[0] == "op" and any(_has_rleaf(k) for k in e[2]))
 
 
+def _covers(k, view) -> bool:
+    """``view`` spans ``k``'s contiguous output: same buffer, start and size."""
+    o = k.out
+    return o.is_contiguous() and view.buf is o.buf and view.offset == o.offset and view.size == o.size
+
+
 def _same_elements(k, view) -> bool:
     """``view`` reads exactly what ``k`` wrote, element for element in row-major order."""
-    o = k.out
-    return (o.is_contiguous() and view.is_contiguous() and view.buf is o.buf and view.offset == o.offset
-            and view.size == o.size)
+    return _covers(k, view) and view.is_contiguous()
 
 
 def _permutes(k, view) -> bool:
     """``view`` reads every element ``k`` wrote exactly once, in another order (a transpose
     of ``k``'s contiguous output)."""
-    o = k.out
-    if not (o.is_contiguous() and view.buf is o.buf and view.offset == o.offset and view.size == o.size):
+    if not _covers(k, view):
         return False
     dims = sorted((s, n) for s, n in zip(view.strides, view.shape) if n != 1)
     expect = 1
@@ -117,7 +136,8 @@ def _pointwise_store_permuted(k, p, leaf, uses, ki, pi) -> bool:
         return False
     if not p.spec.get("flat_leaf") and leaf.shape != p.out.shape:
         return False
-    if set(uses.readers[id(leaf.buf)]) != {pi} or not _permutes(k, leaf) or uses.touched_between(p.out.buf, ki, pi):
+    if not uses.read_only_by(leaf.buf, pi, p.reads) or not _permutes(k, leaf) \
+            or uses.touched_between(p.out.buf, ki, pi):
         return False
     # each of k's dims (size > 1) is one dim of the leaf, found by its stride
     dest = contiguous_strides(leaf.shape)
@@ -144,7 +164,7 @@ def _compose_pointwise(k, p, li, leaf, uses, ki, pi, max_bindings) -> bool:
     the schedule could not see through)."""
     if k.spec.get("flat_leaf") or _has_rleaf(k.spec["expr"]) or k.out.buf.kind != "temp":
         return False
-    if set(uses.readers[id(leaf.buf)]) != {pi} or sum(v.buf is leaf.buf for v in p.reads) != 1:
+    if not uses.read_only_by(leaf.buf, pi, p.reads):
         return False
     if not (_same_elements(k, leaf) and leaf.shape == p.out.shape == k.out.shape):
         return False
@@ -156,13 +176,7 @@ def _compose_pointwise(k, p, li, leaf, uses, ki, pi, max_bindings) -> bool:
         return False
     if len({id(v.buf) for v in list(k.reads) + others} | {id(p.out.buf)}) > max_bindings:
         return False
-    base, leaf_map, n = len(k.reads), {}, 0
-    for j in range(len(p.reads)):
-        if j == li:
-            leaf_map[j] = k.spec["expr"]
-        else:
-            leaf_map[j] = ("leaf", base + n)
-            n += 1
+    leaf_map = _splice(len(p.reads), li, k.spec["expr"], len(k.reads))
     uses.remove(ki, k)
     uses.remove(pi, p)
     k.spec = {**k.spec, "expr": _relabel(p.spec["expr"], leaf_map), "dtype": p.out.dtype}
@@ -182,10 +196,9 @@ def fuse_epilogues(kernels, max_bindings):
         if _has_rleaf(p.spec["expr"]):
             continue            # indexed reads need the pointwise kernel's own coordinates
         for li, leaf in enumerate(p.reads):
-            ws = uses.writers[id(leaf.buf)]
-            if len(ws) != 1 or ws[0] >= pi:
+            ki = uses.producer(leaf.buf, pi)
+            if ki is None:
                 continue
-            ki = ws[0]
             k = kernels[ki]
             if k.archetype == "pointwise":
                 if _compose_pointwise(k, p, li, leaf, uses, ki, pi, max_bindings) \
@@ -196,7 +209,7 @@ def fuse_epilogues(kernels, max_bindings):
             if k.archetype not in EPILOGUE_ARCHETYPES or k.out.buf.kind != "temp" \
                     or "index" in k.spec:      # a scatter stores where its data says
                 continue
-            if set(uses.readers[id(leaf.buf)]) != {pi} or sum(v.buf is leaf.buf for v in p.reads) != 1:
+            if not uses.read_only_by(leaf.buf, pi, p.reads):
                 continue
             if not _same_elements(k, leaf) or leaf.shape != p.out.shape:
                 if _store_permuted(k, p, uses, ki, pi):
@@ -218,14 +231,7 @@ def fuse_epilogues(kernels, max_bindings):
             bufs = {id(v.buf) for v in k.read_views() + others} | {id(p.out.buf)}
             if len(bufs) > max_bindings:
                 continue
-            base = len(k.epi_reads)
-            leaf_map, n = {}, 0
-            for j in range(len(p.reads)):
-                if j == li:
-                    leaf_map[j] = k.epilogue or ("acc",)
-                else:
-                    leaf_map[j] = ("leaf", base + n)
-                    n += 1
+            leaf_map = _splice(len(p.reads), li, k.epilogue or ("acc",), len(k.epi_reads))
             uses.remove(ki, k)
             uses.remove(pi, p)
             k.epilogue = _relabel(p.spec["expr"], leaf_map)
@@ -302,15 +308,14 @@ def fuse_reduce_prologue(kernels, max_bindings):
         if rk is None or rk.archetype != "reduce" or "prologue" in rk.spec or len(rk.reads) != 1:
             continue
         v = rk.reads[0]
-        ws = uses.writers[id(v.buf)]
-        if len(ws) != 1 or ws[0] >= ri:
+        pi = uses.producer(v.buf, ri)
+        if pi is None:
             continue
-        pi = ws[0]
         p = kernels[pi]
         if p.archetype != "pointwise" or p.spec.get("flat_leaf") or _has_rleaf(p.spec["expr"]) \
                 or not p.out.is_contiguous() or p.out.buf.kind != "temp" or p.out.buf is not v.buf:
             continue
-        if set(uses.readers[id(v.buf)]) != {ri}:
+        if not uses.read_only_by(v.buf, ri, rk.reads):
             continue
         if any(uses.touched_between(x.buf, pi, ri, writes_only=True) for x in p.reads):
             continue
@@ -366,13 +371,12 @@ def fuse_rows(kernels, max_bindings):
             continue
         found = {}
         for li, leaf in enumerate(p.reads):
-            ws = uses.writers[id(leaf.buf)]
-            if len(ws) != 1 or ws[0] >= pi or sum(v.buf is leaf.buf for v in p.reads) != 1 \
-                    or set(uses.readers[id(leaf.buf)]) != {pi}:
+            ri = uses.producer(leaf.buf, pi)
+            if ri is None or not uses.read_only_by(leaf.buf, pi, p.reads):
                 continue
-            got = _row_reduction(kernels[ws[0]], p, leaf)
+            got = _row_reduction(kernels[ri], p, leaf)
             if got is not None:
-                found[li] = (ws[0], got)
+                found[li] = (ri, got)
         if not found or len({dims for _, (dims, _, _) in found.values()}) != 1:
             continue
         if any(uses.touched_between(v.buf, ri, pi, writes_only=True) for ri, (_, _, rr) in found.values() for v in rr):
@@ -492,18 +496,14 @@ def _pair_gemvs(kernels, max_bindings):
         if not plain(u):
             continue
         for li, lv in enumerate(u.epi_reads):
-            ws = uses.writers[id(lv.buf)]
-            if len(ws) != 1 or ws[0] >= ui:
+            gi = uses.producer(lv.buf, ui)
+            if gi is None:
                 continue
-            gi = ws[0]
             g = kernels[gi]
             if not plain(g) or g.epilogue is not None or g.out.buf.kind != "temp" or g.shape != u.shape \
                     or _group_key(g) != _group_key(u):
                 continue
-            if set(uses.readers[id(g.out.buf)]) != {ui} or sum(v.buf is g.out.buf for v in u.epi_reads) != 1:
-                continue
-            if not (g.out.is_contiguous() and lv.is_contiguous() and lv.offset == g.out.offset
-                    and lv.size == g.out.size):
+            if not uses.read_only_by(g.out.buf, ui, u.epi_reads) or not _same_elements(g, lv):
                 continue
             if any(uses.touched_between(v.buf, gi, ui, writes_only=True) for v in g.reads):
                 continue
