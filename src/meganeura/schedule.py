@@ -49,6 +49,37 @@ class View:
         return all(st == cs for st, cs, n in zip(self.strides, contiguous_strides(self.shape), self.shape) if n != 1)
 
 
+def reshape_view(v: View, shape) -> View | None:
+    """``v``'s elements in row-major order as ``shape`` without a copy (as numpy's reshape
+    of a strided array), or None when the layout does not allow it. Runs of old dims that
+    are contiguous with each other can be merged and split again; size-1 dims are free."""
+    shape = tuple(int(n) for n in shape)
+    if v.is_contiguous():
+        return View.contiguous(v.buf, shape, v.dtype, v.offset)
+    old = [(n, s) for n, s in zip(v.shape, v.strides) if n != 1]
+    new = [i for i, n in enumerate(shape) if n != 1]
+    strides = [0] * len(shape)
+    i = j = 0
+    while i < len(old) and j < len(new):
+        # the shortest runs old[i:i2] and new[j:j2] with equal element counts
+        i2, j2, po, pn = i + 1, j + 1, old[i][0], shape[new[j]]
+        while po != pn:
+            if po < pn:
+                po *= old[i2][0]
+                i2 += 1
+            else:
+                pn *= shape[new[j2]]
+                j2 += 1
+        if any(old[q][1] != old[q + 1][1] * old[q + 1][0] for q in range(i, i2 - 1)):
+            return None             # the old run is not one linear stride: a copy is needed
+        st = old[i2 - 1][1]
+        for q in reversed(range(j, j2)):
+            strides[new[q]] = st
+            st *= shape[new[q]]
+        i, j = i2, j2
+    return View(v.buf, shape, tuple(strides), v.offset, v.dtype)
+
+
 def contiguous_strides(shape):
     out, acc = [], 1
     for n in reversed(shape):
@@ -96,6 +127,8 @@ def view_op(t: Tensor, v: View) -> View | None:
     """The view that layout op ``t`` makes of its input's view, or None if not a view."""
     a = t.attrs
     if t.op == "reshape":
+        # a strided source is copied (the fusion passes usually turn that copy into the
+        # producer's transposed store, which keeps consumers' operands contiguous)
         if not v.is_contiguous():
             return None
         return View.contiguous(v.buf, t.shape, v.dtype, v.offset)

@@ -21,7 +21,7 @@ from collections import defaultdict
 import numpy as np
 
 from ..codegen.common import broadcast_view_strides
-from ..schedule import Kernel, View, contiguous_strides
+from ..schedule import Kernel, View, contiguous_strides, reshape_view
 
 # archetypes whose renderers end in ``store_out`` (codegen.expr.OutputStore)
 EPILOGUE_ARCHETYPES = frozenset({"matmul", "reduce", "rows", "norm", "gather", "attention"})
@@ -158,32 +158,39 @@ def _pointwise_store_permuted(k, p, leaf, uses, ki, pi) -> bool:
     return True
 
 
-def _compose_pointwise(k, p, li, leaf, uses, ki, pi, max_bindings) -> bool:
-    """``p`` reads pointwise kernel ``k``'s output at the same elements: one kernel
-    evaluates both (for kernels made by lowerings, such as the split-K sum, or after views
-    the schedule could not see through)."""
-    if k.spec.get("flat_leaf") or _has_rleaf(k.spec["expr"]) or k.out.buf.kind != "temp":
+def _compose_pointwise(k, p, li, leaf, uses, ki, pi, max_bindings, kernels) -> bool:
+    """``p`` reads pointwise kernel ``k``'s output at the same elements (possibly through a
+    reshape): one kernel evaluates both (for kernels made by lowerings, such as the split-K
+    sum, or after views the schedule could not see through). It runs where ``k`` ran when
+    ``p``'s other operands are ready there, else where ``p`` ran when ``k``'s operands
+    still hold their values there."""
+    if k.spec.get("flat_leaf") or p.spec.get("flat_leaf") or _has_rleaf(k.spec["expr"]) \
+            or k.out.buf.kind != "temp" or k.dtype is not leaf.dtype:
         return False
-    if not uses.read_only_by(leaf.buf, pi, p.reads):
+    if not uses.read_only_by(leaf.buf, pi, p.reads) or not _same_elements(k, leaf) or leaf.shape != p.out.shape:
         return False
-    if not (_same_elements(k, leaf) and leaf.shape == p.out.shape == k.out.shape):
-        return False
-    if k.dtype is not leaf.dtype:
+    k_reads = list(k.reads)
+    if k.out.shape != p.out.shape:      # k's operands (broadcast to k's shape) re-viewed in p's
+        k_reads = [reshape_view(View(v.buf, k.out.shape, tuple(broadcast_view_strides(v, k.out.shape)),
+                                     v.offset, v.dtype), p.out.shape) for v in k.reads]
+    if any(v is None for v in k_reads):
         return False
     others = [v for j, v in enumerate(p.reads) if j != li]
-    if any(uses.touched_between(v.buf, ki, pi, writes_only=True) for v in others) \
-            or uses.touched_between(p.out.buf, ki, pi):
+    if len({id(v.buf) for v in k_reads + others} | {id(p.out.buf)}) > max_bindings:
         return False
-    if len({id(v.buf) for v in list(k.reads) + others} | {id(p.out.buf)}) > max_bindings:
+    at_k = not any(uses.touched_between(v.buf, ki, pi, writes_only=True) for v in others) \
+        and not uses.touched_between(p.out.buf, ki, pi)
+    if not at_k and any(uses.touched_between(v.buf, ki + 1, pi, writes_only=True) for v in k.reads):
         return False
-    leaf_map = _splice(len(p.reads), li, k.spec["expr"], len(k.reads))
+    leaf_map = _splice(len(p.reads), li, k.spec["expr"], len(k_reads))
     uses.remove(ki, k)
     uses.remove(pi, p)
-    k.spec = {**k.spec, "expr": _relabel(p.spec["expr"], leaf_map), "dtype": p.out.dtype}
-    k.reads = list(k.reads) + others
-    k.out = p.out
-    k.name = f"{k.name}+{p.name}"
-    uses.add(ki, k)
+    fused = Kernel(f"{k.name}+{p.name}", "pointwise", {**k.spec, "expr": _relabel(p.spec["expr"], leaf_map),
+                                                      "dtype": p.out.dtype}, p.out, k_reads + others)
+    at = ki if at_k else pi
+    kernels[ki] = kernels[pi] = None
+    kernels[at] = fused
+    uses.add(at, fused)
     return True
 
 
@@ -201,8 +208,9 @@ def fuse_epilogues(kernels, max_bindings):
                 continue
             k = kernels[ki]
             if k.archetype == "pointwise":
-                if _compose_pointwise(k, p, li, leaf, uses, ki, pi, max_bindings) \
-                        or _pointwise_store_permuted(k, p, leaf, uses, ki, pi):
+                if _compose_pointwise(k, p, li, leaf, uses, ki, pi, max_bindings, kernels):
+                    break
+                if _pointwise_store_permuted(k, p, leaf, uses, ki, pi):
                     kernels[pi] = None
                     break
                 continue
