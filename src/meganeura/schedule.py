@@ -119,7 +119,8 @@ class Kernel:
     def read_views(self):
         if "parts" in self.spec:
             return [v for p in self.spec["parts"] for v in p.read_views()]
-        return list(self.reads) + list(self.epi_reads)
+        virtual = self.spec.get("gathers", {})    # operands computed in the loads, never stored
+        return [v for i, v in enumerate(self.reads) if i not in virtual] + list(self.epi_reads)
 
 
 # ------------------------------------------------------------------------ view algebra

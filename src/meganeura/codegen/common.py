@@ -34,6 +34,7 @@ class Bindings:
 
     def __init__(self):
         self.bufs, self.types, self.written = [], [], set()
+        self.scalar = set()          # bindings read element by element elsewhere: never vec4
         self.helpers_done = set()    # WGSL helper functions already in the module
 
     def index(self, buf, dtype, write=False) -> int:

@@ -133,6 +133,28 @@ LOWER = {"one_hot": _kernel("one_hot", _one_hot, _one_hot_checks),
          "col2im": _kernel("col2im", _col2im)}
 
 
+def inlinable(kernel) -> bool:
+    """A gather another kernel can evaluate in its loads (``as_function``): its value is a
+    formula of the output index alone, with no index checks, scatter or epilogue."""
+    return kernel.archetype == "gather" and kernel.name == "im2col" and kernel.epilogue is None \
+        and not kernel.spec.get("checks") and "index" not in kernel.spec and "threads" not in kernel.spec
+
+
+def as_function(gather_spec, reads, bind, name) -> str:
+    """WGSL ``fn name(i: u32) -> f32``: the value a gather would have stored at flat index
+    ``i`` of its output (clamped into it), for a consumer that reads the gather's output
+    through a load instead of a buffer (implicit-GEMM convolution reads im2col this way)."""
+    body = gather_spec["body"]
+    lines = []
+    for k, v in enumerate(reads):
+        bi = bind.index(v.buf, v.dtype)
+        bind.scalar.add(bi)
+        lines.append(f"    let xo{k} = {v.offset}u;")
+        body = body.replace(f"x{k}[", f"b{bi}[")
+    return (f"fn {name}(i0: u32) -> f32 {{\n    let i = min(i0, {gather_spec['size'] - 1}u);\n" + "\n".join(lines)
+            + "\n" + body + "\n    return f32(val);\n}\n")
+
+
 def render(kernel, errors=None):
     """``errors``: (buffer, first slot) of checked mode's error buffer: check k of this
     kernel writes slots 2 (first + k) (a flag) and 2 (first + k) + 1 (the bad index)."""

@@ -15,6 +15,7 @@ import numpy as np
 from ..schedule import Kernel, View, contiguous_strides
 from .expr import Node, OutputStore
 from .common import LOOP_BOUND, Bindings, contiguous_batch_strides
+from .gather import as_function as gather_function
 
 
 def lower_matmul(t, ins, out, materialize, temp):
@@ -114,15 +115,16 @@ def _ind(lines, n):
 
 
 def _operand(name, view, trans_contig_t, dim_t, K, T, V, tile0, binding, off, chk_t, chk_k, reg, allow_vec=True,
-             threads=256, transform=None):
+             threads=256, transform=None, load=None):
     """WGSL that fetches one operand's K-step tile into register ``reg`` and stores it into
     workgroup memory ``name`` (laid out [k][t] as vec4 over t).
 
     ``trans_contig_t``: the operand is contiguous along the tile's T dimension (A stored
     (K, M) or B stored (K, N)); else contiguous along K. ``transform(value, vec)`` rewrites
-    each loaded value (a norm prologue). Returns (vec4 binding?, fetch, store)."""
+    each loaded value (a norm prologue); ``load(index)`` replaces the buffer read (scalar).
+    Returns (vec4 binding?, fetch, store)."""
     vec = (dim_t % 4 == 0) if trans_contig_t else (K % 4 == 0)
-    vec = vec and allow_vec and view.offset % 4 == 0 and view.dtype.name == "f32"
+    vec = vec and allow_vec and load is None and view.offset % 4 == 0 and view.dtype.name == "f32"
     total = T * TK // 4 if vec else T * TK
     per = -(-total // threads)
     guard = f"v < {total}u" if total % threads else ""
@@ -142,6 +144,8 @@ def _operand(name, view, trans_contig_t, dim_t, K, T, V, tile0, binding, off, ch
         read = f"f32(b{binding}[{at}])"
         zero = "0.0"
         lastv = last
+    if load is not None:          # an operand computed in the load (a gather's formula)
+        read = load(at)
     if transform is not None:
         read = transform(read, vec)
     if conds:
@@ -254,18 +258,27 @@ def _tiled_part(kernel, bind, j):
     chk_m, chk_n, chk_k = M % T != 0, N % T != 0, K % KC != 0 or KC % TK != 0
     bl, aoff, boff = _batch_offsets(a, bv, batch, f"wid.z / {S}u")
     bl = [f"    let split = wid.z % {S}u;", f"    let kbeg = split * {KC}u; let kend = min(kbeg + {KC}u, {K}u);"] + bl
-    # operand bindings: vec4 arrays where the layout allows 16-byte loads
-    ab, bb = bind.index(a.buf, a.dtype), bind.index(bv.buf, bv.dtype)
+    # operand bindings: vec4 arrays where the layout allows 16-byte loads; an operand
+    # that a gather computes (implicit-GEMM convolution) is a function, not a binding
+    gathers = kernel.spec.get("gathers", {})
+    loads, fns = {}, []
+    for op, gs in gathers.items():
+        fname = f"gat{j}_{op}"
+        fns.append(gather_function(gs, kernel.reads[gs["first"]:gs["first"] + gs["n"]], bind, fname))
+        loads[op] = (lambda at, f=fname, o=gs["offset"]: f"{f}(({at}) - {o}u)")
+    ab = None if 0 in loads else bind.index(a.buf, a.dtype)
+    bb = None if 1 in loads else bind.index(bv.buf, bv.dtype)
     th = W * W
     pro_lines, transform = [], None
     if "prologue" in kernel.spec:
         a_vec0 = K % 4 == 0 and a.offset % 4 == 0 and a.dtype.name == "f32" and ab != bb
         pro_lines, transform = _tiled_norm_prologue(kernel, bind, M, K, T, th, ab, a_vec0)
     a_vec, a_reg, a_fetch, a_store = _operand("As", a, ta, M, K, T, V, "row0", ab, "aoff", chk_m, chk_k, "ra",
-                                              threads=th, allow_vec=transform is None or a_vec0, transform=transform)
+                                              threads=th, allow_vec=(transform is None or a_vec0) and ab not in bind.scalar,
+                                              transform=transform, load=loads.get(0))
     b_vec, b_reg, b_fetch, b_store = _operand("Bs", bv, not tb, N, K, T, V, "col0", bb, "boff", chk_n, chk_k, "rb",
-                                              threads=th)
-    if ab == bb and a_vec != b_vec:     # one buffer, one declared type: fall back to scalars
+                                              threads=th, allow_vec=bb not in bind.scalar, load=loads.get(1))
+    if ab == bb and ab is not None and a_vec != b_vec:   # one buffer, one declared type: scalars
         a_vec, a_reg, a_fetch, a_store = _operand("As", a, ta, M, K, T, V, "row0", ab, "aoff", chk_m, chk_k, "ra",
                                                   False, threads=th, transform=transform)
         b_vec, b_reg, b_fetch, b_store = _operand("Bs", bv, not tb, N, K, T, V, "col0", bb, "boff", chk_n, chk_k,
@@ -297,6 +310,7 @@ def _tiled_part(kernel, bind, j):
                     writes.append(f"        {{ let gm = {row}; let gn = {col}; " + (f"if ({cond}) {{ {st} }}" if cond else st) + " }")
     nk = KC // TK
     src = f"""{store.module_text()}
+{chr(10).join(fns)}
 fn mm{j}(wid: vec3<u32>, lid3: vec3<u32>) {{
     let tx = lid3.x; let ty = lid3.y; let tid = ty * {W}u + tx;
     let row0 = wid.y * {T}u; let col0 = wid.x * {T}u;

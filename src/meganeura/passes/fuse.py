@@ -339,10 +339,56 @@ def fuse_reduce_prologue(kernels, max_bindings):
     return [k for k in kernels if k is not None]
 
 
+def fuse_gather_operands(kernels, max_bindings):
+    """An im2col read only by tiled matmuls (a convolution's forward and its weight
+    gradient) is computed in their operand loads (implicit-GEMM convolution): the column
+    matrix is never stored."""
+    from ..codegen.gather import inlinable
+    kernels = list(kernels)
+    uses = _Uses(kernels)
+    for gi, gk in enumerate(kernels):
+        if gk is None or not inlinable(gk) or gk.out.buf.kind != "temp" or not gk.out.is_contiguous():
+            continue
+        readers = sorted(set(uses.readers[id(gk.out.buf)]))
+        if not readers or len(uses.writers[id(gk.out.buf)]) != 1 or readers[0] < gi:
+            continue
+        if any(uses.touched_between(v.buf, gi, readers[-1], writes_only=True) for v in gk.reads):
+            continue
+
+        def operand(m):
+            """The operand (0 or 1) of matmul ``m`` that is the gather's output, or None."""
+            if m.archetype != "matmul" or m.spec.get("gemv") or "tile" not in m.spec \
+                    or any(key in m.spec for key in ("parts", "prologue", "gathers")):
+                return None
+            ops = [j for j in (0, 1) if m.reads[j].buf is gk.out.buf]
+            if len(ops) != 1 or sum(v.buf is gk.out.buf for v in m.read_views()) != 1 \
+                    or any(v.buf is m.reads[1 - ops[0]].buf for v in gk.reads) \
+                    or len({id(v.buf) for v in m.read_views() + gk.reads}
+                           | {id(b) for b in m.written_bufs()}) > max_bindings:
+                return None
+            return ops[0]
+        ops = [operand(kernels[mi]) for mi in readers]
+        if None in ops:
+            continue
+        for mi, op in zip(readers, ops):
+            m = kernels[mi]
+            uses.remove(mi, m)
+            m.spec = {**m.spec, "gathers": {op: {"body": gk.spec["body"], "size": gk.out.size,
+                                                 "offset": gk.out.offset, "first": len(m.reads), "n": len(gk.reads)}}}
+            m.reads = list(m.reads) + list(gk.reads)
+            m.name = f"{gk.name}>{m.name}"
+            uses.add(mi, m)
+        uses.remove(gi, gk)
+        kernels[gi] = None
+    return [k for k in kernels if k is not None]
+
+
 def fuse_prologues(kernels, max_bindings):
     """Producers computed inside their consumer's loads: pointwise kernels into the
-    reductions that read them, norms into the GEMVs that read them."""
-    return fuse_norm_prologue(fuse_reduce_prologue(kernels, max_bindings), max_bindings)
+    reductions that read them, norms into the GEMVs that read them, im2col into the
+    matmuls that read it."""
+    kernels = fuse_norm_prologue(fuse_reduce_prologue(kernels, max_bindings), max_bindings)
+    return fuse_gather_operands(kernels, max_bindings)
 
 
 def _row_reduction(rk, p, leaf):
