@@ -410,3 +410,20 @@ def test_convolution_reads_im2col_in_its_matmul_loads(stride, padding, dilation,
     assert any("im2col>matmul" in n for n in gpu.executor.plans["grads"].names)
     for name, want in ref.grads().items():
         np.testing.assert_allclose(gpu.grads()[name], want, rtol=1e-4, atol=1e-4, err_msg=name)
+
+
+def test_composed_pointwise_kernels_keep_absorbing_producers():
+    """A pointwise kernel composed with one producer goes on to its other pointwise
+    producers: two split-K sums added together (a gradient reaching x through two
+    projections) are one kernel."""
+    g = mg.Graph()
+    a = g.input("a", (1, 1024, 256))
+    b = g.input("b", (1, 1024, 256))
+    w1, w2 = g.parameter("w1", (8, 1024), init="normal"), g.parameter("w2", (8, 1024), init="normal")
+    s = mg.ops.matmul(w1, a) + mg.ops.matmul(w2, b)
+    kp = compile_plan([s])
+    assert kp.names.count("matmul.splitk_sum+matmul.splitk_sum+add") == 1 and kp.n_dispatches <= 3, kp.names
+    rng = np.random.default_rng(8)
+    feeds = {"a": rng.standard_normal((1, 1024, 256)).astype(np.float32),
+             "b": rng.standard_normal((1, 1024, 256)).astype(np.float32)}
+    _assert_gpu_matches_reference(g, [s], feeds, rtol=1e-4, atol=1e-5)
