@@ -155,11 +155,10 @@ def render(kernel):
     L += ["    workgroupBarrier();",
           f"    var mrow = vec4<f32>({NEG_INF});   // running row max",
           "    var lrow = vec4<f32>(0.0);         // this lane's running row sum",
-          f"    var o: array<vec4<f32>, {4 * NG}>;  // o[r * {NG} + g]: rows r, columns 64g + 4tx..",
-          f"    let last = q0 + {BQ - 1}u;"]
+          f"    var o: array<vec4<f32>, {4 * NG}>;  // o[r * {NG} + g]: rows r, columns 64g + 4tx.."]
     if spec["causal"]:
         # top-left aligned: row i sees keys j <= i, so tiles past the tile's last row are skipped
-        L.append(f"    let nt = min({NT}u, last / {BK}u + 1u);")
+        L.append(f"    let nt = min({NT}u, (q0 + {BQ - 1}u) / {BK}u + 1u);")
     else:
         L.append(f"    let nt = {NT}u;")
     L += ["    for (var t = 0u; t < nt; t = t + 1u) {", f"    let kt0 = t * {BK}u;",
@@ -220,9 +219,9 @@ def render(kernel):
           f"    let mref = select(mnew, vec4<f32>(0.0), mnew == vec4<f32>({NEG_INF}));",
           "    let alpha = exp(mrow - mref);",
           "    mrow = mnew;",
-          "    var p: array<vec4<f32>, 4>;",
-] + [f"    p[{r}] = exp(s[{r}] - vec4<f32>(mref[{r}]));" for r in range(4)] + [
-          "    lrow = lrow * alpha + vec4<f32>(dot(p[0], vec4<f32>(1.0)), dot(p[1], vec4<f32>(1.0)), "
+          "    var p: array<vec4<f32>, 4>;"]
+    L += [f"    p[{r}] = exp(s[{r}] - vec4<f32>(mref[{r}]));" for r in range(4)]
+    L += ["    lrow = lrow * alpha + vec4<f32>(dot(p[0], vec4<f32>(1.0)), dot(p[1], vec4<f32>(1.0)), "
           "dot(p[2], vec4<f32>(1.0)), dot(p[3], vec4<f32>(1.0)));"]
     L += [f"    o[{r * NG + g}] = o[{r * NG + g}] * alpha[{r}];" for r in range(4) for g in range(NG)]
     # P: row j (a key) holds vec4s over 4 query rows, row group ty stored at ty ^ (j % TY)
