@@ -6,8 +6,10 @@ One workgroup per query row (batch, head, position): its scores live in workgrou
 softmax statistics combine through a tree, and the output columns are summed over key
 slices. Grouped heads read kv head h // G; a float mask is added to the scaled scores, an
 integer mask keeps non-zero positions, is_causal keeps j <= i; a fully masked row gives
-zeros, as the op's decomposition does. Longer sequences keep the decomposition (a flash
-kernel with query tiles is the right tool there).
+zeros, as the op's decomposition does. Longer sequences run the flash kernel
+(``flash.py``: query tiles, key tiles through workgroup memory, online softmax); shapes
+neither takes decompose into matmuls and a softmax. Both are this one archetype
+(``spec["flash"]`` picks the renderer), so epilogue fusion treats them alike.
 """
 from __future__ import annotations
 
@@ -16,32 +18,49 @@ import numpy as np
 from ..schedule import Kernel
 from .common import ENTRY, GROUP_INDEX, WG, Bindings, broadcast_view_strides, coords, grid, literal
 from .expr import OutputStore
+from . import flash
 
 MAX_KEYS = 2048          # scores of one row in workgroup memory (8 KiB)
 MAX_ROW_WORK = 1 << 17   # Lq * Lk per head: beyond it the matmul path is faster
 MAX_DIM = 256
+MAX_ROWS = 16            # query rows per head it takes when the flash kernel could: decoding, a few tokens
 
 NEG_INF = "bitcast<f32>(0xff800000u)"
 
 
-def supported(t) -> bool:
-    """Shapes this kernel takes (others decompose into matmuls and a softmax)."""
+def short_rows(t) -> bool:
+    """Shapes the one-row kernel takes: short rows against at most MAX_KEYS keys."""
     q, k, v = t.inputs[:3]
     if q.ndim < 3 or q.dtype.name != "f32" or k.dtype is not q.dtype or v.dtype is not q.dtype:
         return False
     lq, lk = q.shape[-2], k.shape[-2]
+    # the output's heads are q's (a q head broadcast against several kv heads is not)
     return (0 < lk <= MAX_KEYS and lq * lk <= MAX_ROW_WORK and 0 < q.shape[-1] <= MAX_DIM
-            and 0 < v.shape[-1] <= MAX_DIM and q.shape[:-3] == k.shape[:-3] == v.shape[:-3])
+            and 0 < v.shape[-1] <= MAX_DIM and q.shape[:-3] == k.shape[:-3] == v.shape[:-3]
+            and k.shape[-3] == v.shape[-3] and q.shape[-3] % k.shape[-3] == 0
+            and tuple(t.shape[:-2]) == tuple(q.shape[:-2]))
+
+
+def supported(t) -> bool:
+    """Shapes a kernel takes: the one-row kernel for a few query rows (decoding), the
+    flash kernel for more (a workgroup per row would reload K and V per row and leave its
+    256 lanes mostly idle in tree reductions); others decompose into matmuls and a softmax."""
+    return short_rows(t) or flash.supported(t)
 
 
 def lower_attention(t, ins, out, materialize, temp):
     reads = list(ins)        # q, k and v are read through their views (head splits cost nothing)
     spec = {"scale": t.attrs["scale"], "causal": t.attrs["is_causal"], "masked": len(ins) == 4,
             "int_mask": len(ins) == 4 and not t.inputs[3].dtype.is_float}
+    if not short_rows(t) or (t.inputs[0].shape[-2] > MAX_ROWS and flash.supported(t)):
+        spec["flash"] = flash.rows_per_group(t.inputs[0].shape[-1])     # query rows per workgroup
+        return [Kernel("flash_attention", "attention", spec, out, reads)]
     return [Kernel("attention", "attention", spec, out, reads)]
 
 
 def render(kernel):
+    if kernel.spec.get("flash"):
+        return flash.render(kernel)
     q, k, v = kernel.reads[:3]
     spec = kernel.spec
     *batch, hq, lq, d = q.shape

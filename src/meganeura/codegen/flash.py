@@ -1,0 +1,269 @@
+"""Flash attention forward: scaled dot-product attention for sequences too long for the
+one-row kernel (``attention.py``), without materialising the Lq x Lk scores.
+
+A workgroup owns BQ query rows of one (batch, head) and walks the keys in tiles of
+``BK`` = 64: each tile's scores S = Q K^T live in registers, an online softmax keeps each
+row's running max and sum, and O += P V accumulates in registers; O is divided by the row
+sum once, at the end, and stored through ``store_out`` (fused epilogues work).
+
+Threads: ``TY = BQ / 4`` row groups x ``TX`` = 16 lanes. A thread owns 4 consecutive
+query rows and, per key tile, the 4 keys ``tx + 16c`` (a 4x4 block of S: 8 vec4 loads
+from workgroup memory per 64 FMAs) and the 4 value columns ``4tx..4tx+3`` of every
+64-column chunk of the output (one vec4 of P and one of V per 16 FMAs). A row's 16 lanes
+share its max through workgroup memory; row sums stay per lane and combine once, at the end.
+
+Workgroup memory (f32): Q (BQ x D, staged once), one 64x64 area that holds a chunk of K
+(64 keys x 64 dims; D > 64 runs several chunks) and then a chunk of V (64 keys x 64
+columns), and P (64 keys x BQ rows, also the lanes' max/sum exchange). Bank conflicts: K
+rows are XOR-swizzled by key so 8 consecutive keys read one dim from 8 different banks;
+P's rows (vec4 over 4 query rows) are swizzled by key the same way for the P writes.
+
+Masks: a float mask is added to the scaled scores, an integer mask keeps non-zero
+positions, ``is_causal`` keeps j <= i and skips the key tiles entirely above the
+diagonal; grouped heads read kv head h // G; a fully masked row gives zeros. q, k, v and
+the mask are read through their strided views (head splits and transposes cost nothing).
+"""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+from .common import ENTRY, GROUP_INDEX, LOOP_BOUND, Bindings, broadcast_view_strides, coords, grid, literal
+from .expr import OutputStore
+
+BK = 64              # keys per tile
+TX = 16              # lanes per row group (4 keys each: 64)
+CH = 64              # columns of a K (dims) or V chunk in workgroup memory
+MAX_DIM = 256
+NEG_INF = "bitcast<f32>(0xff800000u)"
+
+
+def smem_floats() -> int:
+    """Workgroup memory the tiles may use, in f32s. 32 KiB: lavapipe, Apple GPUs and most
+    desktop GPUs offer it (an H200 offers 48 KiB; MEGANEURA_FLASH_SMEM raises the budget)."""
+    return int(os.environ.get("MEGANEURA_FLASH_SMEM", 32768)) // 4
+
+
+def _pad4(n):
+    return -(-n // 4) * 4
+
+
+def rows_per_group(d) -> int | None:
+    """BQ, query rows per workgroup: the largest that fits Q, the K/V chunk and P."""
+    for bq in (64, 32, 16, 8):
+        if bq * _pad4(d) + BK * CH + BK * bq <= smem_floats():
+            return bq
+    return None
+
+
+def _chunks(n):
+    """(start, width) of the 64-wide chunks of ``n`` (padded to 4) columns."""
+    n = _pad4(n)
+    return [(c, min(CH, n - c)) for c in range(0, n, CH)]
+
+
+def _stage_trips(total, threads):
+    """(loop trips, copies per trip) to stage ``total`` elements with ``threads``."""
+    per = -(-total // threads)
+    unroll = min(per, 8)
+    return -(-per // unroll), unroll
+
+
+def loop_trips(lk, d, dv) -> int:
+    """Loop back-edges one invocation takes (software drivers stop after 65535 in all)."""
+    bq = rows_per_group(d)
+    th = 4 * bq
+    per_tile = 1
+    for _, w in _chunks(d):
+        per_tile += _stage_trips(BK * w, th)[0] + w // 4
+    for _, w in _chunks(dv):
+        per_tile += _stage_trips(BK * w, th)[0] + BK // 4
+    return -(-lk // BK) * per_tile + _stage_trips(bq * _pad4(d), th)[0]
+
+
+def supported(t) -> bool:
+    """Shapes this kernel takes: f32, head dims up to 256, same batch dims for q, k and v,
+    and at most LOOP_BOUND loop back-edges per invocation (Lk up to about 40k at D = 64);
+    others decompose."""
+    q, k, v = t.inputs[:3]
+    if q.ndim < 3 or q.dtype.name != "f32" or k.dtype is not q.dtype or v.dtype is not q.dtype:
+        return False
+    lq, lk, d, dv = q.shape[-2], k.shape[-2], q.shape[-1], v.shape[-1]
+    if not (0 < lq and 0 < lk and 0 < d <= MAX_DIM and 0 < dv <= MAX_DIM):
+        return False
+    if not (q.shape[:-3] == k.shape[:-3] == v.shape[:-3] and k.shape[-3] == v.shape[-3]
+            and q.shape[-3] % k.shape[-3] == 0 and tuple(t.shape[:-2]) == tuple(q.shape[:-2])):
+        return False
+    return rows_per_group(d) is not None and loop_trips(lk, d, dv) <= LOOP_BOUND
+
+
+def render(kernel):
+    q, k, v = kernel.reads[:3]
+    spec = kernel.spec
+    *batch, hq, lq, d = q.shape
+    hkv, lk, dv = k.shape[-3], k.shape[-2], v.shape[-1]
+    group = hq // hkv
+    nb = int(np.prod(batch, dtype=np.int64))
+    BQ = rows_per_group(d)
+    TY = BQ // 4
+    TH = TY * TX
+    DQ4 = _pad4(d) // 4
+    NQT = -(-lq // BQ)
+    NT = -(-lk // BK)
+    VCH = _chunks(dv)
+    NG = len(VCH)
+    b = Bindings()
+    store = OutputStore(kernel, b)
+    qb, kb, vb = (b.index(x.buf, x.dtype) for x in (q, k, v))
+    nbd = len(batch)
+    f = lambda x: literal(x, q.dtype)  # noqa: E731
+
+    def base(x, head):
+        st = x.strides
+        terms = [f"{x.offset}u"] + [f"z{n} * {st[n]}u" for n in range(nbd) if st[n]]
+        return " + ".join(terms + ([f"{head} * {st[nbd]}u"] if st[nbd] else []))
+
+    def stage(total, width, dst, src, ok):
+        """Copy ``total`` elements (e -> row = e / width, col = e % width) into workgroup
+        memory: ``dst(row, col)`` a WGSL lvalue, ``src`` the clamped read, ``ok`` in range."""
+        trips, unroll = _stage_trips(total, TH)
+        body = []
+        for u in range(unroll):
+            guard = (total % (TH * unroll * trips) != 0) or (trips * unroll * TH > total)
+            inner = (f"let row = e / {width}u; let col = e % {width}u; "
+                     f"{dst} = select(0.0, {src}, {ok});")
+            body.append(f"        {{ let e = lid + (it * {unroll}u + {u}u) * {TH}u; "
+                        + (f"if (e < {total}u) {{ {inner} }}" if guard else inner) + " }")
+        return [f"    for (var it = 0u; it < {trips}u; it = it + 1u) {{"] + body + ["    }"]
+
+    qs, ks, vs = q.strides, k.strides, v.strides
+    L = [f"    let gi = {GROUP_INDEX};",
+         f"    if (gi >= {nb * hq * NQT}u) {{ return; }}",
+         f"    let qt = gi % {NQT}u; let bh = gi / {NQT}u; let h = bh % {hq}u; let bz = bh / {hq}u;"]
+    L += coords("bz", batch, prefix="z") if batch else []
+    L += [f"    let hk = h / {group}u;",
+          f"    let q0 = qt * {BQ}u;",
+          f"    let qoff = {base(q, 'h')};",
+          f"    let koff = {base(k, 'hk')};",
+          f"    let voff = {base(v, 'hk')};",
+          f"    let ty = lid / {TX}u; let tx = lid % {TX}u;"]
+    # Q tile, once: Qs[row * DQ4 + d4] (vec4 over dims)
+    L += stage(BQ * DQ4 * 4, DQ4 * 4, "Qs[row * {0}u + col / 4u][col % 4u]".format(DQ4),
+               f"b{qb}[qoff + min(q0 + row, {lq - 1}u) * {qs[-2]}u + min(col, {d - 1}u) * {qs[-1]}u]",
+               f"q0 + row < {lq}u && col < {d}u")
+    L += ["    workgroupBarrier();",
+          f"    var mrow = vec4<f32>({NEG_INF});   // running row max",
+          "    var lrow = vec4<f32>(0.0);         // this lane's running row sum",
+          f"    var o: array<vec4<f32>, {4 * NG}>;  // o[r * {NG} + g]: rows r, columns 64g + 4tx.."]
+    if spec["causal"]:
+        # top-left aligned: row i sees keys j <= i, so tiles past the tile's last row are skipped
+        L.append(f"    let nt = min({NT}u, (q0 + {BQ - 1}u) / {BK}u + 1u);")
+    else:
+        L.append(f"    let nt = {NT}u;")
+    L += ["    for (var t = 0u; t < nt; t = t + 1u) {", f"    let kt0 = t * {BK}u;",
+          # s[r][c]: row ty*4+r, key kt0 + tx + 16c; zeroed here (naga hoists a bare var's
+          # zero initialisation to the function's entry, not to each iteration)
+          "    var s = array<vec4<f32>, 4>(vec4<f32>(0.0), vec4<f32>(0.0), vec4<f32>(0.0), vec4<f32>(0.0));"]
+    for n, (c0, w) in enumerate(_chunks(d)):
+        R = 1 << max(0, (w // 4 - 1).bit_length())     # row width in vec4s (a power of two)
+        if n:
+            L.append("    workgroupBarrier();")
+        # K chunk: row j holds dims c0.. of key kt0 + j, vec4 d4 stored at d4 ^ (j % R)
+        L += stage(BK * w, w, f"KV[row * {R}u + ((col / 4u) ^ (row & {R - 1}u))][col % 4u]",
+                   f"b{kb}[koff + min(kt0 + row, {lk - 1}u) * {ks[-2]}u + min({c0}u + col, {d - 1}u) * {ks[-1]}u]",
+                   f"kt0 + row < {lk}u && {c0}u + col < {d}u")
+        L += ["    workgroupBarrier();",
+              f"    for (var d4 = 0u; d4 < {w // 4}u; d4 = d4 + 1u) {{"]
+        L += [f"        let qa{r} = Qs[(ty * 4u + {r}u) * {DQ4}u + {c0 // 4}u + d4];" for r in range(4)]
+        L += [f"        let kc{c} = KV[(tx + {16 * c}u) * {R}u + (d4 ^ ((tx + {16 * c}u) & {R - 1}u))];"
+              for c in range(4)]
+        L += [f"        s[{r}][{c}] = s[{r}][{c}] + dot(qa{r}, kc{c});" for r in range(4) for c in range(4)]
+        L.append("    }")
+    # scale, masks, the tile's bounds
+    score = [f"        var x = s[r][c] * {f(spec['scale'])};"]
+    if spec["masked"]:
+        m = kernel.reads[3]
+        mb = b.index(m.buf, m.dtype)
+        st = broadcast_view_strides(m, tuple(batch) + (hq, lq, lk))
+        terms = [f"{m.offset}u"] + [f"z{n} * {st[n]}u" for n in range(nbd) if st[n]]
+        terms += [f"h * {st[nbd]}u"] if st[nbd] else []
+        L.insert(L.index("    for (var t = 0u; t < nt; t = t + 1u) {"), f"    let moff = {' + '.join(terms)};")
+        mv = (f"b{mb}[moff + min(i, {lq - 1}u) * {st[-2]}u + min(j, {lk - 1}u) * {st[-1]}u]")
+        score.append(f"        x = select({NEG_INF}, x, {mv} != {literal(0, m.dtype)});" if spec["int_mask"]
+                     else f"        x = x + {mv};")
+    if spec["causal"]:
+        score.append(f"        x = select({NEG_INF}, x, j <= i);")
+    if lk % BK:
+        score.append(f"        x = select({NEG_INF}, x, j < {lk}u);")
+    if len(score) > 1:
+        for r in range(4):
+            for c in range(4):
+                L += [f"    {{ let i = q0 + ty * 4u + {r}u; let j = kt0 + tx + {16 * c}u;"]
+                L += [ln.replace("s[r][c]", f"s[{r}][{c}]") for ln in score]
+                L += [f"        s[{r}][{c}] = x; }}"]
+    else:
+        L += [f"    s[{r}] = s[{r}] * {f(spec['scale'])};" for r in range(4)]
+    # the tile's row max: each lane's over its 4 keys, then over the 16 lanes (through P's memory)
+    L += [f"    Ps[(ty * 4u + {r}u) * 4u + tx / 4u][tx % 4u] = max(max(s[{r}].x, s[{r}].y), max(s[{r}].z, s[{r}].w));"
+          for r in range(4)]
+    L.append("    workgroupBarrier();")
+    for r in range(4):
+        L += [f"    let w{r}{u} = Ps[(ty * 4u + {r}u) * 4u + {u}u];" for u in range(4)]
+        L.append(f"    let tm{r} = max(max(max(w{r}0.x, w{r}0.y), max(w{r}0.z, w{r}0.w)), max("
+                 f"max(max(w{r}1.x, w{r}1.y), max(w{r}1.z, w{r}1.w)), max(max(max(w{r}2.x, w{r}2.y), max(w{r}2.z, w{r}2.w)), "
+                 f"max(max(w{r}3.x, w{r}3.y), max(w{r}3.z, w{r}3.w)))));")
+    L += ["    workgroupBarrier();",
+          "    let mnew = max(mrow, vec4<f32>(tm0, tm1, tm2, tm3));",
+          "    // a row masked so far keeps max -inf: exponents against 0 give zeros, not NaN",
+          f"    let mref = select(mnew, vec4<f32>(0.0), mnew == vec4<f32>({NEG_INF}));",
+          "    let alpha = exp(mrow - mref);",
+          "    mrow = mnew;",
+          "    var p: array<vec4<f32>, 4>;"]
+    L += [f"    p[{r}] = exp(s[{r}] - vec4<f32>(mref[{r}]));" for r in range(4)]
+    L += ["    lrow = lrow * alpha + vec4<f32>(dot(p[0], vec4<f32>(1.0)), dot(p[1], vec4<f32>(1.0)), "
+          "dot(p[2], vec4<f32>(1.0)), dot(p[3], vec4<f32>(1.0)));"]
+    L += [f"    o[{r * NG + g}] = o[{r * NG + g}] * alpha[{r}];" for r in range(4) for g in range(NG)]
+    # P: row j (a key) holds vec4s over 4 query rows, row group ty stored at ty ^ (j % TY)
+    L += [f"    Ps[(tx + {16 * c}u) * {TY}u + (ty ^ ((tx + {16 * c}u) & {TY - 1}u))] = "
+          f"vec4<f32>(p[0][{c}], p[1][{c}], p[2][{c}], p[3][{c}]);" for c in range(4)]
+    for g, (c0, w) in enumerate(VCH):
+        if g:
+            L.append("    workgroupBarrier();")
+        L += stage(BK * w, w, f"KV[row * {CH // 4}u + col / 4u][col % 4u]",
+                   f"b{vb}[voff + min(kt0 + row, {lk - 1}u) * {vs[-2]}u + min({c0}u + col, {dv - 1}u) * {vs[-1]}u]",
+                   f"kt0 + row < {lk}u && {c0}u + col < {dv}u")
+        L += ["    workgroupBarrier();",
+              f"    for (var j4 = 0u; j4 < {BK // 4}u; j4 = j4 + 1u) {{"]
+        for u in range(4):
+            L += [f"        let j{u} = j4 * 4u + {u}u;",
+                  f"        let pp{u} = Ps[j{u} * {TY}u + (ty ^ (j{u} & {TY - 1}u))];",
+                  f"        let vv{u} = KV[j{u} * {CH // 4}u + tx];"]
+            L += [f"        o[{r * NG + g}] = fma(vec4<f32>(pp{u}[{r}]), vv{u}, o[{r * NG + g}]);" for r in range(4)]
+        L.append("    }")
+    L += ["    workgroupBarrier();", "    }"]
+    # the row sums over the 16 lanes, then the normalised output
+    L += [f"    Ps[(ty * 4u + {r}u) * 4u + tx / 4u][tx % 4u] = lrow[{r}];" for r in range(4)]
+    L.append("    workgroupBarrier();")
+    for r in range(4):
+        L.append(f"    let lsum{r} = dot(Ps[(ty * 4u + {r}u) * 4u] + Ps[(ty * 4u + {r}u) * 4u + 1u] + "
+                 f"Ps[(ty * 4u + {r}u) * 4u + 2u] + Ps[(ty * 4u + {r}u) * 4u + 3u], vec4<f32>(1.0));")
+        # a fully masked row has sum 0: zeros, as the op's safe softmax gives
+        L.append(f"    let inv{r} = select(0.0, 1.0 / lsum{r}, lsum{r} != 0.0);")
+    for r in range(4):
+        L.append(f"    {{ let i = q0 + ty * 4u + {r}u;")
+        L.append(f"      if (i < {lq}u) {{")
+        for g, (c0, w) in enumerate(VCH):
+            for e in range(4):
+                col = f"{c0}u + tx * 4u + {e}u"
+                L.append(f"        if ({col} < {dv}u) {{ store_out((bh * {lq}u + i) * {dv}u + {col}, "
+                         f"o[{r * NG + g}][{e}] * inv{r}); }}")
+        L.append("      }")
+        L.append("    }")
+    src = (b.decls() + "\n" + store.module_text() +
+           f"\nvar<workgroup> Qs: array<vec4<f32>, {BQ * DQ4}>;"
+           f"\nvar<workgroup> KV: array<vec4<f32>, {BK * CH // 4}>;"
+           f"\nvar<workgroup> Ps: array<vec4<f32>, {BK * TY}>;\n\n"
+           + ENTRY.format(wg=TH) + "\n".join(L) + "\n}\n")
+    return src, b.bufs, grid(nb * hq * NQT)
+
