@@ -152,8 +152,13 @@ class ExprWriter:
         self.lines.append(f"    let {self.prefix}{self.n} = {text};")
         return f"{self.prefix}{self.n}", t.dtype
 
-    def helpers(self) -> list[str]:
-        return [HELPERS[h] for h in HELPERS if h in self.used]
+    def helpers(self, bind=None) -> list[str]:
+        """The helper functions the emitted lines call; with ``bind``, only those not yet
+        in that module (which then records them)."""
+        names = [h for h in HELPERS if h in self.used and (bind is None or h not in bind.helpers_done)]
+        if bind is not None:
+            bind.helpers_done.update(names)
+        return [HELPERS[h] for h in names]
 
 
 def expr_ops(e) -> list[str]:

@@ -35,7 +35,7 @@ def _body(kernel, b: Bindings):
     if dt is not out.dtype:
         val = f"{out.dtype.wgsl}({val})"
     lines += w.lines + [f"    b{ob}[{offset_expr(out.offset, out.strides)}] = {val};"]
-    return w.helpers(), lines
+    return w.helpers(b), lines
 
 
 def render(kernel) -> tuple[str, list, tuple]:
@@ -52,19 +52,29 @@ def render(kernel) -> tuple[str, list, tuple]:
 
 
 def render_multi(kernel):
-    """Independent pointwise kernels in one dispatch: each owns a range of workgroups
-    (horizontal fusion: one launch and one barrier instead of one per kernel)."""
+    """Independent pointwise kernels and reductions in one dispatch: each owns a range of
+    workgroups (horizontal fusion: one launch and one barrier instead of one per kernel)."""
+    from . import reduce
     b = Bindings()
-    fns, helpers, branches, g0 = [], {}, [], 0
+    fns, helpers, branches, g0, scratch = [], {}, [], 0, ""
     for j, part in enumerate(kernel.spec["parts"]):
-        hs, lines = _body(part, b)
-        helpers.update((h, None) for h in hs)
-        n = part.out.size
-        fns.append(f"fn part{j}(i: u32) {{\n    if (i >= {n}u) {{ return; }}\n" + "\n".join(lines) + "\n}")
-        g1 = g0 + -(-n // WG)
-        branches.append(f"    if (g < {g1}u) {{ part{j}((g - {g0}u) * {WG}u + lid); return; }}")
+        if part.archetype == "reduce":
+            module, fn, n_groups = reduce.part(part, b, str(j))
+            helpers[module] = None
+            fns.append(fn)
+            scratch = reduce.SCRATCH
+            call = f"red{j}(g - {g0}u, lid)"
+        else:
+            hs, lines = _body(part, b)
+            helpers.update((h, None) for h in hs)
+            n = part.out.size
+            n_groups = -(-n // WG)
+            fns.append(f"fn part{j}(i: u32) {{\n    if (i >= {n}u) {{ return; }}\n" + "\n".join(lines) + "\n}")
+            call = f"part{j}((g - {g0}u) * {WG}u + lid)"
+        g1 = g0 + n_groups
+        branches.append(f"    if (g < {g1}u) {{ {call}; return; }}")
         g0 = g1
-    src = "\n".join([b.decls()] + list(helpers) + fns) + "\n\n" + ENTRY.format(wg=WG) + \
+    src = "\n".join([b.decls()] + list(helpers) + [scratch] + fns) + "\n\n" + ENTRY.format(wg=WG) + \
         f"    let g = {GROUP_INDEX};\n" + "\n".join(branches) + "\n}\n"
     return src, b.bufs, grid(g0)
 

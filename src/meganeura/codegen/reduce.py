@@ -44,7 +44,7 @@ def lower_reduce(t, ins, out, materialize, temp):
     return [Kernel(t.op, "reduce", {"kind": kind, "dims": dims}, out, [v])]
 
 
-def _prologue_load(pro, leaves, b, dt):
+def _prologue_load(pro, leaves, b, dt, name="load_in"):
     """``fn load_in(i)``: the reduction's input element at buffer index ``i`` of the fused
     pointwise kernel's output, evaluated from that kernel's operands instead of memory."""
     pout = pro["out"]
@@ -54,11 +54,35 @@ def _prologue_load(pro, leaves, b, dt):
     val, vdt = w.emit(pro["expr"])
     if vdt is not dt:
         val = f"{dt.wgsl}({val})"
-    fn = f"fn load_in(i: u32) -> {dt.wgsl} {{\n" + "\n".join(lines + w.lines) + f"\n    return {val};\n}}\n"
-    return "\n".join(w.helpers() + [fn]), (lambda idx: f"load_in({idx})")
+    fn = f"fn {name}(i: u32) -> {dt.wgsl} {{\n" + "\n".join(lines + w.lines) + f"\n    return {val};\n}}\n"
+    return "\n".join(w.helpers(b) + [fn]), (lambda idx: f"{name}({idx})")
+
+
+def mergeable(kernel) -> bool:
+    """A reduction that can share a launch with pointwise kernels (``part``): float data
+    (accumulated in f32, the scratch's type)."""
+    v = kernel.spec["prologue"]["view"] if "prologue" in kernel.spec else kernel.reads[0]
+    return v.dtype.is_float
 
 
 def render(kernel):
+    b = Bindings()
+    module, fn, groups = part(kernel, b, "")
+    v = kernel.spec["prologue"]["view"] if "prologue" in kernel.spec else kernel.reads[0]
+    scratch = SCRATCH if v.dtype.is_float else SCRATCH.replace("f32", v.dtype.wgsl)
+    src = b.decls() + "\n" + module + scratch + "\n" + fn + "\n" + ENTRY.format(wg=WG) + \
+        f"    red({GROUP_INDEX}, lid);\n}}\n"
+    return src, b.bufs, grid(groups)
+
+
+SCRATCH = f"var<workgroup> part: array<f32, {WG}>;\n"     # float data accumulates in f32
+
+
+def part(kernel, b, suffix):
+    """(module-level WGSL, ``fn red{suffix}(g: u32, lid: u32)`` reducing for workgroup
+    ``g`` of this kernel's range, its workgroup count). Module names carry ``suffix`` so
+    that several reductions can share one launch (``pointwise.render_multi``); they all
+    use the module's workgroup scratch ``SCRATCH``."""
     spec = kernel.spec
     pro = spec.get("prologue")
     v = pro["view"] if pro else kernel.reads[0]
@@ -71,10 +95,10 @@ def render(kernel):
         INIT_T = {"sum": literal(0, dt), "mean": literal(0, dt), "max": literal(-2**31 if dt.name == "i32" else 0, dt)}
     else:
         INIT_T = INIT
-    b = Bindings()
-    store = OutputStore(kernel, b, dt)
+    store = OutputStore(kernel, b, dt, name=f"store_out{suffix}")
+    st = f"store_out{suffix}"
     if pro:
-        load_fn, load_at = _prologue_load(pro, kernel.reads, b, dt)
+        load_fn, load_at = _prologue_load(pro, kernel.reads, b, dt, name=f"load_in{suffix}")
     else:
         ib = b.index(v.buf, v.dtype)
         load_fn = ""
@@ -90,29 +114,29 @@ def render(kernel):
     inner = coords("j", rshape, prefix="r")
     load = load_at(f"base + {step}")
     body_read = "\n".join("    " + ln for ln in inner) + f"\n        acc = {comb.format(a='acc', b=load)};"
+    module = store.module_text() + "\n" + load_fn
+    head = f"fn red{suffix}(g: u32, lid: u32) {{\n"
     if spec.get("chunks"):
-        return _render_chunked(kernel, b, store, load_fn, load_at, v, kept, kshape, dims, rshape, r, INIT_T[kind],
-                               comb, dt)
+        return module, head + _chunked_body(kernel, load_at, v, kept, kshape, dims, rshape, r,
+                                                      INIT_T[kind], comb, st), n_out * spec["chunks"]
     if r < 64 or n_out >= 4096:
-        src = b.decls() + "\n" + store.module_text() + "\n" + load_fn + "\n\n" + ENTRY.format(wg=WG) + \
-            f"    let o = ({GROUP_INDEX}) * {WG}u + lid;\n    if (o >= {n_out}u) {{ return; }}\n" + \
+        fn = head + f"    let o = g * {WG}u + lid;\n    if (o >= {n_out}u) {{ return; }}\n" + \
             "\n".join(rows) + f"\n    let base = {base};\n    var acc = {INIT_T[kind]};\n" + \
             f"    for (var j = 0u; j < {r}u; j = j + 1u) {{\n{body_read}\n    }}\n" + \
-            f"    store_out(o, {fin});\n}}\n"
-        return src, b.bufs, grid(-(-n_out // WG))
-    src = b.decls() + "\n" + store.module_text() + "\n" + load_fn + f"\nvar<workgroup> part: array<{dt.wgsl}, {WG}>;\n\n" + ENTRY.format(wg=WG) + \
-        f"    let o = {GROUP_INDEX};\n    if (o >= {n_out}u) {{ return; }}\n" + \
+            f"    {st}(o, {fin});\n}}\n"
+        return module, fn, -(-n_out // WG)
+    fn = head + f"    let o = g;\n    if (o >= {n_out}u) {{ return; }}\n" + \
         "\n".join(rows) + f"\n    let base = {base};\n    var acc = {INIT_T[kind]};\n" + \
         f"    for (var j = lid; j < {r}u; j = j + {WG}u) {{\n{body_read}\n    }}\n" + \
         "    part[lid] = acc;\n    workgroupBarrier();\n" + \
         f"    for (var s = {WG // 2}u; s > 0u; s = s >> 1u) {{\n" + \
         f"        if (lid < s) {{ part[lid] = {comb.format(a='part[lid]', b='part[lid + s]')}; }}\n" + \
         "        workgroupBarrier();\n    }\n" + \
-        f"    if (lid == 0u) {{ let acc2 = part[0]; store_out(o, {fin.replace('acc', 'acc2')}); }}\n}}\n"
-    return src, b.bufs, grid(n_out)
+        f"    if (lid == 0u) {{ let acc2 = part[0]; {st}(o, {fin.replace('acc', 'acc2')}); }}\n}}\n"
+    return module, fn, n_out
 
 
-def _render_chunked(kernel, b, store, load_fn, load_at, v, kept, kshape, dims, rshape, r, init, comb, dt):
+def _chunked_body(kernel, load_at, v, kept, kshape, dims, rshape, r, init, comb, st):
     """First stage of a long reduction: workgroup g reduces chunk g % S of output g / S."""
     S = kernel.spec["chunks"]
     C = -(-r // S)
@@ -120,9 +144,7 @@ def _render_chunked(kernel, b, store, load_fn, load_at, v, kept, kshape, dims, r
     base = " + ".join([str(v.offset) + "u"] + [f"k{i} * {v.strides[d]}u" for i, d in enumerate(kept)])
     step = " + ".join(["0u"] + [f"r{i} * {v.strides[d]}u" for i, d in enumerate(dims)])
     inner = "\n".join("    " + ln for ln in coords("j", rshape, prefix="r"))
-    src = b.decls() + "\n" + store.module_text() + "\n" + load_fn + f"\nvar<workgroup> part: array<{dt.wgsl}, {WG}>;\n\n" + \
-        ENTRY.format(wg=WG) + f"""    let g = {GROUP_INDEX};
-    if (g >= {n_out * S}u) {{ return; }}
+    return f"""    if (g >= {n_out * S}u) {{ return; }}
     let o = g / {S}u; let s = g % {S}u;
 {chr(10).join(coords("o", kshape, prefix="k"))}
     let base = {base};
@@ -138,7 +160,6 @@ def _render_chunked(kernel, b, store, load_fn, load_at, v, kept, kshape, dims, r
         if (lid < t) {{ part[lid] = {comb.format(a="part[lid]", b="part[lid + t]")}; }}
         workgroupBarrier();
     }}
-    if (lid == 0u) {{ store_out(g, part[0]); }}
+    if (lid == 0u) {{ {st}(g, part[0]); }}
 }}
 """
-    return src, b.bufs, grid(n_out * S)

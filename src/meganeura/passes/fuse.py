@@ -497,8 +497,9 @@ MAX_PARTS = 64          # kernels in one merged launch (its WGSL grows with each
 def _group_key(k):
     """Kernels with equal keys can share a launch: pointwise ones, and GEMVs (B transposed)
     that read the same A (sibling projections such as q, k and v)."""
-    if k.archetype == "pointwise":
-        return ("pointwise",)
+    from ..codegen.reduce import mergeable
+    if k.archetype == "pointwise" or k.archetype == "reduce" and mergeable(k):
+        return ("pointwise",)          # reductions share "multi" launches with pointwise kernels
     if k.archetype == "matmul" and k.spec.get("gemv") and k.spec["tb"] and "parts" not in k.spec:
         a = k.reads[0]
         pro = k.spec.get("prologue")
@@ -518,6 +519,9 @@ def _groups_of(k):
     from ..codegen.common import WG
     if k.archetype == "pointwise":
         return -(-k.out.size // WG)
+    if k.archetype == "reduce":
+        from ..codegen import reduce
+        return reduce.part(k, reduce.Bindings(), "")[2]
     if k.spec.get("gemv"):
         return -(-k.shape[-1] // 2)       # at most (codegen.matmul.gemv_columns)
     t = k.spec["tile"]
