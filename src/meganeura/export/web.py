@@ -23,6 +23,7 @@ from __future__ import annotations
 import base64
 import json
 import os
+import re
 import shutil
 from importlib import resources
 
@@ -34,6 +35,27 @@ FORMAT_VERSION = 1
 WEB_MAX_BINDINGS = 8
 DEMOS = ("digits", "text", "tensor")
 _DTYPE_NAMES = {"f32", "f16", "i32", "u32"}
+
+
+# an f32 bit pattern with every exponent bit set: an infinity or a NaN
+_NONFINITE_BITS = re.compile(r"bitcast<f32>\(0x(7f8|ff8|7fc|ffc)([0-9a-fA-F]{5})u\)")
+_RUNTIME_ZERO = "mg_rt_zero"
+
+
+def portable_wgsl(wgsl: str) -> str:
+    """The kernel's WGSL as the browser needs it. WGSL makes a constant expression that
+    evaluates to an infinity or a NaN a shader-creation error; naga (the Python runtime's
+    compiler) lets ``bitcast<f32>(0xff800000u)`` through, Tint (Chromium's) refuses it. Such
+    literals become runtime values: the bits xor a private variable that is always zero
+    (same value, no constant folding at compile time). Nothing else changes."""
+    if not _NONFINITE_BITS.search(wgsl):
+        return wgsl
+    body = _NONFINITE_BITS.sub(lambda m: f"bitcast<f32>(0x{m.group(1)}{m.group(2)}u ^ {_RUNTIME_ZERO})", wgsl)
+    lines = body.split("\n")
+    # after any `enable` directives, which must come first
+    at = next((i for i, ln in enumerate(lines) if not ln.startswith("enable ")), len(lines))
+    lines.insert(at, f"var<private> {_RUNTIME_ZERO}: u32 = 0u;")
+    return "\n".join(lines)
 
 
 def _session_of(model):
@@ -92,10 +114,11 @@ def serialize_plan(kp, fetches, updates, shaders: list) -> dict:
     shader_ids = {s["wgsl"]: i for i, s in enumerate(shaders)}
     dispatches = []
     for d in kp.dispatches:
-        sid = shader_ids.get(d.wgsl)
+        wgsl = portable_wgsl(d.wgsl)
+        sid = shader_ids.get(wgsl)
         if sid is None:
-            sid = shader_ids[d.wgsl] = len(shaders)
-            shaders.append({"wgsl": d.wgsl, "access": parse_bindings(d.wgsl)})
+            sid = shader_ids[wgsl] = len(shaders)
+            shaders.append({"wgsl": wgsl, "access": parse_bindings(wgsl)})
         groups = (tuple(d.groups) + (1, 1))[:3] if not isinstance(d.groups, int) else (d.groups, 1, 1)
         dispatches.append({"name": d.kernel.name, "shader": sid, "bindings": [index[id(b)] for b in d.bufs],
                            "groups": [int(g) for g in groups]})
@@ -184,8 +207,12 @@ def write_folder(out_dir, plan: dict, weights: dict, extra: dict | None = None) 
         raise ValueError(f"export_web: unknown demo {kind!r}; choose one of {DEMOS}")
     with open(os.path.join(out_dir, "plan.json"), "w", encoding="utf-8") as f:
         json.dump(plan, f, separators=(",", ":"))
-    save_file({n: np.ascontiguousarray(v) for n, v in weights.items()}, os.path.join(out_dir, plan["weights"]),
-              metadata={"format": FORMAT})
+    wpath = os.path.join(out_dir, plan["weights"])
+    # no "format" key: the file also loads as a checkpoint (Session.load)
+    save_file({n: np.ascontiguousarray(v) for n, v in weights.items()}, wpath, metadata={"exported_by": FORMAT})
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(wpath, 0o666 & ~umask)      # a web server must be able to read it, as the other files
     with open(os.path.join(out_dir, "meganeura.js"), "w", encoding="utf-8") as f:
         f.write(_static("meganeura.js"))
     with open(os.path.join(out_dir, "index.html"), "w", encoding="utf-8") as f:
