@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 
 import numpy as np
 import pytest
@@ -250,7 +249,6 @@ def test_tiny_smollm2_generates_in_chromium_with_the_kv_cache(browser, server, w
 def test_text_page_tokenizer_matches_tokenizers(browser, server, web_root, tmp_path):
     """The page's byte-level BPE encodes like the tokenizers package (a tokenizer trained
     here, SmolLM2's kind) and decodes back to the text."""
-    tokenizers = pytest.importorskip("tokenizers")
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
@@ -266,10 +264,15 @@ def test_text_page_tokenizer_matches_tokenizers(browser, server, web_root, tmp_p
     cfg = llama.LlamaConfig.tiny()
     cfg.vocab_size = tok.get_vocab_size()
     g = llama.build_causal_lm(cfg, 1, 1)[0]
+    from safetensors.numpy import save_file
+
     from meganeura.api import default_init
+    from meganeura.cli import main
     state = {n: default_init(t, 0) for n, t in g.parameters.items()}
-    export_llama_web(cfg, state, web_root / "llama-tok", max_len=16, tokenizer_json=str(path))
-    assert shutil.os.path.exists(web_root / "llama-tok" / "tokenizer.json")
+    save_file(state, str(tmp_path / "model.safetensors"))      # a Hugging Face folder, exported by the CLI
+    (tmp_path / "config.json").write_text(json.dumps(cfg.to_hf_dict()))
+    assert main(["export", "--web", str(web_root / "llama-tok"), "--model", str(tmp_path), "--max-len", "16"]) == 0
+    assert (web_root / "llama-tok" / "tokenizer.json").exists()
     pg = open_model(browser, server, "llama-tok")
     pg.wait_for_function("window.mgTokenizer !== undefined")
     for s in ["Once upon a time, the fox said 123 things.", "It's lazy; they'll jump!  Twice", "naïve café ✓"]:
@@ -277,3 +280,15 @@ def test_text_page_tokenizer_matches_tokenizers(browser, server, web_root, tmp_p
         got = pg.evaluate("(s) => window.mgTokenizer.encode(s)", s)
         assert got == want, (s, got, want)
         assert pg.evaluate("(ids) => window.mgTokenizer.decode(ids)", want) == tok.decode(want)
+
+
+def test_cli_export_mistakes_are_one_line(tmp_path, capsys):
+    from meganeura.cli import main
+    assert main(["export"]) == 2
+    assert "give --web DIR" in capsys.readouterr().err
+    assert main(["export", "--web", str(tmp_path / "no" / "w")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+    assert main(["export", "--web", str(tmp_path / "w"), "--model", "nonsense"]) == 2
+    assert "not one of digits-mlp, llama-tiny" in capsys.readouterr().err
+    assert main(["export", "--web", str(tmp_path / "w"), "--checkpoint", str(tmp_path / "x.safetensors")]) == 2
+    assert "--checkpoint" in capsys.readouterr().err
