@@ -193,13 +193,14 @@ def test_accelerated_export_falls_back_to_strict_and_feeds_are_checked(browser, 
     assert "input 'x': got 3 values, expected 128 (shape (2, 64) f32)" in pg.evaluate(bad, {"x": [1, 2, 3]})
     assert "missing input(s): 'x' (2, 64) f32" in pg.evaluate(bad, {})
     assert "unknown input(s) y" in pg.evaluate(bad, {"y": [1]})
+    strict.close()
     s.close()
 
 
 def test_page_without_webgpu_says_so(browser, server, web_root):
-    if not (web_root / "digits").exists():
-        pytest.skip("needs the digits export of test_digits_mlp_cli_export_runs_in_chromium")
-    pg = browser.page(f"{server.url}/digits/index.html",
+    g, _, _, logits, _ = build_mlp(1, 64, 8, 10)
+    mg.compile(g, outputs=[logits]).export_web(web_root / "nogpu", demo={"kind": "digits", "input": "x"})
+    pg = browser.page(f"{server.url}/nogpu/index.html",
                       "Object.defineProperty(Navigator.prototype, 'gpu', {get: () => undefined});")
     msg = pg.evaluate("async () => { try { await window.mgModel; return 'loaded'; } catch (e) { return e.name + ': ' + e.message; } }")
     assert msg.startswith("WebGPUUnavailableError: WebGPU is not available in this browser"), msg
