@@ -6,5 +6,6 @@ from . import io, optim  # noqa: F401
 from .api import compile, Session  # noqa: F401
 from . import nn  # noqa: F401
 from .jit import Jit, jit  # noqa: F401
+from . import export  # noqa: F401
 
 __version__ = "0.1.0"

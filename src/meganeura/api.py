@@ -304,6 +304,15 @@ class Session:
         from .checkpoint import load
         return load(self, path, strict)
 
+    @_locked
+    def export_web(self, out_dir, demo: dict | None = None) -> str:
+        """Write this session's inference plan (WGSL kernels, dispatch list, buffer plan as
+        plan.json), its weights (safetensors), a dependency-free JavaScript runtime that runs
+        them with WebGPU (``meganeura.js``) and a demo page (``index.html``) into ``out_dir``.
+        Serve the folder over http(s) and open it. See ``meganeura.export.web``."""
+        from .export import export_web
+        return export_web(self, out_dir, demo)
+
     def memory_report(self) -> str:
         """Device bytes of the compiled plans, with and without intermediate aliasing."""
         plans = getattr(self.executor, "plans", {})

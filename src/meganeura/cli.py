@@ -118,6 +118,100 @@ def cmd_generate(args):
     print(f"{len(text)} characters in {time.perf_counter() - t1:.1f} s (compiles included)", file=sys.stderr)
 
 
+WEB_MODELS = ("digits-mlp", "llama-tiny")
+
+
+def digits_examples(x, y, n=10):
+    """The first test image of each class (up to ``n``), for the demo page's Example button."""
+    out = []
+    for k in range(10):
+        idx = [i for i in range(len(y)) if y[i] == k][:1]
+        out += [{"pixels": [round(float(v), 4) for v in x[i]], "label": int(y[i])} for i in idx]
+    return out[:n]
+
+
+def cmd_export(args):
+    """Write a folder that runs a model in the browser with WebGPU (see meganeura.export.web)."""
+    if not args.web:
+        raise CliError("give --web DIR (the only export target so far)")
+    out = args.web
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise CliError(f"--web {out!r} exists and is not a folder")
+    parent = os.path.dirname(os.path.abspath(out))
+    if not os.path.isdir(parent):
+        raise CliError(f"--web {out!r}: folder {parent!r} does not exist")
+    if args.max_len < 2:
+        raise CliError(f"--max-len must be >= 2, got {args.max_len}")
+    model = args.model
+    if model == "digits-mlp":
+        return export_digits(args)
+    from .export import export_llama_web
+    from .models import llama
+    if model == "llama-tiny":
+        cfg = llama.LlamaConfig.tiny()
+        g = llama.build_causal_lm(cfg, 1, 1)[0]
+        from .api import default_init
+        state = {n: default_init(t, args.seed) for n, t in g.parameters.items()}
+        tok = None
+    else:
+        if model not in WEB_MODELS and not os.path.isdir(model):
+            raise CliError(f"--model {model!r}: not one of {', '.join(WEB_MODELS)} and not a folder")
+        check_model_folder(model)
+        from .io import load_hf
+        cfg, state = load_hf(model)
+        tok = os.path.join(model, "tokenizer.json")
+    t0 = time.perf_counter()
+    export_llama_web(cfg, state, out, max_len=args.max_len, precision=args.precision, tokenizer_json=tok,
+                     prompt=args.prompt)
+    print(f"exported {model} (cache of {args.max_len} positions) to {out} in {time.perf_counter() - t0:.1f} s")
+    print(f"open it: python3 -m http.server --directory {out} 8000, then http://localhost:8000")
+
+
+def export_digits(args):
+    """The digits MLP: from --checkpoint (train-demo's), else trained here on the numpy backend."""
+    import numpy as np
+
+    from . import compile, optim
+    from .models.mlp import build_mlp, load_digits_split
+    need("export --model digits-mlp", "sklearn")
+    (xtr, ytr), (xte, yte) = load_digits_split()
+    if args.checkpoint:
+        if not os.path.isfile(args.checkpoint):
+            raise CliError(f"--checkpoint {args.checkpoint!r} does not exist")
+        from safetensors import safe_open
+        with safe_open(args.checkpoint, "np") as f:
+            if "0.weight" not in f.keys():
+                raise CliError(f"--checkpoint {args.checkpoint!r} has no '0.weight': not a digits MLP checkpoint "
+                               "(meganeura train-demo writes one)")
+            hidden = f.get_slice("0.weight").get_shape()[0]
+    else:
+        hidden, batch = args.hidden, 64
+        g, _, _, logits, loss = build_mlp(batch=batch, n_in=64, hidden=hidden, n_out=10)
+        tr = compile(g, outputs=[logits], loss=loss, optimizer=optim.AdamW(lr=3e-3, weight_decay=1e-4),
+                     backend="numpy", seed=args.seed)
+        rng = np.random.default_rng(args.seed)
+        for _ in range(args.epochs):
+            order = rng.permutation(len(xtr))
+            for k in range(len(xtr) // batch):
+                idx = order[k * batch:(k + 1) * batch]
+                tr.step({"x": xtr[idx], "labels": ytr[idx]})
+        state = tr.state_dict()
+        print(f"trained the digits MLP for {args.epochs} epochs (numpy backend)")
+    gi, _, _, logits_i, _ = build_mlp(batch=1, n_in=64, hidden=hidden, n_out=10)
+    inf = compile(gi, outputs=[logits_i], backend="numpy", precision=args.precision)
+    if args.checkpoint:
+        inf.load(args.checkpoint, strict=False)
+    else:
+        inf.load_state_dict(state)
+    w = inf.state_dict()
+    h = np.maximum(xte @ w["0.weight"].T + w["0.bias"], 0)
+    acc = float(((h @ w["2.weight"].T + w["2.bias"]).argmax(1) == yte).mean())
+    inf.export_web(args.web, demo={"kind": "digits", "input": "x", "accuracy": acc,
+                                   "examples": digits_examples(xte, yte)})
+    print(f"exported the digits MLP (test accuracy {acc * 100:.1f}%) to {args.web}")
+    print(f"open it: python3 -m http.server --directory {args.web} 8000, then http://localhost:8000")
+
+
 def check_model_folder(path):
     """A Hugging Face model folder as ``generate`` needs it, or one line saying what is missing."""
     if not os.path.exists(path):
@@ -204,6 +298,21 @@ def _main(argv):
     gen.add_argument("--precision", default="strict", choices=["strict", "accelerated"],
                      help="strict: f32 everywhere; accelerated: f16 operands for forward matmuls")
     gen.set_defaults(fn=cmd_generate)
+    ex = sub.add_parser("export", help="export a model to run in the browser with WebGPU (--web DIR)")
+    ex.add_argument("--web", metavar="DIR", help="folder to write: plan.json, weights.safetensors, meganeura.js, "
+                    "index.html (serve it over http and open it)")
+    ex.add_argument("--model", default="digits-mlp",
+                    help="digits-mlp (default: --checkpoint, else trained here), llama-tiny (random weights), "
+                         "or a Hugging Face Llama-family folder (SmolLM2) for text generation")
+    ex.add_argument("--checkpoint", help="digits-mlp: a checkpoint written by train-demo")
+    ex.add_argument("--epochs", type=int, default=20, help="digits-mlp without --checkpoint: training epochs")
+    ex.add_argument("--hidden", type=int, default=128, help="digits-mlp without --checkpoint: hidden width")
+    ex.add_argument("--max-len", type=int, default=128, help="text models: key/value cache positions (default 128)")
+    ex.add_argument("--prompt", default=None, help="text models: the page's initial prompt")
+    ex.add_argument("--precision", default="strict", choices=["strict", "accelerated"],
+                    help="accelerated adds an f16 plan, used where the browser's adapter has shader-f16")
+    ex.add_argument("--seed", type=int, default=0, help="seed of the initialisation and the training")
+    ex.set_defaults(fn=cmd_export)
     args = p.parse_args(argv)
     return args.fn(args) or 0
 
