@@ -640,7 +640,8 @@ class VulkanDevice:
                  initialDataSize=len(data), pInitialData=init)
         p = ffi.new("VkPipelineCache*")
         res = lib.vkCreatePipelineCache(self.handle, ci, ffi.NULL, p)
-        if res != 0 and data:  # stale or corrupt data: start empty
+        self.pipeline_cache_rejected = bool(res != 0 and data)
+        if self.pipeline_cache_rejected:  # stale or corrupt data: start empty
             ci.initialDataSize, ci.pInitialData, data = 0, ffi.NULL, b""
             res = lib.vkCreatePipelineCache(self.handle, ci, ffi.NULL, p)
         check(res, "vkCreatePipelineCache")
@@ -694,6 +695,7 @@ class VulkanDevice:
             limits=dict(self.limits), memory_heaps=list(self.memory_heaps),
             direct_host_access=self.direct_host_access,
             pipeline_cache=dict(on_disk=self.pipeline_cache_on_disk, loaded_bytes=self.pipeline_cache_loaded_bytes,
+                                rejected=self.pipeline_cache_rejected,
                                 path=str(self._cache_path()) if self.pipeline_cache_on_disk else None),
         )
 

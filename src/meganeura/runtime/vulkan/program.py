@@ -132,9 +132,10 @@ class Program:
         for b, rng in enumerate(op.buffers):
             if not isinstance(rng, BufferRange) or rng.block.device is not self.device:
                 raise ValueError(f"{where}: binding {b} is not a BufferRange of this device")
-            if rng.offset % self.device.alignment:
+            align = self.device.limits["minStorageBufferOffsetAlignment"]
+            if rng.offset % align:
                 raise ValueError(f"{where}: binding {b} offset {rng.offset} is not a multiple of "
-                                 f"{self.device.alignment}")
+                                 f"minStorageBufferOffsetAlignment ({align})")
         g = (op.groups,) if isinstance(op.groups, int) else tuple(op.groups)
         g = tuple(int(x) for x in g) + (1,) * (3 - len(g))
         lim = self.device.limits["maxComputeWorkGroupCount"]
