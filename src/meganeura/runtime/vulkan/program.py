@@ -22,6 +22,7 @@ an (n, 2) array for ``runtime.profiler``.
 from __future__ import annotations
 
 import itertools
+import time
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -284,15 +285,19 @@ class Program:
         """Query index written after op ``i`` (its position in recorded order, plus one)."""
         return self._position[i] + 1
 
+    def record(self) -> float:
+        """(Re-)record the command buffer now; returns the host seconds it took."""
+        t0 = time.perf_counter()
+        self._position = {i: pos for pos, i in enumerate(itertools.chain.from_iterable(self.levels))}
+        self._record()
+        return time.perf_counter() - t0
+
     def run(self, wait=True):
         """Submit the step (re-recording first if an op changed)."""
         if self.device.handle is None:
             raise RuntimeError(f"{self.name}: the device is closed")
         if self._dirty:
-            self._position = {}
-            for pos, i in enumerate(itertools.chain.from_iterable(self.levels)):
-                self._position[i] = pos
-            self._record()
+            self.record()
         self.device.submit(self._cmd, self._fence, wait=wait)
 
     def wait(self):
