@@ -321,6 +321,13 @@ def test_spirv_and_pipeline_caches_hit_on_the_second_run(dev, tmp_path):
     assert off["stats"] == {"compiles": 1} and off["loaded"] == 0
 
 
+def test_info_reports_the_vulkan_backend(dev):
+    r = subprocess.run([sys.executable, "-m", "meganeura.cli", "info", "--vulkan"], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert dev.name in r.stdout and "cooperative matrix" in r.stdout and "maxStorageBufferRange" in r.stdout
+
+
 def test_dispatch_benchmark_runs_small(dev, tmp_path):
     out = tmp_path / "vk.json"
     r = subprocess.run([sys.executable, str(ROOT / "bench" / "vulkan_dispatch.py"), "--size", "64",

@@ -53,6 +53,50 @@ def available() -> tuple:
         return False, f"{type(e).__name__}: {e}"
 
 
+def describe(device=None) -> str:
+    """The Vulkan backend's capability report as text (``meganeura info --vulkan``)."""
+    from .device import VulkanDevice
+    from .glslang import GlslangUnavailable, glslang_version
+    own = device is None
+    dev = VulkanDevice(pipeline_cache=False) if own else device
+    try:
+        c = dev.capabilities()
+    finally:
+        if own:
+            dev.close()
+    try:
+        gl = glslang_version()
+    except GlslangUnavailable as e:
+        gl = f"unavailable ({e})"
+    lines = [f"vulkan (PyPI) {c['vulkan_package']}, loader {c['instance_version']}, glslang: {gl}", "devices:"]
+    for d in c["devices"]:
+        lines.append(f" {'*' if d['index'] == c['index'] else ' '}[{d['index']}] {d['name']} | {d['type']} | "
+                     f"Vulkan {d['api_version']}")
+    soft = " (software: timings are not GPU performance)" if c["is_software"] else ""
+    lines.append(f"chosen: {c['name']}{soft}, driver {c['driver']['name']} {c['driver']['info']}")
+    sg = c["subgroup"]
+    lines.append(f"  subgroup size {sg['size']} (range {sg['min_size']}-{sg['max_size']})")
+    lines.append("  features: " + ", ".join(k for k, v in c["features"].items() if v))
+    lines.append("  missing: " + (", ".join(k for k, v in c["features"].items() if not v) or "none"))
+    cm = c["cooperative_matrix"]
+    if cm["enabled"]:
+        shapes = sorted({f"{s['A']}x{s['B']}->{s['result']} {s['M']}x{s['N']}x{s['K']}" for s in cm["shapes"]
+                         if s["scope"] == "subgroup"})
+        lines.append("  cooperative matrix shapes: " + "; ".join(shapes))
+    else:
+        lines.append(f"  cooperative matrix: no ({cm['reason']})")
+    lines.append(f"  memory: {'mapped directly' if c['direct_host_access'] else 'staging copies'}; heaps "
+                 + ", ".join(f"{h['size'] >> 20} MiB{' device-local' if h['device_local'] else ''}"
+                             for h in c["memory_heaps"]))
+    lines.append(f"  timestamps: {c['timestamp_bits']} bits, {c['limits']['timestampPeriod']} ns per tick")
+    from .cache import cache_dir, disk_cache_enabled
+    lines.append(f"  disk caches (SPIR-V, pipelines): {'on in ' + str(cache_dir()) if disk_cache_enabled() else 'off'}")
+    lines.append("  limits:")
+    for k, v in c["limits"].items():
+        lines.append(f"    {k}: {v}")
+    return "\n".join(lines)
+
+
 def __getattr__(name):
     # the device-free parts import without the bindings; the rest loads them on first use
     if name in ("VulkanDevice", "Kernel", "get_vulkan_device"):

@@ -530,9 +530,6 @@ class VulkanDevice:
         """``nbytes`` (rounded up to the alignment) of device memory, or of host-visible
         staging memory when ``host``. Free with ``free``."""
         nbytes = int(nbytes)
-        if nbytes > self.limits["maxStorageBufferRange"] and not host:
-            raise ValueError(f"{label or 'buffer'}: {nbytes} B exceeds the device's maxStorageBufferRange "
-                             f"({self.limits['maxStorageBufferRange']} B) for one binding")
         kind = "staging" if host else "device"
         with self._lock:
             for blk in self._blocks[kind]:

@@ -133,6 +133,9 @@ class Program:
         for b, rng in enumerate(op.buffers):
             if not isinstance(rng, BufferRange) or rng.block.device is not self.device:
                 raise ValueError(f"{where}: binding {b} is not a BufferRange of this device")
+            if rng.size > self.device.limits["maxStorageBufferRange"]:
+                raise ValueError(f"{where}: binding {b} spans {rng.size} B; the device binds at most "
+                                 f"maxStorageBufferRange = {self.device.limits['maxStorageBufferRange']} B")
             align = self.device.limits["minStorageBufferOffsetAlignment"]
             if rng.offset % align:
                 raise ValueError(f"{where}: binding {b} offset {rng.offset} is not a multiple of "
