@@ -18,7 +18,18 @@ class VulkanError(RuntimeError):
         super().__init__(f"{what} failed: {result_name(code)} ({code})")
 
 
+def _preload_loader():
+    """``MEGANEURA_VK_LOADER`` (or ``VK_LOADER``): the path of a ``libvulkan.so.1`` to use when
+    the system has none on its library path; loaded globally so the bindings find it by name."""
+    import os
+    path = os.environ.get("MEGANEURA_VK_LOADER") or os.environ.get("VK_LOADER")
+    if path:
+        import ctypes
+        ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
+
+
 try:
+    _preload_loader()
     import vulkan as vk
 except ImportError as e:  # the package itself is missing
     vk = None

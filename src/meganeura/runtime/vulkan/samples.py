@@ -202,6 +202,10 @@ def sgemm_groups(M, N, K, p):
 
 def hgemm_coop_groups(M, N, K, p):
     """Workgroup counts for ``HGEMM_COOP`` with tiling ``p``; checks the shape fits the tiling."""
+    nt = 32 * p["SG_M"] * p["SG_N"]
+    if p["BM"] % (16 * p["SG_M"]) or p["BN"] % (16 * p["SG_N"]) or p["BK"] % 16 \
+            or (p["BM"] * p["BK"] // 8) % nt or (p["BK"] * p["BN"] // 8) % nt:
+        raise ValueError(f"hgemm_coop: tiling {p} does not split evenly over {nt} invocations")
     bad = [f"{n}={v} % {t}" for n, v, t in (("M", M, p["BM"]), ("N", N, p["BN"]), ("K", K, p["BK"])) if v % t]
     if bad:
         raise ValueError(f"hgemm_coop: shape not a multiple of the tile ({', '.join(bad)} != 0)")
