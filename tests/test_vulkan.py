@@ -231,6 +231,11 @@ def test_reductions_group_into_levels_on_one_block(dev):
         ts = p.timestamps_ns()
         assert ts.shape == (6, 2) and (ts[:, 1] >= ts[:, 0]).all() and p.gpu_seconds() >= 0
         assert p.names[:2] == ["rows 0-3", "rows 4-7"]
+    with vk.Program(dev, ops, timestamps="step") as p:
+        p.run()
+        assert p.gpu_seconds() >= 0
+        with pytest.raises(RuntimeError, match="whole step only"):
+            p.timestamps_ns()
     np.testing.assert_allclose(dev.download(total, np.float32), [X.sum()], rtol=1e-4)
     np.testing.assert_allclose(dev.download(both, np.float32), X.sum(1), rtol=1e-4, atol=1e-5)
     np.testing.assert_array_equal(dev.download(copy_dst, np.float32, X.shape), X)

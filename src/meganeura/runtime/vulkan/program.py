@@ -17,7 +17,9 @@ With ``timestamps=True`` a timestamp is written before the first op and after ea
 (bottom of pipe: when every earlier command is done), so op ``i`` spans
 ``[t[i], t[i+1]]``; inside a level where ops overlap this is the increment of completion
 time, and the spans add up to the step's GPU time. ``timestamps_ns()`` returns them as
-an (n, 2) array for ``runtime.profiler``.
+an (n, 2) array for ``runtime.profiler``. A timestamp after every op may drain the pipeline
+on some drivers, serialising a level; ``timestamps="step"`` writes only one before the first
+op and one after the last (``gpu_seconds`` then times the step without disturbing it).
 """
 from __future__ import annotations
 
@@ -91,7 +93,11 @@ class Program:
         self.device, self.name = device, name
         self.ops = list(ops)
         self.use_levels = bool(levels)
-        self.timestamps = bool(timestamps) and device.timestamp_bits > 0
+        if timestamps not in (False, True, "ops", "step"):
+            raise ValueError(f"{name}: timestamps must be False, True / 'ops' or 'step', got {timestamps!r}")
+        self.ts_mode = None if not timestamps or device.timestamp_bits == 0 else \
+            ("step" if timestamps == "step" else "ops")
+        self.timestamps = self.ts_mode is not None
         self.record_count = 0
         self._dirty = True
         self._cmd = device.allocate_command_buffer()
@@ -108,7 +114,7 @@ class Program:
         if self.timestamps:
             ffi, lib, vk = _vk.ffi, _vk.lib, _vk.vk
             qp = new("VkQueryPoolCreateInfo", sType=vk.VK_STRUCTURE_TYPE_QUERY_POOL_CREATE_INFO,
-                     queryType=vk.VK_QUERY_TYPE_TIMESTAMP, queryCount=len(self.ops) + 1)
+                     queryType=vk.VK_QUERY_TYPE_TIMESTAMP, queryCount=self._n_queries)
             p = ffi.new("VkQueryPool*")
             check(lib.vkCreateQueryPool(device.handle, qp, ffi.NULL, p), "vkCreateQueryPool")
             self._qpool = p[0]
@@ -236,7 +242,7 @@ class Program:
         check(lib.vkBeginCommandBuffer(cmd, bi), "vkBeginCommandBuffer")
         qp = self._qpool
         if qp is not None:
-            lib.vkCmdResetQueryPool(cmd, qp, 0, len(self.ops) + 1)
+            lib.vkCmdResetQueryPool(cmd, qp, 0, self._n_queries)
         full_barrier(cmd, entry=True)
         CT = vk.VK_PIPELINE_STAGE_COMPUTE_SHADER_BIT | vk.VK_PIPELINE_STAGE_TRANSFER_BIT
         W = vk.VK_ACCESS_SHADER_WRITE_BIT | vk.VK_ACCESS_TRANSFER_WRITE_BIT
@@ -277,8 +283,10 @@ class Program:
                     x, y, z = op.groups
                     if x and y and z:
                         dispatch(cmd, x, y, z)
-                if qp is not None:
+                if qp is not None and self.ts_mode == "ops":
                     ts(cmd, BOTTOM, qp, self._slot(i))
+        if qp is not None and self.ts_mode == "step":
+            ts(cmd, BOTTOM, qp, 1)
         full_barrier(cmd, entry=False)
         check(lib.vkEndCommandBuffer(cmd), "vkEndCommandBuffer")
         self.record_count += 1
@@ -306,12 +314,15 @@ class Program:
     def wait(self):
         self.device.wait_fence(self._fence)
 
-    def timestamps_ns(self) -> np.ndarray:
-        """(n_ops, 2) [start, end] in ns per op in program order (after ``run``)."""
+    @property
+    def _n_queries(self):
+        return 2 if self.ts_mode == "step" else len(self.ops) + 1
+
+    def _read_queries(self):
         if self._qpool is None:
             raise RuntimeError(f"{self.name}: recorded without timestamps (Program(..., timestamps=True))")
         ffi, lib, vk = _vk.ffi, _vk.lib, _vk.vk
-        n = len(self.ops) + 1
+        n = self._n_queries
         data = ffi.new("uint64_t[]", n)
         check(lib.vkGetQueryPoolResults(self.device.handle, self._qpool, 0, n, 8 * n, data, 8,
                                         vk.VK_QUERY_RESULT_64_BIT | vk.VK_QUERY_RESULT_WAIT_BIT),
@@ -319,7 +330,13 @@ class Program:
         bits = self.device.timestamp_bits
         mask = (1 << bits) - 1 if bits < 64 else (1 << 64) - 1
         t = np.array([int(data[i]) & mask for i in range(n)], dtype=np.float64) * self.device.limits["timestampPeriod"]
-        t -= t[0]
+        return t - t[0]
+
+    def timestamps_ns(self) -> np.ndarray:
+        """(n_ops, 2) [start, end] in ns per op in program order (after ``run``)."""
+        if self.ts_mode == "step":
+            raise RuntimeError(f"{self.name}: timestamps='step' times the whole step only (gpu_seconds)")
+        t = self._read_queries()
         out = np.zeros((len(self.ops), 2), dtype=np.int64)
         for i in range(len(self.ops)):
             pos = self._position[i]
@@ -328,8 +345,8 @@ class Program:
 
     def gpu_seconds(self) -> float:
         """GPU time of the last run from the first to the last timestamp."""
-        ts = self.timestamps_ns()
-        return float(ts[:, 1].max() - ts[:, 0].min()) * 1e-9 if len(ts) else 0.0
+        t = self._read_queries()
+        return float(t[-1] - t[0]) * 1e-9
 
     @property
     def names(self):
