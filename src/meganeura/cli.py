@@ -40,6 +40,10 @@ def _folder_file(path, what):
 
 
 def cmd_info(args):
+    if args.vulkan:
+        from .runtime.vulkan import describe as describe_vulkan
+        print(describe_vulkan())
+        return
     from .runtime import describe
     print(describe())
 
@@ -273,7 +277,10 @@ def _main(argv):
         return cmd_bench(argv[1:])
     p = argparse.ArgumentParser(prog="meganeura", description="Portable GPU training and inference (wgpu).")
     sub = p.add_subparsers(dest="cmd", required=True)
-    sub.add_parser("info", help="list adapters, the chosen one, its features and limits").set_defaults(fn=cmd_info)
+    info = sub.add_parser("info", help="list adapters, the chosen one, its features and limits")
+    info.add_argument("--vulkan", action="store_true",
+                      help="report the direct Vulkan backend instead: device, features, cooperative matrices, caches")
+    info.set_defaults(fn=cmd_info)
     sub.add_parser("bench", help="benchmark the five workloads against PyTorch (see: meganeura bench --help)")
     d = sub.add_parser("train-demo", help="train a small MLP on the digits, save, reload, evaluate")
     d.add_argument("--backend", default="gpu", choices=["gpu", "numpy"],

