@@ -109,12 +109,14 @@ def test_routing_short_flash_decomposition():
     """Decode and short prefill keep the one-row kernel, long sequences take the flash
     kernel (one dispatch instead of scores, softmax and probabilities), shapes past the
     flash kernel's loop bound decompose."""
-    g, out = _whisper_like(300)                 # Whisper's encoder self-attention, scaled down
+    g, out = _whisper_like(400)                 # Whisper's encoder self-attention, scaled down
     kp = compile_plan([out])
     assert kp.names == ["flash_attention"], kp.names
     g = mg.Graph()
     q, k, v = g.input("q", (1, 6, 1, 64)), g.input("k", (1, 6, 300, 64)), g.input("v", (1, 6, 300, 64))
     assert compile_plan([mg.ops.scaled_dot_product_attention(q, k, v)]).names == ["attention"]
+    q = g.input("q128", (1, 6, 128, 64))      # a 128-token prefill: Lq * Lk within MAX_ROW_WORK
+    assert compile_plan([mg.ops.scaled_dot_product_attention(q, q, q)]).names == ["attention"]
     g = mg.Graph()
     long = 64 * (flash.LOOP_BOUND // 40)        # more key tiles than the loop bound allows
     q, k, v = g.input("q", (1, 1, 64, 64)), g.input("k", (1, 1, long, 64)), g.input("v", (1, 1, long, 64))
@@ -124,22 +126,22 @@ def test_routing_short_flash_decomposition():
 
 
 def test_whisper_like_shape_on_gpu():
-    g, out = _whisper_like(300)
+    g, out = _whisper_like(400)
     rng = np.random.default_rng(5)
-    feeds = {n: rng.standard_normal((1, 6, 300, 64)).astype(np.float32) for n in "qkv"}
+    feeds = {n: rng.standard_normal((1, 6, 400, 64)).astype(np.float32) for n in "qkv"}
     want = mg.compile(g, outputs=[out], backend="numpy").run(feeds)[0]
     got = mg.compile(g, outputs=[out], backend="gpu").run(feeds)[0]
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
 
 
 def test_whisper_encoder_dispatches_drop(monkeypatch):
-    """A Whisper encoder at 300 positions: each layer's attention is one dispatch, three
+    """A Whisper encoder at 400 positions: each layer's attention is one dispatch, three
     fewer than the decomposition (scores matmul, softmax, probabilities matmul)."""
     from dataclasses import replace
 
     from meganeura.bench.dispatches import BINDINGS
     from meganeura.models.whisper import WhisperEncoderConfig, build_whisper_encoder
-    cfg = replace(WhisperEncoderConfig.tiny(), max_source_positions=300, d_model=64, encoder_attention_heads=2)
+    cfg = replace(WhisperEncoderConfig.tiny(), max_source_positions=400, d_model=64, encoder_attention_heads=2)
     counts = {}
     for on in (True, False):
         _, _, out = build_whisper_encoder(cfg, 1)
