@@ -152,3 +152,13 @@ def test_whisper_encoder_dispatches_drop(monkeypatch):
         counts[on] = kp.n_dispatches
         assert ("flash_attention" in " ".join(kp.names)) == on, kp.names
     assert counts[True] <= counts[False] - 2 * cfg.encoder_layers, counts
+
+
+def test_tiles_follow_the_adapters_workgroup_memory():
+    """With an adapter's 48 KiB of workgroup memory the flash kernel takes twice the query
+    rows per workgroup (half the workgroups); without a limit it keeps a portable 32 KiB."""
+    g, out = _whisper_like(1500)
+    small = compile_plan([out]).dispatches[0]
+    big = compile_plan([out], options=CompileOptions(workgroup_storage=49152)).dispatches[0]
+    assert big.kernel.spec["smem"] == 49152 and "smem" not in small.kernel.spec
+    assert (small.groups[0], big.groups[0]) == (6 * -(-1500 // 32), 6 * -(-1500 // 64))

@@ -428,3 +428,17 @@ def test_composed_pointwise_kernels_keep_absorbing_producers():
     feeds = {"a": rng.standard_normal((1, 1024, 256)).astype(np.float32),
              "b": rng.standard_normal((1, 1024, 256)).astype(np.float32)}
     _assert_gpu_matches_reference(g, [s], feeds, rtol=1e-4, atol=1e-5)
+
+
+def test_small_producer_is_recomputed_so_siblings_share_a_launch():
+    """SwiGLU in training keeps silu(gate) for the backward; the product recomputes it
+    instead of waiting for it, and both run in one launch."""
+    g = mg.Graph()
+    gate, up = g.input("gate", (4, 300)), g.input("up", (4, 300))
+    s = mg.ops.silu(gate)
+    y = s * up
+    kp = compile_plan([s, y])
+    assert kp.n_dispatches == 1, kp.names
+    rng = np.random.default_rng(9)
+    feeds = {n: rng.standard_normal((4, 300)).astype(np.float32) for n in ("gate", "up")}
+    _assert_gpu_matches_reference(g, [s, y], feeds, rtol=1e-5, atol=1e-6)

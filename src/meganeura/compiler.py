@@ -27,6 +27,7 @@ class CompileOptions:
     precision: str = "strict"            # "accelerated": forward matmuls read f16 operands
     max_bindings: int = 8                # storage buffers per shader stage on the adapter
     disabled: frozenset = frozenset()    # fusion passes switched off (MEGANEURA_NO_FUSE)
+    workgroup_storage: int = 0           # bytes of workgroup memory a kernel may use (0: a portable 32 KiB)
 
     @staticmethod
     def from_env(precision="strict", limits=None):
@@ -42,7 +43,8 @@ class CompileOptions:
             raise ValueError(f"MEGANEURA_NO_FUSE: unknown pass(es) {sorted(unknown)}; "
                              f"known: {', '.join(known)} or 'all'")
         mb = int((limits or {}).get("max-storage-buffers-per-shader-stage", 8))
-        return CompileOptions(precision, mb, frozenset(names))
+        return CompileOptions(precision, mb, frozenset(names),
+                              int((limits or {}).get("max-compute-workgroup-storage-size", 0)))
 
 
 @dataclass
@@ -104,6 +106,8 @@ def compile_plan(targets, n_forward=None, options: CompileOptions | None = None,
     n_in_place = 0
     if updates and "inplace" not in opts.disabled:
         n_in_place = update_in_place(kernels, sched, new_targets, updates)
+    if opts.workgroup_storage:
+        _size_tiles(kernels, opts.workgroup_storage)
     dispatches = []
     for k in kernels:
         wgsl, bufs, groups = codegen.render(k)
@@ -122,6 +126,16 @@ def compile_plan(targets, n_forward=None, options: CompileOptions | None = None,
     memory = plan_memory([(k.written_bufs(), d.bufs) for d in dispatches for k in [d.kernel]], bufs)
     return KernelPlan(dispatches, bufs, memory, locs, time.perf_counter() - t0,
                       {"scheduled": n_scheduled, "fused": n_scheduled - len(kernels), "in_place": n_in_place})
+
+
+def _size_tiles(kernels, storage):
+    """Tiles chosen for the adapter's workgroup memory: the flash kernel's query rows per
+    workgroup (the only kernel whose tile depends on it)."""
+    from .codegen import flash
+    for k in kernels:
+        if k.archetype == "attention" and k.spec.get("flash") \
+                and flash.rows_per_group(k.reads[0].shape[-1], storage) is not None:
+            k.spec["smem"] = storage
 
 
 def _units(kernels):

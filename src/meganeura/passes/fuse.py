@@ -604,6 +604,42 @@ def _pair_gemvs(kernels, max_bindings):
     return [k for k in kernels if k is not None]
 
 
+MAX_INLINE_OPS = 3     # a producer this small is recomputed rather than waited for
+
+
+def _ops(e) -> int:
+    return 0 if e[0] != "op" else 1 + sum(_ops(k) for k in e[2])
+
+
+def _inline_cheap_producers(kernels, max_bindings):
+    """A small pointwise kernel that the next kernel (pointwise) reads while others read it
+    too (SwiGLU's silu(gate), kept for the backward) is recomputed inside that reader, so
+    the two no longer depend on each other and can share a launch."""
+    kernels = list(kernels)
+    uses = _Uses(kernels)
+    for ki in range(len(kernels) - 1):
+        k, p = kernels[ki], kernels[ki + 1]
+        if k.archetype != "pointwise" or p.archetype != "pointwise" or p.epilogue is not None \
+                or k.spec.get("flat_leaf") or p.spec.get("flat_leaf") or _has_rleaf(k.spec["expr"]) \
+                or _has_rleaf(p.spec["expr"]) or _ops(k.spec["expr"]) > MAX_INLINE_OPS \
+                or k.out.shape != p.out.shape or k.out.dtype.name != "f32":   # f16 stores round
+            continue
+        li = [j for j, v in enumerate(p.reads) if v.buf is k.out.buf]
+        if len(li) != 1 or not _same_elements(k, p.reads[li[0]]) or any(v.buf is p.out.buf for v in k.reads):
+            continue
+        others = [v for j, v in enumerate(p.reads) if j != li[0]]
+        if any(v.buf is k.out.buf for v in others) \
+                or len({id(v.buf) for v in list(k.reads) + others} | {id(p.out.buf)}) > max_bindings:
+            continue
+        uses.remove(ki + 1, p)
+        leaf_map = _splice(len(p.reads), li[0], k.spec["expr"], len(k.reads))
+        p.spec = {**p.spec, "expr": _relabel(p.spec["expr"], leaf_map)}
+        p.reads = list(k.reads) + others
+        p.name = f"{k.name}+{p.name}"
+        uses.add(ki + 1, p)
+    return kernels
+
+
 def merge_horizontal(kernels, max_bindings):
     """Independent kernels of one kind become one launch: RoPE of q and k, optimizer
     updates of many parameters, the q/k/v projections of one input.
@@ -613,7 +649,7 @@ def merge_horizontal(kernels, max_bindings):
     group created after them (groups are emitted in creation order, each after the groups
     it depends on), so chains such as moment update -> parameter update become two wide
     launches, not one narrow launch per parameter."""
-    kernels = _pair_gemvs(kernels, max_bindings)
+    kernels = _inline_cheap_producers(_pair_gemvs(kernels, max_bindings), max_bindings)
     out, open_ = [], []
 
     def close(g):

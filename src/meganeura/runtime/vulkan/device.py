@@ -32,6 +32,9 @@ SCOPES = {1: "device", 2: "workgroup", 3: "subgroup", 5: "queue_family"}
 ACCESS = ("read", "write", "rw")
 
 DEFAULT_BLOCK_BYTES = 64 << 20
+# VkPipelineShaderStageCreateFlagBits (Vulkan 1.3 core; the cffi binding's headers predate
+# the name, so the value is spelled out)
+REQUIRE_FULL_SUBGROUPS = 0x00000002
 
 
 class MemoryBlock:
@@ -151,7 +154,7 @@ class Kernel:
             keep.append(rs)
             ci[0].stage.pNext = rs
             if dev.features.get("computeFullSubgroups"):
-                ci[0].stage.flags = vk.VK_PIPELINE_SHADER_STAGE_CREATE_REQUIRE_FULL_SUBGROUPS_BIT
+                ci[0].stage.flags = REQUIRE_FULL_SUBGROUPS
         fb = new("VkPipelineCreationFeedback")
         fbs = new("VkPipelineCreationFeedback")
         fci = new("VkPipelineCreationFeedbackCreateInfo", sType=vk.VK_STRUCTURE_TYPE_PIPELINE_CREATION_FEEDBACK_CREATE_INFO,
