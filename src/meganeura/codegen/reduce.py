@@ -65,6 +65,23 @@ def mergeable(kernel) -> bool:
     return v.dtype.is_float
 
 
+def _sizes(kernel):
+    """(outputs, elements per output) of a reduction."""
+    v = kernel.spec["prologue"]["view"] if "prologue" in kernel.spec else kernel.reads[0]
+    dims = kernel.spec["dims"]
+    r = int(np.prod([v.shape[d] for d in dims], dtype=np.int64))
+    return v.size // max(r, 1) if v.size else 0, r
+
+
+def groups(kernel) -> int:
+    """Workgroups of a reduction (without rendering it): a chunk each in a chunked first
+    stage, a thread per output for short rows or many outputs, else a workgroup per output."""
+    n_out, r = _sizes(kernel)
+    if kernel.spec.get("chunks"):
+        return n_out * kernel.spec["chunks"]
+    return -(-n_out // WG) if r < 64 or n_out >= 4096 else n_out
+
+
 def render(kernel):
     b = Bindings()
     module, fn, groups = part(kernel, b, "")
@@ -118,13 +135,13 @@ def part(kernel, b, suffix):
     head = f"fn red{suffix}(g: u32, lid: u32) {{\n"
     if spec.get("chunks"):
         return module, head + _chunked_body(kernel, load_at, v, kept, kshape, dims, rshape, r,
-                                                      INIT_T[kind], comb, st), n_out * spec["chunks"]
+                                                      INIT_T[kind], comb, st), groups(kernel)
     if r < 64 or n_out >= 4096:
         fn = head + f"    let o = g * {WG}u + lid;\n    if (o >= {n_out}u) {{ return; }}\n" + \
             "\n".join(rows) + f"\n    let base = {base};\n    var acc = {INIT_T[kind]};\n" + \
             f"    for (var j = 0u; j < {r}u; j = j + 1u) {{\n{body_read}\n    }}\n" + \
             f"    {st}(o, {fin});\n}}\n"
-        return module, fn, -(-n_out // WG)
+        return module, fn, groups(kernel)
     fn = head + f"    let o = g;\n    if (o >= {n_out}u) {{ return; }}\n" + \
         "\n".join(rows) + f"\n    let base = {base};\n    var acc = {INIT_T[kind]};\n" + \
         f"    for (var j = lid; j < {r}u; j = j + {WG}u) {{\n{body_read}\n    }}\n" + \
@@ -133,7 +150,7 @@ def part(kernel, b, suffix):
         f"        if (lid < s) {{ part[lid] = {comb.format(a='part[lid]', b='part[lid + s]')}; }}\n" + \
         "        workgroupBarrier();\n    }\n" + \
         f"    if (lid == 0u) {{ let acc2 = part[0]; {st}(o, {fin.replace('acc', 'acc2')}); }}\n}}\n"
-    return module, fn, n_out
+    return module, fn, groups(kernel)
 
 
 def _chunked_body(kernel, load_at, v, kept, kshape, dims, rshape, r, init, comb, st):

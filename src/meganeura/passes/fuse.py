@@ -521,7 +521,7 @@ def _groups_of(k):
         return -(-k.out.size // WG)
     if k.archetype == "reduce":
         from ..codegen import reduce
-        return reduce.part(k, reduce.Bindings(), "")[2]
+        return reduce.groups(k)
     if k.spec.get("gemv"):
         return -(-k.shape[-1] // 2)       # at most (codegen.matmul.gemv_columns)
     t = k.spec["tile"]
