@@ -21,7 +21,7 @@ from .autodiff import grad as _grad
 from .graph import Graph, Tensor, cast_exact, fmt_shape
 from .optim import SCALAR_PREFIX, Optimizer
 
-BACKENDS = ("numpy", "gpu")
+BACKENDS = ("numpy", "gpu", "vulkan", "wgpu")   # "gpu": the Vulkan backend or wgpu, see runtime.backends
 PRECISIONS = ("strict", "accelerated")
 
 
@@ -196,10 +196,12 @@ class Session:
         self.closed = False
         self._lock = share_with._lock if share_with is not None else threading.RLock()
         self._users = share_with._users if share_with is not None else [0]   # open sessions sharing values
-        if backend == "gpu":
+        if backend != "numpy":
             # before any host or device memory is allocated for them
+            from .runtime.backends import get_runtime_device, resolve
             from .runtime.executor import check_device_limits
-            check_device_limits([t for t in graph.nodes if t.id in used] + self.program.kept)
+            check_device_limits([t for t in graph.nodes if t.id in used] + self.program.kept,
+                                get_runtime_device(resolve(backend)))
         fresh = {t.name: default_init(t, seed) if t.op == "parameter" else
                  np.full(t.shape, t.attrs["init"], t.dtype.np) if not isinstance(t.attrs["init"], np.ndarray)
                  else t.attrs["init"].astype(t.dtype.np) for t in self.program.kept}
@@ -227,7 +229,7 @@ class Session:
         else:
             from .runtime.executor import GpuExecutor
             self.executor = GpuExecutor(self.program, self.values, precision=precision, share_with=shared,
-                                        detect_anomaly=detect_anomaly)
+                                        detect_anomaly=detect_anomaly, backend=backend)
         self._users[0] += 1
 
     # ------------------------------------------------------------------- lifetime
@@ -324,8 +326,8 @@ class Session:
     def profile(self, feeds: dict, path=None, phase=None):
         """GPU time per kernel for one run (or training step, without the update) as rows
         (name, total_us, count, mean_us, percent); writes a Chrome/Perfetto trace to ``path``."""
-        if self.backend != "gpu":
-            raise RuntimeError("profile: only the gpu backend has GPU timestamps")
+        if self.backend == "numpy":
+            raise RuntimeError("profile: only the GPU backends have GPU timestamps")
         phase = phase or ("grads" if self.loss is not None and self.optimizer is not None else "run")
         return self.executor.profile(self._feeds(feeds), phase, path)
 
@@ -396,7 +398,9 @@ def compile(graph: Graph, outputs=None, loss=None, optimizer=None, backend="nump
             eager=True, detect_anomaly=None) -> Session:
     """Compile ``graph`` for inference (``outputs``) or training (``loss`` + ``optimizer``).
 
-    backend: "numpy" (the reference interpreter) or "gpu" (WGSL through wgpu).
+    backend: "numpy" (the reference interpreter) or "gpu" (the direct Vulkan backend or wgpu:
+    ``MEGANEURA_BACKEND=vulkan|wgpu`` chooses; see ``meganeura.runtime.backends``); "vulkan"
+    or "wgpu" ask for one of them.
     precision: "strict" (f32 everywhere) or "accelerated" (f16 operands for forward matmuls).
     accumulate: optimizer update every ``accumulate`` calls of ``step`` with the mean gradient.
     state_updates: {state tensor: new value} applied by every ``run`` (e.g. a KV cache).
@@ -416,6 +420,6 @@ def compile(graph: Graph, outputs=None, loss=None, optimizer=None, backend="nump
         outputs = [outputs]
     s = Session(graph, outputs, loss, optimizer, backend, precision, seed, accumulate, state_updates, share_with,
                 detect_anomaly)
-    if eager and backend == "gpu":
+    if eager and backend != "numpy":
         s.executor.plan("step" if optimizer is not None and loss is not None else "run" if outputs else "grads")
     return s

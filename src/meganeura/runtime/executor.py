@@ -14,9 +14,9 @@ import numpy as np
 
 from ..compiler import CompileOptions, compile_plan
 from ..graph import DeviceLimitError, fmt_shape
+from .backends import get_runtime_device, make_recorder, resolve
 from .device import get_device
 from .profiler import trace_writer, write_chrome_trace
-from .recorder import StepRecorder
 
 
 def _round4(n):
@@ -171,13 +171,15 @@ def check_device_limits(tensors, dev=None):
 class GpuExecutor:
     """Runs a Program on the GPU. Not thread-safe by itself: the Session serialises calls."""
 
-    def __init__(self, program, values: dict, precision="strict", share_with=None, detect_anomaly=None):
+    def __init__(self, program, values: dict, precision="strict", share_with=None, detect_anomaly=None,
+                 backend="gpu"):
         check_environment()
         self.detect_anomaly = detect_anomaly     # None: $MEGANEURA_DETECT_ANOMALY at each call
-        self.dev = get_device()
+        self.runtime = resolve(backend)          # "wgpu" or "vulkan"
+        self.dev = get_runtime_device(self.runtime)
         self.closed = False
         self.trace_id = next(_trace_ids)     # this session's track in a MEGANEURA_TRACE file
-        self.recorder = StepRecorder(self.dev)
+        self.recorder = make_recorder(self.dev)
         self.program, self.values, self.precision = program, values, precision
         if precision == "accelerated" and not self.dev.has_f16:
             import warnings

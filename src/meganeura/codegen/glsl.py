@@ -1,0 +1,713 @@
+"""The GLSL renderer: every archetype's kernel text in GLSL 4.50 for glslang (the direct
+Vulkan backend), from the same kernel IR as the WGSL renderers.
+
+The archetype renderers write their kernels in a small, regular subset of WGSL (module
+bindings, workgroup arrays, functions, ``let``/``var``, ``if``/``for``, scalar and vec4
+maths). This module parses that subset, types every expression, and prints GLSL, so one
+renderer per archetype serves both languages and a new archetype gets GLSL for free. What
+the printer must decide:
+
+- declarations carry types in GLSL: every ``let``/``var`` gets the type of its value, and
+  WGSL's abstract literals take the type of the operand they meet (``x + 1`` on a u32 is
+  ``x + 1u``; ``2.0`` beside an f16 is an f16 literal);
+- WGSL zero-initialises variables, GLSL does not: declarations without a value are
+  initialised explicitly;
+- functions may be used before their definition in WGSL: prototypes come first, module
+  variables are hoisted above every function;
+- spellings: ``select`` is ``?:``, ``bitcast`` names the conversion, ``round`` is
+  ``roundEven``, float ``%`` is a truncated remainder, ``workgroupBarrier`` is ``barrier``.
+
+Anything outside the subset raises ``GlslTranslationError`` naming the construct and the
+line, so a renderer that starts emitting something new fails loudly in the tests that
+render every archetype in both languages.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+
+class GlslTranslationError(ValueError):
+    pass
+
+
+# ----------------------------------------------------------------------------- types
+@dataclass(frozen=True)
+class Ty:
+    """A WGSL type: ``kind`` scalar / vec / array; ``elem`` the scalar name (or the array's
+    element Ty); ``n`` the vector width or array length (None: runtime-sized)."""
+    kind: str
+    elem: object
+    n: int | None = None
+
+    @property
+    def scalar(self) -> str:
+        return self.elem if self.kind != "array" else self.elem.scalar
+
+    @property
+    def abstract(self) -> bool:
+        return self.kind == "scalar" and self.elem in ("aint", "afloat")
+
+
+def S(name):
+    return Ty("scalar", name)
+
+
+BOOL, U32, I32, F32, F16, AINT, AFLOAT = (S(n) for n in ("bool", "u32", "i32", "f32", "f16", "aint", "afloat"))
+SCALARS = {"bool", "u32", "i32", "f32", "f16"}
+GLSL_SCALAR = {"bool": "bool", "u32": "uint", "i32": "int", "f32": "float", "f16": "float16_t",
+               "aint": "int", "afloat": "float"}
+VEC_PREFIX = {"bool": "b", "u32": "u", "i32": "i", "f32": "", "f16": "f16"}
+
+
+def glsl_type(t: Ty) -> str:
+    if t.kind == "scalar":
+        return GLSL_SCALAR[t.elem]
+    if t.kind == "vec":
+        return f"{VEC_PREFIX[t.elem]}vec{t.n}"
+    raise GlslTranslationError(f"no GLSL value type for array {t}")
+
+
+def concrete(t: Ty) -> Ty:
+    """WGSL's concretisation of an abstract type (a ``let`` of a bare literal)."""
+    return {"aint": I32, "afloat": F32}.get(t.elem, t) if t.abstract else t
+
+
+def _is_float(t: Ty):
+    return t.scalar in ("f32", "f16", "afloat")
+
+
+# ---------------------------------------------------------------------------- tokens
+_TOKEN = re.compile(r"""
+    (?P<ws>\s+|//[^\n]*)
+  | (?P<num>0[xX][0-9a-fA-F]+[iu]?|(\d+\.\d*|\.\d+|\d+)([eE][+-]?\d+)?[fhiu]?)
+  | (?P<id>[A-Za-z_][A-Za-z0-9_]*)
+  | (?P<op>->|<<=|>>=|<<|>>|<=|>=|==|!=|&&|\|\||\+=|-=|\*=|/=|%=|&=|\|=|\^=|[-+*/%<>=!&|^~(){}\[\];:,.@])
+""", re.VERBOSE)
+
+
+@dataclass
+class Tok:
+    kind: str
+    text: str
+    line: int
+
+
+def tokenize(src: str) -> list[Tok]:
+    toks, pos, line = [], 0, 1
+    while pos < len(src):
+        m = _TOKEN.match(src, pos)
+        if m is None:
+            raise GlslTranslationError(f"line {line}: unexpected character {src[pos]!r}")
+        if m.lastgroup != "ws":
+            toks.append(Tok(m.lastgroup, m.group(), line))
+        line += m.group().count("\n")
+        pos = m.end()
+    toks.append(Tok("eof", "", line))
+    return toks
+
+
+# ------------------------------------------------------------------- expression values
+@dataclass
+class Val:
+    text: str
+    ty: Ty
+    lit: str | None = None      # the literal's digits, while its type is still abstract
+
+
+def _literal(tok: Tok) -> Val:
+    s = tok.text
+    if s[:2].lower() == "0x":
+        digits, suffix = (s[:-1], s[-1]) if s[-1] in "iu" else (s, "")
+        return Val(digits + ("u" if suffix == "u" else ""), {"u": U32, "i": I32, "": AINT}[suffix], digits)
+    if s[-1] in "fh":
+        v = s[:-1]
+        return Val(f"float16_t({v})" if s[-1] == "h" else _float_text(v), F16 if s[-1] == "h" else F32)
+    if s[-1] in "iu":
+        return Val(s[:-1] + ("u" if s[-1] == "u" else ""), U32 if s[-1] == "u" else I32)
+    if any(c in s for c in ".eE"):
+        return Val(_float_text(s), AFLOAT, s)
+    return Val(s, AINT, s)
+
+
+def _float_text(s):
+    return s if any(c in s for c in ".eE") else s + ".0"
+
+
+def convert(v: Val, to: Ty) -> Val:
+    """``v`` as type ``to`` where WGSL converts implicitly (abstract literals only)."""
+    if not v.ty.abstract or to.abstract:
+        return v
+    target = to.scalar
+    digits = v.lit if v.lit is not None else v.text
+    if target in ("f32", "f16"):
+        text = _float_text(digits) if v.lit is not None else f"float({v.text})"
+        text = f"float16_t({text})" if target == "f16" else text
+    elif target == "u32":
+        text = digits + "u" if v.lit is not None and not digits.startswith("-") else f"uint({v.text})"
+    elif target == "i32":
+        text = digits if v.lit is not None else f"int({v.text})"
+    else:
+        raise GlslTranslationError(f"cannot convert {v.text} to {target}")
+    ty = S(target)
+    if to.kind == "vec":       # a literal splatted into a vector operation stays scalar
+        ty = S(target)
+    return Val(text, ty)
+
+
+def unify(a: Val, b: Val) -> tuple[Val, Val]:
+    """Abstract operands take the other operand's (scalar) type."""
+    if a.ty.abstract and not b.ty.abstract:
+        a = convert(a, S(b.ty.scalar))
+    elif b.ty.abstract and not a.ty.abstract:
+        b = convert(b, S(a.ty.scalar))
+    elif a.ty.abstract and b.ty.abstract and a.ty != b.ty:
+        a, b = convert(a, F32), convert(b, F32)
+        a, b = Val(a.text, AFLOAT, a.text), Val(b.text, AFLOAT, b.text)
+    return a, b
+
+
+BINARY = [("||",), ("&&",), ("|",), ("^",), ("&",), ("==", "!="), ("<", ">", "<=", ">="), ("<<", ">>"),
+          ("+", "-"), ("*", "/", "%")]
+COMPARE = {"==", "!=", "<", ">", "<=", ">="}
+TEMPLATED = {"vec2", "vec3", "vec4", "array", "bitcast", "ptr"}
+SAME_TYPE_BUILTINS = {"min", "max", "clamp", "abs", "exp", "exp2", "log", "log2", "sqrt", "inverseSqrt", "pow",
+                      "floor", "ceil", "trunc", "fract", "sign", "sin", "cos", "tan", "asin", "acos", "atan",
+                      "sinh", "cosh", "tanh", "asinh", "acosh", "atanh", "fma", "mix", "step", "smoothstep",
+                      "round", "atan2", "saturate", "countOneBits", "reverseBits"}
+RENAMED = {"round": "roundEven", "inverseSqrt": "inversesqrt", "atan2": "atan", "countOneBits": "bitCount", "reverseBits": "bitfieldReverse"}
+# GLSL keywords and reserved words an identifier of ours could collide with
+RESERVED = set("""attribute const uniform varying buffer shared coherent volatile restrict readonly writeonly
+atomic_uint layout centroid flat smooth noperspective patch sample break continue do for while switch case default
+if else subroutine in out inout float double int void bool true false invariant precise discard return mat2 mat3
+mat4 vec2 vec3 vec4 ivec2 ivec3 ivec4 bvec2 bvec3 bvec4 uint uvec2 uvec3 uvec4 lowp mediump highp precision
+sampler1D sampler2D sampler3D image1D image2D struct common partition active asm class union enum typedef template
+this resource goto inline noinline public static extern external interface long short half fixed unsigned superp
+input output hvec2 hvec3 hvec4 fvec2 fvec3 fvec4 sampler3DRect filter sizeof cast namespace using demote
+float16_t texture""".split())
+
+
+def _ident(name: str) -> str:
+    if name in RESERVED or name.startswith("gl_") or "__" in name:
+        return "m_" + name.replace("__", "_u_")
+    return name
+
+
+@dataclass
+class Fn:
+    name: str
+    params: list          # [(name, Ty)]
+    ret: Ty | None
+
+
+class _Translator:
+    def __init__(self, src: str, name: str):
+        self.toks = tokenize(src)
+        self.i = 0
+        self.name = name
+        self.globals: dict[str, Ty] = {}
+        self.fns: dict[str, Fn] = {}
+        self.scopes: list[dict[str, Ty]] = []
+        self.uses_f16 = False
+        self.tmp = 0
+
+    # --------------------------------------------------------------- token helpers
+    @property
+    def tok(self) -> Tok:
+        return self.toks[self.i]
+
+    def peek(self, k=1) -> Tok:
+        return self.toks[min(self.i + k, len(self.toks) - 1)]
+
+    def fail(self, what):
+        t = self.tok
+        raise GlslTranslationError(f"{self.name}: line {t.line}: {what} (at {t.text!r})")
+
+    def eat(self, text=None, kind=None) -> Tok:
+        t = self.tok
+        if (text is not None and t.text != text) or (kind is not None and t.kind != kind):
+            self.fail(f"expected {text or kind}")
+        self.i += 1
+        return t
+
+    def accept(self, text) -> bool:
+        if self.tok.text == text and self.tok.kind != "eof":
+            self.i += 1
+            return True
+        return False
+
+    # ----------------------------------------------------------------------- types
+    def parse_type(self) -> Ty:
+        name = self.eat(kind="id").text
+        if name in SCALARS:
+            if name == "f16":
+                self.uses_f16 = True
+            return S(name)
+        if name in ("vec2", "vec3", "vec4"):
+            self.eat("<")
+            el = self.parse_type()
+            self.eat_close_angle()
+            return Ty("vec", el.elem, int(name[-1]))
+        if name == "array":
+            self.eat("<")
+            el = self.parse_type()
+            n = None
+            if self.accept(","):
+                n = int(self.eat(kind="num").text.rstrip("iu"))
+            self.eat_close_angle()
+            return Ty("array", el, n)
+        self.fail(f"type {name!r} outside the subset")
+
+    def eat_close_angle(self):
+        if self.tok.text == ">>":     # array<vec4<f32>> closes two templates at once
+            self.toks[self.i] = Tok("op", ">", self.tok.line)
+            self.toks.insert(self.i, Tok("op", ">", self.tok.line))
+        self.eat(">")
+
+    # ----------------------------------------------------------------- scopes
+    def lookup(self, name) -> Ty:
+        for sc in reversed(self.scopes):
+            if name in sc:
+                return sc[name]
+        if name in self.globals:
+            return self.globals[name]
+        self.fail(f"unknown identifier {name!r}")
+
+    def declare(self, name, ty):
+        self.scopes[-1][name] = ty
+
+    # ------------------------------------------------------------------ expressions
+    def expr(self, level=0) -> Val:
+        if level == len(BINARY):
+            return self.unary()
+        left = self.expr(level + 1)
+        while self.tok.kind == "op" and self.tok.text in BINARY[level]:
+            op = self.eat().text
+            right = self.expr(level + 1)
+            left = self.binary(op, left, right)
+        return left
+
+    def binary(self, op, a: Val, b: Val) -> Val:
+        if op in ("&&", "||"):
+            return Val(f"({a.text} {op} {b.text})", BOOL)
+        if op in ("<<", ">>"):
+            a = convert(a, I32) if a.ty.abstract else a
+            b = convert(b, U32) if b.ty.abstract else b
+            return Val(f"({a.text} {op} {b.text})", a.ty)
+        if a.ty.abstract and b.ty.abstract:
+            # constant folding of abstract operands stays abstract (WGSL semantics): keep text
+            ty = AFLOAT if AFLOAT in (a.ty, b.ty) else AINT
+            text = f"({a.text} {op} {b.text})"
+            return Val(text, ty, text if op not in COMPARE else None) if op not in COMPARE else Val(text, BOOL)
+        a, b = unify(a, b)
+        if op in COMPARE:
+            return Val(f"({a.text} {op} {b.text})", BOOL)
+        ty = a.ty if a.ty.kind == "vec" else b.ty
+        if op == "%" and _is_float(ty):
+            # WGSL's float remainder truncates (C fmod); GLSL's mod floors
+            return Val(f"({a.text} - {b.text} * trunc({a.text} / {b.text}))", ty)
+        return Val(f"({a.text} {op} {b.text})", ty)
+
+    def unary(self) -> Val:
+        if self.tok.text in ("-", "!", "~") and self.tok.kind == "op":
+            op = self.eat().text
+            v = self.unary()
+            if op == "-" and v.lit is not None:
+                return Val(f"(-{v.text})", v.ty, "-" + v.lit)
+            return Val(f"({op}{v.text})", BOOL if op == "!" else v.ty)
+        return self.postfix(self.primary())
+
+    def postfix(self, v: Val) -> Val:
+        while True:
+            if self.accept("["):
+                idx = self.expr()
+                self.eat("]")
+                if v.ty.kind == "array":
+                    ty = v.ty.elem
+                elif v.ty.kind == "vec":
+                    ty = S(v.ty.elem)
+                else:
+                    self.fail(f"indexing a {v.ty}")
+                v = Val(f"{v.text}[{convert(idx, U32).text if idx.ty.abstract else idx.text}]", ty)
+            elif self.accept("."):
+                sw = self.eat(kind="id").text
+                if v.ty.kind != "vec" or not set(sw) <= set("xyzwrgba"):
+                    self.fail(f"member .{sw} of {v.ty}")
+                v = Val(f"{v.text}.{sw}", S(v.ty.elem) if len(sw) == 1 else Ty("vec", v.ty.elem, len(sw)))
+            else:
+                return v
+
+    def args(self) -> list[Val]:
+        self.eat("(")
+        out = []
+        while not self.accept(")"):
+            out.append(self.expr())
+            if not self.accept(","):
+                self.eat(")")
+                break
+        return out
+
+    def primary(self) -> Val:
+        t = self.tok
+        if t.kind == "num":
+            self.i += 1
+            return _literal(t)
+        if t.text == "(":
+            self.i += 1
+            v = self.expr()
+            self.eat(")")
+            return Val(f"({v.text})", v.ty, v.lit)
+        if t.kind != "id":
+            self.fail("expression expected")
+        name = t.text
+        if name in ("true", "false"):
+            self.i += 1
+            return Val(name, BOOL)
+        if name in TEMPLATED or name in SCALARS:
+            return self.construct()
+        if self.peek().text == "(":
+            self.i += 1
+            return self.call(name, self.args())
+        self.i += 1
+        return Val(_ident(name), self.lookup(name))
+
+    def construct(self) -> Val:
+        """Type constructors and conversions: ``f32(x)``, ``vec4<f32>(..)``, ``bitcast<T>(x)``."""
+        if self.tok.text == "bitcast":
+            self.i += 1
+            self.eat("<")
+            to = self.parse_type()
+            self.eat_close_angle()
+            (x,) = self.args()
+            x = convert(x, U32 if x.ty.elem == "aint" else x.ty)
+            return Val(self.bitcast(x, to), to)
+        ty = self.parse_type()
+        args = self.args()
+        if ty.kind == "scalar":
+            (x,) = args
+            if ty.elem == "f16":
+                self.uses_f16 = True
+            if x.ty.abstract:
+                return convert(x, ty)
+            return Val(f"{glsl_type(ty)}({x.text})", ty)
+        if ty.kind == "vec":
+            args = [convert(a, S(ty.elem)) for a in args]
+            return Val(f"{glsl_type(ty)}({', '.join(a.text for a in args)})", ty)
+        self.fail("array constructors are outside the subset")
+
+    def bitcast(self, x: Val, to: Ty) -> str:
+        src, dst = x.ty.scalar, to.scalar
+        if src == dst:
+            return x.text
+        fn = {("f32", "u32"): "floatBitsToUint", ("f32", "i32"): "floatBitsToInt",
+              ("u32", "f32"): "uintBitsToFloat", ("i32", "f32"): "intBitsToFloat",
+              ("u32", "i32"): "int", ("i32", "u32"): "uint"}.get((src, dst))
+        if fn is None:
+            self.fail(f"bitcast from {src} to {dst}")
+        if to.kind == "vec" and fn in ("int", "uint"):
+            fn = glsl_type(to)
+        return f"{fn}({x.text})"
+
+    def call(self, name, args: list[Val]) -> Val:
+        if name == "select":
+            f, t, c = args
+            f, t = unify(f, t)
+            if c.ty.kind == "vec":
+                return Val(f"mix({f.text}, {t.text}, {c.text})", t.ty)
+            return Val(f"({c.text} ? {t.text} : {f.text})", t.ty if not t.ty.abstract else concrete(t.ty))
+        if name in ("workgroupBarrier", "storageBarrier"):
+            return Val("memoryBarrierShared(); barrier()" if name == "workgroupBarrier" else
+                       "memoryBarrierBuffer(); barrier()", Ty("void", None))
+        if name == "dot":
+            a, b = args
+            return Val(f"dot({a.text}, {b.text})", S(a.ty.elem))
+        if name == "saturate":
+            (x,) = args
+            return Val(f"clamp({x.text}, 0.0, 1.0)", x.ty)
+        if name in SAME_TYPE_BUILTINS:
+            # every operand takes the type of the first concrete one (min(x, 0.0) on f16 ...)
+            ref = next((a for a in args if not a.ty.abstract and a.ty.kind == "vec"), None) or \
+                next((a for a in args if not a.ty.abstract), None)
+            if ref is not None:
+                args = [convert(a, S(ref.ty.scalar)) for a in args]
+                ty = ref.ty
+            else:
+                args = [convert(a, F32) if any(x.ty == AFLOAT for x in args) else convert(a, I32) for a in args]
+                ty = args[0].ty
+            if ty.kind == "vec":     # GLSL's fma/mix/clamp take vectors for every operand
+                args = [a if a.ty.kind == "vec" or name not in ("fma",) else
+                        Val(f"{glsl_type(ty)}({a.text})", ty) for a in args]
+            return Val(f"{RENAMED.get(name, name)}({', '.join(a.text for a in args)})", ty)
+        fn = self.fns.get(name)
+        if fn is None:
+            self.fail(f"unknown function {name!r}")
+        if len(args) != len(fn.params):
+            self.fail(f"{name} takes {len(fn.params)} arguments, given {len(args)}")
+        args = [convert(a, pt) for a, (_, pt) in zip(args, fn.params)]
+        return Val(f"{_ident(name)}({', '.join(a.text for a in args)})", fn.ret or Ty("void", None))
+
+    # -------------------------------------------------------------------- statements
+    def block(self, out: list, depth: int):
+        self.eat("{")
+        self.scopes.append({})
+        while not self.accept("}"):
+            self.statement(out, depth)
+        self.scopes.pop()
+
+    def decl(self, depth) -> list[str]:
+        """``let``/``var`` declaration (the keyword already read) as GLSL lines."""
+        name = self.eat(kind="id").text
+        ty = self.parse_type() if self.accept(":") else None
+        init = self.expr() if self.accept("=") else None
+        pad = "    " * depth
+        if ty is None:
+            ty = concrete(init.ty)
+        if init is not None:
+            init = convert(init, ty)
+        self.declare(name, ty)
+        gname = _ident(name)
+        if ty.kind == "array":
+            if init is not None:
+                self.fail("array values are outside the subset")
+            el = ty.elem
+            self.tmp += 1
+            return [f"{pad}{glsl_type(el)} {gname}[{ty.n}];",
+                    f"{pad}for (int z{self.tmp}_ = 0; z{self.tmp}_ < {ty.n}; z{self.tmp}_++) "
+                    f"{{ {gname}[z{self.tmp}_] = {glsl_type(el)}(0); }}"]
+        value = init.text if init is not None else f"{glsl_type(ty)}(0)"
+        return [f"{pad}{glsl_type(ty)} {gname} = {value};"]
+
+    def simple(self, depth) -> str:
+        """An assignment or a call (no trailing ``;``)."""
+        start = self.i
+        target = self.expr()
+        if self.tok.text in ("=", "+=", "-=", "*=", "/=", "%=", "&=", "|=", "^=", "<<=", ">>="):
+            op = self.eat().text
+            value = self.expr()
+            if op == "%=" and _is_float(target.ty):
+                return f"{target.text} = {self.binary('%', target, value).text}"
+            value = convert(value, S(target.ty.scalar)) if target.ty.kind != "array" else value
+            return f"{target.text} {op} {value.text}"
+        if self.toks[start].kind == "id" and self.toks[start + 1].text == "(":
+            return target.text
+        self.i = start
+        self.fail("statement expected")
+
+    def statement(self, out: list, depth: int):
+        pad = "    " * depth
+        t = self.tok
+        if t.text in ("let", "var") and t.kind == "id":
+            self.i += 1
+            out += self.decl(depth)
+            self.eat(";")
+        elif t.text == "if":
+            self.i += 1
+            self.eat("(")
+            cond = self.expr()
+            self.eat(")")
+            out.append(f"{pad}if ({cond.text}) {{")
+            self.block(out, depth + 1)
+            while self.tok.text == "else":
+                self.i += 1
+                if self.accept("if"):
+                    self.eat("(")
+                    cond = self.expr()
+                    self.eat(")")
+                    out.append(f"{pad}}} else if ({cond.text}) {{")
+                else:
+                    out.append(f"{pad}}} else {{")
+                self.block(out, depth + 1)
+            out.append(f"{pad}}}")
+        elif t.text == "for":
+            self.i += 1
+            self.eat("(")
+            self.scopes.append({})
+            init = ""
+            if self.accept("var") or self.accept("let"):
+                init = self.decl(0)
+                if len(init) != 1:
+                    self.fail("an array in a for loop's initialiser")
+                init = init[0].rstrip(";")
+            elif self.tok.text != ";":
+                init = self.simple(0)
+            self.eat(";")
+            cond = self.expr().text if self.tok.text != ";" else ""
+            self.eat(";")
+            step = self.simple(0) if self.tok.text != ")" else ""
+            self.eat(")")
+            out.append(f"{pad}for ({init}; {cond}; {step}) {{")
+            self.block(out, depth + 1)
+            self.scopes.pop()
+            out.append(f"{pad}}}")
+        elif t.text == "return":
+            self.i += 1
+            if self.accept(";"):
+                out.append(f"{pad}return;")
+            else:
+                v = self.expr()
+                self.eat(";")
+                out.append(f"{pad}return {convert(v, self.ret).text};")
+        elif t.text in ("break", "continue"):
+            self.i += 1
+            self.eat(";")
+            out.append(f"{pad}{t.text};")
+        elif t.text == "{":
+            out.append(f"{pad}{{")
+            self.block(out, depth + 1)
+            out.append(f"{pad}}}")
+        elif t.text == ";":
+            self.i += 1
+        else:
+            s = self.simple(depth)
+            self.eat(";")
+            out.append(f"{pad}{s};")
+
+    # ----------------------------------------------------------------------- module
+    def attributes(self) -> dict:
+        attrs = {}
+        while self.accept("@"):
+            name = self.eat(kind="id").text
+            vals = []
+            if self.accept("("):
+                while not self.accept(")"):
+                    tt = self.eat()
+                    if tt.text != ",":
+                        vals.append(tt.text)
+            attrs[name] = vals
+        return attrs
+
+    def translate(self) -> str:
+        decls, protos, bodies = [], [], []
+        local_size = None
+        # first pass: signatures of every function, so calls can be typed before definitions
+        self._scan_signatures()
+        while self.tok.kind != "eof":
+            attrs = self.attributes()
+            t = self.tok
+            if t.text == "enable":
+                self.i += 1
+                ext = self.eat(kind="id").text
+                if ext != "f16":
+                    self.fail(f"enable {ext}")
+                self.uses_f16 = True
+                self.eat(";")
+            elif t.text == "var":
+                self.i += 1
+                space, access = None, None
+                if self.accept("<"):
+                    space = self.eat(kind="id").text
+                    if self.accept(","):
+                        access = self.eat(kind="id").text
+                    self.eat(">")
+                name = self.eat(kind="id").text
+                self.eat(":")
+                ty = self.parse_type()
+                self.eat(";")
+                self.globals[name] = ty
+                if space == "storage":
+                    b = int(attrs["binding"][0])
+                    g = int(attrs.get("group", ["0"])[0])
+                    ro = "readonly " if access in (None, "read") else ""
+                    decls.append(f"layout(std430, set = {g}, binding = {b}) {ro}buffer B{b}_ {{ "
+                                 f"{glsl_type(ty.elem)} {_ident(name)}[]; }};")
+                elif space == "workgroup":
+                    decls.append(f"shared {glsl_type(ty.elem)} {_ident(name)}[{ty.n}];")
+                else:
+                    self.fail(f"module variable in address space {space!r}")
+            elif t.text == "fn":
+                if "compute" in attrs:
+                    size = [int(x.rstrip("u")) for x in attrs["workgroup_size"]] + [1, 1]
+                    local_size = size[:3]
+                    bodies.append(self.entry())
+                else:
+                    proto, body = self.function()
+                    protos.append(proto + ";")
+                    bodies.append(body)
+            else:
+                self.fail("module item expected")
+        if local_size is None:
+            raise GlslTranslationError(f"{self.name}: no @compute entry point")
+        head = ["#version 450",
+                "#extension GL_EXT_shader_explicit_arithmetic_types_float16 : require" if self.uses_f16 else "",
+                "#extension GL_EXT_shader_16bit_storage : require" if self.uses_f16 else "",
+                f"layout(local_size_x = {local_size[0]}, local_size_y = {local_size[1]}, "
+                f"local_size_z = {local_size[2]}) in;"]
+        return "\n".join([h for h in head if h] + decls + protos + bodies) + "\n"
+
+    def _scan_signatures(self):
+        save = self.i
+        while self.tok.kind != "eof":
+            if self.tok.text == "fn" and self.peek().kind == "id":
+                self.i += 1
+                name = self.eat(kind="id").text
+                params = self.params() if name != "main" else []
+                ret = self.parse_type() if self.accept("->") else None
+                self.fns[name] = Fn(name, params, ret)
+            else:
+                self.i += 1
+        self.i = save
+
+    def params(self) -> list:
+        self.eat("(")
+        out = []
+        while not self.accept(")"):
+            self.attributes()
+            pname = self.eat(kind="id").text
+            self.eat(":")
+            out.append((pname, self.parse_type()))
+            if not self.accept(","):
+                self.eat(")")
+                break
+        return out
+
+    def function(self) -> tuple[str, str]:
+        self.eat("fn")
+        fn = self.fns[self.eat(kind="id").text]
+        self.params()
+        if self.accept("->"):
+            self.parse_type()
+        self.ret = fn.ret
+        sig = f"{glsl_type(fn.ret) if fn.ret else 'void'} {_ident(fn.name)}(" + \
+            ", ".join(f"{glsl_type(t)} {_ident(p)}" for p, t in fn.params) + ")"
+        self.scopes.append(dict(fn.params))
+        out = [sig + " {"]
+        self.block(out, 1)
+        self.scopes.pop()
+        out.append("}")
+        return sig, "\n".join(out)
+
+    BUILTINS = {"workgroup_id": ("gl_WorkGroupID", Ty("vec", "u32", 3)),
+                "local_invocation_index": ("gl_LocalInvocationIndex", U32),
+                "local_invocation_id": ("gl_LocalInvocationID", Ty("vec", "u32", 3)),
+                "global_invocation_id": ("gl_GlobalInvocationID", Ty("vec", "u32", 3)),
+                "num_workgroups": ("gl_NumWorkGroups", Ty("vec", "u32", 3))}
+
+    def entry(self) -> str:
+        self.eat("fn")
+        self.eat("main")
+        self.eat("(")
+        lines, scope = [], {}
+        while not self.accept(")"):
+            attrs = self.attributes()
+            pname = self.eat(kind="id").text
+            self.eat(":")
+            ty = self.parse_type()
+            which = attrs.get("builtin", [None])[0]
+            if which not in self.BUILTINS:
+                self.fail(f"entry parameter {pname!r}: builtin {which!r} outside the subset")
+            glname, gty = self.BUILTINS[which]
+            lines.append(f"    {glsl_type(ty)} {_ident(pname)} = {glname};")
+            scope[pname] = ty
+            self.accept(",")
+        self.ret = None
+        self.scopes.append(scope)
+        out = ["void main() {"] + lines
+        self.block(out, 1)
+        self.scopes.pop()
+        out.append("}")
+        return "\n".join(out)
+
+
+def to_glsl(wgsl: str, name: str = "kernel") -> str:
+    """GLSL 4.50 (Vulkan semantics) for a kernel rendered in our WGSL subset."""
+    return _Translator(wgsl, name).translate()

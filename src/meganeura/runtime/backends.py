@@ -1,0 +1,63 @@
+"""Which GPU runtime runs a ``gpu`` session: wgpu (WGSL, every platform: Vulkan, Metal,
+DX12) or the direct Vulkan backend (GLSL -> SPIR-V, dependency levels instead of a
+barrier per dispatch, cooperative matrices).
+
+``backend="gpu"`` follows ``MEGANEURA_BACKEND`` (``vulkan`` or ``wgpu``) when it is set;
+otherwise it takes the Vulkan backend where the ``vulkan`` extra is installed and a
+Vulkan device exists, and wgpu elsewhere (macOS, Windows without the extra, browsers).
+``backend="vulkan"`` / ``backend="wgpu"`` ask for one explicitly.
+"""
+from __future__ import annotations
+
+import functools
+import os
+
+GPU_BACKENDS = ("gpu", "vulkan", "wgpu")
+KINDS = ("vulkan", "wgpu")
+
+
+@functools.lru_cache(maxsize=1)
+def vulkan_unavailable_reason() -> str | None:
+    """None when the direct Vulkan backend can run here, else why not."""
+    try:
+        from .vulkan import _vk
+        _vk.require()
+        from .vulkan.device import get_vulkan_device
+        get_vulkan_device()
+    except Exception as e:      # the package, the loader or a device is missing
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
+def resolve(backend: str = "gpu") -> str:
+    """The runtime (``vulkan`` or ``wgpu``) that runs ``backend``."""
+    if backend in KINDS:
+        return backend
+    if backend != "gpu":
+        raise ValueError(f"unknown GPU backend {backend!r}; choose one of {GPU_BACKENDS}")
+    env = os.environ.get("MEGANEURA_BACKEND", "").strip().lower()
+    if env:
+        if env not in KINDS:
+            raise ValueError(f"MEGANEURA_BACKEND={env!r}: must be one of {KINDS} (or unset)")
+        return env
+    return DEFAULT if DEFAULT == "wgpu" or vulkan_unavailable_reason() is None else "wgpu"
+
+
+DEFAULT = "wgpu"      # what backend="gpu" takes without MEGANEURA_BACKEND
+
+
+def get_runtime_device(kind: str):
+    """The process-wide device object of runtime ``kind`` (the executor's device interface)."""
+    if kind == "vulkan":
+        from .vulkan.backend import get_vulkan_runtime
+        return get_vulkan_runtime()
+    from .device import get_device
+    return get_device()
+
+
+def make_recorder(dev):
+    if getattr(dev, "backend", None) == "vulkan":
+        from .vulkan.backend import VulkanRecorder
+        return VulkanRecorder(dev)
+    from .recorder import StepRecorder
+    return StepRecorder(dev)

@@ -1,0 +1,223 @@
+"""The ``vulkan`` backend of the executor: compiled plans run on a ``VulkanDevice``.
+
+The executor (``runtime.executor``) is written against a small device interface: buffers,
+uploads and readbacks, pipelines from kernel text, bind groups, and a recorder that runs a
+prepared dispatch list with copies after it. ``VulkanRuntime`` and ``VulkanRecorder``
+implement that interface over this package, so every plan the compiler makes runs here
+unchanged:
+
+- kernel text is rendered to GLSL (``codegen.glsl``) and compiled to SPIR-V by glslang
+  (cached on disk); binding access comes from the SPIR-V (``readonly`` -> read);
+- a step is a ``Program``: one command buffer recorded once per (plan, copies), its
+  dispatches grouped into dependency levels with one barrier between levels;
+- buffers are ranges of a few large memory blocks (``VulkanDevice.alloc``).
+"""
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import numpy as np
+
+from .device import VulkanDevice, get_vulkan_device
+from .memory import BufferRange
+from .program import Copy, Dispatch, Program
+
+
+class OwnedRange(BufferRange):
+    """A device range the runtime allocated; ``destroy`` gives it back."""
+
+    def __init__(self, rng: BufferRange, dev: VulkanDevice, label=""):
+        super().__init__(rng.block, rng.offset, rng.size)
+        self._dev, self.label, self.freed = dev, label, False
+
+    def destroy(self):
+        if not self.freed:
+            self.freed = True
+            self._dev.free(self)
+
+
+class PreparedProgram:
+    """A plan's dispatch list: (kernel, ranges, groups) and names; the Programs recorded
+    from it, one per set of copies after it (outputs fetched or not) and timing mode."""
+
+    def __init__(self, dispatches, names):
+        self.dispatches = [(k, list(bufs), _groups(g)) for k, bufs, g, *_ in dispatches]
+        self.names = list(names) if names is not None else [k.name for k, _, _ in self.dispatches]
+        if len(self.names) != len(self.dispatches):
+            raise ValueError(f"{len(self.names)} names for {len(self.dispatches)} dispatches")
+        self.programs = {}
+
+    def __len__(self):
+        return len(self.dispatches)
+
+
+def _groups(g):
+    return (int(g), 1, 1) if isinstance(g, (int, np.integer)) else tuple(int(x) for x in (tuple(g) + (1, 1))[:3])
+
+
+def _copy(c) -> Copy:
+    """A (src, dst, n) or (src, src_offset, dst, dst_offset, n) copy of the executor as a Copy
+    (the executor rounds sizes up to 4 bytes; ranges here are exact, so sizes are clamped)."""
+    if len(c) == 3:
+        src, dst, n = c
+        so = do = 0
+    else:
+        src, so, dst, do, n = c
+    n = min(int(n), src.size - int(so), dst.size - int(do))
+    return Copy(src.sub(int(so), n), dst.sub(int(do), n), n)
+
+
+class VulkanRecorder:
+    """Runs prepared steps as Programs (the ``StepRecorder`` interface)."""
+
+    def __init__(self, runtime: "VulkanRuntime"):
+        self.runtime = runtime
+        self.last_timestamps_ns = None
+
+    def prepare(self, dispatches, names=None) -> PreparedProgram:
+        return PreparedProgram(dispatches, names)
+
+    def run(self, step, copies_before=(), copies_after=(), timestamps=False, wait=False):
+        """Submit ``step`` with its copies and wait (the Vulkan queue is used synchronously:
+        the caller reads results right after). ``timestamps``: returns an (n, 2) array of
+        [start, end] ns per dispatch."""
+        step = step if isinstance(step, PreparedProgram) else self.prepare(step)
+        key = (tuple(_key(c) for c in copies_before), tuple(_key(c) for c in copies_after), bool(timestamps))
+        prog = step.programs.get(key)
+        if prog is None:
+            ops = [_copy(c) for c in copies_before]
+            ops += [Dispatch(k, bufs, g, name=n) for (k, bufs, g), n in zip(step.dispatches, step.names)]
+            ops += [_copy(c) for c in copies_after]
+            prog = Program(self.runtime.vk, ops, levels=self.runtime.use_levels,
+                           timestamps="ops" if timestamps else False, name="step")
+            step.programs[key] = prog
+        with self.runtime.queue_lock:
+            prog.run(wait=True)
+        self.runtime.stats["steps"] += 1
+        if timestamps:
+            ts = prog.timestamps_ns()
+            first = len(copies_before)
+            ns = np.asarray(ts[first:first + len(step.dispatches)], dtype=np.int64)
+            self.last_timestamps_ns = ns
+            return ns
+        return None
+
+
+def _key(c):
+    return tuple(id(x) if isinstance(x, BufferRange) else int(x) for x in c)
+
+
+class VulkanRuntime:
+    """The executor's device interface over a ``VulkanDevice`` (see the module docstring).
+
+    checked: None reads ``MEGANEURA_CHECKED`` (index checks report bad indices, as on wgpu);
+    levels: False records a barrier after every dispatch (for comparison)."""
+
+    def __init__(self, vk: VulkanDevice | None = None, checked=None, levels=True):
+        self.vk = vk or get_vulkan_device()
+        env = os.environ.get("MEGANEURA_CHECKED", "").strip().lower() in ("1", "true", "yes", "on")
+        self.checked = env if checked is None else bool(checked)
+        self.use_levels = levels
+        self.backend = "vulkan"
+        f = self.vk.features
+        self.has_f16 = bool(f.get("shaderFloat16") and f.get("storageBuffer16BitAccess"))
+        self.has_timestamps = self.vk.timestamp_bits > 0
+        self.is_software = self.vk.is_software
+        self.features = {k for k, on in f.items() if on}
+        lim = self.vk.limits
+        # the limits the compiler and the executor read, under wgpu's names
+        self.limits = {
+            "max-storage-buffers-per-shader-stage": min(int(lim["maxPerStageDescriptorStorageBuffers"]), 1 << 16),
+            "max-compute-workgroup-storage-size": int(lim["maxComputeSharedMemorySize"]),
+            "max-storage-buffer-binding-size": int(lim["maxStorageBufferRange"]),
+            "max-buffer-size": int(lim["maxStorageBufferRange"]),
+            "max-compute-workgroups-per-dimension": int(min(lim["maxComputeWorkGroupCount"])),
+            "max-compute-invocations-per-workgroup": int(lim["maxComputeWorkGroupInvocations"]),
+        }
+        self.adapter_info = {"name": self.vk.name, "backend": "Vulkan (direct)", "type": self.vk.device_type}
+        self._pipelines: dict = {}
+        self._lock = threading.RLock()
+        self.queue_lock = threading.Lock()
+        self.stats = {"pipelines_compiled": 0, "pipeline_cache_hits": 0, "compile_seconds": 0.0,
+                      "glsl_seconds": 0.0, "steps": 0}
+
+    @property
+    def name(self) -> str:
+        return self.vk.name
+
+    def __repr__(self):
+        return f"VulkanRuntime({self.name!r}, {'software/CPU' if self.is_software else 'hardware'})"
+
+    # ----------------------------------------------------------------- buffers
+    def create_buffer(self, nbytes, usage_kind="storage", label=""):
+        rng = self.vk.alloc(max(int(nbytes), 4), host=usage_kind == "staging", label=label)
+        return OwnedRange(rng, self.vk, label)
+
+    def upload(self, buffer, array, offset=0):
+        raw = np.ascontiguousarray(array).reshape(-1).view(np.uint8)
+        self.vk.upload(buffer.sub(int(offset), buffer.size - int(offset)) if offset else buffer, raw)
+
+    def readback(self, buffer, nbytes, dtype=np.float32, shape=None, offset=0):
+        dtype = np.dtype(dtype)
+        n = min(int(nbytes), buffer.size - int(offset))
+        raw = self.vk.download(buffer.sub(int(offset), n), np.uint8)
+        count = int(np.prod(shape)) if shape is not None else n // dtype.itemsize
+        out = raw[:count * dtype.itemsize].view(dtype)
+        return out.reshape(shape) if shape is not None else out
+
+    def read_staging(self, staging, nbytes, dtype=np.float32, shape=None):
+        return self.readback(staging, nbytes, dtype, shape)
+
+    def sync(self):
+        """Every submission waits for itself (``VulkanRecorder.run``): nothing is in flight."""
+
+    # ---------------------------------------------------------------- pipelines
+    def pipeline(self, text: str, entry="main", access=None, label="", immediate_size=0):
+        """A kernel from the renderers' text (translated to GLSL, compiled to SPIR-V),
+        cached by text."""
+        with self._lock:
+            k = self._pipelines.get(text)
+            if k is not None:
+                self.stats["pipeline_cache_hits"] += 1
+                return k
+            from ...codegen.glsl import to_glsl
+            from .glslang import compile_glsl
+            t0 = time.perf_counter()
+            glsl = to_glsl(text, label or "kernel")
+            t1 = time.perf_counter()
+            target = "vulkan1.3" if self.vk.api >= (1, 3) else "vulkan1.2"
+            k = self.vk.kernel(compile_glsl(glsl, name=label or "kernel", target=target), name=label or "kernel",
+                               access=access)
+            self.stats["glsl_seconds"] += t1 - t0
+            self.stats["compile_seconds"] += time.perf_counter() - t0
+            self.stats["pipelines_compiled"] += 1
+            self._pipelines[text] = k
+            return k
+
+    def bind_group(self, pipeline, buffers, label=""):
+        if len(buffers) != len(pipeline.access):
+            raise ValueError(f"kernel {pipeline.name!r}: {len(buffers)} buffers for {len(pipeline.access)} bindings")
+        return list(buffers)
+
+    def compile_summary(self) -> str:
+        st = self.stats
+        return (f"{st['pipelines_compiled']} pipelines compiled in {st['compile_seconds']:.3f} s "
+                f"(GLSL rendering {st['glsl_seconds']:.3f} s), {st['pipeline_cache_hits']} cache hits")
+
+    def timestamp_period(self) -> float:
+        return float(self.vk.limits["timestampPeriod"])
+
+
+_runtime = None
+_runtime_lock = threading.Lock()
+
+
+def get_vulkan_runtime() -> VulkanRuntime:
+    """The process-wide Vulkan runtime (over the process-wide ``VulkanDevice``)."""
+    global _runtime
+    with _runtime_lock:
+        if _runtime is None:
+            _runtime = VulkanRuntime()
+        return _runtime
