@@ -14,9 +14,16 @@ def checked_device():
     return Device(checked=True)
 
 
-@pytest.fixture
-def checked(monkeypatch, checked_device):
-    monkeypatch.setattr(device, "_device", checked_device)
+@pytest.fixture(params=["wgpu", "vulkan"])
+def checked(request, monkeypatch, checked_device):
+    """Checked mode on each GPU backend (backend="gpu" follows MEGANEURA_BACKEND)."""
+    monkeypatch.setenv("MEGANEURA_BACKEND", request.param)
+    if request.param == "wgpu":
+        monkeypatch.setattr(device, "_device", checked_device)
+    else:
+        pytest.importorskip("vulkan", reason="the vulkan extra")
+        from meganeura.runtime.vulkan import backend
+        monkeypatch.setattr(backend, "_runtime", backend.VulkanRuntime(checked=True))
 
 
 def _session():

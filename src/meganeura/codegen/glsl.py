@@ -170,6 +170,8 @@ def unify(a: Val, b: Val) -> tuple[Val, Val]:
 BINARY = [("||",), ("&&",), ("|",), ("^",), ("&",), ("==", "!="), ("<", ">", "<=", ">="), ("<<", ">>"),
           ("+", "-"), ("*", "/", "%")]
 COMPARE = {"==", "!=", "<", ">", "<=", ">="}
+VEC_COMPARE = {"==": "equal", "!=": "notEqual", "<": "lessThan", ">": "greaterThan", "<=": "lessThanEqual",
+               ">=": "greaterThanEqual"}
 TEMPLATED = {"vec2", "vec3", "vec4", "array", "bitcast", "ptr"}
 SAME_TYPE_BUILTINS = {"min", "max", "clamp", "abs", "exp", "exp2", "log", "log2", "sqrt", "inverseSqrt", "pow",
                       "floor", "ceil", "trunc", "fract", "sign", "sin", "cos", "tan", "asin", "acos", "atan",
@@ -300,6 +302,9 @@ class _Translator:
             text = f"({a.text} {op} {b.text})"
             return Val(text, ty, text if op not in COMPARE else None) if op not in COMPARE else Val(text, BOOL)
         a, b = unify(a, b)
+        if op in COMPARE and Ty("vec", a.ty.elem, a.ty.n).kind == a.ty.kind == "vec":
+            # WGSL compares vectors componentwise; GLSL's == on vectors is one bool
+            return Val(f"{VEC_COMPARE[op]}({a.text}, {b.text})", Ty("vec", "bool", a.ty.n))
         if op in COMPARE:
             return Val(f"({a.text} {op} {b.text})", BOOL)
         ty = a.ty if a.ty.kind == "vec" else b.ty
@@ -393,7 +398,11 @@ class _Translator:
         if ty.kind == "vec":
             args = [convert(a, S(ty.elem)) for a in args]
             return Val(f"{glsl_type(ty)}({', '.join(a.text for a in args)})", ty)
-        self.fail("array constructors are outside the subset")
+        if ty.n is None or len(args) != ty.n:
+            self.fail(f"an array constructor of {len(args)} values for {ty}")
+        el = glsl_type(ty.elem)
+        args = [convert(a, ty.elem) for a in args]
+        return Val(f"{el}[{ty.n}]({', '.join(a.text for a in args)})", ty)
 
     def bitcast(self, x: Val, to: Ty) -> str:
         src, dst = x.ty.scalar, to.scalar
@@ -467,9 +476,9 @@ class _Translator:
         self.declare(name, ty)
         gname = _ident(name)
         if ty.kind == "array":
-            if init is not None:
-                self.fail("array values are outside the subset")
             el = ty.elem
+            if init is not None:
+                return [f"{pad}{glsl_type(el)} {_ident(name)}[{ty.n}] = {init.text};"]
             self.tmp += 1
             return [f"{pad}{glsl_type(el)} {gname}[{ty.n}];",
                     f"{pad}for (int z{self.tmp}_ = 0; z{self.tmp}_ < {ty.n}; z{self.tmp}_++) "
@@ -635,16 +644,29 @@ class _Translator:
         return "\n".join([h for h in head if h] + decls + protos + bodies) + "\n"
 
     def _scan_signatures(self):
-        save = self.i
+        """Signatures of every function and types of module variables, so that uses can be
+        typed before the definitions."""
+        save, depth = self.i, 0
         while self.tok.kind != "eof":
-            if self.tok.text == "fn" and self.peek().kind == "id":
+            t = self.tok
+            if depth == 0 and t.text == "fn" and self.peek().kind == "id":
                 self.i += 1
                 name = self.eat(kind="id").text
                 params = self.params() if name != "main" else []
                 ret = self.parse_type() if self.accept("->") else None
                 self.fns[name] = Fn(name, params, ret)
-            else:
+                continue
+            if depth == 0 and t.text == "var":
                 self.i += 1
+                if self.accept("<"):
+                    while not self.accept(">"):
+                        self.i += 1
+                name = self.eat(kind="id").text
+                self.eat(":")
+                self.globals[name] = self.parse_type()
+                continue
+            depth += {"{": 1, "}": -1}.get(t.text, 0)
+            self.i += 1
         self.i = save
 
     def params(self) -> list:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+from collections import OrderedDict
 
 import numpy as np
 
@@ -36,6 +37,14 @@ class OwnedRange(BufferRange):
         if not self.freed:
             self.freed = True
             self._dev.free(self)
+
+    def __del__(self):
+        # plan buffers (slots, constants, targets) are dropped with their plan, as wgpu's are
+        if not self.freed and self._dev.handle is not None:
+            try:
+                self.destroy()
+            except Exception:       # interpreter shutdown: the device goes anyway
+                pass
 
 
 class PreparedProgram:
@@ -137,11 +146,13 @@ class VulkanRuntime:
             "max-compute-invocations-per-workgroup": int(lim["maxComputeWorkGroupInvocations"]),
         }
         self.adapter_info = {"name": self.vk.name, "backend": "Vulkan (direct)", "type": self.vk.device_type}
-        self._pipelines: dict = {}
+        from ..device import PIPELINE_CACHE_SIZE
+        self._pipelines: OrderedDict = OrderedDict()    # text -> Kernel, least recently used first
+        self.pipeline_cache_size = PIPELINE_CACHE_SIZE
         self._lock = threading.RLock()
         self.queue_lock = threading.Lock()
         self.stats = {"pipelines_compiled": 0, "pipeline_cache_hits": 0, "compile_seconds": 0.0,
-                      "glsl_seconds": 0.0, "steps": 0}
+                      "glsl_seconds": 0.0, "steps": 0, "pipelines_evicted": 0}
 
     @property
     def name(self) -> str:
@@ -180,6 +191,7 @@ class VulkanRuntime:
         with self._lock:
             k = self._pipelines.get(text)
             if k is not None:
+                self._pipelines.move_to_end(text)
                 self.stats["pipeline_cache_hits"] += 1
                 return k
             from ...codegen.glsl import to_glsl
@@ -194,7 +206,21 @@ class VulkanRuntime:
             self.stats["compile_seconds"] += time.perf_counter() - t0
             self.stats["pipelines_compiled"] += 1
             self._pipelines[text] = k
+            # evicted kernels stay alive while a plan holds them (the driver's pipeline
+            # cache makes a later rebuild cheap)
+            while len(self._pipelines) > max(self.pipeline_cache_size, 0):
+                self._pipelines.popitem(last=False)
+                self.stats["pipelines_evicted"] += 1
             return k
+
+    def clear_caches(self):
+        """Drop the cached kernels (plans that are alive keep their own)."""
+        with self._lock:
+            self._pipelines.clear()
+
+    def cache_info(self) -> dict:
+        with self._lock:
+            return {"pipelines": len(self._pipelines), "staging_buffers": 0, "staging_bytes": 0}
 
     def bind_group(self, pipeline, buffers, label=""):
         if len(buffers) != len(pipeline.access):

@@ -548,8 +548,19 @@ class VulkanDevice:
             return BufferRange(blk, blk.allocator.alloc(nbytes), nbytes)
 
     def free(self, rng: BufferRange):
+        """Give a range back. A device block left empty goes back to the driver (closing a
+        session frees its memory); one empty staging block is kept for the next transfer."""
         with self._lock:
-            rng.block.allocator.free(rng.offset)
+            blk = rng.block
+            blk.allocator.free(rng.offset)
+            if blk.allocator.used:
+                return
+            staging = self._blocks["staging"]
+            if blk in staging and blk.size == self.block_bytes and \
+                    not any(b is not blk and not b.allocator.used for b in staging):
+                return
+            self._blocks["staging" if blk in staging else "device"].remove(blk)
+            blk.destroy()
 
     def memory_report(self) -> dict:
         return {k: [dict(label=b.label, size=b.size, used=b.allocator.bytes_used, mapped=b.mapped is not None)
