@@ -23,13 +23,17 @@ def checked_device():
     return dev
 
 
-@pytest.fixture(params=["trusted", "checked"])
+@pytest.fixture(params=["wgpu-trusted", "wgpu-checked", "vulkan"])
 def shader_mode(request, monkeypatch, checked_device):
-    """Trusted modules (the default: no runtime bounds checks) and checked ones: an
-    out-of-bounds access that trusted mode would let through shows up as a difference."""
-    if request.param == "checked":
+    """The backend that runs the table. wgpu with trusted modules (no runtime bounds
+    checks) and with checked ones: an out-of-bounds access that trusted mode would let
+    through shows up as a difference. The direct Vulkan backend: the same kernels rendered
+    as GLSL."""
+    if request.param == "wgpu-checked":
         from meganeura.runtime import device
         monkeypatch.setattr(device, "_device", checked_device)
+    if request.param == "vulkan":
+        pytest.importorskip("vulkan", reason="the vulkan extra")
     return request.param
 
 
@@ -39,7 +43,7 @@ def test_gpu_matches_reference(sample, shader_mode):
     grads = [gr for gr in mg.grad(loss, [t for _, t in float_inputs])] if sample.grad else []
     targets = outs + grads
     want = evaluate(g, targets, feeds)
-    sess = mg.compile(g, outputs=targets, backend="gpu")
+    sess = mg.compile(g, outputs=targets, backend=shader_mode.split("-")[0])
     got = sess.run(feeds)
     for k, (a, b) in enumerate(zip(got, want)):
         what = f"{sample.name} {'output' if k < len(outs) else 'gradient'} {k}"
