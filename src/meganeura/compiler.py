@@ -15,10 +15,11 @@ from dataclasses import dataclass, field
 from . import codegen
 from .memplan import MemoryPlan, plan_memory
 from .passes import lower_to_primitives
+from .passes.remat import rematerialize
 from .passes.fuse import FUSION_PASSES, run_fusion
 
 # switches MEGANEURA_NO_FUSE also accepts besides the fusion passes
-OTHER_PASSES = ("inplace",)
+OTHER_PASSES = ("inplace", "remat")
 from .schedule import Buf, Kernel, build_schedule
 
 
@@ -97,6 +98,9 @@ def compile_plan(targets, n_forward=None, options: CompileOptions | None = None,
     fwd = targets[:len(targets) if n_forward is None else n_forward]
     rewrite = accelerated_rewrite(fwd) if opts.precision == "accelerated" and fwd else None
     g2, new_targets = lower_to_primitives(targets, keep=codegen.has_kernel, rewrite=rewrite)
+    if "remat" not in opts.disabled and fwd:
+        g3, new_targets = rematerialize(new_targets, len(fwd))
+        g2 = g3 or g2
     sched = build_schedule(g2, new_targets, max_bindings=opts.max_bindings)
     # kernels that write nothing are dropped before fusion (a merged launch must not be
     # judged by an empty first part)
