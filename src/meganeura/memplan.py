@@ -116,3 +116,98 @@ def check_plan(plan: MemoryPlan, kernels=None):
         items.sort(key=lambda it: it[0])
         for ((lo1, hi1), b1), ((lo2, hi2), b2) in zip(items, items[1:]):
             assert hi1 < lo2, f"slot {s}: {b1!r} live over [{lo1}, {hi1}] overlaps {b2!r} over [{lo2}, {hi2}]"
+
+
+# ------------------------------------------------------------------ in-place writes
+# Archetypes whose every output element is written by the thread that last reads the
+# operands at that element, after any reduction over its row has finished (one thread per
+# element; rowfuse: one workgroup per row, a barrier after the reductions): an operand
+# read only at the element being written may be overwritten.
+ELEMENT_LOCAL = ("pointwise", "rowfuse")
+
+
+def launch_units(kernels):
+    """(launch position, kernel or part of a horizontal fusion) in launch order."""
+    for i, k in enumerate(kernels):
+        for u in k.spec.get("parts", [k]):
+            yield i, u
+
+
+def unit_views(u):
+    return list(u.reads) + list(u.epi_reads) + [u.out]
+
+
+def _indexed_leaves(e) -> set:
+    """Read positions that an expression reads at another element than the output's
+    (rotate_half's operand)."""
+    if not isinstance(e, tuple) or not e:
+        return set()
+    if e[0] == "rleaf":
+        return {e[1]}
+    if e[0] == "op":
+        return set().union(*(_indexed_leaves(k) for k in e[2]))
+    return set()
+
+
+def _same_view(a, b) -> bool:
+    """The same elements at the same coordinates (a size-1 dimension's stride is moot)."""
+    return a.shape == b.shape and a.offset == b.offset and a.dtype is b.dtype and \
+        all(s == t for s, t, n in zip(a.strides, b.strides, a.shape) if n != 1)
+
+
+def reads_only_own_element(u, buf) -> bool:
+    """Unit ``u`` reads ``buf`` only at the element it writes, so its output may replace
+    ``buf``'s value in place."""
+    if u.archetype not in ELEMENT_LOCAL or u.spec.get("flat_leaf") or u.epi_reads and \
+            any(v.buf is buf for v in u.epi_reads):
+        return False
+    indexed = _indexed_leaves(u.spec.get("expr"))
+    return all(_same_view(v, u.out) and k not in indexed for k, v in enumerate(u.reads) if v.buf is buf)
+
+
+def touching_units(kernels) -> dict:
+    """{id(Buf): [(launch position, unit)]} of the units that read or write each buffer."""
+    touching: dict = {}
+    for i, u in launch_units(kernels):
+        for x in unit_views(u):
+            lst = touching.setdefault(id(x.buf), [])
+            if not lst or lst[-1][1] is not u:
+                lst.append((i, u))
+    return touching
+
+
+def move_value(touching, src, dst):
+    """Every view of buffer ``src`` now names ``dst`` (the value moves there)."""
+    moved = touching.pop(id(src), [])
+    for _, u in moved:
+        for x in unit_views(u):
+            if x.buf is src:
+                x.buf = dst
+    touching.setdefault(id(dst), []).extend(moved)
+
+
+def write_over_dying_operands(kernels) -> int:
+    """An intermediate computed element by element from an operand of its size that is
+    read for the last time by that kernel is written over the operand (attention's
+    backward: dS = P * (dP - rowsum(P * dP)) over dP), so the two never need two buffers.
+    Returns how many intermediates were placed so."""
+    touching = touching_units(kernels)
+    done = 0
+    for i, u in launch_units(kernels):
+        out = u.out
+        ob = out.buf
+        if u.archetype not in ELEMENT_LOCAL or ob.kind != "temp" or out.offset or not out.is_contiguous() \
+                or out.size * out.dtype.np.itemsize != ob.nbytes:
+            continue
+        if any(v.out.buf is ob and v is not u for _, v in touching.get(id(ob), [])):
+            continue                    # written by several kernels (a concat's parts)
+        for r in u.reads:
+            d = r.buf
+            if d is ob or d.kind != "temp" or d.nbytes != ob.nbytes or d.dtype is not ob.dtype \
+                    or not reads_only_own_element(u, d) \
+                    or any(j >= i and v is not u for j, v in touching.get(id(d), [])):
+                continue
+            move_value(touching, ob, d)
+            done += 1
+            break
+    return done
