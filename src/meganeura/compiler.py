@@ -164,7 +164,7 @@ def update_in_place(kernels, sched, targets, updates) -> int:
                 or v.buf.nbytes != dst.nbytes or v.dtype is not dst.dtype:
             continue
         writers = [(i, u) for i, u in touching.get(id(v.buf), []) if u.out.buf is v.buf]
-        if len(writers) != 1 or writers[0][1].archetype != "pointwise":
+        if len(writers) != 1:
             continue
         wi, w = writers[0]
         # the writer reads the old value only at the element it writes, and nothing else

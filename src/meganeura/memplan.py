@@ -124,6 +124,10 @@ def check_plan(plan: MemoryPlan, kernels=None):
 # element; rowfuse: one workgroup per row, a barrier after the reductions): an operand
 # read only at the element being written may be overwritten.
 ELEMENT_LOCAL = ("pointwise", "rowfuse")
+# Archetypes whose epilogue reads its operands at the element it stores, in the thread
+# that stores it (codegen.expr.OutputStore): an epilogue operand that the archetype itself
+# does not read may be overwritten.
+EPILOGUE_LOCAL = ("reduce",)
 
 
 def launch_units(kernels):
@@ -156,13 +160,18 @@ def _same_view(a, b) -> bool:
 
 
 def reads_only_own_element(u, buf) -> bool:
-    """Unit ``u`` reads ``buf`` only at the element it writes, so its output may replace
-    ``buf``'s value in place."""
-    if u.archetype not in ELEMENT_LOCAL or u.spec.get("flat_leaf") or u.epi_reads and \
-            any(v.buf is buf for v in u.epi_reads):
+    """Unit ``u`` reads ``buf`` only at the element it writes, in the thread that writes
+    it, so its output may replace ``buf``'s value in place."""
+    if u.spec.get("store_map") or u.spec.get("chunks") or u.spec.get("flat_leaf"):
         return False
-    indexed = _indexed_leaves(u.spec.get("expr"))
-    return all(_same_view(v, u.out) and k not in indexed for k, v in enumerate(u.reads) if v.buf is buf)
+    if u.archetype in ELEMENT_LOCAL:
+        indexed = _indexed_leaves(u.spec.get("expr"))
+        return not any(v.buf is buf for v in u.epi_reads) and \
+            all(_same_view(v, u.out) and k not in indexed for k, v in enumerate(u.reads) if v.buf is buf)
+    if u.archetype in EPILOGUE_LOCAL:
+        return not any(v.buf is buf for v in u.reads) and \
+            all(_same_view(v, u.out) for v in u.epi_reads if v.buf is buf)
+    return False
 
 
 def touching_units(kernels) -> dict:
@@ -196,12 +205,13 @@ def write_over_dying_operands(kernels) -> int:
     for i, u in launch_units(kernels):
         out = u.out
         ob = out.buf
-        if u.archetype not in ELEMENT_LOCAL or ob.kind != "temp" or out.offset or not out.is_contiguous() \
+        if u.archetype not in ELEMENT_LOCAL + EPILOGUE_LOCAL or ob.kind != "temp" or out.offset \
+                or not out.is_contiguous() \
                 or out.size * out.dtype.np.itemsize != ob.nbytes:
             continue
         if any(v.out.buf is ob and v is not u for _, v in touching.get(id(ob), [])):
             continue                    # written by several kernels (a concat's parts)
-        for r in u.reads:
+        for r in list(u.reads) + list(u.epi_reads):
             d = r.buf
             if d is ob or d.kind != "temp" or d.nbytes != ob.nbytes or d.dtype is not ob.dtype \
                     or not reads_only_own_element(u, d) \

@@ -24,10 +24,20 @@ PERSISTENT = ("input", "parameter", "state", "constant")
 VIEW_OPS = ("reshape", "permute", "slice", "broadcast_to")
 MAX_CLONE = 16          # elementwise nodes recomputed per value, at most
 SMALL = 8               # a leaf this many times smaller than the value is free to keep
+BYTES_PER_LAUNCH = 2 ** 20   # the least saving that pays for a launch of its own (~7 us on an H200)
+
+
+INDEX_OPS = ("im2col",)  # pure gathers, as cheap to redo as to read back (a max pool's windows)
 
 
 def _elementwise(t) -> bool:
-    return t.op in VIEW_OPS or (t.op in OPS and "wgsl" in OPS[t.op].extra)
+    return t.op in VIEW_OPS or t.op in INDEX_OPS or (t.op in OPS and "wgsl" in OPS[t.op].extra)
+
+
+def _absorbs(reader) -> bool:
+    """A clone read by ``reader`` is computed inside its kernel (an elementwise consumer,
+    a reduction's prologue), costing no launch of its own."""
+    return _elementwise(reader) or reader.op.startswith("reduce_")
 
 
 def rematerialize(targets: list[Tensor], n_forward: int) -> tuple[Graph | None, list[Tensor]]:
@@ -49,8 +59,13 @@ def rematerialize(targets: list[Tensor], n_forward: int) -> tuple[Graph | None, 
     def candidate(t):
         return _elementwise(t) and t.op not in PERSISTENT and t.id not in target_ids and t.size > 0
 
+    # values alive after the boundary anyway: a clone reads them for free
+    late = {tid: len(rs) for tid, rs in late_readers.items()}
+
     def closure(t):
-        """(elementwise nodes recomputed for t, leaves they read), or None if too deep."""
+        """(nodes recomputed for t, leaves they read), or None if too deep: recomputation
+        goes through elementwise producers of t's size down to values alive anyway,
+        real kernels' outputs, persistent values and small operands."""
         inner, leaves, stack = [], {}, [t]
         seen = {t.id}
         while stack:
@@ -60,7 +75,7 @@ def rematerialize(targets: list[Tensor], n_forward: int) -> tuple[Graph | None, 
                 if i.id in seen:
                     continue
                 seen.add(i.id)
-                if candidate(i) and i.size * SMALL > t.size:
+                if candidate(i) and i.size * SMALL > t.size and i.id not in late:
                     stack.append(i)
                 else:
                     leaves[i.id] = i
@@ -68,64 +83,45 @@ def rematerialize(targets: list[Tensor], n_forward: int) -> tuple[Graph | None, 
                 return None
         return inner, leaves
 
-    def large(leaf, t):
-        return leaf.op not in PERSISTENT and leaf.size * SMALL > t.size
+    def nbytes(t):
+        return t.size * t.dtype.np.itemsize
 
-    cands = {}
-    for tid in late_readers:
+    # latest values first: a value's clone may read an earlier one that stays alive
+    chosen = {}
+    for tid in sorted(late_readers, key=lambda i: -pos[i]):
         t = nodes[pos[tid]]
-        if candidate(t) and t.op not in VIEW_OPS:
-            c = closure(t)
-            if c is not None:
-                cands[tid] = c
-    if not cands:
-        return None, targets
-    # group values whose recomputation reads the same large leaves; a group is recomputed
-    # when its new large leaves (those not read late anyway) are smaller than its values
-    parent = {tid: tid for tid in cands}
-
-    def find(x):
-        while parent[x] != x:
-            parent[x] = parent[parent[x]]
-            x = parent[x]
-        return x
-    owner = {}
-    for tid, (_, leaves) in cands.items():
-        for leaf in leaves.values():
-            if large(leaf, nodes[pos[tid]]):
-                o = owner.setdefault(leaf.id, tid)
-                parent[find(tid)] = find(o)
-    groups: dict = {}
-    for tid in cands:
-        groups.setdefault(find(tid), []).append(tid)
-    chosen = set()
-    for members in groups.values():
-        saved = sum(nodes[pos[m]].size * nodes[pos[m]].dtype.np.itemsize for m in members)
-        new_leaves = {}
-        for m in members:
-            for leaf in cands[m][1].values():
-                if large(leaf, nodes[pos[m]]) and (leaf.id not in late_readers or leaf.id in cands):
-                    new_leaves[leaf.id] = leaf.size * leaf.dtype.np.itemsize
-        if sum(new_leaves.values()) < saved:
-            chosen.update(members)
+        if not candidate(t):
+            continue
+        c = closure(t)
+        if c is None:
+            continue
+        new = [leaf for leaf in c[1].values()
+               if leaf.op not in PERSISTENT and leaf.size * SMALL > t.size and leaf.id not in late]
+        saved = nbytes(t) - sum(nbytes(leaf) for leaf in new)
+        # a clone that no reader absorbs is one more launch: worth it for a large saving
+        if saved <= 0 or (saved < BYTES_PER_LAUNCH and not all(_absorbs(r) for r in late_readers[tid])):
+            continue
+        chosen[tid] = c[1]
+        del late[tid]
+        for leaf in c[1].values():
+            late[leaf.id] = late.get(leaf.id, 0) + 1
     if not chosen:
         return None, targets
-    return _rebuild(nodes, pos, boundary, chosen, cands, targets)
+    return _rebuild(nodes, boundary, chosen, targets)
 
 
-def _rebuild(nodes, pos, boundary, chosen, cands, targets):
-    """Copy the graph; backward readers of a chosen value read its clone, emitted (with
-    the clones of the elementwise nodes between it and its leaves) just before its first
-    backward reader."""
+def _rebuild(nodes, boundary, chosen, targets):
+    """Copy the graph; each backward reader of a chosen value reads its own clone, emitted
+    just before it, so that a clone with one reader can fuse into it."""
     g = Graph()
     m: dict = {}             # old id -> its copy
-    clones: dict = {}        # old id -> its recomputation
+    shared: dict = {}        # old id -> the clone that readers which cannot absorb it share
 
-    def clone(t, leaves):
-        c = clones.get(t.id)
+    def clone(t, leaves, memo):
+        c = memo.get(t.id)
         if c is None:
-            ins = [m[i.id] if i.id in leaves else clone(i, leaves) for i in t.inputs]
-            c = clones[t.id] = g._append(t.op, ins, t.attrs, t.shape, t.dtype, t.name + ".remat")
+            ins = [m[i.id] if i.id in leaves else clone(i, leaves, memo) for i in t.inputs]
+            c = memo[t.id] = g._append(t.op, ins, t.attrs, t.shape, t.dtype, t.name + ".remat")
         return c
 
     for i, t in enumerate(nodes):
@@ -136,7 +132,9 @@ def _rebuild(nodes, pos, boundary, chosen, cands, targets):
         elif t.op == "state":
             n = g.state(t.name, t.shape, t.dtype, init=t.attrs.get("init"))
         else:
-            ins = [clone(x, cands[x.id][1]) if i > boundary and x.id in chosen else m[x.id] for x in t.inputs]
+            # a reader that absorbs its clone gets its own; the others share one per value
+            memo = {} if _absorbs(t) else shared
+            ins = [clone(x, chosen[x.id], memo) if i > boundary and x.id in chosen else m[x.id] for x in t.inputs]
             n = g._append(t.op, ins, t.attrs, t.shape, t.dtype, t.name)
         m[t.id] = n
     return g, [m[t.id] for t in targets]
