@@ -122,7 +122,9 @@ class Program:
     def targets(self, phase):
         """(fetches, gradient names, [(kept name, new value)], every tensor to compute in
         that order) for ``phase``."""
-        grad_names = list(self.grads) if phase in ("grads", "step", "micro") else []
+        # only "grads" keeps its gradients: a step's die in its own update, so they are
+        # intermediates the memory planner may place over dead activations
+        grad_names = list(self.grads) if phase == "grads" else []
         upd = [(t.name, v) for t, v in self.updates.get(phase, {}).items()]
         return self.fetches, grad_names, upd, self.fetches + [self.grads[n] for n in grad_names] + [v for _, v in upd]
 
@@ -333,7 +335,8 @@ class Session:
 
     @_locked
     def grads(self) -> dict:
-        """Gradients of the loss from the last ``step`` (or ``compute_grads``), by parameter name."""
+        """Gradients of the loss from the last ``compute_grads``, by parameter name (``step``
+        applies its gradients without keeping them)."""
         if self.loss is None:
             raise RuntimeError("grads: this session was compiled without a loss")
         return self.executor.last_grads()

@@ -13,12 +13,14 @@ import time
 from dataclasses import dataclass, field
 
 from . import codegen
-from .memplan import MemoryPlan, plan_memory
+from .memplan import (MemoryPlan, move_value, plan_memory, reads_only_own_element, touching_units,
+                      write_over_dying_operands)
 from .passes import lower_to_primitives
+from .passes.remat import rematerialize
 from .passes.fuse import FUSION_PASSES, run_fusion
 
 # switches MEGANEURA_NO_FUSE also accepts besides the fusion passes
-OTHER_PASSES = ("inplace",)
+OTHER_PASSES = ("inplace", "remat")
 from .schedule import Buf, Kernel, build_schedule
 
 
@@ -97,15 +99,20 @@ def compile_plan(targets, n_forward=None, options: CompileOptions | None = None,
     fwd = targets[:len(targets) if n_forward is None else n_forward]
     rewrite = accelerated_rewrite(fwd) if opts.precision == "accelerated" and fwd else None
     g2, new_targets = lower_to_primitives(targets, keep=codegen.has_kernel, rewrite=rewrite)
+    if "remat" not in opts.disabled and fwd:
+        g3, new_targets = rematerialize(new_targets, len(fwd))
+        g2 = g3 or g2
     sched = build_schedule(g2, new_targets, max_bindings=opts.max_bindings)
     # kernels that write nothing are dropped before fusion (a merged launch must not be
     # judged by an empty first part)
     kernels = [k for k in sched.kernels if k.out.size > 0]
     n_scheduled = len(kernels)
     kernels = run_fusion(kernels, disabled=opts.disabled, max_bindings=opts.max_bindings)
-    n_in_place = 0
+    n_in_place = n_over = 0
     if updates and "inplace" not in opts.disabled:
         n_in_place = update_in_place(kernels, sched, new_targets, updates)
+    if "inplace" not in opts.disabled:
+        n_over = write_over_dying_operands(kernels)
     if opts.workgroup_storage:
         _size_tiles(kernels, opts.workgroup_storage)
     dispatches = []
@@ -125,7 +132,8 @@ def compile_plan(targets, n_forward=None, options: CompileOptions | None = None,
     bufs = [b for b in sched.bufs if id(b) in used]     # buffers a fusion made unnecessary are never allocated
     memory = plan_memory([(k.written_bufs(), d.bufs) for d in dispatches for k in [d.kernel]], bufs)
     return KernelPlan(dispatches, bufs, memory, locs, time.perf_counter() - t0,
-                      {"scheduled": n_scheduled, "fused": n_scheduled - len(kernels), "in_place": n_in_place})
+                      {"scheduled": n_scheduled, "fused": n_scheduled - len(kernels), "in_place": n_in_place,
+                       "written_over_operands": n_over})
 
 
 def _size_tiles(kernels, storage):
@@ -138,29 +146,13 @@ def _size_tiles(kernels, storage):
             k.spec["smem"] = storage
 
 
-def _units(kernels):
-    """(position, kernel or part of a horizontal fusion) in launch order."""
-    for i, k in enumerate(kernels):
-        for u in k.spec.get("parts", [k]):
-            yield i, u
-
-
-def _views(u):
-    return list(u.reads) + list(u.epi_reads) + [u.out]
-
-
 def update_in_place(kernels, sched, targets, updates) -> int:
     """A new value of a parameter or state computed elementwise from the old one (an
     optimizer update, a KV-cache blend) is written straight into the tensor's buffer, when
     nothing after its writer reads the old value: no copy after the step and no second
     buffer of that size. Returns how many updates became in place."""
     named = {b.name: b for b in sched.bufs if b.kind in ("parameter", "state")}
-    touching: dict = {}          # buffer id -> [(launch position, unit)] touching it
-    for i, u in _units(kernels):
-        for x in _views(u):
-            lst = touching.setdefault(id(x.buf), [])
-            if not lst or lst[-1][1] is not u:
-                lst.append((i, u))
+    touching = touching_units(kernels)
     values: dict = {}            # buffer id -> the schedule's value views on it (target locations)
     for x in sched.values.values():
         values.setdefault(id(x.buf), []).append(x)
@@ -172,26 +164,20 @@ def update_in_place(kernels, sched, targets, updates) -> int:
                 or v.buf.nbytes != dst.nbytes or v.dtype is not dst.dtype:
             continue
         writers = [(i, u) for i, u in touching.get(id(v.buf), []) if u.out.buf is v.buf]
-        if len(writers) != 1 or writers[0][1].archetype != "pointwise":
+        if len(writers) != 1:
             continue
         wi, w = writers[0]
-        # the writer reads the old value only at the element it writes
-        ok = all(r.shape == w.out.shape and r.offset == 0 and r.is_contiguous()
-                 for r in w.reads if r.buf is dst) and not w.spec.get("flat_leaf")
-        # nothing else touches the old value from the writer's launch on
-        ok = ok and not any(i >= wi and u is not w for i, u in touching.get(id(dst), []))
-        if not ok:
+        # the writer reads the old value only at the element it writes, and nothing else
+        # touches the old value from the writer's launch on
+        if not reads_only_own_element(w, dst) \
+                or any(i >= wi and u is not w for i, u in touching.get(id(dst), [])):
             continue
-        moved = touching.pop(id(v.buf), [])
-        for _, u in moved:
-            for x in _views(u):
-                if x.buf is v.buf:
-                    x.buf = dst
-        touching.setdefault(id(dst), []).extend(moved)
+        move_value(touching, v.buf, dst)
         for x in values.pop(id(v.buf), []):
             x.buf = dst
         done += 1
     return done
+
 
 def count_dispatches(targets, **kw) -> int:
     """Dispatches the GPU backend records for ``targets`` (no device needed)."""

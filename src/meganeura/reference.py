@@ -66,7 +66,8 @@ class NumpyExecutor:
 
     def last_grads(self):
         if not self.grads:
-            raise RuntimeError("grads: run step() or compute_grads() first")
+            raise RuntimeError("grads: call compute_grads() first (step() applies its gradients without "
+                               "keeping them)")
         return {n: v.copy() for n, v in self.grads.items()}
 
     def execute(self, feeds: dict, phase: str, fetch: bool = True):
@@ -86,6 +87,8 @@ class NumpyExecutor:
         nf, ng = len(fetches), len(grad_names)
         if grad_names:
             self.grads = {n: v.astype(p.grads[n].dtype.np) for n, v in zip(grad_names, vals[nf:nf + ng])}
+        elif phase in ("step", "micro"):
+            self.grads = {}           # the parameters moved: older gradients are stale
         for (name, t), v in zip(upd, vals[nf + ng:]):
             self.values[name] = v.astype(t.dtype.np)
         return [v.astype(t.dtype.np) for t, v in zip(fetches, vals[:nf])]

@@ -42,9 +42,7 @@ class Plan:
             elif b.kind == "constant":
                 phys[b] = dev.create_buffer(b.nbytes, label=b.name)
                 dev.upload(phys[b], b.value)
-            elif b.kind == "target":
-                phys[b] = dev.create_buffer(b.nbytes, label=b.name)
-            elif b in self.memory.slot_of:
+            elif b in self.memory.slot_of:      # intermediates and targets
                 phys[b] = slots[self.memory.slot_of[b]]
         # checked mode: kernels that index with data (embedding ids, labels) report bad
         # indices into one error buffer, read after each step (see check_indices)
@@ -232,7 +230,8 @@ class GpuExecutor:
 
     def last_grads(self):
         if self.last_plan is None or not self.last_plan.grad_locs:
-            raise RuntimeError("grads: run step() or compute_grads() first")
+            raise RuntimeError("grads: call compute_grads() first (step() applies its gradients without "
+                               "keeping them)")
         return {n: self.dev.readback(buf, nb, dt, shape, offset=off)
                 for n, (buf, off, nb, dt, shape) in self.last_plan.grad_locs.items()}
 
@@ -293,7 +292,8 @@ class GpuExecutor:
         else:
             self.recorder.run(plan.step, copies_after=copies)
         plan.check_indices(self.dev)
-        self.last_plan = plan if plan.grad_locs else self.last_plan
+        if plan.grad_locs or phase in ("step", "micro"):     # a step leaves older gradients stale
+            self.last_plan = plan
         self.last_fetch_plan = plan
         if not fetch:
             self.dev.sync()
