@@ -45,7 +45,11 @@ def cmd_info(args):
         print(describe_vulkan())
         return
     from .runtime import describe
+    from .runtime.backends import resolve, vulkan_unavailable_reason
     print(describe())
+    why = vulkan_unavailable_reason()
+    print(f"direct Vulkan backend: {'available (meganeura info --vulkan for details)' if why is None else why}")
+    print(f"backend='gpu' runs on: {resolve('gpu')} (MEGANEURA_BACKEND=vulkan|wgpu overrides)")
 
 
 def cmd_train_demo(args):
@@ -62,11 +66,12 @@ def cmd_train_demo(args):
     from . import compile, optim
     from .models.mlp import build_mlp, load_digits_split
 
-    if args.backend == "gpu":
-        from .runtime import get_device
-        dev = get_device()
+    if args.backend != "numpy":
+        from .runtime.backends import get_runtime_device, resolve
+        kind = resolve(args.backend)
+        dev = get_runtime_device(kind)
         note = " (a software Vulkan driver on the CPU: no GPU found)" if dev.is_software else ""
-        print(f"device: {dev.name}{note}")
+        print(f"device: {dev.name}{note}, {'the direct Vulkan backend' if kind == 'vulkan' else 'wgpu'}")
     (xtr, ytr), (xte, yte) = load_digits_split()
     batch = args.batch
     g, _, _, logits, loss = build_mlp(batch=batch, n_in=64, hidden=args.hidden, n_out=10)
@@ -92,7 +97,7 @@ def cmd_train_demo(args):
     inf.load(path)
     acc = float((inf.run({"x": xte})[0].argmax(1) == yte).mean())
     print(f"reloaded {path} into an inference program: test accuracy {acc * 100:.1f}% on {len(xte)} digits")
-    if args.backend == "gpu":
+    if args.backend != "numpy":
         print(tr.memory_report())
     return 0 if acc >= 0.9 else 1
 
@@ -283,7 +288,7 @@ def _main(argv):
     info.set_defaults(fn=cmd_info)
     sub.add_parser("bench", help="benchmark the five workloads against PyTorch (see: meganeura bench --help)")
     d = sub.add_parser("train-demo", help="train a small MLP on the digits, save, reload, evaluate")
-    d.add_argument("--backend", default="gpu", choices=["gpu", "numpy"],
+    d.add_argument("--backend", default="gpu", choices=["gpu", "vulkan", "wgpu", "numpy"],
                    help="gpu (WGSL through wgpu; lavapipe when there is no GPU) or numpy (the reference)")
     d.add_argument("--epochs", type=int, default=20, help="passes over the training set (default 20)")
     d.add_argument("--batch", type=int, default=64, help="batch size (default 64)")
@@ -301,7 +306,7 @@ def _main(argv):
     gen.add_argument("--top-k", type=int, default=None, help="sample among the k most likely tokens")
     gen.add_argument("--top-p", type=float, default=None, help="sample within the top-p probability mass")
     gen.add_argument("--seed", type=int, default=0, help="sampling seed")
-    gen.add_argument("--backend", default="gpu", choices=["gpu", "numpy"], help="gpu or numpy (the reference)")
+    gen.add_argument("--backend", default="gpu", choices=["gpu", "vulkan", "wgpu", "numpy"], help="gpu (vulkan or wgpu, see MEGANEURA_BACKEND), vulkan, wgpu or numpy (the reference)")
     gen.add_argument("--precision", default="strict", choices=["strict", "accelerated"],
                      help="strict: f32 everywhere; accelerated: f16 operands for forward matmuls")
     gen.set_defaults(fn=cmd_generate)

@@ -44,13 +44,14 @@ def environment(backend="gpu") -> dict:
     except Exception as e:
         env["torch"] = {"error": str(e)}
     env["nvidia_smi"] = _nvidia_smi()
-    if backend == "gpu":
+    if backend != "numpy":
         try:
-            from ..runtime import get_device
-            dev = get_device()
+            from ..runtime.backends import get_runtime_device, resolve
+            env["runtime"] = resolve(backend)        # the GPU runtime that ran: vulkan or wgpu
+            dev = get_runtime_device(env["runtime"])
             env["adapter"] = {**{k: v for k, v in dev.adapter_info.items() if isinstance(v, (str, int, float))},
                               "driver": dev.adapter_info.get("description"), "is_software": dev.is_software,
-                              "trusted_shaders": dev.trusted, "features": sorted(dev.features),
+                              "trusted_shaders": getattr(dev, "trusted", True), "features": sorted(dev.features),
                               "max_buffer_size": dev.limits.get("max-buffer-size")}
         except Exception as e:
             env["adapter"] = {"error": str(e)}
