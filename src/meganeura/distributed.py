@@ -26,6 +26,7 @@ it only when used, and ``import meganeura`` never does.
 """
 from __future__ import annotations
 
+import atexit
 import datetime
 import hashlib
 import os
@@ -160,6 +161,8 @@ def init(timeout_s: float = DEFAULT_TIMEOUT_S) -> Context:
                 raise DistributedError(f"rank {rank} of {world}: could not join the process group at "
                                        f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')} "
                                        f"within {timeout_s:g} s: {e}") from e
+        # leave the group before the interpreter tears down (Gloo's threads abort otherwise)
+        atexit.register(shutdown)
     _context = Context(rank, world, local, adapter, float(timeout_s))
     return _context
 
