@@ -132,7 +132,7 @@ def select_adapter(local_rank: int) -> str:
                                f"mg.distributed.init() before anything uses the GPU")
     if current is None:
         devmod._device = devmod.Device(chosen)
-    return devmod.adapter_summary(chosen)["name"]
+    return f"[{adapters.index(chosen)}] {devmod.adapter_summary(chosen)['name']}"
 
 
 def init(timeout_s: float = DEFAULT_TIMEOUT_S) -> Context:
