@@ -404,7 +404,8 @@ class DataParallel:
 
     # ---------------------------------------------------------------------------- stepping
     def reset_timings(self):
-        self.timings = dict.fromkeys(TIMING_KEYS, 0.0)
+        self.timings = dict.fromkeys(TIMING_KEYS, 0.0)      # the last finished update's
+        self._current = dict.fromkeys(TIMING_KEYS, 0.0)     # the update under way
         self.timing_totals = dict.fromkeys(TIMING_KEYS, 0.0)
         self.updates_timed = 0
 
@@ -422,19 +423,20 @@ class DataParallel:
             feeds = s._feeds(feeds)
             t0 = time.perf_counter()
             if s.micro_done == 0:
-                self.timings = dict.fromkeys(TIMING_KEYS, 0.0)
+                self._current = dict.fromkeys(TIMING_KEYS, 0.0)
             if s.micro_done + 1 < self.accumulate:
                 loss = float(s.executor.execute(feeds, "micro")[-1])
                 s.micro_done += 1
                 self._loss_sum += loss
-                self.timings["compute"] += time.perf_counter() - t0
-                self.timings["total"] += time.perf_counter() - t0
+                self._current["compute"] += time.perf_counter() - t0
+                self._current["total"] += time.perf_counter() - t0
                 return loss
             loss = self._reduce_step(feeds)
             self._update()
             s.micro_done = 0
             s.steps_done += 1
-            self.timings["total"] += time.perf_counter() - t0
+            self._current["total"] += time.perf_counter() - t0
+            self.timings = self._current
             for k in TIMING_KEYS:
                 self.timing_totals[k] += self.timings[k]
             self.updates_timed += 1
@@ -444,7 +446,7 @@ class DataParallel:
         """The last micro-step: its segments are submitted at once; each bucket is read back
         when its segment has run and all-reduced asynchronously; then the sums are uploaded."""
         import wgpu
-        ex, dev, tm = self.session.executor, self.session.executor.dev, self.timings
+        ex, dev, tm = self.session.executor, self.session.executor.dev, self._current
         plan = ex.plan(self.phase)
         t = time.perf_counter()
         ex.upload(feeds)
@@ -500,7 +502,7 @@ class DataParallel:
         feeds = {k: np.asarray(v, np.float32) for k, v in scal.items() if k in s.graph.inputs}
         s.executor.execute(feeds, "update")
         s.executor.dev.sync()
-        self.timings["update"] += time.perf_counter() - t
+        self._current["update"] += time.perf_counter() - t
 
     # ------------------------------------------------------------------ checkpoints, state
     def save(self, path, include_optimizer=True):
