@@ -43,7 +43,8 @@ def write_batches(out_dir):
 
 
 def _optimizer():
-    return mg.optim.AdamW(lr=LR, schedule=mg.optim.cosine(total_steps=STEPS, warmup_steps=1))
+    # clipping by the global norm: of the averaged gradients, as one process clips its own
+    return mg.optim.AdamW(lr=LR, clip_grad_norm=1.0, schedule=mg.optim.cosine(total_steps=STEPS, warmup_steps=1))
 
 
 # ------------------------------------------------------------------------- worker processes
@@ -184,6 +185,33 @@ def test_ranks_with_different_graphs_are_refused(trained):
         assert msg.startswith("ranks disagree on the graph")
         assert "rank 0: 4 parameters (2410 values)" in msg and "rank 1: 4 parameters (3010 values)" in msg
         assert "first differing parameter: rank 0 '0.weight' (32, 64), rank 1 '0.weight' (40, 64)" in msg
+
+
+def test_alone_the_session_trains_as_a_plain_one(monkeypatch):
+    """Without torchrun's environment: a world of one, the same readback, upload and
+    update path, no communication."""
+    from meganeura import distributed as dist
+    for var in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):
+        monkeypatch.delenv(var, raising=False)
+    xs, ys = global_batches()
+    try:
+        ctx = dist.init()
+        assert (ctx.rank, ctx.world_size) == (0, 1)
+        g, _, _, _, loss = build_mlp(2 * BATCH, 64, HIDDEN, 10)
+        with dist.compile(g, loss, _optimizer(), accumulate=2, seed=3, bucket_mb=0.004) as s:
+            assert len(s.buckets) > 1
+            got = [s.step({"x": xs[i], "labels": ys[i]}) for i in range(4)]
+            state = s.state_dict()
+            assert s.updates_timed == 2 and s.timings["total"] > 0
+        g, _, _, _, loss = build_mlp(2 * BATCH, 64, HIDDEN, 10)
+        with mg.compile(g, loss=loss, optimizer=_optimizer(), accumulate=2, seed=3, backend="gpu") as ref:
+            want = [ref.step({"x": xs[i], "labels": ys[i]}) for i in range(4)]
+            ref_state = ref.state_dict()
+    finally:
+        dist.shutdown()
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+    for name in ref_state:
+        np.testing.assert_allclose(state[name], ref_state[name], rtol=1e-6, atol=1e-7, err_msg=name)
 
 
 def test_shard_helpers():
