@@ -15,8 +15,8 @@ trains on its own share of every batch::
     s.save("model.safetensors")                    # rank 0 writes it; every rank can load it
 
 A step runs forward and backward on the device, copies the gradients to the host in
-buckets as soon as the kernels that write them have run (the step is submitted in segments,
-one per bucket), all-reduces each bucket with an asynchronous Gloo collective while later
+buckets as soon as the kernels that write them have run (the step is submitted in segments
+that end where a bucket is final), all-reduces each bucket with an asynchronous Gloo collective while later
 buckets are still being computed or copied, uploads the sums and runs the optimizer update
 (the session's "update" phase) with them scaled to the mean. Gloo runs on CPU tensors,
 between processes and machines; see docs/distributed.md for why it was chosen.
@@ -393,14 +393,32 @@ class DataParallel:
             groups = box[0]
         self.buckets = [_Bucket(ex.dev, torch, [(n, locs[n], ready[n]) for n in g],
                                 extra=1 if k == len(groups) - 1 else 0) for k, g in enumerate(groups)]
-        # the step is submitted in segments: the k-th ends where bucket k's gradients are final
-        cuts, c = [], 0
-        for b in self.buckets:
-            c = max(c, b.ready_after + 1)
-            cuts.append(c)
+        # the step is submitted in segments, each ending where a bucket's gradients are final
+        # and followed by that bucket's copies (buckets final at the same point share one);
+        # the outputs' copies follow the last. No segment is copies alone: on lavapipe such a
+        # submit blocks until the work before it is done.
         n = len(plan.dispatches)
-        bounds = list(zip([0] + cuts, cuts + [n]))
-        self.segments = [ex.recorder.prepare(plan.dispatches[a:b], plan.names[a:b]) for a, b in bounds]
+        subs, early, early_k = [], [], []       # [start, end, copies, bucket indices]
+        for k, b in enumerate(self.buckets):
+            cut = max(b.ready_after + 1, subs[-1][1] if subs else 0)
+            if subs and subs[-1][1] == cut:
+                subs[-1][2].extend(b.copies)
+                subs[-1][3].append(k)
+            elif cut > 0:
+                subs.append([subs[-1][1] if subs else 0, cut, early + list(b.copies), early_k + [k]])
+                early, early_k = [], []
+            else:                      # final before any dispatch: rides with the first segment
+                early.extend(b.copies)
+                early_k.append(k)
+        end = subs[-1][1] if subs else 0
+        if end < n or not subs:
+            subs.append([end, n, early + list(plan.copies_after), early_k])
+        else:
+            subs[-1][2].extend(early + list(plan.copies_after))
+            subs[-1][3].extend(early_k)
+        self.bucket_submission = {k: i for i, sub in enumerate(subs) for k in sub[3]}
+        self.submissions = [(ex.recorder.prepare(plan.dispatches[a:b], plan.names[a:b]), copies)
+                            for a, b, copies, _ in subs]
 
     # ---------------------------------------------------------------------------- stepping
     def reset_timings(self):
@@ -443,22 +461,31 @@ class DataParallel:
             return loss
 
     def _reduce_step(self, feeds) -> float:
-        """The last micro-step: its segments are submitted at once; each bucket is read back
-        when its segment has run and all-reduced asynchronously; then the sums are uploaded."""
-        import wgpu
+        """The last micro-step: its segments are submitted ahead of the host; each bucket is
+        read back when its segment has run and all-reduced asynchronously while later
+        segments run; then the sums are uploaded."""
         ex, dev, tm = self.session.executor, self.session.executor.dev, self._current
         plan = ex.plan(self.phase)
+        subs, done = self.submissions, []
+        # a software driver runs a submit only once the one before it has finished, so there
+        # one segment is queued ahead of the host; a GPU gets them all at once
+        ahead = 1 if dev.is_software else len(subs)
+
+        def submit_until(i):
+            while len(done) <= min(i, len(subs) - 1):
+                done.append(_submit_segment(dev, *subs[len(done)]))
+
         t = time.perf_counter()
         ex.upload(feeds)
-        for seg, b in zip(self.segments, self.buckets):
-            ex.recorder.run(seg, copies_after=b.copies)
-        ex.recorder.run(self.segments[-1], copies_after=plan.copies_after)
+        submit_until(ahead - 1)
         tm["compute"] += time.perf_counter() - t
         loss = None
         for k, b in enumerate(self.buckets):
             t = time.perf_counter()
+            j = self.bucket_submission[k]
+            submit_until(j + ahead)
             size = 4 * max(b.n, 1)
-            b.staging.map_sync(wgpu.MapMode.READ, 0, size)
+            _map_after(dev, b.staging, size, done[j])   # its segment, not the whole step
             t1 = time.perf_counter()
             try:
                 b.host_np[:b.n] = np.frombuffer(b.staging.read_mapped(0, size, copy=False), np.float32, count=b.n)
@@ -468,6 +495,7 @@ class DataParallel:
             tm["compute"] += t1 - t
             tm["readback"] += t2 - t1
             if k == len(self.buckets) - 1:     # the loss rides with the last bucket
+                submit_until(len(subs) - 1)
                 st, (_, _, nb, dt, shape) = plan.staging[-1], plan.fetch_locs[-1]
                 loss = float(dev.read_staging(st, nb, dt, shape))
                 self._loss_sum += loss
@@ -531,6 +559,41 @@ class DataParallel:
 
     def __exit__(self, *exc):
         self.close()
+
+
+def _submit_segment(dev, step, copies) -> int:
+    """Record a PreparedStep and the copies after it into one pass and submit it; returns
+    the submission index (``_wait_for_submission`` waits for it alone)."""
+    from wgpu.backends.wgpu_native._ffi import ffi, lib
+
+    from .runtime.recorder import StepRecorder, _norm_copy
+    enc = dev.raw.create_command_encoder()
+    if step.ops:
+        cpass = enc.begin_compute_pass()
+        StepRecorder._record(cpass._internal, step.ops)
+        cpass.end()
+    for c in copies:
+        src, so, dst, do, n = _norm_copy(c)
+        enc.copy_buffer_to_buffer(src, so, dst, do, n)
+    cb = enc.finish()
+    handles = ffi.new("WGPUCommandBuffer[]", [cb._internal])
+    with dev.queue_lock:
+        return int(lib.wgpuQueueSubmitForIndex(dev.queue._internal, 1, handles))
+
+
+def _map_after(dev, staging, size, index):
+    """Map ``staging`` for reading once submission ``index`` (which fills it) has run.
+
+    ``map_sync`` would wait for every submission, later segments included (wgpu-py's poll
+    thread polls for all of them), and first submits an empty command buffer, which a
+    software driver runs only after the work before it: either would stop later segments
+    from overlapping the all-reduce of earlier buckets. So the map is requested without
+    that submit and this thread polls for submission ``index`` alone, which also delivers
+    the map's callback."""
+    from wgpu.backends.wgpu_native._ffi import ffi, lib
+    promise = staging.map_async("READ_NOSYNC", 0, size)
+    lib.wgpuDevicePoll(dev.handle, True, ffi.new("WGPUSubmissionIndex *", index))
+    promise.sync_wait()
 
 
 def _torch_or_none():
