@@ -131,7 +131,8 @@ def select_adapter(local_rank: int) -> str:
                                f"but this process already opened {current.name!r}: call "
                                f"mg.distributed.init() before anything uses the GPU")
     if current is None:
-        devmod._device = devmod.Device(chosen)
+        with devmod._device_lock:         # what get_device() will return from now on
+            devmod._device = devmod.Device(chosen)
     return f"[{adapters.index(chosen)}] {devmod.adapter_summary(chosen)['name']}"
 
 
