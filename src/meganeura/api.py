@@ -22,6 +22,9 @@ from .graph import Graph, Tensor, cast_exact, fmt_shape
 from .optim import SCALAR_PREFIX, Optimizer
 
 BACKENDS = ("numpy", "gpu", "vulkan", "wgpu")   # "gpu": the Vulkan backend or wgpu, see runtime.backends
+# inputs of the "update" phase (``separate_update``): per parameter its gradient, and the scale
+GRAD_FEED = SCALAR_PREFIX + "grad."
+GRAD_SCALE = "grad_scale"
 PRECISIONS = ("strict", "accelerated")
 
 
@@ -101,8 +104,9 @@ class Program:
     """What a backend compiles: the graph and, per phase, what is fetched and updated.
 
     Phases: "run" (inference; applies ``state_updates`` such as a KV cache), "grads"
-    (forward + backward), "step" (forward + backward + optimizer update) and "micro"
-    (a gradient-accumulation step that only adds into the accumulators)."""
+    (forward + backward), "step" (forward + backward + optimizer update), "micro"
+    (a gradient-accumulation step that only adds into the accumulators) and "update"
+    (the optimizer update alone, from gradients fed as inputs: data-parallel training)."""
 
     def __init__(self, graph: Graph, fetches: list[Tensor], grads: dict, updates: dict):
         from .reference import needed_nodes
@@ -125,8 +129,9 @@ class Program:
         # only "grads" keeps its gradients: a step's die in its own update, so they are
         # intermediates the memory planner may place over dead activations
         grad_names = list(self.grads) if phase == "grads" else []
+        fetches = [] if phase == "update" else self.fetches     # no forward pass in an update
         upd = [(t.name, v) for t, v in self.updates.get(phase, {}).items()]
-        return self.fetches, grad_names, upd, self.fetches + [self.grads[n] for n in grad_names] + [v for _, v in upd]
+        return fetches, grad_names, upd, fetches + [self.grads[n] for n in grad_names] + [v for _, v in upd]
 
 
 def _locked(method):
@@ -144,7 +149,7 @@ class Session:
     """A compiled graph on one backend. See ``mg.compile``."""
 
     def __init__(self, graph, outputs, loss, optimizer, backend, precision, seed, accumulate=1, state_updates=None,
-                 share_with=None, detect_anomaly=None):
+                 share_with=None, detect_anomaly=None, separate_update=False):
         if backend not in BACKENDS:
             raise ValueError(f"unknown backend {backend!r}; choose one of {BACKENDS}")
         if precision not in PRECISIONS:
@@ -186,6 +191,15 @@ class Session:
                     updates["step"].update({a: a * 0.0 for a in accs})
                 else:
                     updates["step"] = optimizer.build(params, gs)
+                if separate_update:
+                    # the "update" phase: gradients summed elsewhere (other processes) come in
+                    # as inputs and are scaled by a fed scalar (1 / number of gradients summed)
+                    scale = optimizer.scalar(graph, GRAD_SCALE)
+                    fed = [graph.inputs.get(GRAD_FEED + p.name) or graph.input(GRAD_FEED + p.name, p.shape, p.dtype)
+                           for p in params]
+                    updates["update"] = optimizer.build(params, [f * scale for f in fed])
+                    if self.accumulate > 1:
+                        updates["update"].update({a: a * 0.0 for a in accs})
         fetches = self.outputs + ([loss] if loss is not None else [])
         self.program = Program(graph, fetches, grads, updates)
         used = self.program.used

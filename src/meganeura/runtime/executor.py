@@ -55,14 +55,17 @@ class Plan:
             err = Buf(8 * n, "temp", "index_errors")
             phys[err] = self.error_buf = dev.create_buffer(8 * n, label="index_errors")
             self.error_zeros = np.zeros(2 * n, np.uint32)
-        dispatches = []
+        dispatches, self.writes = [], []
         for d in kp.dispatches:
             wgsl, bufs = d.wgsl, d.bufs
             if checked and d.kernel.spec.get("checks"):
                 wgsl, bufs, _ = render(d.kernel, errors=(err, len(self.checks)))
                 self.checks += [(c, d.kernel.name) for c in d.kernel.spec["checks"]]
             pipe = dev.pipeline(wgsl, label=d.kernel.name)   # access parsed from the declarations
-            dispatches.append((pipe, dev.bind_group(pipe, [phys[b] for b in bufs]), d.groups))
+            bound = [phys[b] for b in bufs]
+            # buffers each dispatch may write: a value is final after the last one that does
+            self.writes.append([buf for buf, acc in zip(bound, pipe.access) if acc == "rw"])
+            dispatches.append((pipe, dev.bind_group(pipe, bound), d.groups))
         self.names = kp.names
         self.n_dispatches = kp.n_dispatches
         self.step = ex.recorder.prepare(dispatches, self.names)
@@ -74,6 +77,7 @@ class Plan:
         locs = [(phys[b], off, nb, dt, shape) for b, off, nb, dt, shape in kp.target_locs]
         self.fetch_locs = locs[:n_fetch]
         self.grad_locs = dict(zip(grad_names, locs[n_fetch:n_fetch + len(grad_names)]))
+        self.update_locs = {name: loc for (name, _), loc in zip(updates, locs[n_fetch + len(grad_names):])}
         self.copies_after = []
         for (name, _), (buf, off, n, _, _) in zip(updates, locs[n_fetch + len(grad_names):]):
             dst = ex.named_buffer(name, n)

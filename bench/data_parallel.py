@@ -1,0 +1,199 @@
+"""Data-parallel training throughput: SmolLM2-135M on N GPUs (mg.distributed) against one.
+
+    torchrun --standalone --nproc_per_node 2 bench/data_parallel.py --size real
+    torchrun --standalone --nproc_per_node 2 bench/data_parallel.py --size small --out /tmp/dp   # smoke test
+
+For each accumulation (``--accumulate``, default 1,4,16): rank 0 first trains alone with
+an ordinary session (forward, backward and update in one submit per micro-step, AdamW) while
+the other ranks wait, then every rank trains with ``mg.distributed.compile`` on its own
+micro-batch of ``--batch`` sequences of ``--seq`` tokens. Throughput is tokens per second
+over whole updates (accumulate micro-steps and one update; N GPUs process N times the
+tokens per update). The breakdown is host seconds per update by stage, as the session
+measures it (compute = waiting for the GPU, readback = copying gradients out of mapped
+memory, allreduce = waiting for Gloo beyond what overlapped, upload, update); ``allreduce
+alone`` times the same buckets all-reduced with nothing else running: the communication
+that overlap has to hide.
+
+Prints a table (rank 0) and writes ``data_parallel.json`` and ``data_parallel.md`` into
+``--out`` (default bench/results/h200x2/). ``--size small`` is a 2-layer model that runs
+on a software driver in seconds.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
+import meganeura as mg  # noqa: E402
+from meganeura import distributed as dist  # noqa: E402
+from meganeura.models import llama  # noqa: E402
+
+SIZES = {   # config, tokens per sequence, sequences per micro-batch, bucket megabytes
+    "real": (llama.LlamaConfig.smollm2_135m, 128, 8, dist.DEFAULT_BUCKET_MB),
+    "small": (llama.LlamaConfig.tiny, 16, 2, 0.01),
+}
+STAGES = ("compute", "readback", "allreduce", "upload", "update")
+
+
+def log(ctx, *msg):
+    if ctx.rank == 0:
+        print(*msg, file=sys.stderr, flush=True)
+
+
+def batches(cfg, batch, seq, seed):
+    """Deterministic token ids and labels, another stream per rank."""
+    rng = np.random.default_rng(seed)
+    while True:
+        yield {"input_ids": rng.integers(0, cfg.vocab_size, (batch, seq)).astype(np.int32),
+               "labels": rng.integers(0, cfg.vocab_size, (batch, seq)).astype(np.int32)}
+
+
+def time_updates(step, data, accumulate, warmup, updates, on_warm=None):
+    """Seconds per update (accumulate micro-steps each) after ``warmup`` updates."""
+    for _ in range(warmup * accumulate):
+        step(next(data))
+    if on_warm is not None:
+        on_warm()
+    samples = []
+    for _ in range(updates):
+        t = time.perf_counter()
+        for _ in range(accumulate):
+            loss = step(next(data))
+        samples.append(time.perf_counter() - t)
+    if not np.isfinite(loss):
+        raise FloatingPointError(f"loss is {loss} after {warmup + updates} updates")
+    return samples
+
+
+def single_gpu(cfg, args, k):
+    g, _, _, loss = llama.build_training(cfg, args.batch, args.seq)
+    with mg.compile(g, loss=loss, optimizer=mg.optim.AdamW(lr=1e-4), accumulate=k, backend="gpu") as s:
+        return time_updates(s.step, batches(cfg, args.batch, args.seq, 0), k, args.warmup, args.updates)
+
+
+def data_parallel(ctx, cfg, args, k):
+    g, _, _, loss = llama.build_training(cfg, args.batch, args.seq)
+    with dist.compile(g, loss, mg.optim.AdamW(lr=1e-4), accumulate=k, bucket_mb=args.bucket_mb) as s:
+        samples = time_updates(s.step, batches(cfg, args.batch, args.seq, 1 + ctx.rank), k, args.warmup,
+                               args.updates, on_warm=s.reset_timings)
+        per_update = {key: v / max(s.updates_timed, 1) for key, v in s.timing_totals.items()}
+        alone = allreduce_alone(ctx, s, args.updates)
+        n_buckets, grad_mb = len(s.buckets), sum(b.n for b in s.buckets) * 4 / 2 ** 20
+    return samples, per_update, alone, n_buckets, grad_mb
+
+
+def allreduce_alone(ctx, s, repeats):
+    """Median seconds to all-reduce the session's buckets (launched together, then waited)."""
+    if ctx.world_size == 1:
+        return 0.0
+    import torch.distributed as tdist
+    out = []
+    for _ in range(repeats):
+        dist.barrier(ctx)
+        t = time.perf_counter()
+        works = [tdist.all_reduce(b.host, async_op=True) for b in s.buckets]
+        for w in works:
+            w.wait()
+        out.append(time.perf_counter() - t)
+    return statistics.median(out)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--size", choices=sorted(SIZES), default="real")
+    ap.add_argument("--accumulate", default="1,4,16", help="comma-separated accumulation counts")
+    ap.add_argument("--batch", type=int, help="sequences per micro-batch per GPU (real: 8, small: 2)")
+    ap.add_argument("--seq", type=int, help="tokens per sequence (real: 128, small: 16)")
+    ap.add_argument("--bucket-mb", type=float, help="gradient megabytes per all-reduce (real: 25)")
+    ap.add_argument("--warmup", type=int, default=2, help="updates before timing")
+    ap.add_argument("--updates", type=int, default=5, help="timed updates per setting")
+    ap.add_argument("--no-single", action="store_true", help="skip the one-GPU baseline")
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "h200x2"))
+    ap.add_argument("--timeout", type=float, default=3600.0, help="collective timeout, seconds")
+    args = ap.parse_args(argv)
+    make_cfg, seq, batch, bucket = SIZES[args.size]
+    args.seq, args.batch = args.seq or seq, args.batch or batch
+    args.bucket_mb = args.bucket_mb or bucket
+    accs = [int(a) for a in args.accumulate.split(",")]
+    ctx = dist.init(timeout_s=args.timeout)
+    cfg = make_cfg()
+    dev = mg.runtime.get_device()
+    mine = f"{ctx.adapter} ({dev.adapter_info['backend']})"
+    devices = [mine] * ctx.world_size
+    if ctx.world_size > 1:
+        import torch.distributed as tdist
+        tdist.all_gather_object(devices, mine)
+    log(ctx, f"data-parallel SmolLM2 ({args.size}): {ctx.world_size} rank(s) on {devices}; micro-batch "
+             f"{args.batch} x {args.seq} tokens per GPU, accumulate {accs}")
+    rows = []
+    for k in accs:
+        row = {"accumulate": k}
+        if not args.no_single:
+            if ctx.rank == 0:
+                log(ctx, f"accumulate {k}: one GPU ...")
+                row["single_s"] = single_gpu(cfg, args, k)
+            dist.barrier(ctx)
+        log(ctx, f"accumulate {k}: {ctx.world_size} GPU(s) ...")
+        samples, per_update, alone, n_buckets, grad_mb = data_parallel(ctx, cfg, args, k)
+        every = [None] * ctx.world_size
+        if ctx.world_size > 1:
+            import torch.distributed as tdist
+            tdist.all_gather_object(every, {"samples": samples, "stages": per_update})
+        else:
+            every = [{"samples": samples, "stages": per_update}]
+        tokens = k * args.batch * args.seq
+        dp_s = statistics.median(samples)
+        row.update(parallel_s=samples, ranks=every, allreduce_alone_s=alone, buckets=n_buckets,
+                   grad_mb=grad_mb, tokens_per_update_per_gpu=tokens,
+                   parallel_tokens_per_s=ctx.world_size * tokens / dp_s)
+        if "single_s" in row:
+            row["single_tokens_per_s"] = tokens / statistics.median(row["single_s"])
+            row["speedup"] = row["parallel_tokens_per_s"] / row["single_tokens_per_s"]
+        rows.append(row)
+    if ctx.rank == 0:
+        report(ctx, args, devices, rows)
+    dist.shutdown()
+
+
+def report(ctx, args, devices, rows):
+    n = ctx.world_size
+    head = (f"| accumulate | 1 GPU tokens/s | {n} GPUs tokens/s | speedup | ms per update: "
+            + " | ".join(STAGES) + " | total | all-reduce alone ms |")
+    lines = [f"SmolLM2 ({args.size}) data-parallel training on {n} x {devices[0]}; micro-batch "
+             f"{args.batch} x {args.seq} tokens per GPU, AdamW, strict f32, median of {args.updates} updates; "
+             f"stage times: mean over ranks of host ms per update", "", head,
+             "|" + "---|" * (head.count("|") - 1)]
+    for r in rows:
+        st = {key: statistics.mean(e["stages"][key] for e in r["ranks"]) * 1e3 for key in STAGES + ("total",)}
+        single = f"{r['single_tokens_per_s']:.0f}" if "single_tokens_per_s" in r else "-"
+        speed = f"{r['speedup']:.2f}x" if "speedup" in r else "-"
+        lines.append(f"| {r['accumulate']} | {single} | {r['parallel_tokens_per_s']:.0f} | {speed} | "
+                     + " | ".join(f"{st[key]:.1f}" for key in STAGES)
+                     + f" | {st['total']:.1f} | {r['allreduce_alone_s'] * 1e3:.1f} |")
+    lines.append("")
+    lines.append(f"gradients: {rows[0]['grad_mb']:.1f} MiB in {rows[0]['buckets']} bucket(s) of at most "
+                 f"{args.bucket_mb:g} MiB")
+    text = "\n".join(lines)
+    print(text)
+    import torch
+    out = dict(workload="smollm2", size=args.size, world_size=n, devices=devices, batch=args.batch, seq=args.seq,
+               bucket_mb=args.bucket_mb, warmup=args.warmup, updates=args.updates, rows=rows,
+               host=dict(python=sys.version.split()[0], platform=platform.platform(), numpy=np.__version__,
+                         torch=torch.__version__, backend="gloo"))
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "data_parallel.json"), "w") as f:
+        json.dump(out, f, indent=1, default=float)
+    with open(os.path.join(args.out, "data_parallel.md"), "w") as f:
+        f.write(text + "\n")
+    print(f"wrote {os.path.join(args.out, 'data_parallel.json')} and data_parallel.md", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()

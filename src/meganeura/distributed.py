@@ -1,0 +1,633 @@
+"""Data-parallel training: one process per GPU, gradients averaged by torch.distributed.
+
+Launch one process per GPU with PyTorch's launcher; each process builds the same graph and
+trains on its own share of every batch::
+
+    torchrun --nproc_per_node 2 train.py          # one machine, two GPUs
+    torchrun --nnodes 2 --node_rank 0 --master_addr HOST --nproc_per_node 2 train.py
+
+    import meganeura as mg
+    from meganeura import distributed as dist
+    ctx = dist.init()                              # joins the group; picks this process's GPU
+    s = dist.compile(g, loss=loss, optimizer=mg.optim.AdamW(lr=1e-3), accumulate=4)
+    for xb, yb in batches:
+        s.step(dist.shard({"x": xb, "labels": yb}))
+    s.save("model.safetensors")                    # rank 0 writes it; every rank can load it
+
+A step runs forward and backward on the device, copies the gradients to the host in
+buckets as soon as the kernels that write them have run (the step is submitted in segments
+that end where a bucket is final), all-reduces each bucket with an asynchronous Gloo collective while later
+buckets are still being computed or copied, uploads the sums and runs the optimizer update
+(the session's "update" phase) with them scaled to the mean. Gloo runs on CPU tensors,
+between processes and machines; see docs/distributed.md for why it was chosen.
+
+torch is an optional extra (``pip install 'meganeura[distributed]'``); this module imports
+it only when used, and ``import meganeura`` never does.
+"""
+from __future__ import annotations
+
+import atexit
+import datetime
+import hashlib
+import os
+import time
+import warnings
+import zlib
+
+import numpy as np
+
+from .api import GRAD_FEED, GRAD_SCALE, Session
+from .graph import Graph, Tensor
+from .optim import SCALAR_PREFIX
+
+DEFAULT_TIMEOUT_S = 300.0     # a collective that waits longer than this fails (a rank died or hangs)
+DEFAULT_BUCKET_MB = 25.0      # gradient bytes per all-reduce (as torch's DistributedDataParallel)
+TIMING_KEYS = ("compute", "readback", "allreduce", "upload", "update", "total")
+
+
+class DistributedError(RuntimeError):
+    """A collective failed or timed out (another rank exited or hangs), or the ranks
+    disagree on the program they train."""
+
+
+def _torch_dist():
+    try:
+        import torch
+        import torch.distributed as tdist
+    except ImportError as e:
+        raise ImportError("mg.distributed needs torch.distributed: pip install 'meganeura[distributed]'") from e
+    if not tdist.is_available() or not tdist.is_gloo_available():
+        raise ImportError("this torch build has no torch.distributed with the Gloo backend")
+    return torch, tdist
+
+
+# ----------------------------------------------------------------------------- process group
+class Context:
+    """This process's place in the group: rank, world_size, local_rank (its index on its
+    machine), the adapter it uses, and the collective timeout in seconds."""
+
+    def __init__(self, rank, world_size, local_rank, adapter, timeout_s):
+        self.rank, self.world_size, self.local_rank = rank, world_size, local_rank
+        self.adapter, self.timeout_s = adapter, timeout_s
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    def __repr__(self):
+        return (f"Context(rank={self.rank}, world_size={self.world_size}, local_rank={self.local_rank}, "
+                f"adapter={self.adapter!r})")
+
+
+_context: Context | None = None
+
+
+def _env_int(name, default=None):
+    v = os.environ.get(name)
+    if v is None or v.strip() == "":
+        if default is None:
+            raise DistributedError(f"${name} is not set: launch with torchrun (it sets RANK, WORLD_SIZE, "
+                                   f"LOCAL_RANK, MASTER_ADDR and MASTER_PORT)")
+        return default
+    if not v.strip().isdigit():
+        raise DistributedError(f"${name}={v!r} is not a non-negative integer")
+    return int(v)
+
+
+def select_adapter(local_rank: int) -> str:
+    """Make this process use the GPU of its local rank, before the runtime opens a device.
+
+    The candidates are the adapters of the kind the runtime would pick by itself (Vulkan
+    before other backends, hardware before software), in the order wgpu lists them; local
+    rank r takes the r-th (wrapping round, with a warning, when there are fewer). With one
+    adapter (lavapipe) every rank uses it. ``$MEGANEURA_ADAPTER`` set by the user wins: one
+    selector for all ranks, or a comma-separated list indexed by local rank. Returns the
+    adapter's name."""
+    from .runtime import device as devmod
+    adapters = devmod.enumerate_adapters()
+    sel = os.environ.get("MEGANEURA_ADAPTER", "").strip()
+    if "," in sel:
+        choices = [c.strip() for c in sel.split(",")]
+        if local_rank >= len(choices):
+            raise DistributedError(f"MEGANEURA_ADAPTER={sel!r} names {len(choices)} adapters, "
+                                   f"but this process has local rank {local_rank}")
+        chosen = devmod.choose_adapter(adapters, choices[local_rank])
+    elif sel:
+        chosen = devmod.choose_adapter(adapters, sel)
+    else:
+        def kind(a):
+            return (devmod.adapter_summary(a)["backend"] != "Vulkan", devmod.is_software_adapter(a))
+        best = min(kind(a) for a in adapters) if adapters else None
+        candidates = [a for a in adapters if kind(a) == best]
+        if not candidates:
+            devmod.choose_adapter(adapters)      # raises its own clear error
+        if local_rank >= len(candidates) and not best[1]:
+            warnings.warn(f"local rank {local_rank}: only {len(candidates)} GPU(s) on this machine; "
+                          f"ranks share GPU {local_rank % len(candidates)}")
+        chosen = candidates[local_rank % len(candidates)]
+    current = devmod._device
+    if current is not None and current.adapter is not chosen:
+        raise DistributedError(f"local rank {local_rank} should use {devmod.adapter_summary(chosen)['name']!r}, "
+                               f"but this process already opened {current.name!r}: call "
+                               f"mg.distributed.init() before anything uses the GPU")
+    if current is None:
+        with devmod._device_lock:         # what get_device() will return from now on
+            devmod._device = devmod.Device(chosen)
+    return f"[{adapters.index(chosen)}] {devmod.adapter_summary(chosen)['name']}"
+
+
+def init(timeout_s: float = DEFAULT_TIMEOUT_S) -> Context:
+    """Join the process group that torchrun describes ($RANK, $WORLD_SIZE, $LOCAL_RANK,
+    $MASTER_ADDR, $MASTER_PORT) on the Gloo backend and pick this process's GPU by local
+    rank. Without $WORLD_SIZE the process trains alone (world size 1, no communication).
+    ``timeout_s``: how long a collective may wait for the other ranks before failing."""
+    global _context
+    if _context is not None:
+        return _context
+    if timeout_s <= 0:
+        raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+    world = _env_int("WORLD_SIZE", 1)
+    rank = _env_int("RANK", 0 if world == 1 else None)
+    local = _env_int("LOCAL_RANK", rank if world == 1 else None)
+    if not 0 <= rank < world:
+        raise DistributedError(f"$RANK={rank} is outside 0..{world - 1} ($WORLD_SIZE={world})")
+    adapter = select_adapter(local)
+    if world > 1:
+        _, tdist = _torch_dist()
+        if not tdist.is_initialized():
+            try:
+                tdist.init_process_group("gloo", rank=rank, world_size=world,
+                                         timeout=datetime.timedelta(seconds=timeout_s))
+            except Exception as e:
+                raise DistributedError(f"rank {rank} of {world}: could not join the process group at "
+                                       f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')} "
+                                       f"within {timeout_s:g} s: {e}") from e
+        # leave the group before the interpreter tears down (Gloo's threads abort otherwise)
+        atexit.register(shutdown)
+    _context = Context(rank, world, local, adapter, float(timeout_s))
+    return _context
+
+
+def shutdown():
+    """Leave the process group (the end of a training script)."""
+    global _context
+    if _context is not None and _context.world_size > 1:
+        _, tdist = _torch_dist()
+        if tdist.is_initialized():
+            tdist.destroy_process_group()
+    _context = None
+
+
+def _ctx(ctx=None) -> Context:
+    return ctx or _context or init()
+
+
+def _collective(ctx, what, fn):
+    """Run a blocking collective, turning a failure (a peer died: the connection closed;
+    or the timeout passed) into a DistributedError that says what was being done."""
+    try:
+        return fn()
+    except DistributedError:
+        raise
+    except Exception as e:
+        raise DistributedError(f"rank {ctx.rank} of {ctx.world_size}: {what} failed: another rank exited or "
+                               f"did not answer within {ctx.timeout_s:g} s ({type(e).__name__}: {e})") from e
+
+
+def barrier(ctx=None):
+    """Wait for every rank (no-op alone)."""
+    ctx = _ctx(ctx)
+    if ctx.world_size > 1:
+        _, tdist = _torch_dist()
+        _collective(ctx, "a barrier", lambda: tdist.barrier())
+
+
+# ------------------------------------------------------------------------------ data sharding
+def shard(batch, ctx=None):
+    """This rank's share of a global batch: each array (or each value of a dict of arrays)
+    split into world_size equal parts along axis 0, part ``rank``. The global batch must
+    divide evenly, so that the mean of the ranks' losses is the loss of the whole batch."""
+    ctx = _ctx(ctx)
+    if isinstance(batch, dict):
+        return {k: shard(v, ctx) for k, v in batch.items()}
+    arr = np.asarray(batch)
+    if arr.ndim == 0 or arr.shape[0] % ctx.world_size:
+        raise ValueError(f"shard: a batch of shape {arr.shape} does not split into {ctx.world_size} equal "
+                         f"parts along axis 0")
+    n = arr.shape[0] // ctx.world_size
+    return arr[ctx.rank * n:(ctx.rank + 1) * n]
+
+
+def shard_indices(n: int, epoch: int = 0, seed: int = 0, shuffle: bool = True, ctx=None) -> np.ndarray:
+    """Indices of this rank's examples for one epoch (as torch's DistributedSampler with
+    drop_last): the same permutation of range(n) on every rank (seeded by seed and epoch),
+    cut to a multiple of world_size, then every world_size-th index from ``rank``."""
+    ctx = _ctx(ctx)
+    order = np.random.default_rng([seed, epoch]).permutation(n) if shuffle else np.arange(n)
+    usable = n - n % ctx.world_size
+    return order[:usable][ctx.rank::ctx.world_size]
+
+
+# ---------------------------------------------------------------------------- plan signature
+def _canon(v):
+    """A stable text for an attribute value (arrays by shape, dtype and checksum)."""
+    if isinstance(v, np.ndarray):
+        return f"array{v.shape}{v.dtype}:{zlib.crc32(np.ascontiguousarray(v).tobytes()):08x}"
+    if isinstance(v, Tensor):
+        return f"tensor#{v.id}"
+    if isinstance(v, (list, tuple)):
+        return "(" + ",".join(_canon(x) for x in v) + ")"
+    if isinstance(v, dict):
+        return "{" + ",".join(f"{k}:{_canon(v[k])}" for k in sorted(v, key=str)) + "}"
+    if v is None or isinstance(v, (bool, int, float, str, np.generic)):
+        return repr(v)
+    return type(v).__name__
+
+
+def plan_signature(session: Session) -> str:
+    """A device-independent hash of what ``session`` trains: every node of its program
+    (op, shape, dtype, name of parameters, inputs and states, attributes, inputs), its
+    accumulation and its optimizer's settings. Equal on ranks that train the same model."""
+    from .reference import needed_nodes
+    prog = session.program
+    targets = [t for _, v in prog.updates.items() for t in v.values()] + prog.fetches + list(prog.grads.values())
+    h = hashlib.sha256()
+    index = {}
+    for t in needed_nodes(targets):
+        index[t.id] = len(index)
+        named = t.op in ("input", "parameter", "state")
+        attrs = {k: v for k, v in t.attrs.items() if k != "init"}
+        h.update(f"{t.op}|{t.shape}|{t.dtype.name}|{t.name if named else ''}|{_canon(attrs)}|"
+                 f"{[index[i.id] for i in t.inputs]};".encode())
+    opt = session.optimizer
+    settings = {k: v for k, v in vars(opt).items() if isinstance(v, (int, float, bool, str, type(None)))}
+    h.update(f"accumulate={session.accumulate}|{type(opt).__name__}|{_canon(settings)}".encode())
+    return h.hexdigest()
+
+
+# ------------------------------------------------------------------------------ the session
+class _Bucket:
+    """Gradients all-reduced together: their device locations, one staging buffer, one
+    host tensor (torch) that the collective reduces in place, and the dispatch after which
+    all of them are final."""
+
+    def __init__(self, dev, torch, entries, extra=0):
+        self.names = [n for n, _, _ in entries]
+        self.locs = [loc for _, loc, _ in entries]
+        self.ready_after = max((last for _, _, last in entries), default=-1)
+        self.offsets, off = [], 0
+        for _, (_, _, nb, _, _), _ in entries:
+            self.offsets.append(off)
+            off += nb // 4
+        self.n = off
+        self.staging = dev.create_buffer(4 * max(self.n, 1), "staging", label="grad_bucket")
+        self.host_np = np.zeros(self.n + extra, np.float32)
+        self.host = torch.from_numpy(self.host_np) if torch is not None else None   # the same memory
+        self.copies = [(buf, off_b, self.staging, 4 * o, nb)
+                       for (buf, off_b, nb, _, _), o in zip(self.locs, self.offsets)]
+        self.work = None
+
+
+class DataParallel:
+    """A training session replicated on every rank; see ``mg.distributed.compile``.
+
+    ``step(feeds)`` takes this rank's share of the batch and returns this rank's loss;
+    ``mean_loss`` is the mean over ranks (and micro-steps) of the last update's losses.
+    ``timings`` holds the host seconds of the last update by stage (``TIMING_KEYS``:
+    compute = waiting for the GPU, readback = copying gradients out of mapped memory,
+    allreduce = waiting for collectives, upload, update, total); ``timing_totals`` sums
+    them over every update and ``reset_timings`` clears them."""
+
+    def __init__(self, graph: Graph, loss: Tensor, optimizer, accumulate=1, precision="strict", seed=0,
+                 bucket_mb=DEFAULT_BUCKET_MB, ctx=None):
+        self.ctx = ctx = _ctx(ctx)
+        if bucket_mb <= 0:
+            raise ValueError(f"bucket_mb must be > 0, got {bucket_mb}")
+        if loss is None or optimizer is None:
+            raise ValueError("mg.distributed.compile: give loss= and optimizer= (data-parallel training)")
+        # segment submission and per-segment mapping are written against wgpu's queue
+        self.session = Session(graph, None, loss, optimizer, "wgpu", precision, seed, accumulate,
+                               separate_update=True)
+        self.accumulate = self.session.accumulate
+        self.torch, self.tdist = _torch_dist() if ctx.world_size > 1 else (_torch_or_none(), None)
+        self.check_same_program()
+        self.broadcast_values()
+        ex = self.session.executor
+        self.phase = "micro" if self.accumulate > 1 else "grads"
+        plan = ex.plan(self.phase)
+        ex.plan("update")
+        self._build_buckets(plan, bucket_mb)
+        self.mean_loss = None
+        self._loss_sum = 0.0
+        self.reset_timings()
+
+    # ---------------------------------------------------------------- start-up checks
+    def check_same_program(self):
+        """Raise DistributedError on every rank unless all ranks compiled the same program."""
+        ctx = self.ctx
+        if ctx.world_size == 1:
+            return
+        params = [(n, self.session.graph.parameters[n].shape) for n in self.session.parameter_names]
+        mine = (plan_signature(self.session), len(params), sum(int(np.prod(s)) for _, s in params), params)
+        every = [None] * ctx.world_size
+        _collective(ctx, "comparing the program hash", lambda: self.tdist.all_gather_object(every, mine))
+        if all(e[0] == every[0][0] for e in every):
+            return
+        lines = [f"rank {r}: {e[1]} parameters ({e[2]} values), hash {e[0][:12]}" for r, e in enumerate(every)]
+        diff = ""
+        for r, e in enumerate(every):
+            first = next(((a, b) for a, b in zip(every[0][3], e[3]) if a != b), None)
+            if first is not None:
+                diff = f"; first differing parameter: rank 0 {first[0][0]!r} {first[0][1]}, " \
+                       f"rank {r} {first[1][0]!r} {first[1][1]}"
+                break
+        raise DistributedError("ranks disagree on the graph they train (every rank must build the same "
+                               "model, loss, optimizer and accumulate): " + "; ".join(lines) + diff)
+
+    def broadcast_values(self):
+        """Give every rank rank 0's parameters and optimizer state (in buckets)."""
+        ctx = self.ctx
+        if ctx.world_size == 1:
+            return
+        torch = self.torch
+        state = self.session.state_dict(include_optimizer=True)
+        names = sorted(state)
+        out = {}
+        for group in _chunks(names, lambda n: state[n].nbytes, DEFAULT_BUCKET_MB * 2 ** 20):
+            by_dtype = {}
+            for n in group:
+                by_dtype.setdefault(state[n].dtype, []).append(n)
+            for dt, ns in by_dtype.items():
+                flat = np.concatenate([state[n].reshape(-1) for n in ns]) if ctx.rank == 0 else \
+                    np.empty(sum(state[n].size for n in ns), dt)
+                t = torch.from_numpy(flat)
+                _collective(ctx, "broadcasting the initial weights from rank 0",
+                            lambda: self.tdist.broadcast(t, src=0))
+                off = 0
+                for n in ns:
+                    out[n] = flat[off:off + state[n].size].reshape(state[n].shape).copy()
+                    off += state[n].size
+        if ctx.rank != 0:
+            self.session.assign(out)
+
+    def _build_buckets(self, plan, bucket_mb):
+        """Group the gradients (or, when accumulating, the accumulated sums) into buckets
+        in the order the step finishes them; rank 0's grouping is used by all."""
+        ex, torch = self.session.executor, self.torch
+        if self.accumulate > 1:
+            locs = {n: plan.update_locs[f"{n}.grad_accum"] for n in self.session.program.grads}
+        else:
+            locs = dict(plan.grad_locs)
+        for n, loc in locs.items():
+            if loc[3] != np.float32:
+                raise NotImplementedError(f"mg.distributed: gradient of {n!r} is {loc[3]}, only float32 is "
+                                          f"all-reduced")
+        last = {}
+        for i, bufs in enumerate(plan.writes):
+            for b in bufs:
+                last[id(b)] = i
+        ready = {n: last.get(id(loc[0]), -1) for n, loc in locs.items()}
+        order = sorted(locs, key=lambda n: (ready[n], n))
+        groups = _chunks(order, lambda n: locs[n][2], bucket_mb * 2 ** 20)
+        if self.ctx.world_size > 1:
+            box = [groups]
+            _collective(self.ctx, "sharing the bucket layout", lambda: self.tdist.broadcast_object_list(box, src=0))
+            groups = box[0]
+        self.buckets = [_Bucket(ex.dev, torch, [(n, locs[n], ready[n]) for n in g],
+                                extra=1 if k == len(groups) - 1 else 0) for k, g in enumerate(groups)]
+        # the step is submitted in segments, each ending where a bucket's gradients are final
+        # and followed by that bucket's copies (buckets final at the same point share one);
+        # the outputs' copies follow the last. No segment is copies alone: on lavapipe such a
+        # submit blocks until the work before it is done.
+        n = len(plan.dispatches)
+        subs, early, early_k = [], [], []       # [start, end, copies, bucket indices]
+        for k, b in enumerate(self.buckets):
+            cut = max(b.ready_after + 1, subs[-1][1] if subs else 0)
+            if subs and subs[-1][1] == cut:
+                subs[-1][2].extend(b.copies)
+                subs[-1][3].append(k)
+            elif cut > 0:
+                subs.append([subs[-1][1] if subs else 0, cut, early + list(b.copies), early_k + [k]])
+                early, early_k = [], []
+            else:                      # final before any dispatch: rides with the first segment
+                early.extend(b.copies)
+                early_k.append(k)
+        end = subs[-1][1] if subs else 0
+        if end < n or not subs:
+            subs.append([end, n, early + list(plan.copies_after), early_k])
+        else:
+            subs[-1][2].extend(early + list(plan.copies_after))
+            subs[-1][3].extend(early_k)
+        self.bucket_submission = {k: i for i, sub in enumerate(subs) for k in sub[3]}
+        self.submissions = [(ex.recorder.prepare(plan.dispatches[a:b], plan.names[a:b]), copies)
+                            for a, b, copies, _ in subs]
+
+    # ---------------------------------------------------------------------------- stepping
+    def reset_timings(self):
+        self.timings = dict.fromkeys(TIMING_KEYS, 0.0)      # the last finished update's
+        self._current = dict.fromkeys(TIMING_KEYS, 0.0)     # the update under way
+        self.timing_totals = dict.fromkeys(TIMING_KEYS, 0.0)
+        self.updates_timed = 0
+
+    @property
+    def steps_done(self) -> int:
+        return self.session.steps_done
+
+    def step(self, feeds: dict) -> float:
+        """One micro-step on this rank's share of the batch; every ``accumulate``-th call
+        all-reduces the gradients and updates. Returns this rank's loss."""
+        s = self.session
+        with s._lock:
+            if s.closed:
+                raise RuntimeError("step: this session is closed")
+            feeds = s._feeds(feeds)
+            t0 = time.perf_counter()
+            if s.micro_done == 0:
+                self._current = dict.fromkeys(TIMING_KEYS, 0.0)
+            if s.micro_done + 1 < self.accumulate:
+                loss = float(s.executor.execute(feeds, "micro")[-1])
+                s.micro_done += 1
+                self._loss_sum += loss
+                self._current["compute"] += time.perf_counter() - t0
+                self._current["total"] += time.perf_counter() - t0
+                return loss
+            loss = self._reduce_step(feeds)
+            self._update()
+            s.micro_done = 0
+            s.steps_done += 1
+            self._current["total"] += time.perf_counter() - t0
+            self.timings = self._current
+            for k in TIMING_KEYS:
+                self.timing_totals[k] += self.timings[k]
+            self.updates_timed += 1
+            return loss
+
+    def _reduce_step(self, feeds) -> float:
+        """The last micro-step: its segments are submitted ahead of the host; each bucket is
+        read back when its segment has run and all-reduced asynchronously while later
+        segments run; then the sums are uploaded."""
+        ex, dev, tm = self.session.executor, self.session.executor.dev, self._current
+        plan = ex.plan(self.phase)
+        subs, done = self.submissions, []
+        # a software driver runs a submit only once the one before it has finished, so there
+        # one segment is queued ahead of the host; a GPU gets them all at once
+        ahead = 1 if dev.is_software else len(subs)
+
+        def submit_until(i):
+            while len(done) <= min(i, len(subs) - 1):
+                done.append(_submit_segment(dev, *subs[len(done)]))
+
+        t = time.perf_counter()
+        ex.upload(feeds)
+        submit_until(ahead - 1)
+        tm["compute"] += time.perf_counter() - t
+        loss = None
+        for k, b in enumerate(self.buckets):
+            t = time.perf_counter()
+            j = self.bucket_submission[k]
+            submit_until(j + ahead)
+            size = 4 * max(b.n, 1)
+            _map_after(dev, b.staging, size, done[j])   # its segment, not the whole step
+            t1 = time.perf_counter()
+            try:
+                b.host_np[:b.n] = np.frombuffer(b.staging.read_mapped(0, size, copy=False), np.float32, count=b.n)
+            finally:
+                b.staging.unmap()
+            t2 = time.perf_counter()
+            tm["compute"] += t1 - t
+            tm["readback"] += t2 - t1
+            if k == len(self.buckets) - 1:     # the loss rides with the last bucket
+                submit_until(len(subs) - 1)
+                st, (_, _, nb, dt, shape) = plan.staging[-1], plan.fetch_locs[-1]
+                loss = float(dev.read_staging(st, nb, dt, shape))
+                self._loss_sum += loss
+                b.host_np[b.n] = self._loss_sum
+                tm["compute"] += time.perf_counter() - t2
+            if self.tdist is not None:
+                b.work = _collective(self.ctx, f"starting the all-reduce of gradient bucket {k + 1}/"
+                                     f"{len(self.buckets)}", lambda: self.tdist.all_reduce(b.host, async_op=True))
+        plan.check_indices(dev)
+        ex.last_plan = ex.last_fetch_plan = plan
+        for k, b in enumerate(self.buckets):
+            t = time.perf_counter()
+            if b.work is not None:
+                _collective(self.ctx, f"the all-reduce of gradient bucket {k + 1}/{len(self.buckets)} at update "
+                            f"{self.session.steps_done + 1}", b.work.wait)
+                b.work = None
+            t1 = time.perf_counter()
+            for name, o, (_, _, nb, _, _) in zip(b.names, b.offsets, b.locs):
+                dev.upload(ex.named_buffer(GRAD_FEED + name, nb), b.host_np[o:o + nb // 4])
+            tm["allreduce"] += t1 - t
+            tm["upload"] += time.perf_counter() - t1
+        last = self.buckets[-1]
+        self.mean_loss = float(last.host_np[last.n]) / (self.accumulate * self.ctx.world_size)
+        self._loss_sum = 0.0
+        return loss
+
+    def _update(self):
+        s = self.session
+        t = time.perf_counter()
+        scal = s.optimizer.scalars(s.steps_done + 1)
+        scal[SCALAR_PREFIX + GRAD_SCALE] = 1.0 / (self.accumulate * self.ctx.world_size)
+        feeds = {k: np.asarray(v, np.float32) for k, v in scal.items() if k in s.graph.inputs}
+        s.executor.execute(feeds, "update")
+        s.executor.dev.sync()
+        self._current["update"] += time.perf_counter() - t
+
+    # ------------------------------------------------------------------ checkpoints, state
+    def save(self, path, include_optimizer=True):
+        """Rank 0 writes the checkpoint (atomically: see meganeura.checkpoint); every rank
+        waits until it is written, so any rank may load it next. Returns the path."""
+        if self.session.micro_done:
+            raise RuntimeError(f"save: {self.session.micro_done} of {self.accumulate} micro-steps are "
+                               f"accumulated; save after an update")
+        if self.ctx.rank == 0:
+            self.session.save(path, include_optimizer)
+        barrier(self.ctx)
+        return os.fspath(path)
+
+    def load(self, path, strict=True):
+        """Every rank loads the same checkpoint (parameters, optimizer state and step)."""
+        return self.session.load(path, strict)
+
+    def state_dict(self, include_optimizer=False):
+        return self.session.state_dict(include_optimizer)
+
+    def close(self):
+        self.session.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def _submit_segment(dev, step, copies) -> int:
+    """Record a PreparedStep and the copies after it into one pass and submit it; returns
+    the submission index (``_wait_for_submission`` waits for it alone)."""
+    from wgpu.backends.wgpu_native._ffi import ffi, lib
+
+    from .runtime.recorder import StepRecorder, _norm_copy
+    enc = dev.raw.create_command_encoder()
+    if step.ops:
+        cpass = enc.begin_compute_pass()
+        StepRecorder._record(cpass._internal, step.ops)
+        cpass.end()
+    for c in copies:
+        src, so, dst, do, n = _norm_copy(c)
+        enc.copy_buffer_to_buffer(src, so, dst, do, n)
+    cb = enc.finish()
+    handles = ffi.new("WGPUCommandBuffer[]", [cb._internal])
+    with dev.queue_lock:
+        return int(lib.wgpuQueueSubmitForIndex(dev.queue._internal, 1, handles))
+
+
+def _map_after(dev, staging, size, index):
+    """Map ``staging`` for reading once submission ``index`` (which fills it) has run.
+
+    ``map_sync`` would wait for every submission, later segments included (wgpu-py's poll
+    thread polls for all of them), and first submits an empty command buffer, which a
+    software driver runs only after the work before it: either would stop later segments
+    from overlapping the all-reduce of earlier buckets. So the map is requested without
+    that submit and this thread polls for submission ``index`` alone, which also delivers
+    the map's callback."""
+    from wgpu.backends.wgpu_native._ffi import ffi, lib
+    promise = staging.map_async("READ_NOSYNC", 0, size)
+    lib.wgpuDevicePoll(dev.handle, True, ffi.new("WGPUSubmissionIndex *", index))
+    promise.sync_wait()
+
+
+def _torch_or_none():
+    """torch alone (a world of one process still keeps gradients in torch tensors when
+    torch is installed, so the code path is the same); None without it."""
+    try:
+        import torch
+        return torch
+    except ImportError:
+        return None
+
+
+def _chunks(names, nbytes, limit):
+    """Consecutive groups of ``names`` of at most ``limit`` bytes (a larger one alone)."""
+    groups, cur, size = [], [], 0
+    for n in names:
+        b = nbytes(n)
+        if cur and size + b > limit:
+            groups.append(cur)
+            cur, size = [], 0
+        cur.append(n)
+        size += b
+    if cur:
+        groups.append(cur)
+    return groups
+
+
+def compile(graph: Graph, loss: Tensor, optimizer, accumulate=1, precision="strict", seed=0,
+            bucket_mb=DEFAULT_BUCKET_MB, ctx=None) -> DataParallel:
+    """A data-parallel training session on this rank's GPU (``init`` is called if it was
+    not). Every rank must build the same graph: their program hashes are compared first
+    (DistributedError otherwise). Rank 0's initial values are broadcast to all.
+    accumulate: all-reduce and update once per ``accumulate`` calls of ``step``.
+    bucket_mb: gradient megabytes per all-reduce."""
+    return DataParallel(graph, loss, optimizer, accumulate, precision, seed, bucket_mb, ctx)

@@ -1,0 +1,242 @@
+"""Data-parallel training (mg.distributed) with two processes on the default device.
+
+Each test launches two worker processes (this file run as a script): under torchrun for
+training, or with torchrun's environment set by hand where one rank must die. The digits
+MLP trained on two ranks must give the losses and weights of one process trained on the
+doubled batch; ranks that build different graphs are refused, and a killed rank must end
+the other with a DistributedError instead of a hang.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+pytest.importorskip("torch.distributed")
+
+import meganeura as mg  # noqa: E402
+from meganeura.models.mlp import build_mlp, load_digits_split  # noqa: E402
+
+HERE = os.path.abspath(__file__)
+BATCH = 16          # per rank; the single-process reference trains on 2 * BATCH
+STEPS = 6
+HIDDEN = 32
+LR = 1e-2
+
+
+def global_batches():
+    (x, y), _ = load_digits_split()
+    n = STEPS * 2 * BATCH
+    return x[:n].reshape(STEPS, 2 * BATCH, 64), y[:n].reshape(STEPS, 2 * BATCH)
+
+
+def write_batches(out_dir):
+    """The batches as a file for the workers (importing scikit-learn takes them seconds)."""
+    xs, ys = global_batches()
+    np.savez(os.path.join(out_dir, "batches.npz"), xs=xs, ys=ys)
+
+
+def _optimizer():
+    # clipping by the global norm: of the averaged gradients, as one process clips its own
+    return mg.optim.AdamW(lr=LR, clip_grad_norm=1.0, schedule=mg.optim.cosine(total_steps=STEPS, warmup_steps=1))
+
+
+# ------------------------------------------------------------------------- worker processes
+def worker(mode, out_dir):
+    from meganeura import distributed as dist
+    ctx = dist.init(timeout_s=30)
+    data = np.load(os.path.join(out_dir, "batches.npz"))
+    xs, ys = data["xs"], data["ys"]
+    try:
+        if mode == "train":
+            for k in (1, 2):
+                g, _, _, _, loss = build_mlp(BATCH, 64, HIDDEN, 10)
+                # each rank starts from other weights: rank 0's are broadcast
+                s = dist.compile(g, loss, _optimizer(), accumulate=k, seed=10 + ctx.rank, bucket_mb=0.004)
+                losses = [s.step(dist.shard({"x": xs[i], "labels": ys[i]})) for i in range(STEPS)]
+                state = s.state_dict()
+                ckpt = os.path.join(out_dir, f"k{k}.safetensors")
+                s.save(ckpt)
+                if ctx.rank == 1:       # another rank reads what rank 0 wrote
+                    g2, _, _, _, loss2 = build_mlp(BATCH, 64, HIDDEN, 10)
+                    fresh = dist.compile(g2, loss2, _optimizer(), accumulate=k, seed=99)
+                    fresh.load(ckpt)
+                    loaded = fresh.state_dict()
+                    assert all(np.array_equal(loaded[n], state[n]) for n in state), "checkpoint differs"
+                    assert fresh.steps_done == s.steps_done
+                else:
+                    g2, _, _, _, loss2 = build_mlp(BATCH, 64, HIDDEN, 10)
+                    dist.compile(g2, loss2, _optimizer(), accumulate=k, seed=99)  # the same collectives as rank 1
+                np.savez(os.path.join(out_dir, f"rank{ctx.rank}_k{k}.npz"), losses=np.array(losses),
+                         mean_loss=s.mean_loss, **state)
+                s.close()
+            # then ranks that build different graphs: refused on every rank, the group still usable
+            g, _, _, _, loss = build_mlp(BATCH, 64, HIDDEN + 8 * ctx.rank, 10)
+            try:
+                dist.compile(g, loss, _optimizer())
+            except dist.DistributedError as e:
+                with open(os.path.join(out_dir, f"mismatch{ctx.rank}.txt"), "w") as f:
+                    f.write(str(e))
+            dist.barrier()
+        elif mode == "kill":
+            g, _, _, _, loss = build_mlp(BATCH, 64, HIDDEN, 10)
+            s = dist.compile(g, loss, _optimizer())
+            for i in range(STEPS):
+                if i == 2 and ctx.rank == 1:
+                    os.kill(os.getpid(), signal.SIGKILL)
+                s.step(dist.shard({"x": xs[i], "labels": ys[i]}))
+    except dist.DistributedError as e:
+        print(f"DistributedError: {e}", flush=True)
+        sys.exit(3)
+    dist.shutdown()
+
+
+def _free_port():
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _env():
+    env = dict(os.environ)
+    env.pop("MEGANEURA_ADAPTER", None)
+    env["OMP_NUM_THREADS"] = "1"
+    return env
+
+
+def launch_by_hand(mode, tmp_path, timeout=90):
+    """Two ranks with torchrun's environment but no torchrun (which would itself kill the
+    survivors of a dead rank); returns [(returncode, output, seconds)] per rank."""
+    port = _free_port()
+    write_batches(tmp_path)
+    procs = []
+    t0 = time.monotonic()
+    for rank in range(2):
+        env = _env()
+        env.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2",
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        procs.append(subprocess.Popen([sys.executable, HERE, mode, str(tmp_path)], env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    results = []
+    for p in procs:
+        try:
+            out, _ = p.communicate(timeout=max(1, timeout - (time.monotonic() - t0)))
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            pytest.fail(f"{mode}: a rank still runs after {timeout} s (hang)")
+        results.append((p.returncode, out, time.monotonic() - t0))
+    return results
+
+
+# ------------------------------------------------------------------------------------ tests
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    out = tmp_path_factory.mktemp("dp")
+    write_batches(out)
+    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    cmd = [torchrun, "--standalone", "--nproc_per_node", "2", HERE, "train", str(out)]
+    r = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    return out
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_two_ranks_match_one_process_on_the_doubled_batch(trained, k):
+    xs, ys = global_batches()
+    g, _, _, _, loss = build_mlp(2 * BATCH, 64, HIDDEN, 10)
+    with mg.compile(g, loss=loss, optimizer=_optimizer(), accumulate=k, seed=10, backend="gpu") as s:
+        ref = np.array([s.step({"x": xs[i], "labels": ys[i]}) for i in range(STEPS)])
+        ref_state = s.state_dict()
+    r0, r1 = (np.load(trained / f"rank{r}_k{k}.npz") for r in range(2))
+    # each rank's loss is the mean over its half: their mean is the doubled batch's loss
+    np.testing.assert_allclose((r0["losses"] + r1["losses"]) / 2, ref, rtol=1e-5, atol=0)
+    np.testing.assert_allclose(float(r0["mean_loss"]), ref[-k:].mean(), rtol=1e-5)
+    assert not np.allclose(r0["losses"], r1["losses"])      # the ranks did see different data
+    for name, want in ref_state.items():
+        np.testing.assert_array_equal(r0[name], r1[name])   # replicas stay identical
+        np.testing.assert_allclose(r0[name], want, rtol=1e-5, atol=1e-6, err_msg=name)
+
+
+def test_checkpoint_written_by_rank_0_only(trained):
+    files = sorted(p.name for p in trained.iterdir())
+    assert "k1.safetensors" in files and "k2.safetensors" in files
+    assert not [f for f in files if f.endswith(".tmp")]
+
+
+def test_killed_rank_ends_the_other_with_a_clear_error(tmp_path):
+    results = launch_by_hand("kill", tmp_path)
+    (rc0, out0, t0), (rc1, _, _) = results
+    assert rc1 == -signal.SIGKILL
+    assert rc0 == 3, out0[-3000:]
+    assert "DistributedError: rank 0 of 2" in out0 and "another rank exited" in out0, out0[-3000:]
+    assert t0 < 60
+
+
+def test_ranks_with_different_graphs_are_refused(trained):
+    for r in range(2):
+        msg = (trained / f"mismatch{r}.txt").read_text()
+        assert msg.startswith("ranks disagree on the graph")
+        assert "rank 0: 4 parameters (2410 values)" in msg and "rank 1: 4 parameters (3010 values)" in msg
+        assert "first differing parameter: rank 0 '0.weight' (32, 64), rank 1 '0.weight' (40, 64)" in msg
+
+
+def test_alone_the_session_trains_as_a_plain_one(monkeypatch):
+    """Without torchrun's environment: a world of one, the same readback, upload and
+    update path, no communication."""
+    from meganeura import distributed as dist
+    for var in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):
+        monkeypatch.delenv(var, raising=False)
+    xs, ys = global_batches()
+    try:
+        ctx = dist.init()
+        assert (ctx.rank, ctx.world_size) == (0, 1)
+        g, _, _, _, loss = build_mlp(2 * BATCH, 64, HIDDEN, 10)
+        with dist.compile(g, loss, _optimizer(), accumulate=2, seed=3, bucket_mb=0.004) as s:
+            assert len(s.buckets) > 1
+            got = [s.step({"x": xs[i], "labels": ys[i]}) for i in range(4)]
+            state = s.state_dict()
+            assert s.updates_timed == 2 and s.timings["total"] > 0
+        g, _, _, _, loss = build_mlp(2 * BATCH, 64, HIDDEN, 10)
+        with mg.compile(g, loss=loss, optimizer=_optimizer(), accumulate=2, seed=3, backend="gpu") as ref:
+            want = [ref.step({"x": xs[i], "labels": ys[i]}) for i in range(4)]
+            ref_state = ref.state_dict()
+    finally:
+        dist.shutdown()
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+    for name in ref_state:
+        np.testing.assert_allclose(state[name], ref_state[name], rtol=1e-6, atol=1e-7, err_msg=name)
+
+
+def test_shard_helpers():
+    from meganeura import distributed as dist
+    ctx = dist.Context(rank=1, world_size=3, local_rank=1, adapter="", timeout_s=1)
+    batch = {"x": np.arange(12).reshape(6, 2), "y": np.arange(6)}
+    part = dist.shard(batch, ctx)
+    np.testing.assert_array_equal(part["y"], [2, 3])
+    with pytest.raises(ValueError, match=r"shape \(7,\) does not split into 3"):
+        dist.shard(np.arange(7), ctx)
+    idx = [dist.shard_indices(10, epoch=2, seed=1, ctx=dist.Context(r, 3, r, "", 1)) for r in range(3)]
+    joined = np.concatenate(idx)
+    assert len(joined) == 9 and len(set(joined.tolist())) == 9      # disjoint, drop_last
+    assert not np.array_equal(idx[0], dist.shard_indices(10, epoch=3, seed=1, ctx=dist.Context(0, 3, 0, "", 1)))
+
+
+def test_core_package_imports_without_torch():
+    code = ("import sys; sys.modules['torch'] = None\n"
+            "import meganeura, meganeura.distributed as d\n"
+            "assert 'torch' not in [m for m, v in sys.modules.items() if v is not None]\n"
+            "try:\n    d._torch_dist()\nexcept ImportError as e:\n    print(e)\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert "pip install 'meganeura[distributed]'" in r.stdout
+
+
+if __name__ == "__main__":
+    worker(sys.argv[1], sys.argv[2])
