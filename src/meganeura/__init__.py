@@ -7,5 +7,6 @@ from .api import compile, Session  # noqa: F401
 from . import nn  # noqa: F401
 from .jit import Jit, jit  # noqa: F401
 from . import export  # noqa: F401
+from . import distributed  # noqa: F401  (torch is imported only when it is used)
 
 __version__ = "0.1.0"

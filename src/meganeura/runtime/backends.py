@@ -40,10 +40,7 @@ def resolve(backend: str = "gpu") -> str:
         if env not in KINDS:
             raise ValueError(f"MEGANEURA_BACKEND={env!r}: must be one of {KINDS} (or unset)")
         return env
-    return DEFAULT if DEFAULT == "wgpu" or vulkan_unavailable_reason() is None else "wgpu"
-
-
-DEFAULT = "wgpu"      # what backend="gpu" takes without MEGANEURA_BACKEND
+    return "vulkan" if vulkan_unavailable_reason() is None else "wgpu"
 
 
 def get_runtime_device(kind: str):

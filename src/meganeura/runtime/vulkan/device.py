@@ -534,12 +534,16 @@ class VulkanDevice:
         staging memory when ``host``. Free with ``free``."""
         nbytes = int(nbytes)
         kind = "staging" if host else "device"
+        # a large tensor gets a block of its own, so that freeing it gives the memory back
+        dedicated = nbytes >= self.block_bytes // 4
         with self._lock:
-            for blk in self._blocks[kind]:
+            for blk in ([] if dedicated else self._blocks[kind]):
+                if blk.size != self.block_bytes:
+                    continue
                 off = blk.allocator.alloc(nbytes)
                 if off is not None:
                     return BufferRange(blk, off, nbytes)
-            size = max(self.block_bytes, align_up(max(nbytes, 1), self.alignment))
+            size = align_up(max(nbytes, 1), self.alignment) if dedicated else self.block_bytes
             size = min(size, max(self.limits["maxMemoryAllocationSize"], align_up(nbytes, self.alignment)))
             mapped = host or self.direct_host_access
             blk = MemoryBlock(self, size, self.staging_mem_type if host else self.device_mem_type, mapped,
