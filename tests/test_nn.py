@@ -99,7 +99,7 @@ def test_digits_cnn_training_step_matches_torch(backend):
     step(x, y)
     ours.eval()
     mg.jit(ours, backend=backend, share_with=step)(x)  # eval calls do not count
-    n = ours.state_dict()["features.4.num_batches_tracked"]
+    n = step.write_back(ours).state_dict()["features.4.num_batches_tracked"]
     assert isinstance(n, np.ndarray) and n.shape == () and n.dtype == np.int64 and int(n) == 2
 
 

@@ -12,7 +12,7 @@ import meganeura as mg
 from meganeura.bench.gates import backward_check, rel_l2 as rel
 from meganeura.bench.workloads import resnet_reference as reference
 from meganeura.models.resnet import (ResNetConfig, build_resnet, build_resnet_training, fold_batch_norm,
-                                     torch_state_dict, with_state_updates)
+                                     torch_state_dict)
 
 transformers = pytest.importorskip("transformers")
 
@@ -35,7 +35,8 @@ def setup():
     out = m64.train()(pixel_values=xt, labels=torch.tensor(labels, dtype=torch.long))   # updates running stats
     out.loss.backward()
     grads = {n: p.grad.numpy() for n, p in m64.named_parameters()}
-    stats = {k: v.numpy() for k, v in m64.state_dict().items() if k.endswith(("running_mean", "running_var"))}
+    stats = {k: v.numpy() for k, v in m64.state_dict().items() if ".normalization." in k and "weight" not in k
+             and "bias" not in k}     # running_mean, running_var, num_batches_tracked
     return dict(cfg=cfg, state=state, x=x, labels=labels, eval_logits=eval_logits,
                 train_logits=out.logits.detach().numpy(), loss=float(out.loss.detach()), grads=grads, stats=stats)
 
@@ -63,9 +64,8 @@ def test_fold_batch_norm_layout(setup):
 def test_train_mode_forward_loss_gradients_and_running_stats(setup, backend):
     s = setup
     m = build_resnet_training(s["cfg"], BATCH)
-    opt = with_state_updates(mg.optim.SGD(lr=0.01), m.state_updates)
-    sess = mg.compile(m.graph, outputs=[m.logits], loss=m.loss, optimizer=opt, backend=backend)
-    sess.load_state_dict(s["state"])   # running stats go to graph state, not parameters
+    sess = mg.compile(m.graph, outputs=[m.logits], loss=m.loss, optimizer=mg.optim.SGD(lr=0.01), backend=backend)
+    sess.load_state_dict(s["state"])   # batch norm's buffers go to graph state, not parameters
     feeds = {"pixel_values": s["x"], "labels": s["labels"]}
     logits, loss = sess.run(feeds)
     fwd_err = rel(logits, s["train_logits"])
@@ -80,10 +80,12 @@ def test_train_mode_forward_loss_gradients_and_running_stats(setup, backend):
              "resnet.encoder.stages.0.layers.0.shortcut.convolution.weight",
              "resnet.encoder.stages.1.layers.0.layer.1.convolution.weight",
              "resnet.encoder.stages.1.layers.0.layer.2.normalization.bias", "classifier.1.weight")}
-    # one step applies torch's running-statistic momentum update (state, not parameters)
+    # run and compute_grads left the statistics alone; one step applies torch's
+    # running-statistic momentum update and counts the batch (state, not parameters)
     sess.step(feeds)
     after = sess.state_dict(include_optimizer=True)
-    stats_err = max(rel(after[k], v) for k, v in s["stats"].items())
+    assert all(int(after[k]) == int(v) == 1 for k, v in s["stats"].items() if k.endswith("num_batches_tracked"))
+    stats_err = max(rel(after[k], v) for k, v in s["stats"].items() if not k.endswith("num_batches_tracked"))
     print(f"\nresnet train [{backend}]: forward rel L2 {fwd_err:.2e}, loss err {loss_err:.2e}, "
           f"total grad norm err {total_err:.2e}, per-param norm rel L2 {norms_err:.2e}, "
           f"worst full grad {max(full.values()):.2e}, running stats {stats_err:.2e}")
@@ -95,7 +97,7 @@ def test_train_mode_forward_loss_gradients_and_running_stats(setup, backend):
 def test_resnet50_names_and_shapes_match_transformers():
     cfg = ResNetConfig.resnet50()
     ref = transformers.ResNetForImageClassification(transformers.ResNetConfig(**cfg.hf_kwargs()))
-    theirs = {k: tuple(v.shape) for k, v in ref.state_dict().items() if not k.endswith("num_batches_tracked")}
+    theirs = {k: tuple(v.shape) for k, v in ref.state_dict().items()}
     for mode in ("train", "folded"):
         m = build_resnet(cfg, 1, bn=mode)
         assert m.logits.shape == (1, 1000)
@@ -103,7 +105,7 @@ def test_resnet50_names_and_shapes_match_transformers():
         if mode == "train":
             states = {n: t.shape for n, t in m.graph.states.items()}
             assert {**params, **states} == theirs
-            assert all(k.endswith(("running_mean", "running_var")) for k in states)
+            assert all(k.endswith(("running_mean", "running_var", "num_batches_tracked")) for k in states)
         else:
             assert params == {k: v.shape for k, v in fold_batch_norm(torch_state_dict(ref.state_dict())).items()}
     # the stage stride is on the bottleneck's 3x3 conv (transformers' downsample_in_bottleneck=False)

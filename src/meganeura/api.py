@@ -200,6 +200,14 @@ class Session:
                     updates["update"] = optimizer.build(params, [f * scale for f in fed])
                     if self.accumulate > 1:
                         updates["update"].update({a: a * 0.0 for a in accs})
+                # what the training forward maintains (graph.update: batch norm's running
+                # statistics) moves with every forward of a step, as in torch's train mode
+                for phase in ("micro", "step"):
+                    if phase in updates:
+                        clash = [t.name for t in graph.updates if t in updates[phase]]
+                        if clash:
+                            raise ValueError(f"graph.update and the optimizer both update {clash}")
+                        updates[phase].update(graph.updates)
         fetches = self.outputs + ([loss] if loss is not None else [])
         self.program = Program(graph, fetches, grads, updates)
         used = self.program.used
@@ -421,6 +429,9 @@ def compile(graph: Graph, outputs=None, loss=None, optimizer=None, backend="nump
     precision: "strict" (f32 everywhere) or "accelerated" (f16 operands for forward matmuls).
     accumulate: optimizer update every ``accumulate`` calls of ``step`` with the mean gradient.
     state_updates: {state tensor: new value} applied by every ``run`` (e.g. a KV cache).
+    The graph's own ``graph.update`` records (batch norm's running statistics in training
+    mode) are applied by every ``step``, beside the optimizer's updates; pass
+    ``state_updates=graph.updates`` to apply them on ``run`` too.
     share_with: another Session whose parameters and state (same names) this one uses
     instead of its own copy (e.g. prefill and decode programs of one model).
     eager: on the gpu backend, compile the program of the main call (``step`` with an

@@ -79,7 +79,8 @@ def save(session, path, include_optimizer=True):
         raise type(e)(e.errno, f"cannot write checkpoint {path!r}: {e.strerror}") from e
     try:
         mode = os.stat(tmp).st_mode & 0o777
-        save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()}, tmp, metadata=meta)
+        # asarray keeps 0-d tensors (a batch counter) 0-d; ascontiguousarray would make them (1,)
+        save_file({k: np.asarray(v, order="C") for k, v in tensors.items()}, tmp, metadata=meta)
         os.chmod(tmp, mode)
         with open(tmp, "rb") as f:
             os.fsync(f.fileno())

@@ -141,6 +141,7 @@ class Graph:
         self.inputs: dict[str, Tensor] = {}
         self.parameters: dict[str, Tensor] = {}
         self.states: dict[str, Tensor] = {}
+        self.updates: dict[Tensor, Tensor] = {}     # {state: its value after a training step}
         self._names: set[str] = set()
         self._counter = 0
 
@@ -193,6 +194,25 @@ class Graph:
         t = self._append("state", (), {"init": init}, _check_shape(shape, name), dtype_of(dtype), self._claim(name, "state"))
         self.states[name] = t
         return t
+
+    def update(self, state: Tensor, value: Tensor):
+        """After every training step (and every micro-step of an accumulating one),
+        ``state`` takes ``value``: what a training-mode forward maintains, such as batch
+        norm's running statistics and batch counter. The step applies these itself, beside
+        the optimizer's updates. A second update of one state replaces the first, so build
+        it on ``pending(state)`` to chain them (a module called twice)."""
+        if not isinstance(state, Tensor) or state.graph is not self or state.op != "state":
+            raise ValueError(f"update: {state!r} is not a state tensor of this graph (g.state)")
+        if not isinstance(value, Tensor) or value.graph is not self:
+            raise ValueError(f"update of {state.name!r}: the new value must be a tensor of this graph, got {value!r}")
+        if value.shape != state.shape or value.dtype is not state.dtype:
+            raise ShapeError(f"update of {state.name!r}: new value {value.name!r} is {fmt_shape(value.shape)} "
+                             f"{value.dtype.name}, the state is {fmt_shape(state.shape)} {state.dtype.name}")
+        self.updates[state] = value
+
+    def pending(self, state: Tensor) -> Tensor:
+        """The value ``state`` will have after the step: its recorded update, else itself."""
+        return self.updates.get(state, state)
 
     def constant(self, value, dtype=None, name=None) -> Tensor:
         """A fixed value baked into the graph; refused if ``dtype`` cannot represent it

@@ -29,7 +29,7 @@ import numpy as np
 from .api import compile as _compile
 from .graph import Graph, Tensor, dtype_of
 from .nn import module as _nnm
-from .optim import Optimizer, with_state_updates
+from .optim import Optimizer
 
 
 def _flatten(out):
@@ -131,8 +131,7 @@ class Jit:
             if not isinstance(out, Tensor) or out.shape != ():
                 raise TypeError("jit: with optimizer=, the function must return the scalar loss Tensor, got "
                                 + (f"{out.name!r} of shape {out.shape}" if isinstance(out, Tensor) else type(out).__name__))
-            opt = with_state_updates(self.optimizer, updates) if updates else self.optimizer
-            sess = _compile(g, loss=out, optimizer=opt, **common)
+            sess = _compile(g, loss=out, optimizer=self.optimizer, **common)    # steps apply `updates` themselves
             rebuild = None
         else:
             outs, rebuild = _flatten(out)
@@ -158,7 +157,6 @@ class Jit:
             sess.steps_done = self._shared["steps"]  # Adam's bias correction counts every signature's steps
             out = sess.step(feeds)
             self._shared["steps"] = sess.steps_done
-        _nnm.advance_counters(sess.graph)           # batch norm's num_batches_tracked, as torch
         return out
 
     # ---------------------------------------------------------------------- state
@@ -179,7 +177,8 @@ class Jit:
         out = {n: anchor.executor.get_value(n).copy()
                for n in dict.fromkeys(n for s in self._all_sessions() for n in s.graph.parameters)}
         for n, (m, attr) in buffers.items():
-            out[n] = anchor.executor.get_value(n).copy() if n in states else m._buffers[attr].copy()
+            b = m._buffers[attr]     # a graph state keeps torch's dtype here (int64 counters)
+            out[n] = anchor.executor.get_value(n).astype(b.dtype) if n in states else b.copy()
         if include_optimizer:
             out.update({n: anchor.executor.get_value(n).copy() for n in sorted(states) if n not in out})
         return out

@@ -176,28 +176,6 @@ class AdamW(Adam):
         super().__init__(lr, betas, eps, weight_decay, clip_grad_norm, schedule)
 
 
-class WithStateUpdates(Optimizer):
-    """An optimizer whose update also writes the given graph states (e.g. batch norm's
-    running statistics); its scalars (and schedule) are the inner optimizer's."""
-
-    def __init__(self, inner: Optimizer, updates: dict):
-        self.inner, self.extra = inner, dict(updates)
-        self.lr, self.clip_grad_norm, self.schedule = inner.lr, inner.clip_grad_norm, inner.schedule
-
-    def scalars(self, step):
-        return self.inner.scalars(step)
-
-    def build(self, params, grads):
-        out = self.inner.build(params, grads)
-        out.update(self.extra)
-        return out
-
-
-def with_state_updates(optimizer: Optimizer, updates: dict) -> Optimizer:
-    """Wrap ``optimizer`` so each ``step`` also applies ``updates`` ({state: new value})."""
-    return WithStateUpdates(optimizer, updates)
-
-
 # ------------------------------------------------------------------ learning-rate schedules
 # Each is a factor of the peak lr as a function of the 0-based update index t, with the
 # conventions of transformers' get_*_schedule_with_warmup and torch's StepLR.

@@ -29,9 +29,6 @@ def phase_targets(w, phase):
         return targets, len(b.outputs), {len(b.outputs) + j: s.name for j, (s, _) in enumerate(ups)}
     b = w.build("train")
     opt = mg.optim.AdamW(lr=1e-4) if phase == "train_step" else None
-    if opt is not None and b.optimizer_updates:
-        from meganeura.models.resnet import with_state_updates
-        opt = with_state_updates(opt, b.optimizer_updates)
     s = mg.compile(b.graph, loss=b.loss, optimizer=opt, backend="numpy")
     fetches, grad_names, upd, targets = s.program.targets("step" if opt is not None else "grads")
     base = len(fetches) + len(grad_names)

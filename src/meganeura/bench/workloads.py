@@ -49,7 +49,6 @@ class Built:
     outputs: list
     loss: object = None
     state_updates: dict = field(default_factory=dict)    # applied by every run (KV cache)
-    optimizer_updates: dict = field(default_factory=dict)  # applied by every step (BN running stats)
 
 
 class Workload:
@@ -138,7 +137,8 @@ class Workload:
 
     def session(self, graph: str, backend="gpu", precision="strict", optimizer=None, timings=None):
         """(session, feeds) for one of our graphs with the reference weights loaded. With
-        ``optimizer`` (train graph), state updates such as running statistics ride along.
+        ``optimizer`` (train graph), each step also updates what the graph records with
+        ``Graph.update`` (batch norm's running statistics).
         ``timings``: a dict that receives build_s, compile_s and load_s."""
         import time
 
@@ -148,9 +148,6 @@ class Workload:
         t1 = time.perf_counter()
         kw = dict(backend=backend, precision=precision, seed=self.seed)
         if graph == "train":
-            if optimizer is not None and b.optimizer_updates:
-                from ..models.resnet import with_state_updates
-                optimizer = with_state_updates(optimizer, b.optimizer_updates)
             s = mg.compile(b.graph, loss=b.loss, optimizer=optimizer, **kw)
         else:
             s = mg.compile(b.graph, outputs=b.outputs, state_updates=b.state_updates or None, **kw)
@@ -443,7 +440,7 @@ def resnet_reference(cfg, seed=0):
 class ResNet50(Workload):
     """ResNet-50 (transformers ResNetForImageClassification): class cross-entropy, batch 4
     at 224x224. Inference folds batch norm into the convs; training uses batch statistics
-    and applies torch's running-statistic updates with every optimizer step."""
+    and every step applies torch's running-statistic updates (recorded in the graph)."""
     name, objective = "resnet50", "class cross-entropy"
 
     def config(self):
@@ -467,7 +464,7 @@ class ResNet50(Workload):
         from ..models.resnet import build_resnet
         if graph == "train":
             m = build_resnet(self.cfg, self.batch(graph), bn="train", with_loss=True)
-            return Built(m.graph, [m.logits], m.loss, optimizer_updates=m.state_updates)
+            return Built(m.graph, [m.logits], m.loss)
         m = build_resnet(self.cfg, self.batch(graph), bn="folded")
         return Built(m.graph, [m.logits])
 

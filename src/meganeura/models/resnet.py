@@ -10,17 +10,14 @@ on its first 1x1; the first stage does not downsample. Global average pool, then
 
 Names are those of the torch state dict. Batch-norm modes (``bn=``):
 
-- "train": batch statistics (biased variance), as torch in train mode. ``running_mean`` and
-  ``running_var`` are graph *state* (not parameters, so never trained) and
-  ``ResNetGraph.state_updates`` holds their momentum updates (unbiased batch variance,
-  torch's rule); ``with_state_updates`` attaches them to an optimizer so a ``step`` applies
-  them too (``mg.compile(state_updates=...)`` would apply them on ``run`` only).
+- "train": batch statistics (biased variance), as torch in train mode. ``running_mean``,
+  ``running_var`` and ``num_batches_tracked`` (i32) are graph *state* (not parameters, so
+  never trained), and every training ``step`` applies torch's momentum update to them
+  itself (``Graph.update``, recorded by ``nn.BatchNorm2d``); ``ResNetGraph.state_updates``
+  lists those updates, e.g. for ``mg.compile(state_updates=...)`` to apply them on ``run``.
 - "eval": running statistics (graph state, fed by ``load_state_dict``).
 - "folded": inference with batch norm folded into each conv at load time
   (``fold_batch_norm``): parameters are ``<conv>.weight`` and a new ``<conv>.bias``.
-
-torch's ``num_batches_tracked`` (int64) only matters for ``momentum=None``; it is not in the
-graph and ``torch_state_dict`` drops it.
 """
 from __future__ import annotations
 
@@ -30,7 +27,6 @@ import numpy as np
 
 from .. import nn, ops
 from ..graph import Graph, Tensor, i32
-from ..optim import Optimizer, with_state_updates as _with_state_updates
 
 BN_MODES = ("train", "eval", "folded")
 
@@ -81,7 +77,7 @@ class ResNetGraph:
     logits: Tensor
     labels: Tensor | None = None
     loss: Tensor | None = None
-    state_updates: dict = field(default_factory=dict)   # {running-stat state: new value} ("train")
+    state_updates: dict = field(default_factory=dict)   # {batch-norm state: value after a step} ("train")
 
 
 class ResNetConvLayer(nn.Module):
@@ -208,20 +204,13 @@ def build_resnet_training(cfg: ResNetConfig, batch: int) -> ResNetGraph:
     return build_resnet(cfg, batch, bn="train", with_loss=True)
 
 
-def with_state_updates(optimizer: Optimizer, updates: dict) -> Optimizer:
-    """Wrap ``optimizer`` so each ``step`` also applies ``updates`` ({state: new value}),
-    e.g. ``ResNetGraph.state_updates``: batch norm's running statistics then follow
-    torch's train-mode updates."""
-    return _with_state_updates(optimizer, updates)
-
-
 def torch_state_dict(state: dict) -> dict:
-    """A torch ResNet state dict as float32 numpy arrays, without ``num_batches_tracked``."""
+    """A torch ResNet state dict as numpy arrays: float32, and ``num_batches_tracked`` as
+    its integers (the "train" and "eval" graphs hold it as state)."""
     out = {}
     for k, v in state.items():
-        if k.endswith("num_batches_tracked"):
-            continue
-        out[k] = np.asarray(v.detach().cpu().numpy() if hasattr(v, "detach") else v, dtype=np.float32)
+        arr = np.asarray(v.detach().cpu().numpy() if hasattr(v, "detach") else v)
+        out[k] = arr if k.endswith("num_batches_tracked") else arr.astype(np.float32)
     return out
 
 
@@ -229,7 +218,8 @@ def fold_batch_norm(state: dict, eps: float = 1e-5) -> dict:
     """Fold every ``X.normalization`` (eval-mode batch norm) into ``X.convolution``:
     w' = w * s, b' = beta - mean * s with s = gamma / sqrt(var + eps) per output channel.
     Returns a state dict for ``build_resnet(..., bn="folded")``; other entries pass through
-    and ``num_batches_tracked`` is dropped. Computed in float64, stored as float32."""
+    and every ``normalization`` entry (``num_batches_tracked`` too) is dropped. Computed in
+    float64, stored as float32."""
     state = torch_state_dict(state)
     out = {}
     for k, v in state.items():

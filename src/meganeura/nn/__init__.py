@@ -16,4 +16,4 @@ from .layers import (AdaptiveAvgPool2d, AvgPool2d, BatchNorm1d, BatchNorm2d, Con
                      Embedding, Flatten, GELU, GroupNorm, Identity, LayerNorm, Linear, MaxPool2d,
                      MultiheadAttention, ReLU, RMSNorm, SiLU, Sigmoid, Softmax, Tanh, Upsample)
 from .module import (IncompatibleKeys, Module, ModuleDict, ModuleList, Parameter, Sequential,  # noqa: F401
-                     advance_counters, random_feeds, state_updates)
+                     random_feeds, state_updates)

@@ -7,10 +7,10 @@ import math
 import numpy as np
 
 from .. import ops
-from ..graph import Tensor, fmt_shape
+from ..graph import Tensor, f32, fmt_shape
 from . import init
 from .functional import dropout
-from .module import Module, Parameter, host_input
+from .module import Module, Parameter
 
 
 def _empty(*shape):
@@ -155,7 +155,9 @@ class GroupNorm(Module):
 
 class _BatchNorm(Module):
     """Training mode normalises with the batch's statistics and (tracking) updates the
-    running ones as torch does; eval mode uses the running statistics."""
+    running ones and the batch counter as torch does, in the training step itself
+    (``Graph.update``); eval mode uses the running statistics. All three buffers are graph
+    state under torch's names (the counter as i32), so torch's state dict loads as it is."""
     ranks = ()
 
     def __init__(self, num_features, eps=1e-5, momentum=0.1, affine=True, track_running_stats=True):
@@ -177,20 +179,23 @@ class _BatchNorm(Module):
         if self.training or not self.track_running_stats:
             y = ops.batch_norm(x, None, None, self.weight, self.bias, training=True, eps=self.eps)
             if self.training and self.track_running_stats:
-                mean, var = ops.batch_norm_stats(x)
-                rm, rv, m = self.running_mean, self.running_var, self.momentum
-                if m is None:
-                    # a cumulative moving average, as torch: the k-th call (counting from 1)
-                    # weighs its batch by 1/k, read from the host counter at every call
-                    k = self.counted_calls("num_batches_tracked")
-                    m = host_input(x.graph, self._prefix + "cumulative_factor",
-                                   lambda: 1.0 / (int(self._buffers["num_batches_tracked"]) + k + 1))
-                self.record_update(rm, rm * (1.0 - m) + mean * m)
-                self.record_update(rv, rv * (1.0 - m) + var * m)
-                self.record_count("num_batches_tracked")
+                self._update_running_stats(x)
             return y
+        self.num_batches_tracked      # noqa: B018 (declared, so torch's state dict loads strictly)
         return ops.batch_norm(x, self.running_mean, self.running_var, self.weight, self.bias, training=False,
                               eps=self.eps)
+
+    def _update_running_stats(self, x):
+        """torch's train-mode update, built on the pending values so a second call in one
+        graph updates again: counter + 1, stats <- stats * (1 - m) + batch * m (unbiased
+        batch variance), with m = 1 / counter (a cumulative average) when momentum is None."""
+        mean, var = ops.batch_norm_stats(x)
+        rm, rv = self.pending(self.running_mean), self.pending(self.running_var)
+        count = self.pending(self.num_batches_tracked) + 1
+        m = self.momentum if self.momentum is not None else 1.0 / ops.cast(count, f32)
+        self.record_update(self.running_mean, rm * (1.0 - m) + mean * m)
+        self.record_update(self.running_var, rv * (1.0 - m) + var * m)
+        self.record_update(self.num_batches_tracked, count)
 
 
 class BatchNorm1d(_BatchNorm):

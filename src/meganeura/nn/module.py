@@ -7,10 +7,11 @@ as torch's ``state_dict``), so state dicts move between torch and meganeura unch
 Inside ``forward``, ``self.weight`` is the graph tensor of that parameter, so a custom
 module reads like its torch twin.
 
-Float buffers (batch norm's running statistics) become graph *state*: kept by the
-session, never trained. In training mode a module may add state updates (batch norm's
-running statistics) and random feeds (dropout masks); ``mg.jit`` applies and feeds them,
-and ``state_updates(g)`` / ``random_feeds(g, rng)`` give them to a hand-made session.
+Buffers (batch norm's running statistics and its integer batch counter) become graph
+*state*: kept by the session, never trained, saved under their torch names. In training
+mode a module records how the step changes them (``record_update``, i.e. ``Graph.update``:
+every training step applies these itself) and may add random feeds (dropout masks), which
+``mg.jit`` feeds and ``random_feeds(g, rng)`` gives to a hand-made session.
 """
 from __future__ import annotations
 
@@ -19,15 +20,12 @@ from collections import OrderedDict, namedtuple
 
 import numpy as np
 
-from ..graph import Graph, Tensor, fmt_shape
+from ..graph import Graph, Tensor, cast_exact, dtype_of, fmt_shape
 
 IncompatibleKeys = namedtuple("IncompatibleKeys", ["missing_keys", "unexpected_keys"])
 
-# per graph: {state tensor: new value} and {input name: (shape, keep probability)}
-_UPDATES: "weakref.WeakKeyDictionary[Graph, dict]" = weakref.WeakKeyDictionary()
+# per graph: {input name: (shape, keep probability)} of the dropout masks fed every call
 _RANDOM: "weakref.WeakKeyDictionary[Graph, dict]" = weakref.WeakKeyDictionary()
-_COUNTS: "weakref.WeakKeyDictionary[Graph, list]" = weakref.WeakKeyDictionary()
-_HOST: "weakref.WeakKeyDictionary[Graph, dict]" = weakref.WeakKeyDictionary()    # {input name: fn() -> array}
 _TRACE: list = []          # graphs of the module calls in progress, innermost last
 _CALLED: list = []         # while mg.jit traces: lists that collect every module called
 
@@ -96,26 +94,17 @@ def to_numpy(v) -> np.ndarray:
 
 
 def state_updates(graph: Graph) -> dict:
-    """{state tensor: new value} that modules in training mode added to ``graph``."""
-    return dict(_UPDATES.get(graph, {}))
+    """{state tensor: new value} that modules in training mode recorded on ``graph``
+    (``graph.updates``): every training step applies them; give them to
+    ``mg.compile(state_updates=)`` to have ``run`` apply them too."""
+    return dict(graph.updates)
 
 
 def random_feeds(graph: Graph, rng: np.random.Generator) -> dict:
-    """Fresh dropout masks (already scaled by 1/keep) for every Dropout input of ``graph``,
-    and the current value of every host-computed input (batch norm's cumulative-average
-    factor with ``momentum=None``): feed them to every call."""
-    out = {name: (rng.random(shape) < keep).astype(np.float32) / np.float32(keep)
-           for name, (shape, keep) in _RANDOM.get(graph, {}).items()}
-    out.update({name: fn() for name, fn in _HOST.get(graph, {}).items()})
-    return out
-
-
-def advance_counters(graph: Graph):
-    """Add one to every host counter that modules in training mode registered on ``graph``
-    (batch norm's ``num_batches_tracked``): call once per run or step of a session of it."""
-    for m, name in _COUNTS.get(graph, ()):
-        b = m._buffers[name]
-        m._buffers[name] = np.asarray(b + 1, b.dtype)     # stays an array when 0-d
+    """Fresh dropout masks (already scaled by 1/keep) for every Dropout input of ``graph``:
+    feed them to every call."""
+    return {name: (rng.random(shape) < keep).astype(np.float32) / np.float32(keep)
+            for name, (shape, keep) in _RANDOM.get(graph, {}).items()}
 
 
 def random_input(x: Tensor, name: str, keep: float) -> Tensor:
@@ -127,17 +116,6 @@ def random_input(x: Tensor, name: str, keep: float) -> Tensor:
         key = f"{name}.{k}"
     _RANDOM.setdefault(g, {})[key] = (x.shape, float(keep))
     return g.input(key, x.shape, x.dtype)
-
-
-def host_input(g: Graph, name: str, fn) -> Tensor:
-    """A 0-d f32 graph input fed ``fn()`` on every call (by ``random_feeds``): a value the
-    host computes per step, such as a factor from an integer counter."""
-    key, k = name, 0
-    while key in g.inputs:
-        k += 1
-        key = f"{name}.{k}"
-    _HOST.setdefault(g, {})[key] = lambda: np.float32(fn())
-    return g.input(key, ())
 
 
 def current_graph():
@@ -226,11 +204,13 @@ class Module:
                 return g.parameter(full, value.shape, value.dtype, init=value.graph_init())
         else:
             value = self._buffers[name]
-            if value is None or value.dtype.kind != "f":
-                raise TypeError(f"{type(self).__name__}: buffer {full!r} is not a float array and has no graph tensor")
+            if value is None or value.dtype.kind not in "fiu":
+                raise TypeError(f"{type(self).__name__}: buffer {full!r} is not a numeric array and has no graph tensor")
             t = g.states.get(full)
             if t is None:
-                return g.state(full, value.shape, value.dtype, init=value.astype(value.dtype).copy())
+                # an integer buffer (torch's int64 counters) is an i32 state, values kept exact
+                dt = dtype_of(value.dtype)
+                return g.state(full, value.shape, dt, init=cast_exact(value, dt, f"buffer {full!r}").copy())
         if t.shape != value.shape:
             raise ValueError(f"{full!r} is already in the graph with shape {fmt_shape(t.shape)}, "
                              f"this module's is {fmt_shape(value.shape)}")
@@ -260,17 +240,15 @@ class Module:
             _TRACE.pop()
 
     def record_update(self, state: Tensor, value: Tensor):
-        """In training mode: ``state`` takes ``value`` after each step (e.g. running statistics)."""
-        _UPDATES.setdefault(state.graph, {})[state] = value
+        """In training mode: ``state`` takes ``value`` after each training step (running
+        statistics, counters): ``Graph.update``. Build ``value`` on ``pending(state)`` so a
+        module called twice in one graph updates twice, as in torch."""
+        state.graph.update(state, value)
 
-    def record_count(self, buffer: str):
-        """In training mode: the integer buffer ``buffer`` counts the calls (kept on the host,
-        as integers are not graph values; see ``advance_counters``)."""
-        _COUNTS.setdefault(current_graph(), []).append((self, buffer))
-
-    def counted_calls(self, buffer: str) -> int:
-        """How many ``record_count(buffer)`` calls of this module the current graph already has."""
-        return sum(1 for m, b in _COUNTS.get(current_graph(), ()) if m is self and b == buffer)
+    @staticmethod
+    def pending(state: Tensor) -> Tensor:
+        """``state`` as updates recorded so far in this graph leave it."""
+        return state.graph.pending(state)
 
     # ------------------------------------------------------------------------- tree
     def named_modules(self, prefix="", memo=None):
