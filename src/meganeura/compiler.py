@@ -93,25 +93,30 @@ def compile_plan(targets, n_forward=None, options: CompileOptions | None = None,
     ``updates``: {target index: parameter/state name} for targets that become that
     tensor's new value after the call; where it is safe they are written in place."""
     opts = options or CompileOptions()
-    t0 = time.perf_counter()
+    clock = _StageClock()
     fwd = targets[:len(targets) if n_forward is None else n_forward]
     rewrite = accelerated_rewrite(fwd) if opts.precision == "accelerated" and fwd else None
     g2, new_targets = lower_to_primitives(targets, keep=codegen.has_kernel, rewrite=rewrite)
+    clock.lap("lower")
     sched = build_schedule(g2, new_targets, max_bindings=opts.max_bindings)
     # kernels that write nothing are dropped before fusion (a merged launch must not be
     # judged by an empty first part)
     kernels = [k for k in sched.kernels if k.out.size > 0]
     n_scheduled = len(kernels)
+    clock.lap("schedule")
     kernels = run_fusion(kernels, disabled=opts.disabled, max_bindings=opts.max_bindings)
+    clock.lap("fusion")
     n_in_place = 0
     if updates and "inplace" not in opts.disabled:
         n_in_place = update_in_place(kernels, sched, new_targets, updates)
     if opts.workgroup_storage:
         _size_tiles(kernels, opts.workgroup_storage)
+    clock.lap("in_place")
     dispatches = []
     for k in kernels:
         wgsl, bufs, groups = codegen.render(k)
         dispatches.append(Dispatch(k, wgsl, bufs, groups))
+    clock.lap("render")
     used = {id(b) for d in dispatches for b in d.bufs}
     locs = []
     for t in new_targets:
@@ -124,8 +129,26 @@ def compile_plan(targets, n_forward=None, options: CompileOptions | None = None,
     used |= {id(loc[0]) for loc in locs}
     bufs = [b for b in sched.bufs if id(b) in used]     # buffers a fusion made unnecessary are never allocated
     memory = plan_memory([(k.written_bufs(), d.bufs) for d in dispatches for k in [d.kernel]], bufs)
-    return KernelPlan(dispatches, bufs, memory, locs, time.perf_counter() - t0,
-                      {"scheduled": n_scheduled, "fused": n_scheduled - len(kernels), "in_place": n_in_place})
+    clock.lap("memory")
+    return KernelPlan(dispatches, bufs, memory, locs, clock.total(),
+                      {"scheduled": n_scheduled, "fused": n_scheduled - len(kernels), "in_place": n_in_place,
+                       "seconds": clock.laps})
+
+
+class _StageClock:
+    """Seconds per compile stage (``KernelPlan.stats["seconds"]``), to see where time goes."""
+
+    def __init__(self):
+        self.start = self.last = time.perf_counter()
+        self.laps = {}
+
+    def lap(self, stage):
+        now = time.perf_counter()
+        self.laps[stage] = self.laps.get(stage, 0.0) + now - self.last
+        self.last = now
+
+    def total(self):
+        return time.perf_counter() - self.start
 
 
 def _size_tiles(kernels, storage):

@@ -170,6 +170,13 @@ class Graph:
         self.nodes.append(t)
         return t
 
+    def _append_known(self, op, inputs, attrs, shape, dtype) -> Tensor:
+        """A copy of a node already checked in another graph (same op, attrs and input
+        shapes): its shape and dtype are known, so no rule or check runs again."""
+        t = Tensor(self, len(self.nodes), op, tuple(inputs), attrs, shape, dtype, self._auto_name(op))
+        self.nodes.append(t)
+        return t
+
     def input(self, name, shape, dtype=f32) -> Tensor:
         """A value fed at every run, by name."""
         t = self._append("input", (), {}, _check_shape(shape, name), dtype_of(dtype), self._claim(name, "input"))

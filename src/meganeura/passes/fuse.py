@@ -16,6 +16,7 @@ the memory planner and the runtime need no knowledge of them.
 """
 from __future__ import annotations
 
+import itertools
 from collections import defaultdict
 
 import numpy as np
@@ -529,8 +530,8 @@ def _groups_of(k):
 
 
 class _Group:
-    def __init__(self, key):
-        self.key, self.kernels, self.deps = key, [], set()
+    def __init__(self, key, seq):
+        self.key, self.seq, self.kernels, self.deps = key, seq, [], set()
         self.writes, self.reads = set(), set()
         self.passed = self.groups = 0
         # a group that reads only persistent buffers (an optimizer update reads gradients,
@@ -651,11 +652,12 @@ def merge_horizontal(kernels, max_bindings):
     launches, not one narrow launch per parameter."""
     kernels = _inline_cheap_producers(_pair_gemvs(kernels, max_bindings), max_bindings)
     out, open_ = [], []
+    seq = itertools.count()
 
     def close(g):
         if g not in open_:
             return
-        for d in sorted(g.deps, key=open_.index) if all(d in open_ for d in g.deps) else list(g.deps):
+        for d in sorted(g.deps, key=lambda d: d.seq):     # creation order: deterministic
             close(d)
         open_.remove(g)
         out.append(g.kernel())
@@ -681,7 +683,7 @@ def merge_horizontal(kernels, max_bindings):
             close(g)
             g = None
         if g is None:
-            g = _Group(key)
+            g = _Group(key, next(seq))
             open_.append(g)
         g.deps |= set(hits)
         g.add(k, kw, kr, groups)
