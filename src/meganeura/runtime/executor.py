@@ -12,6 +12,7 @@ import time
 
 import numpy as np
 
+from ..api import starts_at_zero
 from ..compiler import CompileOptions, compile_plan
 from ..graph import DeviceLimitError, fmt_shape
 from .device import get_device
@@ -189,14 +190,24 @@ class GpuExecutor:
         self.input_buffers: dict = {}    # inputs are never shared: shapes differ per program
         if share_with is not None:       # parameters and state shared with another session
             self.buffers = share_with.buffers
+            self.unsent = share_with.unsent
             kept = {n: t for n, t in self._dtypes.items() if t.op != "input"}
             self._dtypes = {**{n: t for n, t in share_with._dtypes.items() if t.op != "input"}, **self._dtypes}
             share_with._dtypes.update(kept)
         else:
             self.buffers = {}
-        for name, arr in values.items():
-            if name not in self.buffers:
-                self.set_value(name, arr)
+            self.unsent = set()          # initial values not made yet: uploaded before the first call
+        pending = getattr(values, "pending", lambda name: None)
+        for name in values:
+            if name in self.buffers:
+                continue
+            t = pending(name)
+            if t is None:
+                self.set_value(name, values[name])
+            elif starts_at_zero(t):
+                self.named_buffer(name, t.size * t.dtype.np.itemsize)    # new buffers hold zeros
+            else:
+                self.unsent.add(name)
 
     # --------------------------------------------------------------- buffers
     def named_buffer(self, name, nbytes):
@@ -211,12 +222,20 @@ class GpuExecutor:
     def set_value(self, name, arr):
         arr = np.asarray(arr, dtype=self._dtypes[name].dtype.np, order="C")
         self.dev.upload(self.named_buffer(name, arr.nbytes), arr)
+        self.unsent.discard(name)
+
+    def send_initial_values(self):
+        """Upload the initial values that nothing has set since compiling."""
+        for name in list(self.unsent):
+            self.set_value(name, self.values[name])
 
     def upload(self, feeds: dict):
         for name, arr in feeds.items():
             self.set_value(name, arr)
 
     def get_value(self, name):
+        if name in self.unsent:
+            self.set_value(name, self.values[name])
         t = self._dtypes[name]
         n = t.size * t.dtype.np.itemsize
         return self.dev.readback(self.named_buffer(name, n), n, t.dtype.np, t.shape)
@@ -248,6 +267,7 @@ class GpuExecutor:
         per-kernel table and writes a Chrome/Perfetto trace to ``path`` if given."""
         from .profiler import kernel_table
         plan = self.plan(phase)
+        self.send_initial_values()
         self.upload(feeds)
         ts = self.recorder.run(plan.step, timestamps=True)
         if path:
@@ -280,6 +300,7 @@ class GpuExecutor:
         plan = self.plan(phase)
         trace = os.environ.get("MEGANEURA_TRACE")
         writer = trace_writer(trace) if trace else None    # an unwritable path fails before the step
+        self.send_initial_values()
         self.upload(feeds)
         copies = plan.copies_after if fetch else plan.update_copies
         anomaly = anomaly_from_env() if self.detect_anomaly is None else self.detect_anomaly
