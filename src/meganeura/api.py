@@ -218,7 +218,7 @@ class Session:
     """A compiled graph on one backend. See ``mg.compile``."""
 
     def __init__(self, graph, outputs, loss, optimizer, backend, precision, seed, accumulate=1, state_updates=None,
-                 share_with=None, detect_anomaly=None):
+                 share_with=None, detect_anomaly=None, plan_cache=None):
         if backend not in BACKENDS:
             raise ValueError(f"unknown backend {backend!r}; choose one of {BACKENDS}")
         if precision not in PRECISIONS:
@@ -300,7 +300,7 @@ class Session:
         else:
             from .runtime.executor import GpuExecutor
             self.executor = GpuExecutor(self.program, self.values, precision=precision, share_with=shared,
-                                        detect_anomaly=detect_anomaly)
+                                        detect_anomaly=detect_anomaly, plan_cache=plan_cache)
         self._users[0] += 1
 
     # ------------------------------------------------------------------- lifetime
@@ -466,7 +466,7 @@ class Session:
 
 def compile(graph: Graph, outputs=None, loss=None, optimizer=None, backend="numpy",
             precision="strict", seed=0, accumulate=1, state_updates=None, share_with=None,
-            eager=True, detect_anomaly=None) -> Session:
+            eager=True, detect_anomaly=None, plan_cache=None) -> Session:
     """Compile ``graph`` for inference (``outputs``) or training (``loss`` + ``optimizer``).
 
     backend: "numpy" (the reference interpreter) or "gpu" (WGSL through wgpu).
@@ -476,8 +476,12 @@ def compile(graph: Graph, outputs=None, loss=None, optimizer=None, backend="nump
     share_with: another Session whose parameters and state (same names) this one uses
     instead of its own copy (e.g. prefill and decode programs of one model).
     eager: on the gpu backend, compile the program of the main call (``step`` with an
-    optimizer, else ``run``; ``compute_grads`` otherwise) now, so that timing ``compile``
-    times the compilation; other calls compile on first use.
+    optimizer, else ``run``; ``compute_grads`` otherwise) now, pipelines included, so that
+    timing ``compile`` times the compilation; other calls compile on first use.
+    plan_cache: on the gpu backend, read and write compiled plans in the user cache folder
+    (``meganeura.plan_cache``): a graph compiled before, in this process or an earlier one,
+    skips the compiler passes. None: on unless ``MEGANEURA_NO_DISK_CACHE=1`` or
+    ``MEGANEURA_NO_PLAN_CACHE=1``.
     detect_anomaly: on the gpu backend, check every kernel's output for NaN and Inf after
     it runs and raise FloatingPointError naming the first kernel that produced one (its
     trace name, e.g. ``matmul+add``) and the value it wrote; one submit and one readback
@@ -490,7 +494,7 @@ def compile(graph: Graph, outputs=None, loss=None, optimizer=None, backend="nump
     from .compiler import gc_paused
     with gc_paused():
         s = Session(graph, outputs, loss, optimizer, backend, precision, seed, accumulate, state_updates, share_with,
-                    detect_anomaly)
+                    detect_anomaly, plan_cache)
         if eager and backend == "gpu":
             s.executor.plan("step" if optimizer is not None and loss is not None else "run" if outputs else "grads")
     return s

@@ -114,17 +114,32 @@ def gc_paused():
                 gc.enable()
 
 
-def compile_plan(targets, n_forward=None, options: CompileOptions | None = None, updates=None) -> KernelPlan:
+def compile_plan(targets, n_forward=None, options: CompileOptions | None = None, updates=None,
+                 cache=False, adapter=None) -> KernelPlan:
     """Kernels computing ``targets`` (tensors of one graph). ``n_forward``: how many leading
     targets are forward outputs (accelerated precision applies to what they depend on).
     ``updates``: {target index: parameter/state name} for targets that become that
-    tensor's new value after the call; where it is safe they are written in place."""
-    with gc_paused():
-        return _compile_plan(targets, n_forward, options, updates)
-
-
-def _compile_plan(targets, n_forward, options, updates) -> KernelPlan:
+    tensor's new value after the call; where it is safe they are written in place.
+    ``cache``: read and write the on-disk plan cache (``plan_cache``; the runtime turns it
+    on, keyed with ``adapter``, the device's description); a plan read from it carries
+    each kernel's name, archetype and output but not its IR."""
     opts = options or CompileOptions()
+    with gc_paused():
+        key = None
+        if cache:
+            from . import plan_cache
+            key = plan_cache.plan_key(targets, n_forward, opts, updates, adapter)
+            plan = plan_cache.load(key) if key is not None else None
+            if plan is not None:
+                return plan
+        plan = _compile_plan(targets, n_forward, opts, updates)
+        if key is not None:
+            plan_cache.store(key, plan)
+            plan.stats["cache"] = "stored"
+        return plan
+
+
+def _compile_plan(targets, n_forward, opts, updates) -> KernelPlan:
     clock = _StageClock()
     fwd = targets[:len(targets) if n_forward is None else n_forward]
     rewrite = accelerated_rewrite(fwd) if opts.precision == "accelerated" and fwd else None

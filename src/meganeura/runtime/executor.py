@@ -13,6 +13,7 @@ import time
 import numpy as np
 
 from ..api import starts_at_zero
+from .. import plan_cache
 from ..compiler import CompileOptions, compile_plan
 from ..graph import DeviceLimitError, fmt_shape
 from .device import get_device
@@ -33,7 +34,8 @@ class Plan:
         opts = CompileOptions.from_env(ex.precision, dev.limits)
         base = n_fetch + len(grad_names)
         kp = compile_plan(targets, n_forward=n_fetch, options=opts,
-                          updates={base + j: name for j, (name, _) in enumerate(updates)})
+                          updates={base + j: name for j, (name, _) in enumerate(updates)},
+                          cache=plan_cache.enabled(ex.plan_cache) and not dev.checked, adapter=dev.adapter_info)
         self.kernel_plan, self.memory = kp, kp.memory
         slots = [dev.create_buffer(n, label=f"slot{i}") for i, n in enumerate(self.memory.slot_sizes)]
         phys = {}
@@ -58,14 +60,18 @@ class Plan:
             err = Buf(8 * n, "temp", "index_errors")
             phys[err] = self.error_buf = dev.create_buffer(8 * n, label="index_errors")
             self.error_zeros = np.zeros(2 * n, np.uint32)
-        dispatches = []
+        shaders = []
         for d in kp.dispatches:
             wgsl, bufs = d.wgsl, d.bufs
             if checked and d.kernel.spec.get("checks"):
                 wgsl, bufs, _ = render(d.kernel, errors=(err, len(self.checks)))
                 self.checks += [(c, d.kernel.name) for c in d.kernel.spec["checks"]]
-            pipe = dev.pipeline(wgsl, label=d.kernel.name)   # access parsed from the declarations
-            dispatches.append((pipe, dev.bind_group(pipe, [phys[b] for b in bufs]), d.groups))
+            shaders.append((wgsl, d.kernel.name, bufs))
+        # every pipeline now (identical WGSL once, the new ones on several threads), so
+        # that compiling compiles and the first call only runs
+        pipes = dev.pipelines([(wgsl, name) for wgsl, name, _ in shaders])
+        dispatches = [(pipe, dev.bind_group(pipe, [phys[b] for b in bufs]), d.groups)
+                      for pipe, (_, _, bufs), d in zip(pipes, shaders, kp.dispatches)]
         self.names = kp.names
         self.n_dispatches = kp.n_dispatches
         self.step = ex.recorder.prepare(dispatches, self.names)
@@ -172,8 +178,10 @@ def check_device_limits(tensors, dev=None):
 class GpuExecutor:
     """Runs a Program on the GPU. Not thread-safe by itself: the Session serialises calls."""
 
-    def __init__(self, program, values: dict, precision="strict", share_with=None, detect_anomaly=None):
+    def __init__(self, program, values: dict, precision="strict", share_with=None, detect_anomaly=None,
+                 plan_cache=None):
         check_environment()
+        self.plan_cache = plan_cache             # None: on unless MEGANEURA_NO_DISK_CACHE / _NO_PLAN_CACHE
         self.detect_anomaly = detect_anomaly     # None: $MEGANEURA_DETECT_ANOMALY at each call
         self.dev = get_device()
         self.closed = False
