@@ -99,6 +99,11 @@ class Values(MutableMapping):
             return None
         return (v.tensor.shape, v.tensor.dtype.np) if isinstance(v, _Initial) else (v.shape, v.dtype)
 
+    def initial(self, name) -> np.ndarray:
+        """``name``'s value, made without being kept when it is still the initial one."""
+        v = self._items[name]
+        return initial_value(v.tensor, v.seed) if isinstance(v, _Initial) else v
+
     def __getitem__(self, name):
         v = self._items[name]
         if isinstance(v, _Initial):

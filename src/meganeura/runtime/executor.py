@@ -233,9 +233,10 @@ class GpuExecutor:
         self.unsent.discard(name)
 
     def send_initial_values(self):
-        """Upload the initial values that nothing has set since compiling."""
+        """Upload the initial values that nothing has set since compiling (made for the
+        upload only: no host copy stays behind)."""
         for name in list(self.unsent):
-            self.set_value(name, self.values[name])
+            self.set_value(name, self.values.initial(name))
 
     def upload(self, feeds: dict):
         for name, arr in feeds.items():
@@ -243,7 +244,7 @@ class GpuExecutor:
 
     def get_value(self, name):
         if name in self.unsent:
-            self.set_value(name, self.values[name])
+            self.set_value(name, self.values.initial(name))
         t = self._dtypes[name]
         n = t.size * t.dtype.np.itemsize
         return self.dev.readback(self.named_buffer(name, n), n, t.dtype.np, t.shape)
