@@ -174,7 +174,9 @@ def store(key: str, plan) -> None:
     from dataclasses import replace
 
     from .runtime.vulkan.cache import write_atomic
-    slim = replace(plan, dispatches=[replace(d, kernel=_slim(d.kernel)) for d in plan.dispatches],
+    texts: dict = {}       # equal WGSL as one object: pickled once (a plan has few distinct kernels)
+    slim = replace(plan, dispatches=[replace(d, kernel=_slim(d.kernel), wgsl=texts.setdefault(d.wgsl, d.wgsl))
+                                     for d in plan.dispatches],
                    stats={k: v for k, v in plan.stats.items() if k != "seconds"})
     try:
         data = pickle.dumps((key, slim), protocol=pickle.HIGHEST_PROTOCOL)

@@ -80,7 +80,7 @@ def device_free(name, size, graph, cache_dir) -> dict:
             p["key_s"] = time.perf_counter() - t0
             t0 = time.perf_counter()
             compile_plan(targets, n_forward=len(fetches), options=opts, updates=updates, cache=True)
-            p["store_s"] = time.perf_counter() - t0 - p["plan_s"]
+            p["miss_s"] = time.perf_counter() - t0          # compile and store
             t0 = time.perf_counter()
             hit = compile_plan(targets, n_forward=len(fetches), options=opts, updates=updates, cache=True)
             p["cached_s"] = time.perf_counter() - t0
