@@ -239,6 +239,8 @@ def is_int(v) -> bool:
 def int_dims(what, shape, allow=()) -> tuple:
     """``shape`` (an int or a sequence of ints) as a tuple of ints; a float such as 4.7 (or
     4.0) is refused rather than truncated. ``allow``: special values kept (e.g. -1)."""
+    if type(shape) is tuple and all(type(s) is int and s >= 0 for s in shape):
+        return shape            # the common case, checked cheaply (every node's shape passes here)
     if is_int(shape):
         shape = (shape,)
     try:

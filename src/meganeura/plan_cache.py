@@ -24,6 +24,7 @@ import os
 import pathlib
 import pickle
 import time
+import weakref
 
 import numpy as np
 
@@ -67,9 +68,12 @@ def package_digest() -> str:
     return _source_digest
 
 
+_PLAIN = (type(None), bool, int, float, str)
+
+
 def _attr_text(x, out: list) -> bool:
     """Append a canonical text of an attribute value to ``out``; False when it has none."""
-    if x is None or isinstance(x, (bool, int, float, str)):
+    if type(x) in _PLAIN:
         out.append(repr(x))
     elif isinstance(x, (list, tuple)):
         out.append("(")
@@ -97,21 +101,36 @@ def _attr_text(x, out: list) -> bool:
     return True
 
 
+# per graph, each node's canonical text (op, dtype, shape, attributes; None when it has
+# none): graphs are append-only, so compiling several phases of one graph keys each node once
+_node_texts: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _node_text(t):
+    head = f"{t.op}|{t.dtype.name}|{t.shape}|"
+    if t.op in ("input", "parameter", "state"):
+        return head + t.name         # bound by name; their initial values never reach a plan
+    parts = [head]
+    return "".join(parts) if _attr_text(t.attrs, parts) else None
+
+
 def graph_digest(targets) -> str | None:
     """SHA-256 of the part of the graph ``targets`` need, or None when some attribute has
     no canonical text (such a graph is compiled every time)."""
     from .reference import needed_nodes
     nodes = needed_nodes(targets)
+    texts = _node_texts.setdefault(targets[0].graph, {})
     pos = {t.id: i for i, t in enumerate(nodes)}
     h = hashlib.sha256()
     parts: list = []
     for t in nodes:
-        parts.append(f"{t.op}|{t.dtype.name}|{t.shape}|{','.join(str(pos[i.id]) for i in t.inputs)}|")
-        if t.op in ("input", "parameter", "state"):
-            parts.append(t.name)     # bound by name; their initial values never reach a plan
-        elif not _attr_text(t.attrs, parts):
+        text = texts.get(t.id, False)
+        if text is False:
+            text = texts[t.id] = _node_text(t)
+        if text is None:
             return None
-        parts.append("\n")
+        parts.append(text)
+        parts.append("|" + ",".join([str(pos[i.id]) for i in t.inputs]) + "\n")
         if len(parts) > 4096:
             h.update("".join(parts).encode())
             parts.clear()

@@ -54,7 +54,7 @@ def _session(w, graph, backend, precision="strict", **kw):
 def device_free(name, size, graph, cache_dir) -> dict:
     """Seconds of each device-free compile step for one workload graph (see the module doc)."""
     from ..compiler import CompileOptions, compile_plan
-    w = make(name, size=size)
+    w = make(name, size=size, device="cpu")
     t0 = time.perf_counter()
     w.build(graph)
     build_s = time.perf_counter() - t0
@@ -117,7 +117,7 @@ def on_device(name, size, graph, mode="strict") -> dict:
     t0 = time.perf_counter()
     dev = get_device()
     startup_s = time.perf_counter() - t0
-    w = make(name, size=size)
+    w = make(name, size=size, device="cpu")      # graphs only: torch is not imported
     out = {"workload": name, "graph": graph, "mode": mode, "startup_s": startup_s, "adapter": dev.name}
     for run in ("first", "again"):
         st0 = dict(dev.stats)

@@ -450,7 +450,9 @@ class Device:
         (default ``MEGANEURA_COMPILE_THREADS``, else up to 8): wgpu releases the GIL while
         naga and the driver compile, and on a hardware driver each pipeline takes tens of
         milliseconds of CPU."""
-        keys = [(wgsl, "main", tuple(parse_bindings(wgsl)), 0) for wgsl, _ in shaders]
+        layouts: dict = {}
+        keys = [(wgsl, "main", layouts.get(wgsl) or layouts.setdefault(wgsl, tuple(parse_bindings(wgsl))), 0)
+                for wgsl, _ in shaders]
         found, missing = {}, {}
         with self._lock:
             for key, (_, label) in zip(keys, shaders):
