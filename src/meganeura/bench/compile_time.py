@@ -140,7 +140,8 @@ def on_device(name, size, graph, mode="strict") -> dict:
                     "dispatches": {k: p.n_dispatches for k, p in plans.items()},
                     "unique_pipelines": len({d.wgsl for p in plans.values() for d in p.kernel_plan.dispatches}),
                     "pipelines_created": dev.stats["pipelines_compiled"] - st0["pipelines_compiled"],
-                    "pipeline_s": dev.stats["compile_seconds"] - st0["compile_seconds"]}
+                    "pipeline_s": dev.stats["compile_seconds"] - st0["compile_seconds"],      # summed over threads
+                    "pipeline_wall_s": dev.stats.get("pipeline_wall_seconds", 0.0) - st0.get("pipeline_wall_seconds", 0.0)}
         s.close()
         del b, s
     return out
@@ -178,15 +179,19 @@ def cold_and_warm(name, size, graph, mode="strict", threads=None) -> dict:
             "cold": cold["first"], "warm": warm["first"], "again": warm["again"], "adapter": cold["adapter"]}
 
 
+def _pipe(run):
+    return f"{run.get('pipeline_wall_s', float('nan')):.2f}/{run['pipeline_s']:.2f}"
+
+
 def print_gpu(rows):
     print(f"{'workload':9} {'graph':9} {'cold':>6} {'warm':>6} {'again':>6} {'pipelines':>9} "
-          f"{'cold pipe s':>11} {'warm pipe s':>11} {'plan cache':>10}")
+          f"{'cold pipe s':>11} {'warm pipe s':>11} {'plan cache':>10}   (pipe s: waited / summed over threads)")
     for r in rows:
         if "error" in r:
             print(f"{r['workload']:9} {r['graph']:9} error: {r['error']}")
             continue
         print(f"{r['workload']:9} {r['graph']:9} {r['cold_s']:6.2f} {r['warm_s']:6.2f} {r['again_s']:6.2f} "
-              f"{r['cold']['unique_pipelines']:9d} {r['cold']['pipeline_s']:11.2f} {r['warm']['pipeline_s']:11.2f} "
+              f"{r['cold']['unique_pipelines']:9d} {_pipe(r['cold']):>11} {_pipe(r['warm']):>11} "
               f"{','.join(str(v) for v in r['warm']['plan_cache'].values()):>10}")
 
 

@@ -183,9 +183,9 @@ class Runner:
                 if "error" in cw:
                     cell["process_error"] = cw["error"]
                 else:
-                    cell.update(cold_s=cw["cold_s"], warm_s=cw["warm_s"],
-                                pipelines=cw["cold"]["unique_pipelines"], cold_pipeline_s=cw["cold"]["pipeline_s"],
-                                warm_pipeline_s=cw["warm"]["pipeline_s"], processes=cw)
+                    cell.update(cold_s=cw["cold_s"], warm_s=cw["warm_s"], pipelines=cw["cold"]["unique_pipelines"],
+                                cold_pipeline_s=cw["cold"]["pipeline_wall_s"], warm_pipeline_s=cw["warm"]["pipeline_wall_s"],
+                                processes=cw)
             gc.collect()
         return sessions
 

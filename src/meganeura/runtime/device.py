@@ -261,7 +261,8 @@ class Device:
         self.stats = {
             "pipelines_compiled": 0,
             "pipeline_cache_hits": 0,
-            "compile_seconds": 0.0,
+            "compile_seconds": 0.0,           # summed over pipelines (threads overlap)
+            "pipeline_wall_seconds": 0.0,     # waited for by Device.pipelines
             "shader_seconds": 0.0,
             "staging_buffers_created": 0,
             "pipelines_evicted": 0,
@@ -466,6 +467,7 @@ class Device:
                 else:
                     self.stats["pipeline_cache_hits"] += 1
         if missing:
+            t0 = time.perf_counter()
             n = threads or int(os.environ.get("MEGANEURA_COMPILE_THREADS", "0") or 0) or min(8, os.cpu_count() or 1)
             jobs = list(missing.items())
 
@@ -484,6 +486,7 @@ class Device:
                 while len(self._pipelines) > max(self.pipeline_cache_size, 0):
                     self._pipelines.popitem(last=False)
                     self.stats["pipelines_evicted"] += 1
+                self.stats["pipeline_wall_seconds"] += time.perf_counter() - t0
         return [found[key] for key in keys]
 
     def _compile(self, wgsl, entry, access, label, immediate_size):
