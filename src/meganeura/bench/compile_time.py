@@ -2,6 +2,7 @@
 
     python bench/compile_time.py [--size real] [--workloads ...] [--out bench/results/compile_time.json]
     python bench/compile_time.py --gpu [--size real] [--out bench/results/compile_time_gpu.json]
+    python bench/compile_time.py --scaling     (SmolLM2's training step at 8..64 layers: CPU s per layer)
 
 Device-free (the default): per workload and graph, seconds to build the graph, to make the
 session's program (autodiff, optimizer), and per executor phase (``run``; ``grads`` and
@@ -114,6 +115,35 @@ def print_device_free(rows, baseline=None):
               + " ".join(f"{k} {v:.2f}" for k, v in stages.items()))
 
 
+def scaling(layers=(8, 16, 32, 64)) -> list:
+    """CPU seconds of compile_plan for SmolLM2's training step at several depths (best of
+    two): a compiler linear in graph size spends the same per layer."""
+    import dataclasses
+
+    import meganeura as mg
+
+    from ..compiler import CompileOptions, compile_plan
+    from ..models import llama
+    cfg0 = make("smollm2", size="real", device="cpu").cfg
+    opts = CompileOptions(max_bindings=BINDINGS, workgroup_storage=H200_WORKGROUP_STORAGE)
+    rows = []
+    for n in layers:
+        g, _, _, loss = llama.build_training(dataclasses.replace(cfg0, num_hidden_layers=n), 1, 128)
+        s = mg.compile(g, loss=loss, optimizer=mg.optim.AdamW(lr=1e-4), backend="numpy")
+        fetches, grad_names, upd, targets = s.program.targets("step")
+        updates = {len(fetches) + len(grad_names) + j: name for j, (name, _) in enumerate(upd)}
+        best, kp = float("inf"), None
+        for _ in range(2):
+            c0 = time.process_time()
+            kp = compile_plan(targets, n_forward=len(fetches), options=opts, updates=updates)
+            best = min(best, time.process_time() - c0)
+        rows.append({"layers": n, "nodes": len(g.nodes), "dispatches": kp.n_dispatches, "cpu_s": best,
+                     "ms_per_layer": 1e3 * best / n, "stages": kp.stats.get("seconds", {})})
+        print(f"{n:3d} layers {len(g.nodes):6d} nodes {kp.n_dispatches:5d} dispatches {best:6.3f} s "
+              f"{1e3 * best / n:5.1f} ms/layer  " + " ".join(f"{k} {v:.3f}" for k, v in rows[-1]["stages"].items()))
+    return rows
+
+
 # ----------------------------------------------------------------------------------- GPU
 def on_device(name, size, graph, mode="strict") -> dict:
     """``mg.compile`` of one workload graph with every plan built (pipelines included), twice
@@ -205,10 +235,19 @@ def main(argv=None):
     ap.add_argument("--threads", type=int, default=None, help="MEGANEURA_COMPILE_THREADS for --gpu")
     ap.add_argument("--baseline", default=None, help="an earlier device-free JSON to print beside (column 'before')")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--scaling", action="store_true", help="SmolLM2 train step at 8..64 layers (CPU s per layer)")
     ap.add_argument("--one", nargs=3, metavar=("WORKLOAD", "GRAPH", "MODE"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.one:
         print(json.dumps(on_device(args.one[0], args.size, args.one[1], args.one[2])))
+        return
+    if args.scaling:
+        rows = scaling()
+        out = args.out or "bench/results/compile_scaling.json"
+        with open(out, "w") as f:
+            json.dump({"workload": "smollm2 train step", "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                       "rows": rows}, f, indent=1)
+        print(f"wrote {out}")
         return
     names = parse_list(args.workloads, WORKLOADS, "workloads")
     graphs = parse_list(args.graphs, GRAPHS, "graphs")
