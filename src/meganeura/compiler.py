@@ -91,7 +91,8 @@ def accelerated_rewrite(forward_targets):
 
 
 _gc_lock = threading.Lock()
-_gc_depth = [0]
+_gc_users = 0                 # compiles under way (gc_paused nests and runs on several threads)
+_gc_was_enabled = False
 
 
 @contextlib.contextmanager
@@ -100,17 +101,18 @@ def gc_paused():
     compiled: those passes allocate hundreds of thousands of small objects, and the
     collector's repeated scans of them took about half of the compile time. Whatever
     became garbage is collected as usual afterwards. Nests, and is safe across threads."""
+    global _gc_users, _gc_was_enabled
     with _gc_lock:
-        if _gc_depth[0] == 0:
-            _gc_depth.append(gc.isenabled())
+        if _gc_users == 0:
+            _gc_was_enabled = gc.isenabled()
             gc.disable()
-        _gc_depth[0] += 1
+        _gc_users += 1
     try:
         yield
     finally:
         with _gc_lock:
-            _gc_depth[0] -= 1
-            if _gc_depth[0] == 0 and _gc_depth.pop():
+            _gc_users -= 1
+            if _gc_users == 0 and _gc_was_enabled:
                 gc.enable()
 
 
