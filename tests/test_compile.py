@@ -106,3 +106,27 @@ def test_pipelines_in_parallel_match_one_by_one(threads):
     assert len(pipes) == 8 and pipes[:4] == pipes[4:] and len(set(map(id, pipes))) == 4
     assert all(p.access == ("read", "rw") for p in pipes)
     assert dev.pipelines(shaders[:1]) == pipes[:1]                # cached
+
+
+def test_gc_is_paused_while_compiling_and_restored_after():
+    import gc
+
+    from meganeura.compiler import gc_paused
+    assert gc.isenabled()
+    with gc_paused():
+        assert not gc.isenabled()
+        with gc_paused():
+            pass
+        assert not gc.isenabled()              # the outer compile is still running
+    assert gc.isenabled()
+    with pytest.raises(RuntimeError):
+        with gc_paused():
+            raise RuntimeError("a failing compile")
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        with gc_paused():
+            pass
+        assert not gc.isenabled()              # a caller's choice is kept
+    finally:
+        gc.enable()
