@@ -13,6 +13,7 @@ pytest.importorskip("diffusers")
 
 from meganeura.bench import gates, report  # noqa: E402
 from meganeura.bench.__main__ import main  # noqa: E402
+from meganeura.bench.compile_time import cold_and_warm  # noqa: E402
 from meganeura.bench.workloads import WORKLOADS, make  # noqa: E402
 
 
@@ -66,7 +67,8 @@ def test_train_compare_short_numpy():
 def test_harness_quick_end_to_end(tmp_path):
     out = tmp_path / "run"
     rc = main(["--size", "tiny", "--quick", "--workloads", "whisper,smollm2", "--phases", "inference,minimal,flb,compile",
-               "--modes", "strict", "--warmup", "1", "--samples", "2", "--no-progress", "--out", str(out)])
+               "--modes", "strict", "--warmup", "1", "--samples", "2", "--no-progress", "--no-fresh-process",
+               "--out", str(out)])
     assert rc == 0
     res = json.loads((out / "bench.json").read_text())
     md = (out / "bench.md").read_text()
@@ -77,7 +79,9 @@ def test_harness_quick_end_to_end(tmp_path):
     for (name, phase), c in cells.items():
         assert c["valid"], (name, phase, c)
         if phase == "compile":
-            assert c["ours"]["inference"]["cold_s"] > 0 and c["ours"]["inference"]["warm_s"] > 0
+            for g in ("inference", "train"):
+                o = c["ours"][g]
+                assert o["in_process_first_s"] > 0 and o["in_process_again_s"] > 0, o
             assert "skipped" in c["torch_compile"]        # no CUDA here
             continue
         assert c["gate"]["pass"]
@@ -93,6 +97,29 @@ def test_harness_quick_end_to_end(tmp_path):
     assert main(["report", str(out / "bench.json"), "--out", str(tmp_path / "merged")]) == 0
     merged = report.merge([out / "bench.json", out / "bench.json"])
     assert len(merged["cells"]) == 16 and (tmp_path / "merged" / "bench.md").exists()
+
+
+def test_compile_time_cold_and_warm_processes():
+    """The compile table's fresh processes: the cold one fills the caches (plan and driver
+    shader caches in one folder), the warm one reads its plan back."""
+    r = cold_and_warm("whisper", "tiny", "inference")
+    assert "error" not in r, r
+    cold, warm = r["cold"], r["warm"]
+    assert r["cold_s"] > 0 and r["warm_s"] > 0 and r["again_s"] > 0
+    assert cold["plan_cache"] == {"run": "stored"} and warm["plan_cache"] == {"run": "hit"}
+    assert warm["dispatches"] == cold["dispatches"] and cold["unique_pipelines"] > 0
+    assert cold["pipelines_created"] == cold["unique_pipelines"] and cold["pipeline_s"] > 0 < cold["pipeline_wall_s"]
+    assert r["again"]["pipelines_created"] == 0          # the same process keeps its pipelines
+    md = report.bench_markdown({"options": {"size": "tiny", "workloads": ["whisper"], "modes": ["strict"],
+                                            "phases": ["compile"], "warmup": 1, "samples": 2},
+                                "environment": {"adapter": {}, "versions": {}}, "workloads": {},
+                        "cells": [{"workload": "whisper", "mode": "strict", "phase": "compile", "valid": True,
+                                   "torch_compile": {"skipped": "no CUDA"},
+                                   "ours": {"inference": {"in_process_first_s": 0.5, "in_process_again_s": 0.1,
+                                                          "cold_s": r["cold_s"], "warm_s": r["warm_s"],
+                                                          "pipelines": cold["unique_pipelines"],
+                                                          "cold_pipeline_s": cold["pipeline_wall_s"]}}}]})
+    assert f"{r['cold_s']:.2f} / {r['warm_s']:.2f} / 0.50 first, 0.10 again" in md
 
 
 def test_cached_decoder_keeps_the_cache_on_device():

@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import threading
 import zlib
+from collections.abc import MutableMapping
 
 import numpy as np
 
@@ -49,6 +50,86 @@ def default_init(t: Tensor, seed: int) -> np.ndarray:
         bound = 1.0 / np.sqrt(max(fan_in, 1))
         return rng.uniform(-bound, bound, shape).astype(dt)
     raise ValueError(f"parameter {t.name!r}: unknown init {init!r}")
+
+
+def initial_value(t: Tensor, seed: int) -> np.ndarray:
+    """A parameter's (``default_init``) or a state's (its ``init``) value before training."""
+    if t.op == "parameter":
+        return default_init(t, seed)
+    init = t.attrs["init"]
+    return init.astype(t.dtype.np) if isinstance(init, np.ndarray) else np.full(t.shape, init, t.dtype.np)
+
+
+def starts_at_zero(t: Tensor) -> bool:
+    """``t``'s initial value is all zeros (a fresh device buffer holds it already)."""
+    init = t.attrs.get("init")
+    if isinstance(init, np.ndarray):
+        return False
+    if t.op == "parameter":
+        return init == "zeros" or (init is None and len(t.shape) < 2) or (isinstance(init, (int, float)) and init == 0)
+    return isinstance(init, (int, float)) and init == 0
+
+
+class _Initial:
+    __slots__ = ("tensor", "seed")
+
+    def __init__(self, tensor, seed):
+        self.tensor, self.seed = tensor, seed
+
+
+class Values(MutableMapping):
+    """A session's parameter and state values by name. An initial value is made when it is
+    first read: weights loaded right after compiling are never drawn at random first, and
+    the GPU backend never builds zero-filled optimizer moments on the host (at SmolLM2's
+    size those took seconds of every compile)."""
+
+    def __init__(self):
+        self._items: dict = {}
+
+    def defer(self, t: Tensor, seed: int):
+        """``t``'s initial value, made on first read; nothing changes if a value is set."""
+        self._items.setdefault(t.name, _Initial(t, seed))
+
+    def pending(self, name) -> Tensor | None:
+        """The tensor whose initial value ``name`` still waits for, else None."""
+        v = self._items.get(name)
+        return v.tensor if isinstance(v, _Initial) else None
+
+    def spec(self, name):
+        """(shape, NumPy dtype) of ``name``'s value without making it, or None."""
+        v = self._items.get(name)
+        if v is None:
+            return None
+        return (v.tensor.shape, v.tensor.dtype.np) if isinstance(v, _Initial) else (v.shape, v.dtype)
+
+    def initial(self, name) -> np.ndarray:
+        """``name``'s value, made without being kept when it is still the initial one."""
+        v = self._items[name]
+        return initial_value(v.tensor, v.seed) if isinstance(v, _Initial) else v
+
+    def __getitem__(self, name):
+        v = self._items[name]
+        if isinstance(v, _Initial):
+            v = self._items[name] = initial_value(v.tensor, v.seed)
+        return v
+
+    def __setitem__(self, name, value):
+        self._items[name] = value
+
+    def __delitem__(self, name):
+        del self._items[name]
+
+    def __iter__(self):
+        return iter(self._items)
+
+    def __len__(self):
+        return len(self._items)
+
+    def __contains__(self, name):
+        return name in self._items
+
+    def clear(self):
+        self._items.clear()
 
 
 def check_array(kind, t: Tensor, value) -> np.ndarray:
@@ -149,7 +230,7 @@ class Session:
     """A compiled graph on one backend. See ``mg.compile``."""
 
     def __init__(self, graph, outputs, loss, optimizer, backend, precision, seed, accumulate=1, state_updates=None,
-                 share_with=None, detect_anomaly=None, separate_update=False):
+                 share_with=None, detect_anomaly=None, separate_update=False, plan_cache=None):
         if backend not in BACKENDS:
             raise ValueError(f"unknown backend {backend!r}; choose one of {BACKENDS}")
         if precision not in PRECISIONS:
@@ -226,9 +307,6 @@ class Session:
             from .runtime.executor import check_device_limits
             check_device_limits([t for t in graph.nodes if t.id in used] + self.program.kept,
                                 get_runtime_device(resolve(backend)))
-        fresh = {t.name: default_init(t, seed) if t.op == "parameter" else
-                 np.full(t.shape, t.attrs["init"], t.dtype.np) if not isinstance(t.attrs["init"], np.ndarray)
-                 else t.attrs["init"].astype(t.dtype.np) for t in self.program.kept}
         shared = None
         if share_with is not None:
             # one copy of parameters and state (by name) serves both sessions
@@ -237,23 +315,23 @@ class Session:
             if share_with.backend != backend:
                 raise ValueError(f"share_with: backends differ ({share_with.backend} vs {backend})")
             for t in self.program.kept:
-                other = share_with.values.get(t.name)
-                if other is not None and (other.shape != t.shape or other.dtype != t.dtype.np):
-                    raise ValueError(f"share_with: {t.name!r} is {fmt_shape(other.shape)} {other.dtype} in the "
+                other = share_with.values.spec(t.name)
+                if other is not None and other != (t.shape, t.dtype.np):
+                    raise ValueError(f"share_with: {t.name!r} is {fmt_shape(other[0])} {other[1]} in the "
                                      f"other session, {fmt_shape(t.shape)} {t.dtype.name} here")
             self.values = share_with.values
-            for n, v in fresh.items():
-                self.values.setdefault(n, v)
             shared = share_with.executor
         else:
-            self.values = fresh
+            self.values = Values()
+        for t in self.program.kept:
+            self.values.defer(t, seed)
         if backend == "numpy":
             from .reference import NumpyExecutor
             self.executor = NumpyExecutor(self.program, self.values)
         else:
             from .runtime.executor import GpuExecutor
             self.executor = GpuExecutor(self.program, self.values, precision=precision, share_with=shared,
-                                        detect_anomaly=detect_anomaly, backend=backend)
+                                        detect_anomaly=detect_anomaly, backend=backend, plan_cache=plan_cache)
         self._users[0] += 1
 
     # ------------------------------------------------------------------- lifetime
@@ -420,7 +498,7 @@ class Session:
 
 def compile(graph: Graph, outputs=None, loss=None, optimizer=None, backend="numpy",
             precision="strict", seed=0, accumulate=1, state_updates=None, share_with=None,
-            eager=True, detect_anomaly=None) -> Session:
+            eager=True, detect_anomaly=None, plan_cache=None) -> Session:
     """Compile ``graph`` for inference (``outputs``) or training (``loss`` + ``optimizer``).
 
     backend: "numpy" (the reference interpreter) or "gpu" (the direct Vulkan backend or wgpu:
@@ -435,8 +513,12 @@ def compile(graph: Graph, outputs=None, loss=None, optimizer=None, backend="nump
     share_with: another Session whose parameters and state (same names) this one uses
     instead of its own copy (e.g. prefill and decode programs of one model).
     eager: on the gpu backend, compile the program of the main call (``step`` with an
-    optimizer, else ``run``; ``compute_grads`` otherwise) now, so that timing ``compile``
-    times the compilation; other calls compile on first use.
+    optimizer, else ``run``; ``compute_grads`` otherwise) now, pipelines included, so that
+    timing ``compile`` times the compilation; other calls compile on first use.
+    plan_cache: on the gpu backend, read and write compiled plans in the user cache folder
+    (``meganeura.plan_cache``): a graph compiled before, in this process or an earlier one,
+    skips the compiler passes. None: on unless ``MEGANEURA_NO_DISK_CACHE=1`` or
+    ``MEGANEURA_NO_PLAN_CACHE=1``.
     detect_anomaly: on the gpu backend, check every kernel's output for NaN and Inf after
     it runs and raise FloatingPointError naming the first kernel that produced one (its
     trace name, e.g. ``matmul+add``) and the value it wrote; one submit and one readback
@@ -446,8 +528,10 @@ def compile(graph: Graph, outputs=None, loss=None, optimizer=None, backend="nump
         raise ValueError("compile: give outputs= (inference) and/or loss= (training)")
     if isinstance(outputs, Tensor):
         outputs = [outputs]
-    s = Session(graph, outputs, loss, optimizer, backend, precision, seed, accumulate, state_updates, share_with,
-                detect_anomaly)
-    if eager and backend != "numpy":
-        s.executor.plan("step" if optimizer is not None and loss is not None else "run" if outputs else "grads")
+    from .compiler import gc_paused
+    with gc_paused():
+        s = Session(graph, outputs, loss, optimizer, backend, precision, seed, accumulate, state_updates, share_with,
+                    detect_anomaly, plan_cache=plan_cache)
+        if eager and backend != "numpy":
+            s.executor.plan("step" if optimizer is not None and loss is not None else "run" if outputs else "grads")
     return s

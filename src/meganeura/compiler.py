@@ -8,7 +8,10 @@ everything here is testable (kernel counts, WGSL validity) without a GPU.
 """
 from __future__ import annotations
 
+import contextlib
+import gc
 import os
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -89,25 +92,74 @@ def accelerated_rewrite(forward_targets):
     return rw
 
 
-def compile_plan(targets, n_forward=None, options: CompileOptions | None = None, updates=None) -> KernelPlan:
+_gc_lock = threading.Lock()
+_gc_users = 0                 # compiles under way (gc_paused nests and runs on several threads)
+_gc_was_enabled = False
+
+
+@contextlib.contextmanager
+def gc_paused():
+    """Python's cyclic garbage collector held off while a graph is differentiated or
+    compiled: those passes allocate hundreds of thousands of small objects, and the
+    collector's repeated scans of them took about half of the compile time. Whatever
+    became garbage is collected as usual afterwards. Nests, and is safe across threads."""
+    global _gc_users, _gc_was_enabled
+    with _gc_lock:
+        if _gc_users == 0:
+            _gc_was_enabled = gc.isenabled()
+            gc.disable()
+        _gc_users += 1
+    try:
+        yield
+    finally:
+        with _gc_lock:
+            _gc_users -= 1
+            if _gc_users == 0 and _gc_was_enabled:
+                gc.enable()
+
+
+def compile_plan(targets, n_forward=None, options: CompileOptions | None = None, updates=None,
+                 cache=False, adapter=None) -> KernelPlan:
     """Kernels computing ``targets`` (tensors of one graph). ``n_forward``: how many leading
     targets are forward outputs (accelerated precision applies to what they depend on).
     ``updates``: {target index: parameter/state name} for targets that become that
-    tensor's new value after the call; where it is safe they are written in place."""
+    tensor's new value after the call; where it is safe they are written in place.
+    ``cache``: read and write the on-disk plan cache (``plan_cache``; the runtime turns it
+    on, keyed with ``adapter``, the device's description); a plan read from it carries
+    each kernel's name, archetype and output but not its IR."""
     opts = options or CompileOptions()
-    t0 = time.perf_counter()
+    with gc_paused():
+        key = None
+        if cache:
+            from . import plan_cache
+            key = plan_cache.plan_key(targets, n_forward, opts, updates, adapter)
+            plan = plan_cache.load(key) if key is not None else None
+            if plan is not None:
+                return plan
+        plan = _compile_plan(targets, n_forward, opts, updates)
+        if key is not None:
+            plan_cache.store(key, plan)
+            plan.stats["cache"] = "stored"
+        return plan
+
+
+def _compile_plan(targets, n_forward, opts, updates) -> KernelPlan:
+    clock = _StageClock()
     fwd = targets[:len(targets) if n_forward is None else n_forward]
     rewrite = accelerated_rewrite(fwd) if opts.precision == "accelerated" and fwd else None
     g2, new_targets = lower_to_primitives(targets, keep=codegen.has_kernel, rewrite=rewrite)
     if "remat" not in opts.disabled and fwd:
         g3, new_targets = rematerialize(new_targets, len(fwd))
         g2 = g3 or g2
+    clock.lap("lower")
     sched = build_schedule(g2, new_targets, max_bindings=opts.max_bindings)
     # kernels that write nothing are dropped before fusion (a merged launch must not be
     # judged by an empty first part)
     kernels = [k for k in sched.kernels if k.out.size > 0]
     n_scheduled = len(kernels)
+    clock.lap("schedule")
     kernels = run_fusion(kernels, disabled=opts.disabled, max_bindings=opts.max_bindings)
+    clock.lap("fusion")
     n_in_place = n_over = 0
     if updates and "inplace" not in opts.disabled:
         n_in_place = update_in_place(kernels, sched, new_targets, updates)
@@ -115,10 +167,12 @@ def compile_plan(targets, n_forward=None, options: CompileOptions | None = None,
         n_over = write_over_dying_operands(kernels)
     if opts.workgroup_storage:
         _size_tiles(kernels, opts.workgroup_storage)
+    clock.lap("in_place")
     dispatches = []
     for k in kernels:
         wgsl, bufs, groups = codegen.render(k)
         dispatches.append(Dispatch(k, wgsl, bufs, groups))
+    clock.lap("render")
     used = {id(b) for d in dispatches for b in d.bufs}
     locs = []
     for t in new_targets:
@@ -131,9 +185,26 @@ def compile_plan(targets, n_forward=None, options: CompileOptions | None = None,
     used |= {id(loc[0]) for loc in locs}
     bufs = [b for b in sched.bufs if id(b) in used]     # buffers a fusion made unnecessary are never allocated
     memory = plan_memory([(k.written_bufs(), d.bufs) for d in dispatches for k in [d.kernel]], bufs)
-    return KernelPlan(dispatches, bufs, memory, locs, time.perf_counter() - t0,
+    clock.lap("memory")
+    return KernelPlan(dispatches, bufs, memory, locs, clock.total(),
                       {"scheduled": n_scheduled, "fused": n_scheduled - len(kernels), "in_place": n_in_place,
-                       "written_over_operands": n_over})
+                       "written_over_operands": n_over, "seconds": clock.laps})
+
+
+class _StageClock:
+    """Seconds per compile stage (``KernelPlan.stats["seconds"]``), to see where time goes."""
+
+    def __init__(self):
+        self.start = self.last = time.perf_counter()
+        self.laps = {}
+
+    def lap(self, stage):
+        now = time.perf_counter()
+        self.laps[stage] = self.laps.get(stage, 0.0) + now - self.last
+        self.last = now
+
+    def total(self):
+        return time.perf_counter() - self.start
 
 
 def _size_tiles(kernels, storage):

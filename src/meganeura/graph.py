@@ -171,6 +171,13 @@ class Graph:
         self.nodes.append(t)
         return t
 
+    def _append_known(self, op, inputs, attrs, shape, dtype) -> Tensor:
+        """A copy of a node already checked in another graph (same op, attrs and input
+        shapes): its shape and dtype are known, so no rule or check runs again."""
+        t = Tensor(self, len(self.nodes), op, tuple(inputs), attrs, shape, dtype, self._auto_name(op))
+        self.nodes.append(t)
+        return t
+
     def input(self, name, shape, dtype=f32) -> Tensor:
         """A value fed at every run, by name."""
         t = self._append("input", (), {}, _check_shape(shape, name), dtype_of(dtype), self._claim(name, "input"))
@@ -252,6 +259,8 @@ def is_int(v) -> bool:
 def int_dims(what, shape, allow=()) -> tuple:
     """``shape`` (an int or a sequence of ints) as a tuple of ints; a float such as 4.7 (or
     4.0) is refused rather than truncated. ``allow``: special values kept (e.g. -1)."""
+    if type(shape) is tuple and all(type(s) is int and s >= 0 for s in shape):
+        return shape            # the common case, checked cheaply (every node's shape passes here)
     if is_int(shape):
         shape = (shape,)
     try:

@@ -7,6 +7,7 @@ have a single consumer (and the same shape) fuse into one pointwise kernel.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -43,7 +44,7 @@ class View:
 
     @property
     def size(self):
-        return int(np.prod(self.shape, dtype=np.int64))
+        return int(math.prod(self.shape))
 
     def is_contiguous(self):
         return all(st == cs for st, cs, n in zip(self.strides, contiguous_strides(self.shape), self.shape) if n != 1)
@@ -215,6 +216,13 @@ def build_schedule(graph, targets: list[Tensor], target_kinds=None, max_bindings
         return (len(cs) == 1 and is_pointwise(cs[0].op) and cs[0].op not in INDEXED_READS
                 and (cs[0].shape == t.shape or _cheap_broadcast(t, cs[0])))
 
+    def emit_pointwise(t, kind="temp"):
+        """``t``'s pointwise kernel; a producer meant to be inlined that the consumer has no
+        binding left for is emitted here first, as its own kernel."""
+        k = _pointwise_kernel(t, values, new_buf(t, kind), fusible, max_bindings, emit_pointwise)
+        kernels.append(k)
+        values[t.id] = k.out
+
     for t in nodes:
         if t.op in ("input", "parameter", "state"):
             values[t.id] = View.contiguous(new_buf(t, t.op), t.shape, t.dtype)
@@ -237,8 +245,7 @@ def build_schedule(graph, targets: list[Tensor], target_kinds=None, max_bindings
         if is_pointwise(t.op) or t.op in VIEW_OPS:
             if fusible(t):
                 continue                      # emitted inside its consumer
-            kernels.append(_pointwise_kernel(t, values, new_buf(t, kind), fusible, max_bindings))
-            values[t.id] = kernels[-1].out
+            emit_pointwise(t, kind)
             continue
         lower = OPS[t.op].lower
         if lower is None:
@@ -274,7 +281,7 @@ def _materialize(v, t, kernels, new_buf):
     return out
 
 
-def _pointwise_kernel(t, values, buf, fusible, max_bindings) -> Kernel:
+def _pointwise_kernel(t, values, buf, fusible, max_bindings, emit_pointwise) -> Kernel:
     """One kernel evaluating ``t`` and every fusible elementwise producer inlined into it."""
     leaves: list[View] = []
     leaf_index: dict[int, int] = {}
@@ -296,9 +303,11 @@ def _pointwise_kernel(t, values, buf, fusible, max_bindings) -> Kernel:
     def expr_of(x: Tensor):
         if x.op == "constant" and x.size == 1 and x.id not in values:
             return ("const", x)
-        if x.id not in values and fusible(x) and len({id(l.buf) for l in leaves}) < max_bindings - 2:
-            names.append(x.op)
-            return node(x)
+        if x.id not in values and fusible(x):
+            if len({id(l.buf) for l in leaves}) < max_bindings - 2:
+                names.append(x.op)
+                return node(x)
+            emit_pointwise(x)         # out of bindings: x runs first, and is read from memory
         return leaf(x)
 
     if t.op in VIEW_OPS:           # a layout op that is not a view: copy through its view

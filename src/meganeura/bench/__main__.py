@@ -33,6 +33,8 @@ def parser():
     r.add_argument("--device", default=None, help="torch device (default: cuda when available, else cpu)")
     r.add_argument("--no-torch-compile", action="store_true", help="time PyTorch eager only")
     r.add_argument("--no-progress", action="store_true", help="no progress bar")
+    r.add_argument("--no-fresh-process", action="store_true",
+                   help="compile phase: time in this process only (no cold / warm child processes)")
     r.add_argument("--debug", action="store_true", help="print tracebacks of failures")
     r.add_argument("--warmup", type=int, default=None, help=argparse.SUPPRESS)
     r.add_argument("--samples", type=int, default=None, help=argparse.SUPPRESS)

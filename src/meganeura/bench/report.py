@@ -150,16 +150,37 @@ def bench_markdown(result: dict) -> str:
             lines.append("")
     if "compile" in o["phases"]:
         lines += ["## Compile seconds", "",
-                  "Ours: build + compile + plan of the graph (weights upload excluded); warm = the same again "
-                  "in the same process (identical WGSL reuses pipelines). torch.compile: first call, cold and "
-                  "after a dynamo reset.", "",
-                  "| workload | mode | ours inference cold / warm | ours train cold / warm | "
-                  "torch.compile inference cold / warm | torch.compile train cold / warm |", "|---|---|---|---|---|---|"]
+                  "Ours: build the graph, `mg.compile` and every plan of it (pipelines included; weights upload "
+                  "excluded). Cold: a fresh process with empty caches (our plan cache and the driver's shader "
+                  "cache); warm: a fresh process with them filled; in-process: first in the benchmark process "
+                  "/ the same graph again there. Pipelines: unique pipelines and the seconds a cold process spends "
+                  "creating them. torch.compile: first call, cold and after a dynamo reset.", "",
+                  "| workload | mode | ours inference cold / warm / in-process | ours train cold / warm / in-process | "
+                  "pipelines inference / train (cold s) | torch.compile inference cold / warm | "
+                  "torch.compile train cold / warm |", "|---|---|---|---|---|---|---|"]
         for name in o["workloads"]:
             for mode in o["modes"]:
                 c = cells.get((name, mode, "compile"))
                 if c is None:
                     continue
+
+                def f(x):
+                    return "-" if x is None else f"{x:.2f}"
+
+                def ours(d):
+                    if not d:
+                        return "-"
+                    if "error" in d:
+                        return "error"
+                    if "in_process_first_s" not in d:      # older runs timed in the process only
+                        return f"- / - / {f(d.get('cold_s'))} first, {f(d.get('warm_s'))} again"
+                    return (f"{f(d.get('cold_s'))} / {f(d.get('warm_s'))} / "
+                            f"{f(d['in_process_first_s'])} first, {f(d.get('in_process_again_s'))} again")
+
+                def pipes(d):
+                    if not d or "pipelines" not in d:
+                        return "-"
+                    return f"{d['pipelines']} ({d['cold_pipeline_s']:.2f} s)"
 
                 def cw(d):
                     if not d:
@@ -170,7 +191,8 @@ def bench_markdown(result: dict) -> str:
                 tc = c.get("torch_compile", {})
                 tci = "skipped" if "skipped" in tc else cw(tc.get("inference"))
                 tct = "skipped" if "skipped" in tc else cw(tc.get("train"))
-                lines.append(f"| {name} | {mode} | {cw(c['ours'].get('inference'))} | {cw(c['ours'].get('train'))} "
+                oi, ot = c["ours"].get("inference"), c["ours"].get("train")
+                lines.append(f"| {name} | {mode} | {ours(oi)} | {ours(ot)} | {pipes(oi)} / {pipes(ot)} "
                              f"| {tci} | {tct} |")
         lines.append("")
     if phases:

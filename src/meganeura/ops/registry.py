@@ -87,6 +87,9 @@ def emit(op: str, inputs, name=None, **attrs) -> Tensor:
 def broadcast_shapes(op, *tensors) -> tuple:
     """NumPy's broadcasting rule, in Python ints (np.broadcast_shapes refuses shapes whose
     size overflows; those are reported by the graph with their element count)."""
+    first = tensors[0].shape
+    if all(t.shape == first for t in tensors):
+        return first
     nd = max(t.ndim for t in tensors)
     out = []
     for i in range(nd):

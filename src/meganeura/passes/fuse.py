@@ -16,6 +16,7 @@ the memory planner and the runtime need no knowledge of them.
 """
 from __future__ import annotations
 
+import itertools
 from collections import defaultdict
 
 import numpy as np
@@ -484,9 +485,9 @@ def fuse_rows(kernels, max_bindings):
     return [k for k in kernels if k is not None]
 
 
-def _bindings(kernels) -> int:
-    return len({(id(v.buf), v.dtype.name) for k in kernels for v in k.read_views()}
-               | {(id(b), None) for k in kernels for b in k.written_bufs()})
+def _binding_keys(k) -> set:
+    """What a kernel binds in a merged launch: each buffer read per dtype, each written."""
+    return {(id(v.buf), v.dtype.name) for v in k.read_views()} | {(id(b), None) for b in k.written_bufs()}
 
 
 MAX_FLOAT = 8           # kernels a group that reads intermediates may be moved past
@@ -529,9 +530,10 @@ def _groups_of(k):
 
 
 class _Group:
-    def __init__(self, key):
-        self.key, self.kernels, self.deps = key, [], set()
+    def __init__(self, key, seq):
+        self.key, self.seq, self.kernels, self.deps = key, seq, [], set()
         self.writes, self.reads = set(), set()
+        self.bindings = set()       # what _bindings counts, kept as kernels join
         self.passed = self.groups = 0
         # a group that reads only persistent buffers (an optimizer update reads gradients,
         # parameters and moments) extends no intermediate's life, so it may float any distance
@@ -542,13 +544,14 @@ class _Group:
 
     def fits(self, k, groups, max_bindings) -> bool:
         return (len(self.kernels) < MAX_PARTS and self.groups + groups <= MAX_GROUPS
-                and _bindings(self.kernels + [k]) <= max_bindings)
+                and len(self.bindings | _binding_keys(k)) <= max_bindings)
 
     def add(self, k, kw, kr, groups):
         self.kernels.append(k)
         self.writes |= kw
         self.reads |= kr
         self.groups += groups
+        self.bindings |= _binding_keys(k)
         self.temps |= any(v.buf.kind == "temp" for v in k.read_views())
 
     def kernel(self):
@@ -651,11 +654,12 @@ def merge_horizontal(kernels, max_bindings):
     launches, not one narrow launch per parameter."""
     kernels = _inline_cheap_producers(_pair_gemvs(kernels, max_bindings), max_bindings)
     out, open_ = [], []
+    seq = itertools.count()
 
     def close(g):
         if g not in open_:
             return
-        for d in sorted(g.deps, key=open_.index) if all(d in open_ for d in g.deps) else list(g.deps):
+        for d in sorted(g.deps, key=lambda d: d.seq):     # creation order: deterministic
             close(d)
         open_.remove(g)
         out.append(g.kernel())
@@ -681,7 +685,7 @@ def merge_horizontal(kernels, max_bindings):
             close(g)
             g = None
         if g is None:
-            g = _Group(key)
+            g = _Group(key, next(seq))
             open_.append(g)
         g.deps |= set(hits)
         g.add(k, kw, kr, groups)

@@ -65,7 +65,7 @@ def _copy(targets: list[Tensor], keep, rewrite=None, cse=False) -> tuple[Graph, 
             if n is not None:
                 pass
             elif keep(t) or dec is None:
-                n = emit(t.op, ins, **t.attrs)
+                n = _same_op(g, t, ins)
             else:
                 n = dec(*ins, **t.attrs)
                 changed = True
@@ -77,13 +77,26 @@ def _copy(targets: list[Tensor], keep, rewrite=None, cse=False) -> tuple[Graph, 
     return g, [m[t.id] for t in targets], changed
 
 
+def _same_op(g: Graph, t: Tensor, ins) -> Tensor:
+    """``t``'s op over ``ins`` in ``g``; when the inputs have the shapes and dtypes of
+    ``t``'s, the node is copied without running the shape rule again."""
+    if all(a.shape == b.shape and a.dtype is b.dtype for a, b in zip(ins, t.inputs)):
+        return g._append_known(t.op, ins, dict(t.attrs), t.shape, t.dtype)
+    return emit(t.op, ins, **t.attrs)
+
+
+def _lowerable(g: Graph, keep) -> bool:
+    """Some node of ``g`` still has to be decomposed (a decomposition emitted a composite)."""
+    return any(t.inputs and OPS[t.op].extra.get("decompose") is not None and not keep(t) for t in g.nodes)
+
+
 def lower_to_primitives(targets: list[Tensor], keep, rewrite=None) -> tuple[Graph, list[Tensor]]:
     """A new graph computing ``targets`` where every node satisfies ``keep(node)`` or has no
     decomposition. Returns the graph and the targets' counterparts, in order.
     ``rewrite(node, new_inputs)`` may replace a node of the original graph (first pass only)."""
     g, new, changed = _copy(targets, keep, rewrite)
     for _ in range(8):
-        if not changed:
+        if not changed or not _lowerable(g, keep):
             break
         g, new, changed = _copy(new, keep)
     g, new, _ = _copy(new, keep, cse=True)

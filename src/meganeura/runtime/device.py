@@ -261,7 +261,8 @@ class Device:
         self.stats = {
             "pipelines_compiled": 0,
             "pipeline_cache_hits": 0,
-            "compile_seconds": 0.0,
+            "compile_seconds": 0.0,           # summed over pipelines (threads overlap)
+            "pipeline_wall_seconds": 0.0,     # waited for by Device.pipelines
             "shader_seconds": 0.0,
             "staging_buffers_created": 0,
             "pipelines_evicted": 0,
@@ -444,6 +445,50 @@ class Device:
                 self.stats["pipelines_evicted"] += 1
         return p
 
+    def pipelines(self, shaders, threads=None):
+        """Pipelines for many ``(wgsl, label)`` at once (group-0 layouts parsed from the
+        WGSL), in order. The ones not cached yet are created on ``threads`` threads
+        (default ``MEGANEURA_COMPILE_THREADS``, else up to 8): wgpu releases the GIL while
+        naga and the driver compile, and on a hardware driver each pipeline takes tens of
+        milliseconds of CPU."""
+        layouts: dict = {}
+        keys = [(wgsl, "main", layouts.get(wgsl) or layouts.setdefault(wgsl, tuple(parse_bindings(wgsl))), 0)
+                for wgsl, _ in shaders]
+        found, missing = {}, {}
+        with self._lock:
+            for key, (_, label) in zip(keys, shaders):
+                p = self._pipelines.get(key)
+                if p is not None:
+                    self._pipelines.move_to_end(key)
+                    self.stats["pipeline_cache_hits"] += 1
+                    found[key] = p
+                elif key not in missing:
+                    missing[key] = label
+                else:
+                    self.stats["pipeline_cache_hits"] += 1
+        if missing:
+            t0 = time.perf_counter()
+            n = threads or int(os.environ.get("MEGANEURA_COMPILE_THREADS", "0") or 0) or min(8, os.cpu_count() or 1)
+            jobs = list(missing.items())
+
+            def make(job):
+                (wgsl, entry, access, imm), label = job
+                return self._compile(wgsl, entry, access, label, imm)
+            if n > 1 and len(jobs) > 1:
+                from concurrent.futures import ThreadPoolExecutor
+                with ThreadPoolExecutor(min(n, len(jobs))) as pool:
+                    made = list(pool.map(make, jobs))
+            else:
+                made = [make(j) for j in jobs]
+            with self._lock:
+                for (key, _), p in zip(jobs, made):
+                    found[key] = self._pipelines.setdefault(key, p)
+                while len(self._pipelines) > max(self.pipeline_cache_size, 0):
+                    self._pipelines.popitem(last=False)
+                    self.stats["pipelines_evicted"] += 1
+                self.stats["pipeline_wall_seconds"] += time.perf_counter() - t0
+        return [found[key] for key in keys]
+
     def _compile(self, wgsl, entry, access, label, immediate_size):
         t0 = time.perf_counter()
         trusted = self.trusted
@@ -464,9 +509,10 @@ class Device:
         raw = self.raw.create_compute_pipeline(
             label=label, layout=layout, compute={"module": module, "entry_point": entry})
         dt = time.perf_counter() - t0
-        self.stats["pipelines_compiled"] += 1
-        self.stats["compile_seconds"] += dt
-        self.stats["shader_seconds"] += t1 - t0
+        with self._lock:
+            self.stats["pipelines_compiled"] += 1
+            self.stats["compile_seconds"] += dt
+            self.stats["shader_seconds"] += t1 - t0
         return Pipeline(raw, bgl, access, entry, label, immediate_size, dt, trusted)
 
     def bind_group(self, pipeline: Pipeline, buffers, label=""):

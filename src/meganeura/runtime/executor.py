@@ -12,6 +12,8 @@ import time
 
 import numpy as np
 
+from ..api import starts_at_zero
+from .. import plan_cache
 from ..compiler import CompileOptions, compile_plan
 from ..graph import DeviceLimitError, fmt_shape
 from .backends import get_runtime_device, make_recorder, resolve
@@ -32,7 +34,8 @@ class Plan:
         opts = CompileOptions.from_env(ex.precision, dev.limits)
         base = n_fetch + len(grad_names)
         kp = compile_plan(targets, n_forward=n_fetch, options=opts,
-                          updates={base + j: name for j, (name, _) in enumerate(updates)})
+                          updates={base + j: name for j, (name, _) in enumerate(updates)},
+                          cache=plan_cache.enabled(ex.plan_cache) and not dev.checked, adapter=dev.adapter_info)
         self.kernel_plan, self.memory = kp, kp.memory
         slots = [dev.create_buffer(n, label=f"slot{i}") for i, n in enumerate(self.memory.slot_sizes)]
         phys = {}
@@ -55,16 +58,21 @@ class Plan:
             err = Buf(8 * n, "temp", "index_errors")
             phys[err] = self.error_buf = dev.create_buffer(8 * n, label="index_errors")
             self.error_zeros = np.zeros(2 * n, np.uint32)
-        dispatches, self.writes = [], []
+        shaders = []
         for d in kp.dispatches:
             wgsl, bufs = d.wgsl, d.bufs
             if checked and d.kernel.spec.get("checks"):
                 wgsl, bufs, _ = render(d.kernel, errors=(err, len(self.checks)))
                 self.checks += [(c, d.kernel.name) for c in d.kernel.spec["checks"]]
-            pipe = dev.pipeline(wgsl, label=d.kernel.name)   # access parsed from the declarations
+            shaders.append((wgsl, d.kernel.name, bufs))
+        # every pipeline now (identical kernel text once, the new ones on several threads),
+        # so that compiling compiles and the first call only runs
+        pipes = dev.pipelines([(wgsl, name) for wgsl, name, _ in shaders])
+        dispatches, self.writes = [], []
+        for pipe, (_, _, bufs), d in zip(pipes, shaders, kp.dispatches):
             bound = [phys[b] for b in bufs]
             # buffers each dispatch may write: a value is final after the last one that does
-            self.writes.append([buf for buf, acc in zip(bound, pipe.access) if acc == "rw"])
+            self.writes.append([buf for buf, acc in zip(bound, pipe.access) if acc in ("rw", "write")])
             dispatches.append((pipe, dev.bind_group(pipe, bound), d.groups))
         self.names = kp.names
         self.n_dispatches = kp.n_dispatches
@@ -174,8 +182,9 @@ class GpuExecutor:
     """Runs a Program on the GPU. Not thread-safe by itself: the Session serialises calls."""
 
     def __init__(self, program, values: dict, precision="strict", share_with=None, detect_anomaly=None,
-                 backend="gpu"):
+                 backend="gpu", plan_cache=None):
         check_environment()
+        self.plan_cache = plan_cache             # None: on unless MEGANEURA_NO_DISK_CACHE / _NO_PLAN_CACHE
         self.detect_anomaly = detect_anomaly     # None: $MEGANEURA_DETECT_ANOMALY at each call
         self.runtime = resolve(backend)          # "wgpu" or "vulkan"
         self.dev = get_runtime_device(self.runtime)
@@ -193,14 +202,24 @@ class GpuExecutor:
         self.input_buffers: dict = {}    # inputs are never shared: shapes differ per program
         if share_with is not None:       # parameters and state shared with another session
             self.buffers = share_with.buffers
+            self.unsent = share_with.unsent
             kept = {n: t for n, t in self._dtypes.items() if t.op != "input"}
             self._dtypes = {**{n: t for n, t in share_with._dtypes.items() if t.op != "input"}, **self._dtypes}
             share_with._dtypes.update(kept)
         else:
             self.buffers = {}
-        for name, arr in values.items():
-            if name not in self.buffers:
-                self.set_value(name, arr)
+            self.unsent = set()          # initial values not made yet: uploaded before the first call
+        pending = getattr(values, "pending", lambda name: None)
+        for name in values:
+            if name in self.buffers:
+                continue
+            t = pending(name)
+            if t is None:
+                self.set_value(name, values[name])
+            elif starts_at_zero(t):
+                self.named_buffer(name, t.size * t.dtype.np.itemsize)    # new buffers hold zeros
+            else:
+                self.unsent.add(name)
 
     # --------------------------------------------------------------- buffers
     def named_buffer(self, name, nbytes):
@@ -215,12 +234,21 @@ class GpuExecutor:
     def set_value(self, name, arr):
         arr = np.asarray(arr, dtype=self._dtypes[name].dtype.np, order="C")
         self.dev.upload(self.named_buffer(name, arr.nbytes), arr)
+        self.unsent.discard(name)
+
+    def send_initial_values(self):
+        """Upload the initial values that nothing has set since compiling (made for the
+        upload only: no host copy stays behind)."""
+        for name in list(self.unsent):
+            self.set_value(name, self.values.initial(name))
 
     def upload(self, feeds: dict):
         for name, arr in feeds.items():
             self.set_value(name, arr)
 
     def get_value(self, name):
+        if name in self.unsent:
+            self.set_value(name, self.values.initial(name))
         t = self._dtypes[name]
         n = t.size * t.dtype.np.itemsize
         return self.dev.readback(self.named_buffer(name, n), n, t.dtype.np, t.shape)
@@ -253,6 +281,7 @@ class GpuExecutor:
         per-kernel table and writes a Chrome/Perfetto trace to ``path`` if given."""
         from .profiler import kernel_table
         plan = self.plan(phase)
+        self.send_initial_values()
         self.upload(feeds)
         ts = self.recorder.run(plan.step, timestamps=True)
         if path:
@@ -285,6 +314,7 @@ class GpuExecutor:
         plan = self.plan(phase)
         trace = os.environ.get("MEGANEURA_TRACE")
         writer = trace_writer(trace) if trace else None    # an unwritable path fails before the step
+        self.send_initial_values()
         self.upload(feeds)
         copies = plan.copies_after if fetch else plan.update_copies
         anomaly = anomaly_from_env() if self.detect_anomaly is None else self.detect_anomaly

@@ -213,6 +213,10 @@ class VulkanRuntime:
                 self.stats["pipelines_evicted"] += 1
             return k
 
+    def pipelines(self, shaders, threads=None):
+        """Kernels for many ``(text, label)`` at once, in order (identical text once)."""
+        return [self.pipeline(text, label=label) for text, label in shaders]
+
     def clear_caches(self):
         """Drop the cached kernels (plans that are alive keep their own)."""
         with self._lock:

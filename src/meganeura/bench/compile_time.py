@@ -1,0 +1,282 @@
+"""Compile time of each workload's inference and training graphs.
+
+    python bench/compile_time.py [--size real] [--workloads ...] [--out bench/results/compile_time.json]
+    python bench/compile_time.py --gpu [--size real] [--out bench/results/compile_time_gpu.json]
+    python bench/compile_time.py --scaling     (SmolLM2's training step at 8..64 layers: CPU s per layer)
+
+Device-free (the default): per workload and graph, seconds to build the graph, to make the
+session's program (autodiff, optimizer), and per executor phase (``run``; ``grads`` and
+``step`` for training) to compile the plan, stage by stage (lower, schedule, fusion,
+in-place, render, memory), then the same plan again from the on-disk plan cache. Options
+are the H200's (bindings and workgroup memory), so the plans are the ones it runs.
+
+``--gpu``: what a user waits for on the current device, ``mg.compile`` with its plans
+built (pipelines included): ``cold`` in a fresh process with empty caches (ours, and the
+driver's shader caches pointed at the same empty folder), ``warm`` in a fresh process
+with those caches filled, and ``again`` the same graph compiled a second time in the warm
+process. Each also counts the pipelines created and the seconds spent creating them.
+``--threads N`` sets MEGANEURA_COMPILE_THREADS for the child processes.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+from .workloads import WORKLOADS, make, parse_list
+
+BINDINGS = 1 << 16      # as bench/dispatches.py: a large GPU's storage-buffer limit
+H200_WORKGROUP_STORAGE = 49152
+GRAPHS = ("inference", "train")
+PHASES = {"inference": ("run",), "train": ("grads", "step")}
+
+
+def _session(w, graph, backend, precision="strict", **kw):
+    import meganeura as mg
+    b = w.build(graph)
+    t0 = time.perf_counter()
+    if graph == "train":
+        opt = mg.optim.AdamW(lr=1e-4)
+        if b.optimizer_updates:
+            from ..models.resnet import with_state_updates
+            opt = with_state_updates(opt, b.optimizer_updates)
+        s = mg.compile(b.graph, loss=b.loss, optimizer=opt, backend=backend, precision=precision, **kw)
+    else:
+        s = mg.compile(b.graph, outputs=b.outputs, state_updates=b.state_updates or None, backend=backend,
+                       precision=precision, **kw)
+    return b, s, time.perf_counter() - t0
+
+
+# --------------------------------------------------------------------------- device-free
+def device_free(name, size, graph, cache_dir) -> dict:
+    """Seconds of each device-free compile step for one workload graph (see the module doc)."""
+    from ..compiler import CompileOptions, compile_plan
+    w = make(name, size=size, device="cpu")
+    c0, t0 = time.process_time(), time.perf_counter()
+    w.build(graph)
+    build_s = time.perf_counter() - t0
+    _, s, session_s = _session(w, graph, "numpy")
+    before_plans_cpu = time.process_time() - c0
+    opts = CompileOptions(max_bindings=BINDINGS, workgroup_storage=H200_WORKGROUP_STORAGE)
+    row = {"workload": name, "graph": graph, "build_s": build_s, "session_s": session_s, "phases": {}}
+    for phase in PHASES[graph]:
+        fetches, grad_names, upd, targets = s.program.targets(phase)
+        base = len(fetches) + len(grad_names)
+        updates = {base + j: n for j, (n, _) in enumerate(upd)}
+        c0, t0 = time.process_time(), time.perf_counter()
+        kp = compile_plan(targets, n_forward=len(fetches), options=opts, updates=updates)
+        p = {"plan_s": time.perf_counter() - t0, "plan_cpu_s": time.process_time() - c0, "dispatches": kp.n_dispatches,
+             "unique_wgsl": len({d.wgsl for d in kp.dispatches}), "stages": kp.stats.get("seconds", {})}
+        try:
+            from .. import plan_cache  # noqa: F401  (absent in older versions)
+        except ImportError:
+            plan_cache = None
+        if plan_cache is not None:
+            os.environ["MEGANEURA_CACHE_DIR"] = cache_dir        # a folder of this run's own
+            t0 = time.perf_counter()
+            key = plan_cache.plan_key(targets, len(fetches), opts, updates)
+            p["key_s"] = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            compile_plan(targets, n_forward=len(fetches), options=opts, updates=updates, cache=True)
+            p["miss_s"] = time.perf_counter() - t0          # compile and store
+            t0 = time.perf_counter()
+            hit = compile_plan(targets, n_forward=len(fetches), options=opts, updates=updates, cache=True)
+            p["cached_s"] = time.perf_counter() - t0
+            assert hit.stats.get("cache") == "hit" and hit.n_dispatches == kp.n_dispatches, key
+            p["entry_bytes"] = (plan_cache.folder() / f"{key}.plan").stat().st_size
+        row["phases"][phase] = p
+    row["plans_s"] = sum(p["plan_s"] for p in row["phases"].values())
+    row["total_s"] = build_s + session_s + row["plans_s"]
+    # CPU seconds of the process: on a shared machine a steadier measure than wall time
+    row["total_cpu_s"] = before_plans_cpu + sum(p["plan_cpu_s"] for p in row["phases"].values())
+    if all("cached_s" in p for p in row["phases"].values()):
+        row["total_cached_s"] = build_s + session_s + sum(p["cached_s"] for p in row["phases"].values())
+    return row
+
+
+def print_device_free(rows, baseline=None):
+    base = {(r["workload"], r["graph"]): r for r in (baseline or [])}
+    print(f"{'workload':9} {'graph':9} {'build':>6} {'session':>7} {'plans':>6} {'total':>6} {'cpu':>6} "
+          f"{'cached':>6} {'before':>7} {'b. cpu':>6}  stages (s, all phases)")
+    for r in rows:
+        stages = {}
+        for p in r["phases"].values():
+            for k, v in p["stages"].items():
+                stages[k] = stages.get(k, 0.0) + v
+        b = base.get((r["workload"], r["graph"]))
+        nan = float("nan")
+        print(f"{r['workload']:9} {r['graph']:9} {r['build_s']:6.2f} {r['session_s']:7.2f} {r['plans_s']:6.2f} "
+              f"{r['total_s']:6.2f} {r.get('total_cpu_s', nan):6.2f} {r.get('total_cached_s', nan):6.2f} "
+              f"{b['total_s'] if b else nan:7.2f} {b.get('total_cpu_s', nan) if b else nan:6.2f}  "
+              + " ".join(f"{k} {v:.2f}" for k, v in stages.items()))
+
+
+def scaling(layers=(8, 16, 32, 64)) -> list:
+    """CPU seconds of compile_plan for SmolLM2's training step at several depths (best of
+    two): a compiler linear in graph size spends the same per layer."""
+    import dataclasses
+
+    import meganeura as mg
+
+    from ..compiler import CompileOptions, compile_plan
+    from ..models import llama
+    cfg0 = make("smollm2", size="real", device="cpu").cfg
+    opts = CompileOptions(max_bindings=BINDINGS, workgroup_storage=H200_WORKGROUP_STORAGE)
+    rows = []
+    for n in layers:
+        g, _, _, loss = llama.build_training(dataclasses.replace(cfg0, num_hidden_layers=n), 1, 128)
+        s = mg.compile(g, loss=loss, optimizer=mg.optim.AdamW(lr=1e-4), backend="numpy")
+        fetches, grad_names, upd, targets = s.program.targets("step")
+        updates = {len(fetches) + len(grad_names) + j: name for j, (name, _) in enumerate(upd)}
+        best, kp = float("inf"), None
+        for _ in range(2):
+            c0 = time.process_time()
+            kp = compile_plan(targets, n_forward=len(fetches), options=opts, updates=updates)
+            best = min(best, time.process_time() - c0)
+        rows.append({"layers": n, "nodes": len(g.nodes), "dispatches": kp.n_dispatches, "cpu_s": best,
+                     "ms_per_layer": 1e3 * best / n, "stages": kp.stats.get("seconds", {})})
+        print(f"{n:3d} layers {len(g.nodes):6d} nodes {kp.n_dispatches:5d} dispatches {best:6.3f} s "
+              f"{1e3 * best / n:5.1f} ms/layer  " + " ".join(f"{k} {v:.3f}" for k, v in rows[-1]["stages"].items()))
+    return rows
+
+
+# ----------------------------------------------------------------------------------- GPU
+def on_device(name, size, graph, mode="strict") -> dict:
+    """``mg.compile`` of one workload graph with every plan built (pipelines included), twice
+    in this process; device start-up is excluded."""
+    from ..runtime import get_device
+    t0 = time.perf_counter()
+    dev = get_device()
+    startup_s = time.perf_counter() - t0
+    w = make(name, size=size, device="cpu")      # graphs only: torch is not imported
+    out = {"workload": name, "graph": graph, "mode": mode, "startup_s": startup_s, "adapter": dev.name}
+    for run in ("first", "again"):
+        st0 = dict(dev.stats)
+        t0 = time.perf_counter()
+        b = w.build(graph)
+        t1 = time.perf_counter()
+        _, s, _ = _session(w, graph, "gpu", mode)
+        for k in PHASES[graph]:
+            s.executor.plan(k)
+        t2 = time.perf_counter()
+        plans = {k: s.executor.plans[k] for k in PHASES[graph]}
+        out[run] = {"total_s": t2 - t0, "build_s": t1 - t0, "compile_s": t2 - t1,
+                    "kernel_plan_s": sum(p.kernel_plan.compile_seconds for p in plans.values()),
+                    "plan_cache": {k: p.kernel_plan.stats.get("cache") for k, p in plans.items()},
+                    "dispatches": {k: p.n_dispatches for k, p in plans.items()},
+                    "unique_pipelines": len({d.wgsl for p in plans.values() for d in p.kernel_plan.dispatches}),
+                    "pipelines_created": dev.stats["pipelines_compiled"] - st0["pipelines_compiled"],
+                    "pipeline_s": dev.stats["compile_seconds"] - st0["compile_seconds"],      # summed over threads
+                    "pipeline_wall_s": dev.stats.get("pipeline_wall_seconds", 0.0) - st0.get("pipeline_wall_seconds", 0.0)}
+        s.close()
+        del b, s
+    return out
+
+
+def in_fresh_process(name, size, graph, mode, cache_dir, threads=None, timeout=1800) -> dict:
+    """``on_device`` in a child process whose caches (ours and the drivers') live in ``cache_dir``."""
+    env = dict(os.environ, MEGANEURA_CACHE_DIR=cache_dir,
+               __GL_SHADER_DISK_CACHE_PATH=os.path.join(cache_dir, "nvidia"),
+               __GL_SHADER_DISK_CACHE="1", MESA_SHADER_CACHE_DIR=os.path.join(cache_dir, "mesa"))
+    env.pop("MEGANEURA_NO_DISK_CACHE", None)
+    env.pop("MEGANEURA_NO_PLAN_CACHE", None)
+    if threads:
+        env["MEGANEURA_COMPILE_THREADS"] = str(threads)
+    os.makedirs(env["__GL_SHADER_DISK_CACHE_PATH"], exist_ok=True)
+    cmd = [sys.executable, "-m", "meganeura.bench.compile_time", "--one", name, graph, mode, "--size", size]
+    t0 = time.perf_counter()
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    if r.returncode != 0:
+        return {"error": (r.stderr.strip().splitlines() or ["failed"])[-1][:300]}
+    res = json.loads(r.stdout.strip().splitlines()[-1])
+    res["process_s"] = time.perf_counter() - t0
+    return res
+
+
+def cold_and_warm(name, size, graph, mode="strict", threads=None) -> dict:
+    """Cold (fresh process, empty caches), warm (fresh process, caches filled) and again
+    (the same graph a second time in the warm process): seconds and pipelines."""
+    with tempfile.TemporaryDirectory(prefix="meganeura-compile-") as d:
+        cold = in_fresh_process(name, size, graph, mode, d, threads)
+        warm = in_fresh_process(name, size, graph, mode, d, threads)
+    if "error" in cold or "error" in warm:
+        return {"error": cold.get("error") or warm.get("error")}
+    return {"cold_s": cold["first"]["total_s"], "warm_s": warm["first"]["total_s"], "again_s": warm["again"]["total_s"],
+            "cold": cold["first"], "warm": warm["first"], "again": warm["again"], "adapter": cold["adapter"]}
+
+
+def _pipe(run):
+    return f"{run.get('pipeline_wall_s', float('nan')):.2f}/{run['pipeline_s']:.2f}"
+
+
+def print_gpu(rows):
+    print(f"{'workload':9} {'graph':9} {'cold':>6} {'warm':>6} {'again':>6} {'pipelines':>9} "
+          f"{'cold pipe s':>11} {'warm pipe s':>11} {'plan cache':>10}   (pipe s: waited / summed over threads)")
+    for r in rows:
+        if "error" in r:
+            print(f"{r['workload']:9} {r['graph']:9} error: {r['error']}")
+            continue
+        print(f"{r['workload']:9} {r['graph']:9} {r['cold_s']:6.2f} {r['warm_s']:6.2f} {r['again_s']:6.2f} "
+              f"{r['cold']['unique_pipelines']:9d} {_pipe(r['cold']):>11} {_pipe(r['warm']):>11} "
+              f"{','.join(str(v) for v in r['warm']['plan_cache'].values()):>10}")
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--workloads", default=",".join(WORKLOADS))
+    ap.add_argument("--graphs", default=",".join(GRAPHS))
+    ap.add_argument("--size", default="real", choices=("tiny", "real"))
+    ap.add_argument("--gpu", action="store_true", help="time mg.compile on the device, cold / warm / again")
+    ap.add_argument("--mode", default="strict", choices=("strict", "accelerated"))
+    ap.add_argument("--threads", type=int, default=None, help="MEGANEURA_COMPILE_THREADS for --gpu")
+    ap.add_argument("--baseline", default=None, help="an earlier device-free JSON to print beside (column 'before')")
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--scaling", action="store_true", help="SmolLM2 train step at 8..64 layers (CPU s per layer)")
+    ap.add_argument("--one", nargs=3, metavar=("WORKLOAD", "GRAPH", "MODE"), help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.one:
+        print(json.dumps(on_device(args.one[0], args.size, args.one[1], args.one[2])))
+        return
+    if args.scaling:
+        rows = scaling()
+        out = args.out or "bench/results/compile_scaling.json"
+        with open(out, "w") as f:
+            json.dump({"workload": "smollm2 train step", "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                       "rows": rows}, f, indent=1)
+        print(f"wrote {out}")
+        return
+    names = parse_list(args.workloads, WORKLOADS, "workloads")
+    graphs = parse_list(args.graphs, GRAPHS, "graphs")
+    rows = []
+    if args.gpu:
+        for name in names:
+            for g in graphs:
+                r = {"workload": name, "graph": g, **cold_and_warm(name, args.size, g, args.mode, args.threads)}
+                rows.append(r)
+                print_gpu([r])
+        out = args.out or "bench/results/compile_time_gpu.json"
+        print("\nsummary"), print_gpu(rows)
+    else:
+        with tempfile.TemporaryDirectory(prefix="meganeura-plans-") as d:
+            for name in names:
+                for g in graphs:
+                    rows.append(device_free(name, args.size, g, d))
+                    print_device_free(rows[-1:])
+        baseline = json.load(open(args.baseline))["rows"] if args.baseline else None
+        print("\nsummary (seconds; cached: the plans from the plan cache)")
+        print_device_free(rows, baseline)
+        out = args.out or "bench/results/compile_time.json"
+    res = {"size": args.size, "gpu": args.gpu, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "rows": rows}
+    if args.baseline:
+        res["baseline"] = {"file": os.path.basename(args.baseline), "rows": baseline}
+    with open(out, "w") as f:
+        json.dump(res, f, indent=1)
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,132 @@
+"""The compile path itself: deterministic plans, the binding cap of small adapters, lazy
+initial values, eager pipelines."""
+import numpy as np
+import pytest
+
+import meganeura as mg
+from meganeura import api
+from meganeura.bench.dispatches import phase_targets
+from meganeura.bench.workloads import make
+from meganeura.compiler import CompileOptions, compile_plan
+from meganeura.runtime import get_device
+
+
+def _plan_text(kp):
+    return [(d.kernel.name, d.wgsl, d.groups, [(b.kind, b.nbytes) for b in d.bufs]) for d in kp.dispatches]
+
+
+def test_the_same_graph_compiles_to_the_same_plan():
+    # merged launches used to close their dependencies in set order: the launch order of
+    # independent kernels changed from one compile to the next
+    targets, n_forward, updates = phase_targets(make("whisper", "tiny", device="cpu"), "flb")
+    opts = CompileOptions(max_bindings=1 << 16)
+    plans = [_plan_text(compile_plan(targets, n_forward=n_forward, options=opts, updates=updates)) for _ in range(3)]
+    assert plans[0] == plans[1] == plans[2]
+
+
+def _wide_sum(g, n=8, shape=(3, 5)):
+    xs = [g.input(f"x{i}", shape) for i in range(n)]
+    acc = xs[0]
+    for x in xs[1:n - 2]:
+        acc = acc + x
+    return xs, acc + xs[n - 2] * xs[n - 1]       # the product is inlined last, when bindings are spent
+
+
+def test_a_producer_that_finds_no_binding_left_runs_as_its_own_kernel(monkeypatch):
+    g = mg.Graph()
+    xs, y = _wide_sum(g)
+    kp = compile_plan([y], options=CompileOptions(max_bindings=8))     # raised "was not computed" before
+    assert kp.n_dispatches == 2 and all(len(d.bufs) <= 8 for d in kp.dispatches)
+    # on a device that offers 8 storage buffers per stage (WebGPU's default limit)
+    monkeypatch.setitem(get_device().limits, "max-storage-buffers-per-shader-stage", 8)
+    rng = np.random.default_rng(0)
+    feeds = {x.name: rng.standard_normal(x.shape).astype(np.float32) for x in xs}
+    out = mg.compile(g, outputs=[y], backend="gpu", plan_cache=False).run(feeds)[0]
+    ref = mg.compile(g, outputs=[y], backend="numpy").run(feeds)[0]
+    np.testing.assert_allclose(out, ref, rtol=1e-6, atol=1e-6)
+
+
+def _mlp_graph():
+    g = mg.Graph()
+    x = g.input("x", (4, 8))
+    y = g.input("y", (4,), mg.i32)
+    h = mg.ops.relu(mg.ops.linear(x, g.parameter("w1", (16, 8)), g.parameter("b1", (16,))))
+    loss = mg.ops.cross_entropy(mg.ops.linear(h, g.parameter("w2", (3, 16))), y)
+    return g, loss
+
+
+def test_initial_values_are_made_only_when_needed(monkeypatch):
+    made = []
+    real = api.default_init
+    monkeypatch.setattr(api, "default_init", lambda t, seed: made.append(t.name) or real(t, seed))
+    g, loss = _mlp_graph()
+    rng = np.random.default_rng(1)
+    weights = {"w1": rng.standard_normal((16, 8)).astype(np.float32), "b1": np.zeros(16, np.float32),
+               "w2": rng.standard_normal((3, 16)).astype(np.float32)}
+    feeds = {"x": rng.standard_normal((4, 8)).astype(np.float32), "y": np.array([0, 2, 1, 0], np.int32)}
+    s = mg.compile(g, loss=loss, optimizer=mg.optim.AdamW(lr=1e-2), backend="gpu")
+    s.load_state_dict(weights)
+    s.step(feeds)
+    assert made == []                                  # loaded before the first step: never drawn
+    moments = [n for n in s.state_names if s.values.pending(n) is not None]
+    assert moments, "zero-initialised optimizer state was built on the host"
+    # a session that is not loaded trains from the default values, as the reference does
+    gpu = mg.compile(g, loss=loss, optimizer=mg.optim.AdamW(lr=1e-2), backend="gpu", seed=3)
+    ref = mg.compile(g, loss=loss, optimizer=mg.optim.AdamW(lr=1e-2), backend="numpy", seed=3)
+    np.testing.assert_allclose(gpu.state_dict()["w1"], ref.state_dict()["w1"])    # read before any step
+    for _ in range(2):
+        np.testing.assert_allclose(gpu.step(feeds), ref.step(feeds), rtol=1e-5)
+    for name, v in ref.state_dict(include_optimizer=True).items():
+        np.testing.assert_allclose(gpu.state_dict(include_optimizer=True)[name], v, rtol=1e-4, atol=1e-6,
+                                   err_msg=name)
+
+
+def test_compile_creates_the_pipelines_of_the_main_call():
+    g, loss = _mlp_graph()
+    dev = get_device()
+    dev.clear_caches()
+    before = dev.stats["pipelines_compiled"]
+    s = mg.compile(g, loss=loss, optimizer=mg.optim.SGD(lr=0.1), backend="gpu", plan_cache=False)
+    plan = s.executor.plans["step"]
+    created = dev.stats["pipelines_compiled"] - before
+    assert created == len({d.wgsl for d in plan.kernel_plan.dispatches}) > 0   # each distinct kernel once
+    s.step({"x": np.ones((4, 8), np.float32), "y": np.zeros(4, np.int32)})
+    assert dev.stats["pipelines_compiled"] - before == created                # the first step compiles nothing
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+def test_pipelines_in_parallel_match_one_by_one(threads):
+    dev = get_device()
+    wgsl = ("@group(0) @binding(0) var<storage, read> a: array<f32>;\n"
+            "@group(0) @binding(1) var<storage, read_write> b: array<f32>;\n"
+            "@compute @workgroup_size(64) fn main(@builtin(global_invocation_id) i: vec3<u32>) {{\n"
+            "  if (i.x < arrayLength(&b)) {{ b[i.x] = a[i.x] * {k}.0; }}\n}}\n")
+    shaders = [(wgsl.format(k=k + 10 * threads), f"scale{k}") for k in range(4)] * 2
+    pipes = dev.pipelines(shaders, threads=threads)
+    assert len(pipes) == 8 and pipes[:4] == pipes[4:] and len(set(map(id, pipes))) == 4
+    assert all(p.access == ("read", "rw") for p in pipes)
+    assert dev.pipelines(shaders[:1]) == pipes[:1]                # cached
+
+
+def test_gc_is_paused_while_compiling_and_restored_after():
+    import gc
+
+    from meganeura.compiler import gc_paused
+    assert gc.isenabled()
+    with gc_paused():
+        assert not gc.isenabled()
+        with gc_paused():
+            pass
+        assert not gc.isenabled()              # the outer compile is still running
+    assert gc.isenabled()
+    with pytest.raises(RuntimeError):
+        with gc_paused():
+            raise RuntimeError("a failing compile")
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        with gc_paused():
+            pass
+        assert not gc.isenabled()              # a caller's choice is kept
+    finally:
+        gc.enable()

@@ -1,0 +1,132 @@
+"""The on-disk plan cache: hits and misses, what the key covers, corrupt and foreign
+entries, and the switches that turn it off."""
+import numpy as np
+import pytest
+
+import meganeura as mg
+from meganeura import plan_cache
+from meganeura.compiler import CompileOptions, compile_plan
+
+ADAPTER = {"name": "test adapter", "description": "driver 1.0", "backend": "Vulkan"}
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("MEGANEURA_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("MEGANEURA_NO_DISK_CACHE", raising=False)
+    monkeypatch.delenv("MEGANEURA_NO_PLAN_CACHE", raising=False)
+    return tmp_path / "plans"
+
+
+def mlp(hidden=16, scale=0.5, name="fc1.weight"):
+    g = mg.Graph()
+    x = g.input("x", (4, 8))
+    h = mg.ops.relu(mg.ops.linear(x, g.parameter(name, (hidden, 8)), g.parameter("fc1.bias", (hidden,))))
+    return [mg.ops.linear(h, g.parameter("fc2.weight", (3, hidden))) * scale]
+
+
+def fingerprint(kp):
+    return ([(d.kernel.name, d.kernel.archetype, d.wgsl, [(b.kind, b.nbytes) for b in d.bufs], d.groups)
+             for d in kp.dispatches], kp.memory.slot_sizes, [loc[1:] for loc in kp.target_locs])
+
+
+def test_second_compile_is_a_hit_with_the_same_plan(cache):
+    opts = CompileOptions()
+    first = compile_plan(mlp(), options=opts, cache=True, adapter=ADAPTER)
+    assert first.stats["cache"] == "stored" and len(list(cache.glob("*.plan"))) == 1
+    second = compile_plan(mlp(), options=opts, cache=True, adapter=ADAPTER)     # the same graph, built again
+    assert second.stats["cache"] == "hit"
+    assert fingerprint(second) == fingerprint(first)
+    assert [b.name for b in second.bufs if b.kind == "parameter"] == ["fc1.weight", "fc1.bias", "fc2.weight"]
+    # without the cache nothing is read or written
+    assert "cache" not in compile_plan(mlp(), options=opts).stats
+
+
+def test_key_follows_graph_options_adapter_and_switches(monkeypatch):
+    def key(targets=None, opts=CompileOptions(), adapter=ADAPTER, n_forward=None, updates=None):
+        return plan_cache.plan_key(targets or mlp(), n_forward, opts, updates, adapter)
+    base = key()
+    assert key() == base                                                # deterministic across graphs
+    others = [key(mlp(hidden=32)), key(mlp(scale=0.25)), key(mlp(name="fc1.w")),
+              key(opts=CompileOptions(precision="accelerated")), key(opts=CompileOptions(max_bindings=16)),
+              key(opts=CompileOptions(disabled=frozenset({"epilogue"}))),
+              key(opts=CompileOptions(workgroup_storage=49152)),
+              key(adapter={**ADAPTER, "description": "driver 2.0"}), key(n_forward=0), key(updates={0: "fc2.weight"})]
+    assert len({base, *others}) == len(others) + 1
+    monkeypatch.setenv("MEGANEURA_MATMUL_TILE", "64")                 # a switch the code generators read
+    assert key() != base
+    monkeypatch.delenv("MEGANEURA_MATMUL_TILE")
+    monkeypatch.setenv("MEGANEURA_TRACE", "trace.json")               # one that changes no plan
+    assert key() == base
+
+
+def test_constant_values_are_part_of_the_key():
+    def graph(v):
+        g = mg.Graph()
+        x = g.input("x", (2, 3))
+        return [x + g.constant(np.array([[1.0, 2.0, v]], np.float32))]
+    assert plan_cache.graph_digest(graph(3.0)) == plan_cache.graph_digest(graph(3.0))
+    assert plan_cache.graph_digest(graph(3.0)) != plan_cache.graph_digest(graph(4.0))
+
+
+def test_corrupt_and_foreign_entries_are_ignored_and_rewritten(cache):
+    opts = CompileOptions()
+    good = compile_plan(mlp(), options=opts, cache=True, adapter=ADAPTER)
+    (entry,) = cache.glob("*.plan")
+    entry.write_bytes(b"not a pickle")
+    again = compile_plan(mlp(), options=opts, cache=True, adapter=ADAPTER)
+    assert again.stats["cache"] == "stored" and fingerprint(again) == fingerprint(good)
+    assert compile_plan(mlp(), options=opts, cache=True, adapter=ADAPTER).stats["cache"] == "hit"
+    entry.write_bytes(entry.read_bytes()[:100])                      # truncated
+    assert compile_plan(mlp(), options=opts, cache=True, adapter=ADAPTER).stats["cache"] == "stored"
+    # another graph's entry under this key (a stale file, a hash collision) is not used
+    other = compile_plan(mlp(hidden=32), options=opts, cache=True, adapter=ADAPTER)
+    other_entry = next(p for p in cache.glob("*.plan") if p != entry)
+    entry.write_bytes(other_entry.read_bytes())
+    plan = compile_plan(mlp(), options=opts, cache=True, adapter=ADAPTER)
+    assert plan.stats["cache"] == "stored" and fingerprint(plan) != fingerprint(other)
+
+
+def test_unwritable_cache_folder_only_costs_a_compile(tmp_path, monkeypatch):
+    blocker = tmp_path / "file"
+    blocker.write_text("a file where the cache folder should be")
+    monkeypatch.setenv("MEGANEURA_CACHE_DIR", str(blocker))
+    plan = compile_plan(mlp(), options=CompileOptions(), cache=True, adapter=ADAPTER)
+    assert plan.n_dispatches > 0
+
+
+def test_switches_turn_it_off(cache, monkeypatch):
+    assert plan_cache.enabled() and not plan_cache.enabled(False) and plan_cache.enabled(True)
+    monkeypatch.setenv("MEGANEURA_NO_PLAN_CACHE", "1")
+    assert not plan_cache.enabled() and plan_cache.enabled(True)
+    monkeypatch.delenv("MEGANEURA_NO_PLAN_CACHE")
+    monkeypatch.setenv("MEGANEURA_NO_DISK_CACHE", "1")
+    assert not plan_cache.enabled()
+
+
+def _session(**kw):
+    g = mg.Graph()
+    x = g.input("x", (4, 8))
+    y = g.input("y", (4,), mg.i32)
+    logits = mg.ops.linear(mg.ops.relu(mg.ops.linear(x, g.parameter("w1", (16, 8)))), g.parameter("w2", (3, 16)))
+    return mg.compile(g, loss=mg.ops.cross_entropy(logits, y), optimizer=mg.optim.AdamW(lr=1e-2), backend="gpu", **kw)
+
+
+def test_gpu_sessions_read_the_cache_and_train_the_same(cache, monkeypatch):
+    rng = np.random.default_rng(0)
+    feeds = {"x": rng.standard_normal((4, 8)).astype(np.float32), "y": np.array([0, 1, 2, 1], np.int32)}
+    losses = []
+    for expect in ("stored", "hit"):
+        s = _session()
+        assert s.executor.plans["step"].kernel_plan.stats["cache"] == expect
+        losses.append([s.step(feeds) for _ in range(3)])
+        s.close()
+    assert losses[0] == losses[1]
+    # the option and the environment switch: nothing read, nothing written
+    n = len(list(cache.glob("*.plan")))
+    assert "cache" not in _session(plan_cache=False).executor.plans["step"].kernel_plan.stats
+    monkeypatch.setenv("MEGANEURA_NO_PLAN_CACHE", "1")
+    s = _session()
+    assert "cache" not in s.executor.plans["step"].kernel_plan.stats
+    assert s.step(feeds) == losses[0][0]
+    assert len(list(cache.glob("*.plan"))) == n
