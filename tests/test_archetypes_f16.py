@@ -5,8 +5,8 @@ import numpy as np
 import pytest
 
 import meganeura as mg
+from meganeura.runtime.backends import get_runtime_device, resolve
 from meganeura.compiler import CompileOptions, compile_plan
-from meganeura.runtime import get_device
 
 ARCHETYPES = {
     "pointwise": lambda g, x, w, ids: [mg.ops.gelu(x) * x + 1.0],
@@ -24,7 +24,7 @@ ARCHETYPES = {
 @pytest.mark.parametrize("dtype", ["f32", "f16"])
 @pytest.mark.parametrize("arch", list(ARCHETYPES))
 def test_archetype_renders_and_matches(arch, dtype):
-    if dtype == "f16" and not get_device().has_f16:
+    if dtype == "f16" and not get_runtime_device(resolve("gpu")).has_f16:
         pytest.fail("the CI device (lavapipe) offers shader-f16; this device does not")
     dt = mg.f16 if dtype == "f16" else mg.f32
     g = mg.Graph()

@@ -10,7 +10,6 @@ import numpy as np
 import pytest
 
 import meganeura as mg
-from meganeura.runtime import get_device
 from meganeura.runtime.backends import get_runtime_device, resolve
 
 
@@ -182,7 +181,7 @@ def test_second_compile_with_another_optimizer_keeps_the_first_session_working(t
 
 # ---------------------------------------------------------------- device limits
 def test_tensor_over_the_binding_limit_is_refused_at_compile_naming_it():
-    dev = get_device()
+    dev = get_runtime_device(resolve("gpu"))
     limit = min(dev.limits["max-storage-buffer-binding-size"], dev.limits["max-buffer-size"])
     n = limit // 4 + 1
     g = mg.Graph()

@@ -152,7 +152,8 @@ class VulkanRuntime:
         self._lock = threading.RLock()
         self.queue_lock = threading.Lock()
         self.stats = {"pipelines_compiled": 0, "pipeline_cache_hits": 0, "compile_seconds": 0.0,
-                      "glsl_seconds": 0.0, "steps": 0, "pipelines_evicted": 0}
+                      "glsl_seconds": 0.0, "steps": 0, "pipelines_evicted": 0,
+                      "pipeline_wall_seconds": 0.0}
 
     @property
     def name(self) -> str:
@@ -215,7 +216,10 @@ class VulkanRuntime:
 
     def pipelines(self, shaders, threads=None):
         """Kernels for many ``(text, label)`` at once, in order (identical text once)."""
-        return [self.pipeline(text, label=label) for text, label in shaders]
+        t0 = time.perf_counter()
+        made = [self.pipeline(text, label=label) for text, label in shaders]
+        self.stats["pipeline_wall_seconds"] += time.perf_counter() - t0
+        return made
 
     def clear_caches(self):
         """Drop the cached kernels (plans that are alive keep their own)."""
