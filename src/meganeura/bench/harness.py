@@ -100,7 +100,9 @@ def _plan_info(sess, key) -> dict:
     if plan is None:
         return {}
     m = plan.memory
+    sync = getattr(plan.step, "sync_stats", None)     # the Vulkan backend: barriers between levels
     return {"dispatches": plan.n_dispatches, "plan_compile_s": plan.compile_seconds,
+            **({"barriers": sync()["barriers"]} if sync is not None and sync() else {}),
             "memory": {"intermediates_with_aliasing": m.bytes_with, "intermediates_without_aliasing": m.bytes_without,
                        "persistent": m.persistent_bytes, "peak_with_aliasing": m.persistent_bytes + m.bytes_with,
                        "peak_without_aliasing": m.persistent_bytes + m.bytes_without}}

@@ -200,7 +200,7 @@ def bench_markdown(result: dict) -> str:
                   "Ours: planner bytes (persistent + intermediates) with / without aliasing; PyTorch: "
                   "`torch.cuda.max_memory_allocated` over the phase (CUDA only).", "",
                   "| workload | mode | phase | ours with aliasing | ours without | PyTorch eager peak | "
-                  "dispatches per call | GPU time (us) |", "|---|---|---|---|---|---|---|---|"]
+                  "dispatches (barriers) per call | GPU time (us) |", "|---|---|---|---|---|---|---|---|"]
         for name in o["workloads"]:
             for mode in o["modes"]:
                 for p in phases:
@@ -209,10 +209,11 @@ def bench_markdown(result: dict) -> str:
                         continue
                     ours, mem = c["ours"], c["ours"].get("memory", {})
                     gpu = ours.get("gpu_us")
+                    bar = "" if ours.get("barriers") is None else f" ({ours['barriers']})"
                     lines.append(f"| {name} | {mode} | {p} | {_mib(mem.get('peak_with_aliasing'))} | "
                                  f"{_mib(mem.get('peak_without_aliasing'))} | "
                                  f"{_mib(c.get('torch_eager', {}).get('max_memory_allocated'))} | "
-                                 f"{ours.get('dispatches', '-')} | {'-' if gpu is None else f'{gpu:.1f}'} |")
+                                 f"{ours.get('dispatches', '-')}{bar} | {'-' if gpu is None else f'{gpu:.1f}'} |")
         lines.append("")
     lines += gates_section(result)
     lines += kernels_section(result)

@@ -26,17 +26,23 @@ from .memory import BufferRange
 from .program import Copy, Dispatch, Program
 
 
+DEFERRED_UPLOAD_BYTES = 8 << 20   # larger uploads (weights) go at once and keep no staging copy
+
+
 class OwnedRange(BufferRange):
     """A device range the runtime allocated; ``destroy`` gives it back."""
 
     def __init__(self, rng: BufferRange, dev: VulkanDevice, label=""):
         super().__init__(rng.block, rng.offset, rng.size)
         self._dev, self.label, self.freed = dev, label, False
+        self.staging = None          # host range of deferred uploads into this one
 
     def destroy(self):
         if not self.freed:
             self.freed = True
             self._dev.free(self)
+            if self.staging is not None:
+                self.staging.destroy()
 
     def __del__(self):
         # plan buffers (slots, constants, targets) are dropped with their plan, as wgpu's are
@@ -57,9 +63,15 @@ class PreparedProgram:
         if len(self.names) != len(self.dispatches):
             raise ValueError(f"{len(self.names)} names for {len(self.dispatches)} dispatches")
         self.programs = {}
+        self.last = None
 
     def __len__(self):
         return len(self.dispatches)
+
+    def sync_stats(self) -> dict:
+        """Levels and barriers of the last Program recorded from this step (``Program.stats``);
+        empty before the first run."""
+        return self.programs[self.last].stats if self.programs else {}
 
 
 def _groups(g):
@@ -93,6 +105,8 @@ class VulkanRecorder:
         the caller reads results right after). ``timestamps``: returns an (n, 2) array of
         [start, end] ns per dispatch."""
         step = step if isinstance(step, PreparedProgram) else self.prepare(step)
+        # uploads waiting in staging memory go first, in the same submit
+        copies_before = self.runtime.take_pending() + list(copies_before)
         key = (tuple(_key(c) for c in copies_before), tuple(_key(c) for c in copies_after), bool(timestamps))
         prog = step.programs.get(key)
         if prog is None:
@@ -102,6 +116,7 @@ class VulkanRecorder:
             prog = Program(self.runtime.vk, ops, levels=self.runtime.use_levels,
                            timestamps="ops" if timestamps else False, name="step")
             step.programs[key] = prog
+        step.last = key
         with self.runtime.queue_lock:
             prog.run(wait=True)
         self.runtime.stats["steps"] += 1
@@ -147,6 +162,7 @@ class VulkanRuntime:
         }
         self.adapter_info = {"name": self.vk.name, "backend": "Vulkan (direct)", "type": self.vk.device_type}
         from ..device import PIPELINE_CACHE_SIZE
+        self._pending: dict = {}        # id(buffer) -> deferred upload copy (see upload)
         self._pipelines: OrderedDict = OrderedDict()    # text -> Kernel, least recently used first
         self.pipeline_cache_size = PIPELINE_CACHE_SIZE
         self._lock = threading.RLock()
@@ -168,10 +184,38 @@ class VulkanRuntime:
         return OwnedRange(rng, self.vk, label)
 
     def upload(self, buffer, array, offset=0):
+        """Write ``array`` into ``buffer``. Mapped memory (lavapipe, integrated GPUs) takes a
+        memcpy. Elsewhere a small whole-buffer upload (inputs) is copied into a staging
+        range kept for that buffer and the copy rides at the start of the next step's
+        command buffer (no submit of its own); anything else reads or copies the buffer only
+        after those copies ran (``flush``)."""
         raw = np.ascontiguousarray(array).reshape(-1).view(np.uint8)
-        self.vk.upload(buffer.sub(int(offset), buffer.size - int(offset)) if offset else buffer, raw)
+        if buffer.host_visible or offset or raw.size > DEFERRED_UPLOAD_BYTES or not isinstance(buffer, OwnedRange):
+            self.flush()
+            self.vk.upload(buffer.sub(int(offset), buffer.size - int(offset)) if offset else buffer, raw)
+            return
+        stage = buffer.staging
+        if stage is None or stage.size < raw.size:
+            if stage is not None:
+                stage.destroy()
+            stage = buffer.staging = OwnedRange(self.vk.alloc(raw.size, host=True), self.vk, "upload")
+        stage.block.mapped[stage.offset:stage.offset + raw.size] = raw
+        self._pending[id(buffer)] = (stage, 0, buffer, 0, raw.size)
+
+    def take_pending(self) -> list:
+        """The deferred uploads as copies (source, offset, destination, offset, bytes), cleared."""
+        out = [c for c in self._pending.values() if not c[2].freed]     # a freed buffer needs none
+        self._pending.clear()
+        return out
+
+    def flush(self):
+        """Run the deferred uploads now (before a readback or a copy that reads them)."""
+        if self._pending:
+            for src, so, dst, do, n in self.take_pending():
+                self.vk.copy(src.sub(so, n), dst.sub(do, n), n)
 
     def readback(self, buffer, nbytes, dtype=np.float32, shape=None, offset=0):
+        self.flush()
         dtype = np.dtype(dtype)
         n = min(int(nbytes), buffer.size - int(offset))
         raw = self.vk.download(buffer.sub(int(offset), n), np.uint8)
