@@ -160,7 +160,9 @@ class VulkanRuntime:
             "max-compute-workgroups-per-dimension": int(min(lim["maxComputeWorkGroupCount"])),
             "max-compute-invocations-per-workgroup": int(lim["maxComputeWorkGroupInvocations"]),
         }
-        self.adapter_info = {"name": self.vk.name, "backend": "Vulkan (direct)", "type": self.vk.device_type}
+        drv = self.vk.driver
+        self.adapter_info = {"name": self.vk.name, "backend": "Vulkan (direct)", "type": self.vk.device_type,
+                             "description": f"{drv.get('name', '')} {drv.get('info', '')}".strip()}
         from ..device import PIPELINE_CACHE_SIZE
         self._pending: dict = {}        # id(buffer) -> deferred upload copy (see upload)
         self._pipelines: OrderedDict = OrderedDict()    # text -> Kernel, least recently used first
