@@ -86,23 +86,26 @@ _TOKEN = re.compile(r"""
 """, re.VERBOSE)
 
 
-@dataclass
 class Tok:
-    kind: str
-    text: str
-    line: int
+    __slots__ = ("kind", "text", "line")
+
+    def __init__(self, kind, text, line):
+        self.kind, self.text, self.line = kind, text, line
 
 
 def tokenize(src: str) -> list[Tok]:
     toks, pos, line = [], 0, 1
-    while pos < len(src):
-        m = _TOKEN.match(src, pos)
-        if m is None:
+    for m in _TOKEN.finditer(src):
+        if m.start() != pos:
             raise GlslTranslationError(f"line {line}: unexpected character {src[pos]!r}")
-        if m.lastgroup != "ws":
-            toks.append(Tok(m.lastgroup, m.group(), line))
-        line += m.group().count("\n")
+        kind, text = m.lastgroup, m.group()
+        if kind == "ws":
+            line += text.count("\n")
+        else:
+            toks.append(Tok(kind, text, line))
         pos = m.end()
+    if pos != len(src):
+        raise GlslTranslationError(f"line {line}: unexpected character {src[pos]!r}")
     toks.append(Tok("eof", "", line))
     return toks
 
@@ -169,6 +172,7 @@ def unify(a: Val, b: Val) -> tuple[Val, Val]:
 
 BINARY = [("||",), ("&&",), ("|",), ("^",), ("&",), ("==", "!="), ("<", ">", "<=", ">="), ("<<", ">>"),
           ("+", "-"), ("*", "/", "%")]
+PRECEDENCE = {op: lvl for lvl, ops in enumerate(BINARY) for op in ops}
 COMPARE = {"==", "!=", "<", ">", "<=", ">="}
 VEC_COMPARE = {"==": "equal", "!=": "notEqual", "<": "lessThan", ">": "greaterThan", "<=": "lessThanEqual",
                ">=": "greaterThanEqual"}
@@ -280,14 +284,15 @@ class _Translator:
 
     # ------------------------------------------------------------------ expressions
     def expr(self, level=0) -> Val:
-        if level == len(BINARY):
-            return self.unary()
-        left = self.expr(level + 1)
-        while self.tok.kind == "op" and self.tok.text in BINARY[level]:
-            op = self.eat().text
-            right = self.expr(level + 1)
-            left = self.binary(op, left, right)
-        return left
+        """Precedence climbing over ``BINARY`` (lowest first): operators of ``level`` and up."""
+        left = self.unary()
+        while True:
+            t = self.toks[self.i]
+            prec = PRECEDENCE.get(t.text) if t.kind == "op" else None
+            if prec is None or prec < level:
+                return left
+            self.i += 1
+            left = self.binary(t.text, left, self.expr(prec + 1))
 
     def binary(self, op, a: Val, b: Val) -> Val:
         if op in ("&&", "||"):
