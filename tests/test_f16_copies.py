@@ -169,3 +169,27 @@ def test_smollm2_step_refreshes_every_copy_without_a_launch():
     written = {b.name for d in kp.dispatches for b in d.kernel.written_bufs()}
     assert written >= set(kp.copy_updates)
     assert kp.n_dispatches <= per_call.n_dispatches
+
+
+def test_decode_norm_runs_in_the_gemv_that_reads_it():
+    """Accelerated decoding keeps strict's launch count: a norm stored as f16 for GEMVs
+    moves into their loads (the GEMV reads the normalised value unrounded)."""
+    w = make("smollm2", size="tiny")
+    targets, n_fwd, updates = phase_targets(w, "minimal")
+    names = f16_weights(targets[:n_fwd])
+    fast = compile_plan(targets, n_forward=n_fwd, options=CompileOptions("accelerated", f16_weights=names),
+                        updates=updates)
+    strict = compile_plan(targets, n_forward=n_fwd, options=CompileOptions(), updates=updates)
+    assert fast.n_dispatches == strict.n_dispatches
+    assert not any(d.kernel.archetype == "norm" for d in fast.dispatches)
+    g = mg.Graph()
+    x = g.input("x", (1, D))
+    y = mg.ops.linear(mg.ops.rms_norm(x, (D,), g.parameter("n", (D,), init="ones"), 1e-5), g.parameter("w1", (D, D)))
+    ref = mg.compile(g, outputs=[y], backend="numpy")
+    s = mg.compile(g, outputs=[y], backend="gpu", precision="accelerated")
+    s.load_state_dict(ref.state_dict())
+    assert any(n.startswith("rms_norm>gemv") for n in s.executor.plan("run").names)
+    feeds = {"x": _feeds()["x"][:1]}
+    want, got = ref.run(feeds)[0], s.run(feeds)[0]
+    err = np.linalg.norm(got - want) / np.linalg.norm(want)
+    assert 0 < err < 2e-3, err
