@@ -33,6 +33,7 @@ class CompileOptions:
     max_bindings: int = 8                # storage buffers per shader stage on the adapter
     disabled: frozenset = frozenset()    # fusion passes switched off (MEGANEURA_NO_FUSE)
     workgroup_storage: int = 0           # bytes of workgroup memory a kernel may use (0: a portable 32 KiB)
+    f16_weights: frozenset = frozenset() # accelerated: parameters read through persistent f16 copies
 
     @staticmethod
     def from_env(precision="strict", limits=None):
@@ -69,6 +70,7 @@ class KernelPlan:
     target_locs: list                # per target: (Buf, byte offset, nbytes, np dtype, shape)
     compile_seconds: float = 0.0
     stats: dict = field(default_factory=dict)
+    copy_updates: list = field(default_factory=list)   # f16 copies written by the targets after the given ones
 
     @property
     def names(self):
@@ -79,17 +81,83 @@ class KernelPlan:
         return len(self.dispatches)
 
 
-def accelerated_rewrite(forward_targets):
+F16_COPY = "@f16"      # name suffix of a parameter's persistent f16 copy (never a user name: no '@' in module paths)
+
+
+def f16_copy_name(name: str) -> str:
+    return name + F16_COPY
+
+
+def _accelerated(t, forward) -> bool:
+    """``t`` is a forward f32 matmul that accelerated precision gives f16 operands."""
+    return t.op == "matmul" and t.id in forward and t.dtype.name == "f32" and not t.attrs.get("out_dtype")
+
+
+def _viewed_parameter(x):
+    """(parameter, layout ops from it to ``x``, outermost first) when ``x`` is an f32
+    parameter or a layout view of one, else (None, [])."""
+    from .schedule import VIEW_OPS
+    chain = []
+    while x.op in VIEW_OPS:
+        chain.append(x)
+        x = x.inputs[0]
+    if x.op == "parameter" and x.dtype.name == "f32":
+        return x, chain
+    return None, []
+
+
+def f16_weights(forward_targets) -> frozenset:
+    """Names of the parameters that accelerated forward matmuls read as operands (directly
+    or through layout views). Each gets a persistent f16 copy on the device, written when
+    the weight is set or updated instead of cast by every call."""
+    from .reference import needed_nodes
+    nodes = needed_nodes(forward_targets)
+    forward = {t.id for t in nodes}
+    names = set()
+    for t in nodes:
+        if _accelerated(t, forward):
+            names.update(p.name for p in (_viewed_parameter(x)[0] for x in t.inputs) if p is not None)
+    return frozenset(names)
+
+
+def accelerated_rewrite(forward_targets, f16_weights=frozenset()):
     """Accelerated precision: forward matmuls (those the fetched outputs and loss depend on)
-    read f16 operands and accumulate in f32; the backward graph stays f32."""
+    read f16 operands and accumulate in f32; the backward graph stays f32. A parameter
+    named in ``f16_weights`` is read from its persistent f16 copy (a state of the lowered
+    graph, ``f16_copy_name``) rather than cast on every call."""
+    from .ops import emit
     from .reference import needed_nodes
     forward = {t.id for t in needed_nodes(forward_targets)}
 
+    def operand(x, new):
+        p, chain = _viewed_parameter(x)
+        if p is None or p.name not in f16_weights:
+            return new
+        g, name = new.graph, f16_copy_name(p.name)
+        v = g.states.get(name) or g.state(name, p.shape, "f16")
+        for view in reversed(chain):
+            v = emit(view.op, [v], **view.attrs)
+        return v
+
     def rw(t, ins):
-        if t.op == "matmul" and t.id in forward and t.dtype.name == "f32" and not t.attrs.get("out_dtype"):
-            return codegen.matmul.accelerate(ins[0], ins[1], t.attrs["ta"], t.attrs["tb"])
+        if _accelerated(t, forward):
+            a, b = (operand(x, n) for x, n in zip(t.inputs, ins))
+            return codegen.matmul.accelerate(a, b, t.attrs["ta"], t.attrs["tb"])
         return None
     return rw
+
+
+def refresh_f16_copies(targets, updates, f16_weights) -> dict:
+    """The f16 copy of every updated parameter that has one, computed from its new value:
+    appended to ``targets`` (a list of the lowered graph) with its copy's name added to
+    ``updates``, so an optimizer step writes the master weight and its copy in one pass."""
+    from .ops import cast
+    updates = dict(updates or {})
+    for i, name in list(updates.items()):
+        if name in f16_weights:
+            updates[len(targets)] = f16_copy_name(name)
+            targets.append(cast(targets[i], "f16"))
+    return updates
 
 
 _gc_lock = threading.Lock()
@@ -146,8 +214,12 @@ def compile_plan(targets, n_forward=None, options: CompileOptions | None = None,
 def _compile_plan(targets, n_forward, opts, updates) -> KernelPlan:
     clock = _StageClock()
     fwd = targets[:len(targets) if n_forward is None else n_forward]
-    rewrite = accelerated_rewrite(fwd) if opts.precision == "accelerated" and fwd else None
+    accelerated = opts.precision == "accelerated"
+    rewrite = accelerated_rewrite(fwd, opts.f16_weights) if accelerated and fwd else None
     g2, new_targets = lower_to_primitives(targets, keep=codegen.has_kernel, rewrite=rewrite)
+    n_given = len(new_targets)
+    if accelerated and opts.f16_weights and updates:
+        updates = refresh_f16_copies(new_targets, updates, opts.f16_weights)
     if "remat" not in opts.disabled and fwd:
         g3, new_targets = rematerialize(new_targets, len(fwd))
         g2 = g3 or g2
@@ -167,6 +239,8 @@ def _compile_plan(targets, n_forward, opts, updates) -> KernelPlan:
         n_over = write_over_dying_operands(kernels)
     if opts.workgroup_storage:
         _size_tiles(kernels, opts.workgroup_storage)
+    if kp_copies := [updates[i] for i in range(n_given, len(new_targets))]:
+        kernels = store_copies_with_writers(kernels, set(kp_copies), opts.max_bindings)
     clock.lap("in_place")
     dispatches = []
     for k in kernels:
@@ -188,7 +262,8 @@ def _compile_plan(targets, n_forward, opts, updates) -> KernelPlan:
     clock.lap("memory")
     return KernelPlan(dispatches, bufs, memory, locs, clock.total(),
                       {"scheduled": n_scheduled, "fused": n_scheduled - len(kernels), "in_place": n_in_place,
-                       "written_over_operands": n_over, "seconds": clock.laps})
+                       "written_over_operands": n_over, "seconds": clock.laps},
+                      kp_copies)
 
 
 class _StageClock:
@@ -248,6 +323,58 @@ def update_in_place(kernels, sched, targets, updates) -> int:
             x.buf = dst
         done += 1
     return done
+
+
+def _is_copy_cast(k, copies) -> bool:
+    """``k`` casts one whole value into an f16 copy named in ``copies``."""
+    e = k.spec.get("expr")
+    return k.archetype == "pointwise" and k.out.buf.name in copies and len(k.reads) == 1 and not k.epi_reads \
+        and e is not None and e[0] == "op" and e[1].op == "cast" and e[2] == [("leaf", 0)] \
+        and k.out.is_contiguous() and k.reads[0].is_contiguous() and k.epilogue is None
+
+
+def _n_bindings(k) -> int:
+    return len({id(v.buf) for v in k.read_views()} | {id(b) for b in k.written_bufs()})
+
+
+def store_copies_with_writers(kernels, copies, max_bindings=8) -> list:
+    """An f16 copy computed from a value that a pointwise kernel (or part) wrote earlier
+    becomes a second store of that writer (``spec["stores"]``): the optimizer's update
+    writes the master weight and its f16 copy in one pass, and the cast's launch goes.
+    Only when nothing touches the value or the copy between the two, and the writer's
+    launch has a binding left."""
+    writer: dict = {}        # id(buf) -> (launch position, its kernel, pointwise unit that last wrote it whole)
+    last: dict = {}          # id(buf) -> last launch position that read or wrote it
+    out = []
+    for i, k in enumerate(kernels):
+        units = k.spec.get("parts", [k]) if k.archetype == "multi" else [k]
+        kept = []
+        for u in units:
+            src = u.reads[0] if _is_copy_cast(u, copies) else None
+            w = writer.get(id(src.buf)) if src is not None else None
+            if w is not None and w[2].out.offset == src.offset and w[2].out.shape == src.shape \
+                    and last.get(id(src.buf)) == w[0] and last.get(id(u.out.buf), -1) < w[0] \
+                    and _n_bindings(w[1]) < max_bindings:
+                w[2].spec = {**w[2].spec, "stores": [*w[2].spec.get("stores", []), u.out]}
+                last[id(u.out.buf)] = w[0]
+                continue
+            kept.append(u)
+        for u in kept:
+            for v in list(u.reads) + list(u.epi_reads):
+                last[id(v.buf)] = i
+            for b in u.written_bufs():
+                last[id(b)] = i
+                writer.pop(id(b), None)
+            if u.archetype == "pointwise" and u.epilogue is None and u.out.is_contiguous() \
+                    and u.out.size * u.out.dtype.np.itemsize == u.out.buf.nbytes:
+                writer[id(u.out.buf)] = (i, k, u)
+        if not kept:
+            continue
+        if k.archetype == "multi" and len(kept) != len(units):
+            k.spec = {**k.spec, "parts": kept}
+            k.name = "|".join(u.name for u in kept)
+        out.append(k)
+    return out
 
 
 def count_dispatches(targets, **kw) -> int:

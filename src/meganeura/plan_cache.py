@@ -150,7 +150,8 @@ def plan_key(targets, n_forward, options, updates, adapter=None) -> str | None:
                       if k.startswith("MEGANEURA_") and k not in _NOT_PLAN_SWITCHES)
     adapter = adapter or {}
     desc = repr((g, n_forward, sorted((updates or {}).items()),
-                 (options.precision, options.max_bindings, sorted(options.disabled), options.workgroup_storage),
+                 (options.precision, options.max_bindings, sorted(options.disabled), options.workgroup_storage,
+                  sorted(options.f16_weights)),
                  sorted((str(k), str(v)) for k, v in adapter.items()),
                  switches, package_digest()))
     return hashlib.sha256(desc.encode()).hexdigest()

@@ -115,7 +115,7 @@ class Kernel:
     def written_bufs(self):
         if "parts" in self.spec:        # a horizontal fusion of independent kernels
             return [b for p in self.spec["parts"] for b in p.written_bufs()]
-        return [self.out.buf]
+        return [self.out.buf] + [v.buf for v in self.spec.get("stores", ())]
 
     def read_views(self):
         if "parts" in self.spec:

@@ -34,7 +34,15 @@ def _body(kernel, b: Bindings):
     val, dt = w.emit(spec["expr"])
     if dt is not out.dtype:
         val = f"{out.dtype.wgsl}({val})"
-    lines += w.lines + [f"    b{ob}[{offset_expr(out.offset, out.strides)}] = {val};"]
+    lines += w.lines
+    stores = spec.get("stores", ())     # the same value also stored elsewhere, converted (an f16 copy)
+    if stores:
+        lines.append(f"    let stored = {val};")
+        val = "stored"
+    lines.append(f"    b{ob}[{offset_expr(out.offset, out.strides)}] = {val};")
+    for s in stores:
+        sb = b.index(s.buf, s.dtype, write=True)
+        lines.append(f"    b{sb}[{offset_expr(s.offset, s.strides)}] = {s.dtype.wgsl}({val});")
     return w.helpers(b), lines
 
 

@@ -290,21 +290,32 @@ def _is_tiled_plain(k):
 MAX_PROLOGUE_ROW = 16384    # a thread loops over one row for its statistics (loop bound)
 
 
+def _stores_f16(k) -> bool:
+    """``k``'s only epilogue converts its value to f16 (an accelerated matmul's operand)."""
+    e = k.epilogue
+    return e is not None and not k.epi_reads and e[0] == "op" and e[1].op == "cast" and e[2] == [("acc",)] \
+        and k.out.dtype.name == "f16"
+
+
 def fuse_norm_prologue(kernels, max_bindings):
     """A layer/RMS norm whose every reader is a matmul reading it as A (the norm before
     the q/k/v or gate/up projections) moves into those matmuls: GEMV workgroups compute
     their few rows' statistics, tiled workgroups their tile's rows', and A is normalised
-    as it is loaded."""
+    as it is loaded. In accelerated precision a norm that stores f16 for GEMVs (decoding)
+    moves too: the GEMV then reads the normalised value unrounded, and the launch goes;
+    tiled readers keep their f16 operand (tensor-core kernels read f16 tiles)."""
     kernels = list(kernels)
     uses = _Uses(kernels)
     for ni, nk in enumerate(kernels):
-        if nk is None or nk.archetype != "norm" or nk.epilogue is not None or nk.out.buf.kind != "temp" \
-                or not nk.reads[0].is_contiguous():
+        if nk is None or nk.archetype != "norm" or (nk.epilogue is not None and not _stores_f16(nk)) \
+                or nk.out.buf.kind != "temp" or not nk.reads[0].is_contiguous():
             continue
         readers = sorted(set(uses.readers[id(nk.out.buf)]))
         if not readers or len(uses.writers[id(nk.out.buf)]) != 1:
             continue
         gs = [kernels[i] for i in readers]
+        if nk.epilogue is not None and not all(_is_gemv_tb(g) for g in gs):
+            continue
         row = nk.spec["row"]
         if row > MAX_PROLOGUE_ROW:
             continue

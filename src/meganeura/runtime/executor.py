@@ -14,7 +14,7 @@ import numpy as np
 
 from ..api import starts_at_zero
 from .. import plan_cache
-from ..compiler import CompileOptions, compile_plan
+from ..compiler import F16_COPY, CompileOptions, compile_plan, f16_weights
 from ..graph import DeviceLimitError, fmt_shape
 from .backends import get_runtime_device, make_recorder, resolve
 from .device import get_device
@@ -32,11 +32,18 @@ class Plan:
         dev = ex.dev
         t0 = time.perf_counter()
         opts = CompileOptions.from_env(ex.precision, dev.limits)
+        opts.f16_weights = ex.f16_weights
         base = n_fetch + len(grad_names)
         kp = compile_plan(targets, n_forward=n_fetch, options=opts,
                           updates={base + j: name for j, (name, _) in enumerate(updates)},
                           cache=plan_cache.enabled(ex.plan_cache) and not dev.checked, adapter=dev.adapter_info)
         self.kernel_plan, self.memory = kp, kp.memory
+        # persistent f16 copies of weights (accelerated precision): those this plan reads,
+        # and those it writes beside their master weights (targets after the given ones)
+        self.copies_read = {b.name[:-len(F16_COPY)] for b in kp.bufs if b.kind == "state" and b.name.endswith(F16_COPY)}
+        updates = list(updates) + [(name, None) for name in kp.copy_updates]
+        for name in self.copies_read | {n[:-len(F16_COPY)] for n in kp.copy_updates}:
+            ex.track_copy(name)
         slots = [dev.create_buffer(n, label=f"slot{i}") for i, n in enumerate(self.memory.slot_sizes)]
         phys = {}
         for b in kp.bufs:
@@ -196,6 +203,9 @@ class GpuExecutor:
             import warnings
             warnings.warn(f"{self.dev.name} has no shader-f16: accelerated precision runs as strict")
             self.precision = "strict"
+        # parameters read by accelerated forward matmuls get persistent f16 copies
+        self.f16_weights = f16_weights(program.fetches) if self.precision == "accelerated" and program.fetches \
+            else frozenset()
         self.plans: dict = {}
         self.last_plan = None
         self._dtypes = {t.name: t for t in program.graph.nodes if t.op in ("input", "parameter", "state")}
@@ -203,12 +213,15 @@ class GpuExecutor:
         if share_with is not None:       # parameters and state shared with another session
             self.buffers = share_with.buffers
             self.unsent = share_with.unsent
+            self.copies, self.stale = share_with.copies, share_with.stale
             kept = {n: t for n, t in self._dtypes.items() if t.op != "input"}
             self._dtypes = {**{n: t for n, t in share_with._dtypes.items() if t.op != "input"}, **self._dtypes}
             share_with._dtypes.update(kept)
         else:
             self.buffers = {}
             self.unsent = set()          # initial values not made yet: uploaded before the first call
+            self.copies = {}             # parameter name -> its f16 copy's name (accelerated plans' weights)
+            self.stale = set()           # parameters whose f16 copy is older than the weight
         pending = getattr(values, "pending", lambda name: None)
         for name in values:
             if name in self.buffers:
@@ -235,6 +248,35 @@ class GpuExecutor:
         arr = np.asarray(arr, dtype=self._dtypes[name].dtype.np, order="C")
         self.dev.upload(self.named_buffer(name, arr.nbytes), arr)
         self.unsent.discard(name)
+        if name in self.copies:
+            self._write_copy(name, arr)
+
+    # ------------------------------------------------------- f16 copies of weights
+    def track_copy(self, name):
+        """Parameter ``name`` has an f16 copy from now on (a plan reads or writes it); it is
+        filled from the weight before any call reads it."""
+        if name in self.copies:
+            return
+        self.copies[name] = name + F16_COPY
+        if name not in self.unsent:      # the weight is on the device already: copy it there
+            self.stale.add(name)
+
+    def _write_copy(self, name, arr):
+        arr16 = arr.astype(np.float16)
+        self.dev.upload(self.named_buffer(self.copies[name], max(4, arr16.nbytes)), arr16)
+        self.stale.discard(name)
+
+    def refresh_copies(self, plan):
+        """Bring the f16 copies that ``plan`` reads up to date with their weights (updated by
+        a session that shares them without keeping copies, e.g. a strict training session)."""
+        for name in sorted(plan.copies_read & self.stale):
+            self._write_copy(name, self.get_value(name))
+
+    def mark_stale_copies(self, plan):
+        """After ``plan`` ran: copies of the weights it updated without writing their copy."""
+        for name in plan.update_locs:
+            if name in self.copies and self.copies[name] not in plan.update_locs:
+                self.stale.add(name)
 
     def send_initial_values(self):
         """Upload the initial values that nothing has set since compiling (made for the
@@ -282,6 +324,7 @@ class GpuExecutor:
         from .profiler import kernel_table
         plan = self.plan(phase)
         self.send_initial_values()
+        self.refresh_copies(plan)
         self.upload(feeds)
         ts = self.recorder.run(plan.step, timestamps=True)
         if path:
@@ -315,6 +358,7 @@ class GpuExecutor:
         trace = os.environ.get("MEGANEURA_TRACE")
         writer = trace_writer(trace) if trace else None    # an unwritable path fails before the step
         self.send_initial_values()
+        self.refresh_copies(plan)
         self.upload(feeds)
         copies = plan.copies_after if fetch else plan.update_copies
         anomaly = anomaly_from_env() if self.detect_anomaly is None else self.detect_anomaly
@@ -325,6 +369,7 @@ class GpuExecutor:
             writer.add(plan.names, ts, session=self.trace_id, label=phase)
         else:
             self.recorder.run(plan.step, copies_after=copies)
+        self.mark_stale_copies(plan)
         plan.check_indices(self.dev)
         if plan.grad_locs or phase in ("step", "micro"):     # a step leaves older gradients stale
             self.last_plan = plan
