@@ -150,7 +150,7 @@ def render(kernel):
     else:
         L += [f"    var ak: array<vec4<f32>, {2 * len(dch)}>;", f"    var av: array<vec4<f32>, {2 * len(vch)}>;"]
         # causal: query rows i >= j only, so the tiles before the key tile's own are skipped
-        L.append(f"    let qt0 = {'x0 / ' + str(BY) + 'u' if spec['causal'] else '0u'};")
+        L.append(f"    let qt0 = {f'min(x0 / {BY}u, {NQT}u)' if spec['causal'] else '0u'};")
         L.append(f"    let nq = {NQT}u - qt0;")
         L += [f"    for (var t = 0u; t < {group}u * nq; t = t + 1u) {{",
               "    let h = hk * " + f"{group}u + t / nq;",
