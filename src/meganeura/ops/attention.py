@@ -125,7 +125,7 @@ def _ref(q, k, v, mask=None, *, is_causal, scale, enable_gqa):
     if enable_gqa and q.shape[-3] != k.shape[-3]:
         g = q.shape[-3] // k.shape[-3]
         k, v = np.repeat(k, g, axis=-3), np.repeat(v, g, axis=-3)
-    s = np.matmul(q, np.swapaxes(k, -1, -2)) * dt.type(scale)
+    s = np.matmul(q, np.swapaxes(k, -1, -2)) * dt.type(np.float32(scale))   # f32, as the graph holds it
     if mask is not None:
         s = s + mask.astype(dt) if mask.dtype.kind == "f" else np.where(mask != 0, s, dt.type(NEG_INF))
     if is_causal:
@@ -238,7 +238,8 @@ def _scores_ref(q, k, mask, is_causal, scale, enable_gqa):
     dt = q.dtype
     if enable_gqa and q.shape[-3] != k.shape[-3]:
         k = np.repeat(k, q.shape[-3] // k.shape[-3], axis=-3)
-    s = np.matmul(q, np.swapaxes(k, -1, -2)) * dt.type(scale)
+    # the scale rounded to f32, as the graph's constants and the kernels hold it
+    s = np.matmul(q, np.swapaxes(k, -1, -2)) * dt.type(np.float32(scale))
     if mask is not None:
         s = s + mask.astype(dt) if mask.dtype.kind == "f" else np.where(mask != 0, s, dt.type(NEG_INF))
     if is_causal:
@@ -308,7 +309,7 @@ def _grad_ref(q, k, v, do, lse, delta, mask=None, *, wrt, is_causal, scale, enab
         d = np.matmul(np.swapaxes(p, -1, -2), do)
     else:
         ds = p * (np.matmul(do, np.swapaxes(vv, -1, -2)) - delta[..., None])
-        d = (np.matmul(ds, kk) if wrt == "q" else np.matmul(np.swapaxes(ds, -1, -2), q)) * dt.type(scale)
+        d = (np.matmul(ds, kk) if wrt == "q" else np.matmul(np.swapaxes(ds, -1, -2), q)) * dt.type(np.float32(scale))
     if wrt != "q" and g > 1:                                # the group's query heads into their kv head
         d = d.reshape(d.shape[:-3] + (d.shape[-3] // g, g) + d.shape[-2:]).sum(axis=-3)
     return _sum_to(d, x.shape).astype(dt, copy=False)
