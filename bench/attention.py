@@ -1,11 +1,14 @@
-"""Attention forward, f32: our flash kernel beside our decomposition (scores matmul,
-softmax, probabilities matmul) and PyTorch's SDPA (CUDA, TF32 off) in one run.
+"""Attention, f32: our flash kernels beside our decomposition (scores matmul, softmax,
+probabilities matmul, and their gradients) and PyTorch's SDPA (CUDA, TF32 off) in one run,
+forward alone and forward + backward (the gradients of q, k and v for a given dO).
 
-    python bench/attention.py [--size tiny|real] [--out bench/results/attention.json]
+    python bench/attention.py [--size tiny|real] [--phases forward,backward] [--out bench/results/attention.json]
 
 Prints a table and writes JSON. ``real`` is Whisper-tiny's encoder self-attention
-(1 x 6 heads x 1500 x 64, no mask) and a causal grouped-query prefill; ``tiny`` runs on a
-software driver in seconds. Times are medians of GPU-complete wall times (submit to
+(1 x 6 heads x 1500 x 64, no mask) and SmolLM2's causal grouped-query prefill (9 query and
+3 kv heads x 2048 x 64); ``tiny`` runs on a software driver in seconds. The backward rows
+time forward + backward on both sides (the backward needs the forward's output and LSE);
+their error is the largest of dQ, dK and dV's against float64 on the host. Times are medians of GPU-complete wall times (submit to
 result ready) over repeated runs, so launch cost is amortised alike on both sides;
 per-dispatch GPU timestamps are reported where the adapter has them.
 """
@@ -53,19 +56,38 @@ def reference(feeds, causal):
     return (p / p.sum(-1, keepdims=True)) @ v
 
 
-def ours(feeds, causal, decompose, samples, warmup):
+def _graph(feeds, causal, backward):
+    """The attention graph and what it computes: the output, or dQ, dK and dV for the
+    cotangent ``do`` (the gradients of sum(out * do))."""
+    g = mg.Graph()
+    q, k, v = (g.input(n, feeds[n].shape) for n in "qkv")
+    out = mg.ops.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=q.shape[-3] != k.shape[-3])
+    if not backward:
+        return g, [out]
+    do = g.input("do", out.shape)
+    return g, mg.grad(mg.ops.sum(out * do), [q, k, v])
+
+
+def reference_grads(feeds, causal):
+    """float64 dQ, dK, dV on the host (the NumPy interpreter of the same graph)."""
+    from meganeura.reference import evaluate
+    g, outs = _graph(feeds, causal, True)
+    return evaluate(g, outs, {n: a.astype(np.float64) for n, a in feeds.items()}, compute=np.float64)
+
+
+def ours(feeds, causal, decompose, samples, warmup, backward=False, want=None):
     """(wall-time samples per call, GPU timestamp seconds or None, max relative error,
     dispatch names)."""
     saved = attn.MAX_ROW_WORK, flash.LOOP_BOUND
+    attn.MAX_ROW_WORK = 0         # the flash kernels also at tiny size (the one-row kernel declines)
     if decompose:                 # both attention kernels decline: matmuls and a softmax
-        attn.MAX_ROW_WORK, flash.LOOP_BOUND = 0, 0
+        flash.LOOP_BOUND = 0
     try:
-        g = mg.Graph()
-        q, k, v = (g.input(n, feeds[n].shape) for n in "qkv")
-        out = mg.ops.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=q.shape[-3] != k.shape[-3])
-        names = compile_plan([out], options=CompileOptions(max_bindings=64)).names
-        sess = mg.compile(g, outputs=[out], backend="gpu")
-        got = sess.run(feeds)[0]
+        g, outs = _graph(feeds, causal, backward)
+        names = compile_plan(outs, options=CompileOptions(max_bindings=64)).names
+        sess = mg.compile(g, outputs=outs, backend="gpu")
+        feeds = {n: a for n, a in feeds.items() if n in g.inputs}
+        got = sess.run(feeds)
     finally:
         attn.MAX_ROW_WORK, flash.LOOP_BOUND = saved
     ex = sess.executor
@@ -86,12 +108,12 @@ def ours(feeds, causal, decompose, samples, warmup):
             ex.recorder.run(plan.step)
         dev.sync()
         times.append((time.perf_counter() - t0) / reps)
-    want = reference(feeds, causal)
-    err = float(np.abs(got - want).max() / np.abs(want).max())
+    want = want if want is not None else [reference(feeds, causal)]
+    err = max(float(np.abs(a - w).max() / np.abs(w).max()) for a, w in zip(got, want))
     return times, ts_gpu, err, names
 
 
-def theirs(feeds, causal, samples, warmup):
+def theirs(feeds, causal, samples, warmup, backward=False):
     try:
         import torch
     except ImportError:
@@ -101,11 +123,15 @@ def theirs(feeds, causal, samples, warmup):
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     F = torch.nn.functional
-    q, k, v = (torch.tensor(feeds[n], device="cuda") for n in "qkv")
+    q, k, v = (torch.tensor(feeds[n], device="cuda", requires_grad=backward) for n in "qkv")
     gqa = q.shape[-3] != k.shape[-3]
+    do = torch.tensor(feeds["do"], device="cuda") if backward else None
 
     def call():
-        return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=gqa)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=gqa)
+        if backward:
+            torch.autograd.grad(out, (q, k, v), do)
+        return out
     for _ in range(warmup):
         call()
     torch.cuda.synchronize()
@@ -125,34 +151,42 @@ def main(argv=None):
     p.add_argument("--size", default="real", choices=("tiny", "real"))
     p.add_argument("--samples", type=int, default=20)
     p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--phases", default="forward,backward", help="forward, backward (forward + backward) or both")
     p.add_argument("--out", default=None, help="JSON path (default bench/results/attention_<size>.json)")
     args = p.parse_args(argv)
     out = args.out or f"bench/results/attention_{args.size}.json"
     dev = get_device()
     print(f"device: {dev.name} ({dev.adapter_info.get('backend')}), modules {'trusted' if dev.trusted else 'checked'}")
-    print(f"{'case':11} {'variant':11} {'dispatches':>10} {'median us':>10} {'GPU ts us':>10} {'GFLOP/s':>9} "
-          f"{'torch/ours':>10} {'max rel err':>12}")
+    print(f"{'case':11} {'phase':8} {'variant':11} {'dispatches':>10} {'median us':>10} {'GPU ts us':>10} "
+          f"{'GFLOP/s':>9} {'torch/ours':>10} {'max rel err':>12}")
     rows = []
     for name, (qs, hkv, causal) in CASES[args.size].items():
         feeds = _inputs(qs, hkv)
+        feeds["do"] = np.random.default_rng(1).standard_normal(qs[:-1] + (feeds["v"].shape[-1],)).astype(np.float32)
         *_, hq, lq, d = qs
-        flops = 4 * np.prod(qs[:-2]) * lq * lq * d * (0.5 if causal else 1.0)   # QK^T and PV
-        t_torch = theirs(feeds, causal, args.samples, args.warmup)
-        mt = statistics.median(t_torch) if t_torch else None
-        for variant in ("flash", "decomposed"):
-            times, ts, err, names = ours(feeds, causal, variant == "decomposed", args.samples, args.warmup)
-            mo = statistics.median(times)
-            row = {"case": name, "variant": variant, "q_shape": qs, "kv_heads": hkv, "causal": causal,
-                   "dispatches": len(names), "kernels": names, "median_s": mo, "samples_s": times,
-                   "gpu_timestamp_s": ts, "gflops": flops / mo / 1e9, "max_rel_err": err}
+        fwd_flops = 4 * np.prod(qs[:-2]) * lq * lq * d * (0.5 if causal else 1.0)   # QK^T and PV
+        for phase in args.phases.split(","):
+            backward = phase == "backward"
+            # the backward recomputes QK^T and takes dP, dV, dQ, dK: 2.5 forwards more
+            flops = fwd_flops * (3.5 if backward else 1.0)
+            want = reference_grads(feeds, causal) if backward else None
+            t_torch = theirs(feeds, causal, args.samples, args.warmup, backward)
+            mt = statistics.median(t_torch) if t_torch else None
+            for variant in ("flash", "decomposed"):
+                times, ts, err, names = ours(feeds, causal, variant == "decomposed", args.samples, args.warmup,
+                                             backward, want)
+                mo = statistics.median(times)
+                row = {"case": name, "phase": phase, "variant": variant, "q_shape": qs, "kv_heads": hkv,
+                       "causal": causal, "dispatches": len(names), "kernels": names, "median_s": mo,
+                       "samples_s": times, "gpu_timestamp_s": ts, "gflops": flops / mo / 1e9, "max_rel_err": err}
+                if mt:
+                    row.update(torch_median_s=mt, torch_samples_s=t_torch, ratio_torch_over_ours=mt / mo)
+                rows.append(row)
+                print(f"{name:11} {phase:8} {variant:11} {len(names):>10d} {mo * 1e6:>10.1f} "
+                      f"{(ts * 1e6 if ts is not None else float('nan')):>10.1f} {row['gflops']:>9.1f} "
+                      f"{row.get('ratio_torch_over_ours', float('nan')):>10.2f} {err:>12.2e}")
             if mt:
-                row.update(torch_median_s=mt, torch_samples_s=t_torch, ratio_torch_over_ours=mt / mo)
-            rows.append(row)
-            print(f"{name:11} {variant:11} {len(names):>10d} {mo * 1e6:>10.1f} "
-                  f"{(ts * 1e6 if ts is not None else float('nan')):>10.1f} {row['gflops']:>9.1f} "
-                  f"{row.get('ratio_torch_over_ours', float('nan')):>10.2f} {err:>12.2e}")
-        if mt:
-            print(f"{name:11} {'torch sdpa':11} {'':>10} {mt * 1e6:>10.1f}")
+                print(f"{name:11} {phase:8} {'torch sdpa':11} {'':>10} {mt * 1e6:>10.1f}")
     os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
     with open(out, "w") as f:
         json.dump({"device": dev.adapter_info, "trusted": dev.trusted, "python": platform.python_version(),

@@ -138,7 +138,7 @@ def launch_units(kernels):
 
 
 def unit_views(u):
-    return list(u.reads) + list(u.epi_reads) + [u.out]
+    return list(u.reads) + list(u.epi_reads) + [u.out] + list(u.outs)
 
 
 def _indexed_leaves(e) -> set:

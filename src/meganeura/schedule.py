@@ -94,7 +94,11 @@ class Kernel:
     """One launch of an archetype (the kernel IR). ``epilogue``: an expression applied to
     each output value before it is stored, over ("acc",) (the archetype's value) and
     leaves ("leaf", i) indexing ``epi_reads``, Views read at the output's coordinates
-    (broadcast like a pointwise kernel's); fusion passes fill it."""
+    (broadcast like a pointwise kernel's); fusion passes fill it. ``outs``: the further
+    outputs of a kernel that writes several (flash attention's output and its log-sum-exp;
+    the key and value gradients of its backward), each the value of a node of its own that
+    the schedule computes with ``out``'s (see ``build_schedule``); they are stored as they
+    are, without an epilogue."""
     name: str                  # the ops it runs, for traces
     archetype: str
     spec: dict                 # what the codegen of that archetype needs
@@ -102,6 +106,7 @@ class Kernel:
     reads: list = field(default_factory=list)  # Views read
     epilogue: tuple | None = None
     epi_reads: list = field(default_factory=list)
+    outs: list = field(default_factory=list)
 
     @property
     def shape(self):
@@ -115,7 +120,8 @@ class Kernel:
     def written_bufs(self):
         if "parts" in self.spec:        # a horizontal fusion of independent kernels
             return [b for p in self.spec["parts"] for b in p.written_bufs()]
-        return [self.out.buf] + [v.buf for v in self.spec.get("stores", ())]
+        # extra outputs: a multi-output kernel's (outs) and second stores of its value (stores)
+        return [self.out.buf] + [v.buf for v in self.outs] + [v.buf for v in self.spec.get("stores", ())]
 
     def read_views(self):
         if "parts" in self.spec:
@@ -189,12 +195,21 @@ class Schedule:
 
 
 def build_schedule(graph, targets: list[Tensor], target_kinds=None, max_bindings=8) -> Schedule:
-    """Kernels computing ``targets`` (tensors of ``graph``, already lowered to primitives)."""
+    """Kernels computing ``targets`` (tensors of ``graph``, already lowered to primitives).
+
+    Several outputs: an op whose record has ``multi_output(node) -> key`` shares one kernel
+    with the other needed nodes of the same key (the same inputs, by construction). The
+    first of them to be scheduled is lowered with the others as ``siblings`` ((node, View)
+    pairs whose values the kernel writes too); the graph keeps one output per node."""
     nodes = needed_nodes(targets)
     consumers: dict[int, list[Tensor]] = {t.id: [] for t in nodes}
+    groups: dict = {}
     for t in nodes:
         for i in t.inputs:
             consumers[i.id].append(t)
+        key_of = OPS[t.op].extra.get("multi_output") if t.inputs else None
+        if key_of is not None and key_of(t) is not None:
+            groups.setdefault(key_of(t), []).append(t)
     target_ids = {t.id for t in targets}
     values: dict[int, View] = {}
     bufs: list[Buf] = []
@@ -224,6 +239,8 @@ def build_schedule(graph, targets: list[Tensor], target_kinds=None, max_bindings
         values[t.id] = k.out
 
     for t in nodes:
+        if t.id in values:
+            continue                          # computed already, by a sibling's kernel
         if t.op in ("input", "parameter", "state"):
             values[t.id] = View.contiguous(new_buf(t, t.op), t.shape, t.dtype)
             continue
@@ -259,8 +276,13 @@ def build_schedule(graph, targets: list[Tensor], target_kinds=None, max_bindings
             b = Buf(max(4, int(np.prod(shape)) * dtype.np.itemsize), "temp", f"{_t.name}.part", dtype)
             bufs.append(b)
             return View.contiguous(b, shape, dtype)
-        kernels.extend(lower(t, [_read(values, i) for i in t.inputs], out, materialize=materialize, temp=temp))
+        key_of = OPS[t.op].extra.get("multi_output")
+        siblings = [(s, View.contiguous(new_buf(s, "target" if s.id in target_ids else "temp"), s.shape, s.dtype))
+                    for s in groups.get(key_of(t) if key_of else None, []) if s is not t]
+        more = {"siblings": siblings} if siblings else {}
+        kernels.extend(lower(t, [_read(values, i) for i in t.inputs], out, materialize=materialize, temp=temp, **more))
         values[t.id] = out
+        values.update((s.id, v) for s, v in siblings)
     return Schedule(kernels, values, bufs, targets)
 
 

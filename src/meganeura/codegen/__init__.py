@@ -27,8 +27,10 @@ def render(kernel, errors=None):
 
 
 # ops with a kernel for some shapes only: the predicate says which nodes
-KERNEL_WHEN = {"scaled_dot_product_attention": attention.supported}
-OPS["scaled_dot_product_attention"].lower = attention.lower_attention
+KERNEL_WHEN = {"scaled_dot_product_attention": attention.supported,
+               "attention_lse": attention.lse_supported, "attention_grad": attention.grad_supported}
+OPS["scaled_dot_product_attention"].lower = OPS["attention_lse"].lower = attention.lower_attention
+OPS["attention_grad"].lower = attention.lower_attention_grad
 
 
 def has_kernel(t) -> bool:

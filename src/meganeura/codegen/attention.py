@@ -9,7 +9,9 @@ integer mask keeps non-zero positions, is_causal keeps j <= i; a fully masked ro
 zeros, as the op's decomposition does. Longer sequences run the flash kernel
 (``flash.py``: query tiles, key tiles through workgroup memory, online softmax); shapes
 neither takes decompose into matmuls and a softmax. Both are this one archetype
-(``spec["flash"]`` picks the renderer), so epilogue fusion treats them alike.
+(``spec["flash"]`` picks the renderer), so epilogue fusion treats them alike; so is the
+flash backward (``spec["grad"]``: ``flash_grad.py``), which the gradient takes where the
+forward runs the flash kernel.
 """
 from __future__ import annotations
 
@@ -18,7 +20,7 @@ import numpy as np
 from ..schedule import Kernel
 from .common import ENTRY, GROUP_INDEX, WG, Bindings, broadcast_view_strides, coords, grid, literal
 from .expr import OutputStore
-from . import flash
+from . import flash, flash_grad
 
 MAX_KEYS = 2048          # scores of one row in workgroup memory (8 KiB)
 MAX_ROW_WORK = 1 << 17   # Lq * Lk per head: beyond it the matmul path is faster
@@ -30,6 +32,10 @@ NEG_INF = "bitcast<f32>(0xff800000u)"
 def short_rows(t) -> bool:
     """Shapes the one-row kernel takes: short rows against at most MAX_KEYS keys."""
     q, k, v = t.inputs[:3]
+    return _short(q, k, v, t.shape[:-2])
+
+
+def _short(q, k, v, lead) -> bool:
     if q.ndim < 3 or q.dtype.name != "f32" or k.dtype is not q.dtype or v.dtype is not q.dtype:
         return False
     lq, lk = q.shape[-2], k.shape[-2]
@@ -37,7 +43,27 @@ def short_rows(t) -> bool:
     return (0 < lk <= MAX_KEYS and lq * lk <= MAX_ROW_WORK and 0 < q.shape[-1] <= MAX_DIM
             and 0 < v.shape[-1] <= MAX_DIM and q.shape[:-3] == k.shape[:-3] == v.shape[:-3]
             and k.shape[-3] == v.shape[-3] and q.shape[-3] % k.shape[-3] == 0
-            and tuple(t.shape[:-2]) == tuple(q.shape[:-2]))
+            and tuple(lead) == tuple(q.shape[:-2]))
+
+
+def flash_path(q, k, v, lead) -> bool:
+    """Attention of these operands runs the flash kernel (and its backward may too)."""
+    return not _short(q, k, v, lead) and flash.shapes_ok(q, k, v, lead) \
+        and flash.rows_per_group(q.shape[-1]) is not None \
+        and flash.loop_trips(k.shape[-2], q.shape[-1], v.shape[-1]) <= flash.LOOP_BOUND
+
+
+def lse_supported(t) -> bool:
+    """``attention_lse`` is kept where the flash forward computes it (as a second output)."""
+    q, k, v = t.inputs[:3]
+    return flash_path(q, k, v, t.shape[:-1])
+
+
+def grad_supported(t) -> bool:
+    """``attention_grad`` runs the flash backward where the forward runs the flash kernel;
+    elsewhere it decomposes (short rows: the probabilities are small)."""
+    q, k, v, do = t.inputs[:4]
+    return flash_path(q, k, v, do.shape[:-2]) and flash_grad.supported(t)
 
 
 def supported(t) -> bool:
@@ -47,17 +73,45 @@ def supported(t) -> bool:
     return short_rows(t) or flash.supported(t)
 
 
-def lower_attention(t, ins, out, materialize, temp):
+def _mask_spec(t, mask_at):
+    m = t.inputs[mask_at] if len(t.inputs) > mask_at else None
+    return {"scale": t.attrs["scale"], "causal": t.attrs["is_causal"], "masked": m is not None,
+            "int_mask": m is not None and not m.dtype.is_float}
+
+
+def lower_attention(t, ins, out, materialize, temp, siblings=()):
+    """The SDPA node, or its LSE node (``attention_lse``), with the other as a sibling: one
+    flash kernel writes the output and, as its second output, the LSE."""
     reads = list(ins)        # q, k and v are read through their views (head splits cost nothing)
-    spec = {"scale": t.attrs["scale"], "causal": t.attrs["is_causal"], "masked": len(ins) == 4,
-            "int_mask": len(ins) == 4 and not t.inputs[3].dtype.is_float}
+    spec = _mask_spec(t, 3)
+    views = {t.op: out, **{s.op: v for s, v in siblings}}
+    if "attention_lse" in views:
+        q, v = t.inputs[0], t.inputs[2]
+        o = views.get("scaled_dot_product_attention") or \
+            temp(views["attention_lse"].shape + (v.shape[-1],), q.dtype)   # only the LSE is needed
+        spec["flash"] = flash.rows_per_group(q.shape[-1])
+        return [Kernel("flash_attention+lse", "attention", spec, o, reads, outs=[views["attention_lse"]])]
     if not short_rows(t):
         spec["flash"] = flash.rows_per_group(t.inputs[0].shape[-1])     # query rows per workgroup
         return [Kernel("flash_attention", "attention", spec, out, reads)]
     return [Kernel("attention", "attention", spec, out, reads)]
 
 
+def lower_attention_grad(t, ins, out, materialize, temp, siblings=()):
+    """``attention_grad`` nodes: dq alone, or dk and dv (siblings) in one kernel of two
+    outputs; a gradient nobody reads goes to a scratch buffer."""
+    spec = {**_mask_spec(t, 6)}
+    if t.attrs["wrt"] == "q":
+        return [Kernel("flash_attention_dq", "attention", {**spec, "grad": "dq"}, out, list(ins))]
+    views = {t.attrs["wrt"]: out, **{s.attrs["wrt"]: v for s, v in siblings}}
+    dk = views.get("k") or temp(t.inputs[1].shape, t.dtype)
+    dv = views.get("v") or temp(t.inputs[2].shape, t.dtype)
+    return [Kernel("flash_attention_dkv", "attention", {**spec, "grad": "dkv"}, dk, list(ins), outs=[dv])]
+
+
 def render(kernel):
+    if kernel.spec.get("grad"):
+        return flash_grad.render(kernel)
     if kernel.spec.get("flash"):
         return flash.render(kernel)
     q, k, v = kernel.reads[:3]

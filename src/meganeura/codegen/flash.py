@@ -22,6 +22,10 @@ Masks: a float mask is added to the scaled scores, an integer mask keeps non-zer
 positions, ``is_causal`` keeps j <= i and skips the key tiles entirely above the
 diagonal; grouped heads read kv head h // G; a fully masked row gives zeros. q, k, v and
 the mask are read through their strided views (head splits and transposes cost nothing).
+
+With a second output (``kernel.outs``, the ``attention_lse`` node scheduled with the
+output's) the kernel also stores each row's log-sum-exp, max + log(sum), for the backward
+pass (``flash_grad.py``).
 """
 from __future__ import annotations
 
@@ -91,15 +95,22 @@ def supported(t) -> bool:
     and at most LOOP_BOUND loop back-edges per invocation (Lk up to about 40k at D = 64);
     others decompose."""
     q, k, v = t.inputs[:3]
+    return shapes_ok(q, k, v, t.shape[:-2]) and rows_per_group(q.shape[-1]) is not None \
+        and loop_trips(k.shape[-2], q.shape[-1], v.shape[-1]) <= LOOP_BOUND
+
+
+def shapes_ok(q, k, v, lead) -> bool:
+    """q, k and v are f32 with head dims up to 256 and one set of batch dims, which the
+    output's leading dims ``lead`` (*batch, Hq) are too."""
     if q.ndim < 3 or q.dtype.name != "f32" or k.dtype is not q.dtype or v.dtype is not q.dtype:
         return False
     lq, lk, d, dv = q.shape[-2], k.shape[-2], q.shape[-1], v.shape[-1]
     if not (0 < lq and 0 < lk and 0 < d <= MAX_DIM and 0 < dv <= MAX_DIM):
         return False
     if not (q.shape[:-3] == k.shape[:-3] == v.shape[:-3] and k.shape[-3] == v.shape[-3]
-            and q.shape[-3] % k.shape[-3] == 0 and tuple(t.shape[:-2]) == tuple(q.shape[:-2])):
+            and q.shape[-3] % k.shape[-3] == 0 and tuple(lead) == tuple(q.shape[:-2])):
         return False
-    return rows_per_group(d) is not None and loop_trips(lk, d, dv) <= LOOP_BOUND
+    return True
 
 
 def render(kernel):
@@ -254,6 +265,15 @@ def render(kernel):
                  f"Ps[(ty * 4u + {r}u) * 4u + 2u] + Ps[(ty * 4u + {r}u) * 4u + 3u], vec4<f32>(1.0));")
         # a fully masked row has sum 0: zeros, as the op's safe softmax gives
         L.append(f"    let inv{r} = select(0.0, 1.0 / lsum{r}, lsum{r} != 0.0);")
+    if kernel.outs:
+        # the second output: each row's log-sum-exp of its scaled, masked scores (+inf for a
+        # fully masked row), which the backward pass recomputes the probabilities from
+        lse = kernel.outs[0]
+        assert lse.is_contiguous() and lse.shape == tuple(batch) + (hq, lq), lse.shape
+        lb = b.index(lse.buf, lse.dtype, write=True)
+        for r in range(4):
+            L.append(f"    {{ let i = q0 + ty * 4u + {r}u; if (tx == 0u && i < {lq}u) {{ b{lb}[{lse.offset}u + bh * {lq}u + i] = "
+                     f"select(bitcast<f32>(0x7f800000u), mrow[{r}] + log(lsum{r}), lsum{r} != 0.0); }} }}")
     for r in range(4):
         L.append(f"    {{ let i = q0 + ty * 4u + {r}u;")
         L.append(f"      if (i < {lq}u) {{")

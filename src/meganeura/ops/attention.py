@@ -18,6 +18,15 @@ Masking follows torch 2.x: a float mask is added to the scaled scores, an intege
 mask keeps positions where it is non-zero, ``is_causal`` keeps j <= i (top-left aligned,
 also when Lq != Lk) and excludes a mask. A row with every position masked
 gives zeros (and zero gradients), as torch's safe softmax does, not NaN.
+
+The gradient is two more op records, so that a backend with a flash kernel can keep them
+whole: ``attention_lse`` (each query row's log-sum-exp of its scaled, masked scores, which
+the flash forward writes as a second output; +inf for a fully masked row, so that its
+probabilities exp(s - lse) are zeros) and ``attention_grad`` (the gradient of q, k or v,
+``wrt``, from q, k, v, dO, the LSE and D = rowsum(dO * O), recomputing the probabilities
+instead of reading them). The k and v gradients share one kernel (``multi_output``). Where
+no kernel takes them they decompose into the matmuls and softmax backward below, which
+never read the LSE (it is then dead and never computed).
 """
 from __future__ import annotations
 
@@ -116,7 +125,7 @@ def _ref(q, k, v, mask=None, *, is_causal, scale, enable_gqa):
     if enable_gqa and q.shape[-3] != k.shape[-3]:
         g = q.shape[-3] // k.shape[-3]
         k, v = np.repeat(k, g, axis=-3), np.repeat(v, g, axis=-3)
-    s = np.matmul(q, np.swapaxes(k, -1, -2)) * dt.type(scale)
+    s = np.matmul(q, np.swapaxes(k, -1, -2)) * dt.type(np.float32(scale))   # f32, as the graph holds it
     if mask is not None:
         s = s + mask.astype(dt) if mask.dtype.kind == "f" else np.where(mask != 0, s, dt.type(NEG_INF))
     if is_causal:
@@ -170,7 +179,8 @@ def _decompose(q, k, v, mask=None, *, is_causal, scale, enable_gqa):
     return reshape(o, out)
 
 
-def _vjp(ct, out, q, k, v, mask=None, *, is_causal, scale, enable_gqa):
+def _grad_parts(q, k, v, ct, mask, is_causal, scale, enable_gqa):
+    """The decomposed gradients of q, k, v and the mask (materialising the scores)."""
     from . import mm, reshape, sum
     scores, _, group, (qs, _, _) = _check([q, k, v] + ([mask] if mask is not None else []), is_causal, scale,
                                           enable_gqa)
@@ -190,7 +200,145 @@ def _vjp(ct, out, q, k, v, mask=None, *, is_causal, scale, enable_gqa):
     return grads
 
 
-register(OP, _infer, _ref, _vjp, decompose=_decompose)
+def _group_key(t):
+    """The SDPA node and its LSE: one flash kernel writes both."""
+    a = t.attrs
+    return ("attention", tuple(i.id for i in t.inputs), a["is_causal"], a["scale"], a["enable_gqa"])
+
+
+def _vjp(ct, out, q, k, v, mask=None, *, is_causal, scale, enable_gqa):
+    from . import sum
+    ins = [q, k, v] + ([mask] if mask is not None else [])
+    attrs = {"is_causal": is_causal, "scale": scale, "enable_gqa": enable_gqa}
+    lse = emit(LSE, ins, **attrs)
+    delta = sum(ct * out, -1)                     # D = rowsum(dO * O), (*b, Hq, Lq)
+    gins = [q, k, v, ct, lse, delta] + ins[3:]
+    grads = [emit(GRAD, gins, wrt=w, **attrs) for w in "qkv"]
+    if mask is not None:
+        # a float mask's cotangent is dS, the scores' gradient: only the decomposition has it
+        grads.append(_grad_parts(q, k, v, ct, mask, is_causal, scale, enable_gqa)[3]
+                     if mask.dtype.is_float else None)
+    return grads
+
+
+register(OP, _infer, _ref, _vjp, decompose=_decompose, multi_output=_group_key)
+
+
+# ------------------------------------------------------------- log-sum-exp and gradients
+LSE = "attention_lse"
+GRAD = "attention_grad"
+
+
+def _lse_infer(ins, is_causal, scale, enable_gqa):
+    scores, _, _, _ = _check(ins, is_causal, scale, enable_gqa)
+    return scores[:-1], ins[0].dtype
+
+
+def _scores_ref(q, k, mask, is_causal, scale, enable_gqa):
+    dt = q.dtype
+    if enable_gqa and q.shape[-3] != k.shape[-3]:
+        k = np.repeat(k, q.shape[-3] // k.shape[-3], axis=-3)
+    # the scale rounded to f32, as the graph's constants and the kernels hold it
+    s = np.matmul(q, np.swapaxes(k, -1, -2)) * dt.type(np.float32(scale))
+    if mask is not None:
+        s = s + mask.astype(dt) if mask.dtype.kind == "f" else np.where(mask != 0, s, dt.type(NEG_INF))
+    if is_causal:
+        lq, lk = s.shape[-2:]
+        s = np.where(np.tril(np.ones((lq, lk), dtype=bool)), s, dt.type(NEG_INF))
+    return s
+
+
+def _lse_ref(q, k, v, mask=None, *, is_causal, scale, enable_gqa):
+    s = _scores_ref(q, k, mask, is_causal, scale, enable_gqa)
+    dt = s.dtype
+    if s.shape[-1] == 0:
+        return np.full(s.shape[:-1], np.inf, dt)
+    m = np.max(s, axis=-1)
+    full = np.isneginf(m)
+    with np.errstate(divide="ignore"):
+        lse = m + np.log(np.sum(np.exp(s - np.where(full, dt.type(0), m)[..., None]), axis=-1))
+    return np.where(full, dt.type(np.inf), lse).astype(dt, copy=False)
+
+
+def _lse_decompose(q, k, v, mask=None, *, is_causal, scale, enable_gqa):
+    from . import amax, exp, log, mm, reshape, sum, where
+    _, _, group, _ = _check([q, k, v] + ([mask] if mask is not None else []), is_causal, scale, enable_gqa)
+    s = mm(_grouped(q, group), k, tb=True) * scale
+    s = reshape(s, s.shape[:-3] + q.shape[-3:-1] + (k.shape[-2],)) if group > 1 else s
+    if mask is not None:
+        s = s + mask if mask.dtype.is_float else where(mask, s, NEG_INF)
+    if is_causal:
+        lq, lk = s.shape[-2:]
+        s = where(q.graph.constant(np.tril(np.ones((lq, lk), dtype=np.uint32))), s, NEG_INF)
+    m = amax(s, -1, keepdim=True)
+    live = m > NEG_INF
+    m0 = where(live, m, 0.0)
+    lse = m0 + log(sum(exp(s - m0), -1, keepdim=True))
+    lse = where(live, lse, float("inf"))
+    return reshape(lse, lse.shape[:-1])
+
+
+def _sum_to(x, shape):
+    """``x`` summed over the dims that broadcasting gave it, down to ``shape``."""
+    lead = x.ndim - len(shape)
+    x = x.sum(axis=tuple(range(lead))) if lead else x
+    axes = tuple(i for i, n in enumerate(shape) if n == 1 and x.shape[i] != 1)
+    return x.sum(axis=axes, keepdims=True) if axes else x
+
+
+def _grad_infer(ins, wrt, is_causal, scale, enable_gqa):
+    if len(ins) not in (6, 7) or wrt not in ("q", "k", "v"):
+        raise ValueError(f"{GRAD}: expected q, k, v, dO, lse, D[, mask] and wrt in q/k/v")
+    _, out, _, _ = _check(ins[:3] + ins[6:], is_causal, scale, enable_gqa)
+    do, lse, delta = ins[3:6]
+    if do.shape != out or lse.shape != out[:-1] or delta.shape != out[:-1]:
+        raise op_error(GRAD, f"dO must have the output's shape {fmt_shape(out)}, lse and D its rows' "
+                       f"{fmt_shape(out[:-1])}", do, lse, delta)
+    return ins["qkv".index(wrt)].shape, ins[0].dtype
+
+
+def _grad_ref(q, k, v, do, lse, delta, mask=None, *, wrt, is_causal, scale, enable_gqa):
+    dt = q.dtype
+    x = {"q": q, "k": k, "v": v}[wrt]
+    g = q.shape[-3] // k.shape[-3] if enable_gqa else 1
+    kk, vv = (np.repeat(t, g, axis=-3) if g > 1 else t for t in (k, v))
+    s = _scores_ref(q, k, mask, is_causal, scale, enable_gqa)
+    with np.errstate(invalid="ignore"):
+        p = np.exp(s - lse[..., None])                      # a fully masked row: lse +inf, zeros
+    if wrt == "v":
+        d = np.matmul(np.swapaxes(p, -1, -2), do)
+    else:
+        ds = p * (np.matmul(do, np.swapaxes(vv, -1, -2)) - delta[..., None])
+        d = (np.matmul(ds, kk) if wrt == "q" else np.matmul(np.swapaxes(ds, -1, -2), q)) * dt.type(np.float32(scale))
+    if wrt != "q" and g > 1:                                # the group's query heads into their kv head
+        d = d.reshape(d.shape[:-3] + (d.shape[-3] // g, g) + d.shape[-2:]).sum(axis=-3)
+    return _sum_to(d, x.shape).astype(dt, copy=False)
+
+
+def _grad_decompose(q, k, v, do, lse, delta, mask=None, *, wrt, is_causal, scale, enable_gqa):
+    return _grad_parts(q, k, v, do, mask, is_causal, scale, enable_gqa)["qkv".index(wrt)]
+
+
+def _grad_group(t):
+    """The k and v gradients: one kernel walks the queries once for both."""
+    a = t.attrs
+    if a["wrt"] == "q":
+        return None
+    return (GRAD, tuple(i.id for i in t.inputs), a["is_causal"], a["scale"], a["enable_gqa"])
+
+
+def _decomposed_vjp(decompose):
+    """Second derivatives: the VJP of the decomposition."""
+    def vjp(ct, out, *ins, **attrs):
+        from ..autodiff import grad
+        return grad(decompose(*ins, **attrs), list(ins), ct)
+    return vjp
+
+
+register(LSE, _lse_infer, _lse_ref, _decomposed_vjp(_lse_decompose), decompose=_lse_decompose,
+         multi_output=_group_key)
+register(GRAD, _grad_infer, _grad_ref, _decomposed_vjp(_grad_decompose), decompose=_grad_decompose,
+         multi_output=_grad_group)
 
 
 # ---------------------------------------------------------------------------- builder

@@ -260,7 +260,7 @@ def _absorb_producer(kernels, pi, uses, max_bindings):
             continue
         if uses.touched_between(p.out.buf, ki, pi):
             continue
-        bufs = {id(v.buf) for v in k.read_views() + others} | {id(p.out.buf)}
+        bufs = {id(v.buf) for v in k.read_views() + others + k.outs} | {id(p.out.buf)}
         if len(bufs) > max_bindings:
             continue
         leaf_map = _splice(len(p.reads), li, k.epilogue or ("acc",), len(k.epi_reads))
