@@ -110,12 +110,12 @@ float frag_b(uint at, uint stride, bool row_major, uint r, uint c) {
 
     def mma(self, fa, a_layout, fb, b_layout, acc):
         (sa, ra), (sb, rb) = a_layout, b_layout
-        return (f"[[unroll]] for (uint q = 0u; q < 8u; ++q) {{ uint e = lane + q * 32u; float s = {acc}[q]; "
+        return (f"for (uint q = 0u; q < 8u; ++q) {{ uint e = lane + q * 32u; float s = {acc}[q]; "
                 f"for (uint k = 0u; k < 16u; ++k) s += frag_a({fa}, {sa}u, {str(ra).lower()}, e / 16u, k) * "
                 f"frag_b({fb}, {sb}u, {str(rb).lower()}, k, e % 16u); {acc}[q] = s; }}")
 
     def store(self, acc, buf, at, stride):
-        return (f"[[unroll]] for (uint q = 0u; q < 8u; ++q) {{ uint e = lane + q * 32u; "
+        return (f"for (uint q = 0u; q < 8u; ++q) {{ uint e = lane + q * 32u; "
                 f"{buf}[{at} + (e / 16u) * {stride}u + e % 16u] = {acc}[q]; }}")
 
 
@@ -336,6 +336,8 @@ def render(kernel, workgroup_storage=49152, emulate=False):
         shared.append(f"shared float Cs[{FRAG * FRAG * nsg}];")
     src = "\n".join([ops.header] + ext + [f"layout(local_size_x = {geo['NT']}) in;", lib.code.rstrip()] + shared +
                     [ops.helpers] + fns + ["void main() {", "    uvec3 wid = gl_WorkGroupID;"] + branches + ["}"]) + "\n"
+    if emulate:     # loops kept: unrolled, the emulated fragments take LLVM (lavapipe) minutes to compile
+        src = src.replace("[[unroll]]", "[[dont_unroll]]")
     return src, bind.bufs, (x0, gy, gz)
 
 
