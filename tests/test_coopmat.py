@@ -64,9 +64,9 @@ def test_render_keeps_the_wgsl_kernels_bindings_and_grid():
 
 def test_configs_and_mode_switches(monkeypatch):
     from meganeura.runtime.vulkan.backend import coopmat_mode
-    monkeypatch.setenv("MEGANEURA_COOPMAT_CONFIG", "128:2x2x64")
-    assert coopmat.configs()[128] == (2, 2, 64) and coopmat.configs()[64] == coopmat.CONFIGS[64]
-    for bad in ("128:3x4x32", "96:2x2x32", "128:2x2", "x"):
+    monkeypatch.setenv("MEGANEURA_COOPMAT_CONFIG", "128:128x256x2x4x16")
+    assert coopmat.configs()[128] == (128, 256, 2, 4, 16) and coopmat.configs()[64] == coopmat.CONFIGS[64]
+    for bad in ("128:128x128x3x4x32", "96:96x96x2x2x32", "128:128x128x2x2", "128:128x128x2x2x8", "x"):
         monkeypatch.setenv("MEGANEURA_COOPMAT_CONFIG", bad)
         with pytest.raises(ValueError, match="MEGANEURA_COOPMAT_CONFIG"):
             coopmat.configs()
@@ -198,10 +198,15 @@ def _case(name):
         env["MEGANEURA_MATMUL_TILE"] = name[4:]
         y = mg.ops.mm(g.input("a", A.shape), g.input("b", B.shape), ta=True, tb=True)
         return g, [y], {"a": A, "b": B}, [_f16(A).T @ _f16(B).T], env
+    if name == "rect_tile":           # a 32x128 workgroup tile: a grid other than the WGSL kernel's
+        A, B = r(2, 70, 48), r(2, 150, 48)
+        env.update(MEGANEURA_MATMUL_TILE="64", MEGANEURA_COOPMAT_CONFIG="64:32x128x1x4x32")
+        y = mg.ops.mm(g.input("a", A.shape), g.input("b", B.shape), tb=True)
+        return g, [y], {"a": A, "b": B}, [_f16(A) @ np.swapaxes(_f16(B), -1, -2)], env
     raise KeyError(name)
 
 
-CASES = ["plain", "tb_batch_epilogue", "ta_broadcast", "odd_split_k", "merged_parts", "tile64", "tile128"]
+CASES = ["plain", "tb_batch_epilogue", "ta_broadcast", "odd_split_k", "merged_parts", "tile64", "tile128", "rect_tile"]
 
 
 def _run_case(runtime, name, mode, monkeypatch):
@@ -209,9 +214,12 @@ def _run_case(runtime, name, mode, monkeypatch):
     monkeypatch.setenv("MEGANEURA_COOPMAT", mode)
     if mode == "emulate" and runtime.limits["max-compute-workgroup-storage-size"] < 49152:
         # lavapipe has 32 KiB of workgroup memory: the 128 tile with K chunks of 16 fits
-        monkeypatch.setenv("MEGANEURA_COOPMAT_CONFIG", "128:2x4x16")
+        monkeypatch.setenv("MEGANEURA_COOPMAT_CONFIG", "128:128x128x2x4x16")
     for k, v in env.items():
         monkeypatch.setenv(k, v)
+    if "MEGANEURA_COOPMAT_CONFIG" in env:        # the grid is the variant's, not the WGSL kernel's
+        (d,) = [d for d in compile_plan(outs, n_forward=1, options=ACCEL).dispatches if d.kernel.archetype == "matmul"]
+        assert coopmat.render(d.kernel, emulate=True)[2] != tuple(d.groups)
     before = runtime.stats["coopmat_kernels"]
     s = mg.compile(g, outputs=outs, backend="vulkan", precision="accelerated")
     try:

@@ -3,24 +3,25 @@ direct Vulkan backend, rendered from the same kernel IR as ``codegen.matmul``.
 
 In accelerated precision forward matmuls read f16 operands and accumulate in f32. On a device
 with a 16x16x16 f16 x f16 -> f32 subgroup shape the Vulkan runtime runs those tiled kernels
-from here instead of the f32 FMA tiles (``select`` says which kernels qualify). Everything the
-plan around a kernel relies on stays as the WGSL kernel has it: the T x T output tile per
-workgroup and so the workgroup grid, batch broadcasting, transposes (``ta``, ``tb``), K splits
-(partials side by side, summed by the next kernel), sibling matmuls merged into one launch
-(``parts``), the bindings in the same order, and the epilogue: ``store_out`` of
-``codegen.expr.OutputStore``, translated to GLSL, called per element once an accumulator
-fragment has gone through workgroup memory (a plain f32 output is stored straight from the
-fragments instead).
+from here instead of the f32 FMA tiles (``select`` says which kernels qualify). What the plan
+around a kernel relies on stays as the WGSL kernel has it: batch broadcasting, transposes
+(``ta``, ``tb``), K splits (partials side by side, summed by the next kernel), sibling matmuls
+merged into one launch (``parts``), the bindings in the same order, and the epilogue:
+``store_out`` of ``codegen.expr.OutputStore``, translated to GLSL, called per element once an
+accumulator fragment has gone through workgroup memory (a plain f32 output is stored straight
+from the fragments instead). The output tile of a workgroup, and so the grid, may differ: it
+comes from ``CONFIGS`` by the WGSL kernel's tile (square and the same by default).
 
 Inside a workgroup: SG_M x SG_N subgroups of 32 lanes, each owning WM x WN accumulator
-fragments of 16x16. K advances in chunks of BK. Each thread fetches its share of the next A
-(T x BK) and B (BK x T) chunks into registers as uvec4 (8 halves) while the subgroups multiply
-the current chunk out of workgroup memory, then stores them into the other half of a double
-buffer: one barrier per chunk. Operands are staged in their stored layout (rows along the
-dimension that is not contiguous), each row padded by 16 bytes against bank conflicts, and
-loaded as fragments row- or column-major to match. An operand whose contiguous dimension is
-not a multiple of 8, or that does not start on 16 bytes, is fetched element by element and
-packed. Edges (M, N not multiples of T; K not of the chunk) load zeros and skip stores.
+fragments of 16x16 of the BM x BN tile. K advances in chunks of BK. Each thread fetches its
+share of the next A (BM x BK) and B (BK x BN) chunks into registers as uvec4 (8 halves) while
+the subgroups multiply the current chunk out of workgroup memory, then stores them into the
+other half of a double buffer: one barrier per chunk. Operands are staged in their stored
+layout (rows along the dimension that is not contiguous), each row padded by 16 bytes against
+bank conflicts, and loaded as fragments row- or column-major to match. An operand whose
+contiguous dimension is not a multiple of 8, or that does not start on 16 bytes, is fetched
+element by element and packed. Edges (M, N not multiples of the tile; K not of the chunk)
+load zeros and skip stores.
 """
 from __future__ import annotations
 
@@ -35,8 +36,9 @@ from .matmul import split_k
 
 FRAG = 16          # the fragment shape: 16x16x16
 SUBGROUP = 32      # lanes per subgroup the kernel is written for
-# per output tile T (chosen by ``matmul.plan_tiles``): (SG_M, SG_N, BK)
-CONFIGS = {128: (2, 4, 32), 64: (2, 2, 32), 32: (2, 2, 32)}
+# per tile T of the WGSL kernel (chosen by ``matmul.plan_tiles``): the BM x BN output tile of a
+# workgroup, its SG_M x SG_N subgroups and the K chunk BK
+CONFIGS = {128: (128, 128, 2, 4, 32), 64: (64, 64, 2, 2, 32), 32: (32, 32, 2, 2, 32)}
 HEADER = """#version 450
 #extension GL_KHR_cooperative_matrix : require
 #extension GL_KHR_memory_scope_semantics : require
@@ -120,21 +122,22 @@ float frag_b(uint at, uint stride, bool row_major, uint r, uint c) {
 
 
 def configs() -> dict:
-    """The tile configurations, with ``MEGANEURA_COOPMAT_CONFIG`` (``T:SG_MxSG_NxBK,...``,
-    e.g. ``128:2x2x32``) replacing some: the benchmark's sweep."""
+    """The tile configurations, with ``MEGANEURA_COOPMAT_CONFIG`` (``T:BMxBNxSG_MxSG_NxBK,...``,
+    e.g. ``128:128x256x2x4x16``) replacing some: the benchmark's sweep."""
     out = dict(CONFIGS)
     raw = os.environ.get("MEGANEURA_COOPMAT_CONFIG", "").strip()
     for item in filter(None, (s.strip() for s in raw.split(","))):
         try:
             t, rest = item.split(":")
-            sm, sn, bk = (int(x) for x in rest.lower().split("x"))
+            bm, bn, sm, sn, bk = (int(x) for x in rest.lower().split("x"))
             t = int(t)
         except ValueError:
-            raise ValueError(f"MEGANEURA_COOPMAT_CONFIG: {item!r} is not T:SG_MxSG_NxBK (e.g. 128:2x4x32)") from None
-        if t not in CONFIGS or t % (FRAG * sm) or t % (FRAG * sn) or bk % FRAG or bk <= 0:
-            raise ValueError(f"MEGANEURA_COOPMAT_CONFIG: {item!r}: T must be one of {sorted(CONFIGS)} and split "
-                             f"into 16-wide fragments by SG_M and SG_N; BK a multiple of 16")
-        out[t] = (sm, sn, bk)
+            raise ValueError(f"MEGANEURA_COOPMAT_CONFIG: {item!r} is not T:BMxBNxSG_MxSG_NxBK "
+                             "(e.g. 128:128x128x2x4x32)") from None
+        if t not in CONFIGS or min(bm, bn, sm, sn, bk) <= 0 or bm % (FRAG * sm) or bn % (FRAG * sn) or bk % FRAG:
+            raise ValueError(f"MEGANEURA_COOPMAT_CONFIG: {item!r}: T must be one of {sorted(CONFIGS)}, BM and BN "
+                             f"split into 16-wide fragments by SG_M and SG_N, BK a multiple of 16")
+        out[t] = (bm, bn, sm, sn, bk)
     return out
 
 
@@ -174,22 +177,23 @@ class _Operand:
     binding: int
     rows_own: bool
     own: int          # M or N
+    own_tile: int     # BM or BN
     K: int
     own0: str         # the tile's first row (m0) or column (n0)
     chk_own: bool
     chk_k: bool
     vec: bool = False
 
-    def tile(self, T, BK):
+    def tile(self, BK):
         """(rows, columns) of the staged chunk."""
-        return (T, BK) if self.rows_own else (BK, T)
+        return (self.own_tile, BK) if self.rows_own else (BK, self.own_tile)
 
-    def stride(self, T, BK):
+    def stride(self, BK):
         """uvec4 per staged row, padded."""
-        return self.tile(T, BK)[1] // 8 + 1
+        return self.tile(BK)[1] // 8 + 1
 
-    def size(self, T, BK):
-        return self.tile(T, BK)[0] * self.stride(T, BK)
+    def size(self, BK):
+        return self.tile(BK)[0] * self.stride(BK)
 
     def vectorizable(self):
         return (self.K if self.rows_own else self.own) % 8 == 0 and self.view.offset % 8 == 0
@@ -199,11 +203,11 @@ def _ind(lines, n):
     return "\n".join(" " * n + ln for ln in lines)
 
 
-def _fetch_store(op: _Operand, T, BK, NT, reg, off, shared):
+def _fetch_store(op: _Operand, BK, NT, reg, off, shared):
     """GLSL fetching this thread's share of the chunk at ``k0`` into ``reg[]`` and storing it
     into ``shared`` at ``base``; and the register array's length."""
-    R, C = op.tile(T, BK)
-    CQ, SX = C // 8, op.stride(T, BK)
+    R, C = op.tile(BK)
+    CQ, SX = C // 8, op.stride(BK)
     total = R * CQ
     per = -(-total // NT)
     guard = total % NT != 0
@@ -258,7 +262,7 @@ def _batch_offsets(a, b, batch, index):
 class _Part:
     """One matmul of the launch: its operands, bindings and store."""
 
-    def __init__(self, kernel, bind, j, T):
+    def __init__(self, kernel, bind, j, BM, BN):
         self.kernel, self.j = kernel, j
         a, b = kernel.reads[:2]
         s = kernel.spec
@@ -270,8 +274,8 @@ class _Part:
         self.nb = int(np.prod(self.batch, dtype=np.int64))
         self.KC = split_k(self.K, self.S)
         # bindings in the WGSL kernel's order: A, B, then the store's (output, epilogue)
-        self.A = _Operand(a, bind.index(a.buf, a.dtype), not self.ta, self.M, self.K, "m0", self.M % T != 0, False)
-        self.B = _Operand(b, bind.index(b.buf, b.dtype), self.tb, self.N, self.K, "n0", self.N % T != 0, False)
+        self.A = _Operand(a, bind.index(a.buf, a.dtype), not self.ta, self.M, BM, self.K, "m0", self.M % BM != 0, False)
+        self.B = _Operand(b, bind.index(b.buf, b.dtype), self.tb, self.N, BN, self.K, "n0", self.N % BN != 0, False)
         self.store = OutputStore(kernel, bind, name=f"store_out{j}")
         self.store_bindings = {self.store.ob} | {bind.index(v.buf, v.dtype) for v in kernel.epi_reads}
         out = kernel.out
@@ -279,8 +283,8 @@ class _Part:
         self.direct = (kernel.epilogue is None and "store_map" not in s and out.dtype.name == "f32"
                        and out.is_contiguous() and out.offset % 4 == 0 and self.M % FRAG == 0 and self.N % FRAG == 0)
 
-    def groups(self, T):
-        return -(-self.N // T), -(-self.M // T), self.nb * self.S
+    def groups(self):
+        return -(-self.N // self.B.own_tile), -(-self.M // self.A.own_tile), self.nb * self.S
 
 
 def render(kernel, workgroup_storage=49152, emulate=False):
@@ -294,10 +298,9 @@ def render(kernel, workgroup_storage=49152, emulate=False):
     from .glsl import to_glsl_library
     ops = EmulatedOps() if emulate else CoopOps()
     parts_ir = kernel.spec.get("parts", [kernel])
-    T = parts_ir[0].spec["tile"]
-    SG_M, SG_N, BK = configs()[T]
+    BM, BN, SG_M, SG_N, BK = configs()[parts_ir[0].spec["tile"]]
     bind = Bindings()
-    parts = [_Part(p, bind, j, T) for j, p in enumerate(parts_ir)]
+    parts = [_Part(p, bind, j, BM, BN) for j, p in enumerate(parts_ir)]
     # uvec4 bindings where every operand use allows it and no store reads the buffer
     uses: dict = {}
     for p in parts:
@@ -312,8 +315,8 @@ def render(kernel, workgroup_storage=49152, emulate=False):
             bind.types[k] = "vec4<u32>"
     for p in parts:        # K is guarded where a split is not whole chunks, or the last split is short
         p.A.chk_k = p.B.chk_k = p.K % p.KC != 0 or p.KC % BK != 0
-    size_a = max(p.A.size(T, BK) for p in parts)
-    size_b = max(p.B.size(T, BK) for p in parts)
+    size_a = max(p.A.size(BK) for p in parts)
+    size_b = max(p.B.size(BK) for p in parts)
     staged = not all(p.direct for p in parts)
     nsg = SG_M * SG_N
     nbytes = 16 * 2 * (size_a + size_b) + (4 * FRAG * FRAG * nsg if staged else 0)
@@ -322,12 +325,12 @@ def render(kernel, workgroup_storage=49152, emulate=False):
                          f"(the device allows {workgroup_storage})")
     wgsl = bind.decls() + "\n" + "\n".join(p.store.module_text() for p in parts) + "\n"
     lib = to_glsl_library(wgsl, kernel.name)
-    geo = dict(T=T, BK=BK, SG_M=SG_M, SG_N=SG_N, WM=T // (FRAG * SG_M), WN=T // (FRAG * SG_N),
+    geo = dict(BM=BM, BN=BN, BK=BK, SG_M=SG_M, SG_N=SG_N, WM=BM // (FRAG * SG_M), WN=BN // (FRAG * SG_N),
                NT=SUBGROUP * nsg, size_a=size_a, size_b=size_b)
     fns, branches, x0 = [], [], 0
     for p in parts:
         fns.append(_part_function(p, ops, **geo))
-        gx, gy, gz = p.groups(T)
+        gx, gy, gz = p.groups()
         branches.append(f"    if (wid.x < {x0 + gx}u) {{ mm{p.j}(uvec3(wid.x - {x0}u, wid.y, wid.z)); return; }}")
         x0 += gx
     ext = [e for e in lib.extensions if e not in ops.header]
@@ -341,13 +344,13 @@ def render(kernel, workgroup_storage=49152, emulate=False):
     return src, bind.bufs, (x0, gy, gz)
 
 
-def _part_function(p: _Part, ops, T, BK, SG_M, SG_N, WM, WN, NT, size_a, size_b) -> str:
+def _part_function(p: _Part, ops, BM, BN, BK, SG_M, SG_N, WM, WN, NT, size_a, size_b) -> str:
     """GLSL ``void mm{j}(uvec3 wid)``: one part's output tile of the workgroup ``wid``."""
-    a_fetch, a_store, pa = _fetch_store(p.A, T, BK, NT, "ra", "aoff", "As")
-    b_fetch, b_store, pb = _fetch_store(p.B, T, BK, NT, "rb", "boff", "Bs")
+    a_fetch, a_store, pa = _fetch_store(p.A, BK, NT, "ra", "aoff", "As")
+    b_fetch, b_store, pb = _fetch_store(p.B, BK, NT, "rb", "boff", "Bs")
     bl, aoff, boff = _batch_offsets(p.A.view, p.B.view, p.batch, f"wid.z / {p.S}u")
     nch = -(-p.KC // BK)
-    sa, sb = p.A.stride(T, BK), p.B.stride(T, BK)
+    sa, sb = p.A.stride(BK), p.B.stride(BK)
     # fragments (offsets in uvec4) inside a staged chunk: row-major where the staged rows are
     # the fragment's rows (A: m; B: k), column-major otherwise
     a_at = (f"(sy * {WM}u + i) * {FRAG * sa}u + kk * 2u" if p.A.rows_own else f"kk * {FRAG * sa}u + (sy * {WM}u + i) * 2u")
@@ -356,10 +359,10 @@ def _part_function(p: _Part, ops, T, BK, SG_M, SG_N, WM, WN, NT, size_a, size_b)
     M, N = p.M, p.N
     if p.direct:
         out = p.kernel.out
-        write = ([f"if (gm0 < {M}u && gn0 < {N}u)"] if M % T or N % T else []) + \
+        write = ([f"if (gm0 < {M}u && gn0 < {N}u)"] if M % BM or N % BN else []) + \
             ["    " + ops.store("acc[i][jn]", f"b{p.store.ob}", f"{out.offset}u + coff + gm0 * {N}u + gn0", N)]
     else:
-        edge = " && ".join(c for c, on in ((f"gm < {M}u", M % T != 0), (f"gn < {N}u", N % T != 0)) if on)
+        edge = " && ".join(c for c, on in ((f"gm < {M}u", M % BM != 0), (f"gn < {N}u", N % BN != 0)) if on)
         st = f"store_out{p.j}(coff + gm * {N}u + gn, Cs[cs + e]);"
         write = [ops.store("acc[i][jn]", "Cs", "cs", FRAG)] + ops.sync + [
             f"[[unroll]] for (uint q = 0u; q < {FRAG * FRAG // SUBGROUP}u; ++q) {{",
@@ -370,7 +373,7 @@ def _part_function(p: _Part, ops, T, BK, SG_M, SG_N, WM, WN, NT, size_a, size_b)
     uint t = gl_LocalInvocationIndex;
     {ops.ids}
     uint sy = sg / {SG_N}u, sx = sg % {SG_N}u;
-    uint m0 = wid.y * {T}u, n0 = wid.x * {T}u;
+    uint m0 = wid.y * {BM}u, n0 = wid.x * {BN}u;
     uint split = wid.z % {p.S}u;
     uint kbeg = split * {p.KC}u, kend = min(kbeg + {p.KC}u, {p.K}u);
 {_ind(bl, 4)}

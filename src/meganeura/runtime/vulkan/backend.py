@@ -188,7 +188,7 @@ class VulkanRuntime:
                       "glsl_seconds": 0.0, "steps": 0, "pipelines_evicted": 0,
                       "pipeline_wall_seconds": 0.0, "coopmat_kernels": 0}
         self.coopmat_reason = coopmat_unavailable(self.vk)
-        self._variants: dict = {}         # (kernel text, emulate) -> (GLSL, groups) or None
+        self._variants: dict = {}         # (kernel text, emulate, configs) -> (GLSL, bufs, groups) or None
 
     @property
     def name(self) -> str:
@@ -236,7 +236,8 @@ class VulkanRuntime:
         if mode == "off" or (mode == "auto" and self.coopmat_reason):
             return None
         emulate = mode == "emulate"
-        key = (text, emulate)
+        from ...codegen.coopmat import configs
+        key = (text, emulate, tuple(sorted(configs().items())))
         with self._lock:
             found = self._variants.get(key, False)
         if found is False:
