@@ -247,3 +247,23 @@ def test_coop_kernel_matches_numpy(runtime, name, monkeypatch):
     if runtime.coopmat_reason:
         pytest.skip(f"{runtime.name}: {runtime.coopmat_reason}")
     _run_case(runtime, name, "auto", monkeypatch)
+
+
+def test_benchmark_runs_emulated(runtime, monkeypatch, tmp_path):
+    """bench/coopmat.py at tiny size, its kernels emulated: the table's rows ran on the
+    cooperative-matrix kernels and match float64."""
+    import importlib.util
+    import json
+    import pathlib
+    path = pathlib.Path(__file__).resolve().parents[1] / "bench" / "coopmat.py"
+    spec = importlib.util.spec_from_file_location("bench_coopmat", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    monkeypatch.setenv("MEGANEURA_COOPMAT", "emulate")
+    out = tmp_path / "coopmat.json"
+    bench.main(["--sizes", "48", "--size", "tiny", "--workloads", "whisper", "--samples", "2", "--warmup", "1",
+                "--no-sweep", "--no-fma", "--out", str(out)])
+    result = json.loads(out.read_text())
+    assert len(result["cases"]) > 2 and result["mode"] == "emulate"
+    for row in result["cases"]:
+        assert row["kernel"] == "emulated" and row["max_rel_err"] < 1e-5 and row["ours_s"] > 0, row
