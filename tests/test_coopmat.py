@@ -159,6 +159,10 @@ def test_variant_of_a_plan_from_the_plan_cache(runtime, monkeypatch, tmp_path):
     monkeypatch.setattr(runtime, "_variants", {})
     again = runtime.kernel_variant(c.kernel, c.wgsl, "mm", c.bufs, c.groups, precision="accelerated")
     assert again[0] == first[0] and again[2] is c.bufs and again[3] == first[3]
+    import shutil
+    shutil.rmtree(tmp_path / "coopmat")          # no stored variant: the WGSL kernel runs
+    monkeypatch.setattr(runtime, "_variants", {})
+    assert runtime.kernel_variant(c.kernel, c.wgsl, "mm", c.bufs, c.groups, precision="accelerated") is None
 
 
 def _f16(x):

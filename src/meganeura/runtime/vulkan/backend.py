@@ -188,7 +188,7 @@ class VulkanRuntime:
                       "glsl_seconds": 0.0, "steps": 0, "pipelines_evicted": 0,
                       "pipeline_wall_seconds": 0.0, "coopmat_kernels": 0}
         self.coopmat_reason = coopmat_unavailable(self.vk)
-        self._variants: dict = {}         # (kernel text, emulate, configs) -> (GLSL, bufs, groups) or None
+        self._variants: dict = {}         # (kernel text, emulate, configs) -> (GLSL, groups) or None
 
     @property
     def name(self) -> str:
@@ -227,9 +227,9 @@ class VulkanRuntime:
         matmuls with f16 operands run on cooperative matrices where the device has them
         (``MEGANEURA_COOPMAT`` switches that, see ``coopmat_mode``); strict precision never.
 
-        A plan read from the plan cache has no kernel IR, so the GLSL of every variant is
-        also kept on disk under the WGSL it replaces (used only where the bindings are the
-        WGSL kernel's)."""
+        A variant binds the WGSL kernel's buffers in the same order, so it is a function of the
+        WGSL text: cached by it in memory, and on disk for plans read from the plan cache,
+        which have no kernel IR to render from."""
         if precision != "accelerated" or kernel.archetype != "matmul":
             return None
         mode = coopmat_mode()
@@ -242,13 +242,14 @@ class VulkanRuntime:
             found = self._variants.get(key, False)
         if found is False:
             found = self._render_variant(kernel, text, bufs, emulate)
-            with self._lock:
-                self._variants[key] = found
+            if found is not None or "ta" in kernel.spec.get("parts", [kernel])[0].spec:
+                with self._lock:       # (a kernel without IR may find its variant later)
+                    self._variants[key] = found
         if found is None:
             return None
-        glsl, vbufs, vgroups = found
+        glsl, vgroups = found
         self.stats["coopmat_kernels"] += 1
-        return glsl, label, vbufs if vbufs is not None else bufs, vgroups
+        return glsl, label, bufs, vgroups
 
     def _variant_path(self, text, emulate):
         from ...codegen import coopmat
@@ -259,8 +260,7 @@ class VulkanRuntime:
         return cache_dir() / "coopmat" / f"{h.hexdigest()}.json"
 
     def _render_variant(self, kernel, text, bufs, emulate):
-        """(GLSL, bufs or None for the WGSL kernel's, groups) of ``kernel`` on cooperative
-        matrices, or None."""
+        """(GLSL, groups) of ``kernel`` on cooperative matrices, or None."""
         from ...codegen import coopmat
         from .cache import disk_cache_enabled, write_atomic
         disk = disk_cache_enabled()
@@ -269,7 +269,7 @@ class VulkanRuntime:
                 return None
             try:        # a kernel without IR: the variant stored when its plan was compiled
                 saved = json.loads(self._variant_path(text, emulate).read_text())
-                return saved["glsl"], None, tuple(saved["groups"])
+                return saved["glsl"], tuple(saved["groups"])
             except (OSError, ValueError, KeyError):
                 return None
         if coopmat.select(kernel):
@@ -278,13 +278,16 @@ class VulkanRuntime:
             glsl, vbufs, groups = coopmat.render(kernel, self.limits["max-compute-workgroup-storage-size"], emulate)
         except ValueError:          # more workgroup memory than the device has: the WGSL kernel
             return None
-        same = len(vbufs) == len(bufs) and all(x is y for x, y in zip(vbufs, bufs))
-        if disk and same:
+        # the variant binds the WGSL kernel's buffers in the same order (checked here, so that
+        # a variant found by the WGSL text alone is right for any plan)
+        if len(vbufs) != len(bufs) or any(x is not y for x, y in zip(vbufs, bufs)):
+            return None
+        if disk:
             try:
                 write_atomic(self._variant_path(text, emulate), json.dumps({"glsl": glsl, "groups": groups}).encode())
             except OSError:
                 pass
-        return glsl, None if same else vbufs, tuple(groups)
+        return glsl, tuple(groups)
 
     def pipeline(self, text: str, entry="main", access=None, label="", immediate_size=0):
         """A kernel from the renderers' text (translated to GLSL, compiled to SPIR-V), or
