@@ -81,9 +81,10 @@ def test_configs_and_mode_switches(monkeypatch):
 
 # ------------------------------------------------------------------------------ glslang
 def test_every_workload_coop_kernel_compiles_to_spirv():
-    """Every tiled f16 matmul of the five workloads at real size (the H200's plans, forward
-    phases: accelerated precision changes only forward matmuls) renders for cooperative
-    matrices with the WGSL kernel's bindings and grid, and glslang accepts it."""
+    """Every tiled f16 matmul of the five workloads at real size (the H200's plans; inference
+    and minimal: accelerated precision changes only forward matmuls, and the training phases'
+    are the same kernels) renders for cooperative matrices with the WGSL kernel's bindings and
+    grid, and glslang accepts it."""
     pytest.importorskip("vulkan", reason="the vulkan extra (pip install 'meganeura[vulkan]')")
     from meganeura.bench.dispatches import BINDINGS, phase_targets
     from meganeura.bench.workloads import WORKLOADS, make
