@@ -146,7 +146,8 @@ def test_variant_of_a_plan_from_the_plan_cache(runtime, monkeypatch, tmp_path):
     """A plan loaded from the plan cache has no kernel IR: its kernels find the variant
     stored on disk when the plan was first compiled (same GLSL, same bindings)."""
     monkeypatch.setenv("MEGANEURA_CACHE_DIR", str(tmp_path))
-    monkeypatch.delenv("MEGANEURA_COOPMAT", raising=False)
+    for name in ("MEGANEURA_COOPMAT", "MEGANEURA_NO_DISK_CACHE", "MEGANEURA_NO_PLAN_CACHE"):
+        monkeypatch.delenv(name, raising=False)
     monkeypatch.setattr(runtime, "coopmat_reason", "")
     _, y = _linear_graph(m=48, k=40, n=56)
     fresh = compile_plan([y], n_forward=1, options=ACCEL, cache=True)
