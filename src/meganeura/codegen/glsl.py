@@ -738,3 +738,25 @@ class _Translator:
 def to_glsl(wgsl: str, name: str = "kernel") -> str:
     """GLSL 4.50 (Vulkan semantics) for a kernel rendered in our WGSL subset."""
     return _Translator(wgsl, name).translate()
+
+
+@dataclass
+class GlslLibrary:
+    """A WGSL module without an entry point, in GLSL: for kernels whose ``main`` is written
+    in GLSL directly (the cooperative-matrix matmul) but whose bindings and epilogue store
+    come from the WGSL renderers. ``extensions``: the ``#extension`` lines it needs;
+    ``code``: buffer declarations, workgroup arrays, prototypes and functions."""
+    extensions: list
+    code: str
+
+
+def to_glsl_library(wgsl: str, name: str = "kernel") -> GlslLibrary:
+    """Translate the declarations and functions of ``wgsl`` (no ``@compute`` function)."""
+    text = _Translator(wgsl + "\n@compute @workgroup_size(1)\nfn main() {\n}\n", name).translate()
+    lines = text.splitlines()
+    if lines[-2:] != ["void main() {", "}"]:
+        raise GlslTranslationError(f"{name}: the module has an entry point of its own")
+    lines = lines[:-2]
+    ext = [ln for ln in lines if ln.startswith("#extension")]
+    code = [ln for ln in lines if not ln.startswith(("#version", "#extension", "layout(local_size"))]
+    return GlslLibrary(ext, "\n".join(code) + "\n")

@@ -71,16 +71,21 @@ class Plan:
             if checked and d.kernel.spec.get("checks"):
                 wgsl, bufs, _ = render(d.kernel, errors=(err, len(self.checks)))
                 self.checks += [(c, d.kernel.name) for c in d.kernel.spec["checks"]]
-            shaders.append((wgsl, d.kernel.name, bufs))
+            shaders.append((wgsl, d.kernel.name, bufs, d.groups))
+        # a runtime may run some kernels its own way (the Vulkan backend: matmuls on
+        # cooperative matrices in accelerated precision): other text, bindings and groups
+        variant = getattr(dev, "kernel_variant", None)
+        if variant is not None:
+            shaders = [variant(d.kernel, *sh, precision=ex.precision) or sh for d, sh in zip(kp.dispatches, shaders)]
         # every pipeline now (identical kernel text once, the new ones on several threads),
         # so that compiling compiles and the first call only runs
-        pipes = dev.pipelines([(wgsl, name) for wgsl, name, _ in shaders])
+        pipes = dev.pipelines([(text, name) for text, name, _, _ in shaders])
         dispatches, self.writes = [], []
-        for pipe, (_, _, bufs), d in zip(pipes, shaders, kp.dispatches):
+        for pipe, (_, _, bufs, groups) in zip(pipes, shaders):
             bound = [phys[b] for b in bufs]
             # buffers each dispatch may write: a value is final after the last one that does
             self.writes.append([buf for buf, acc in zip(bound, pipe.access) if acc in ("rw", "write")])
-            dispatches.append((pipe, dev.bind_group(pipe, bound), d.groups))
+            dispatches.append((pipe, dev.bind_group(pipe, bound), groups))
         self.names = kp.names
         self.n_dispatches = kp.n_dispatches
         self.step = ex.recorder.prepare(dispatches, self.names)

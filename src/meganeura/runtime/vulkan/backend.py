@@ -8,12 +8,17 @@ unchanged:
 
 - kernel text is rendered to GLSL (``codegen.glsl``) and compiled to SPIR-V by glslang
   (cached on disk); binding access comes from the SPIR-V (``readonly`` -> read);
+- in accelerated precision, tiled matmuls with f16 operands run on cooperative matrices
+  (``codegen.coopmat``) where the device has them: ``kernel_variant`` swaps the kernel when
+  the executor builds a plan;
 - a step is a ``Program``: one command buffer recorded once per (plan, copies), its
   dispatches grouped into dependency levels with one barrier between levels;
 - buffers are ranges of a few large memory blocks (``VulkanDevice.alloc``).
 """
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import threading
 import time
@@ -133,6 +138,34 @@ def _key(c):
     return tuple(id(x) if isinstance(x, BufferRange) else int(x) for x in c)
 
 
+COOPMAT_MODES = ("auto", "off", "emulate")
+
+
+def coopmat_mode() -> str:
+    """``MEGANEURA_COOPMAT``: ``auto`` (default: cooperative-matrix matmuls in accelerated
+    precision where the device has them), ``off``, or ``emulate`` (the same kernels with the
+    fragment operations as plain loops, on any device: for testing; slow)."""
+    raw = os.environ.get("MEGANEURA_COOPMAT", "").strip().lower() or "auto"
+    raw = {"0": "off", "false": "off", "no": "off", "1": "auto", "on": "auto", "yes": "auto"}.get(raw, raw)
+    if raw not in COOPMAT_MODES:
+        raise ValueError(f"MEGANEURA_COOPMAT={raw!r}: must be one of {COOPMAT_MODES} (or unset)")
+    return raw
+
+
+def coopmat_unavailable(vk) -> str:
+    """Why ``vk`` cannot run the cooperative-matrix matmuls ('' when it can)."""
+    if not vk.features.get("cooperativeMatrix"):
+        return f"no cooperative matrices ({vk.cooperative_matrix_reason})"
+    if not vk.has_coop_shape(16, 16, 16, "f16", "f16", "f32"):
+        return "no 16x16x16 f16 x f16 -> f32 subgroup shape"
+    if not (vk.features.get("shaderFloat16") and vk.features.get("storageBuffer16BitAccess")):
+        return "no f16 arithmetic or 16-bit storage"
+    sub = vk.subgroup
+    if sub["size"] != 32 and not (vk.features.get("subgroupSizeControl") and sub["min_size"] <= 32 <= sub["max_size"]):
+        return f"subgroups of 32 needed, the device has {sub['size']}"
+    return ""
+
+
 class VulkanRuntime:
     """The executor's device interface over a ``VulkanDevice`` (see the module docstring).
 
@@ -171,7 +204,9 @@ class VulkanRuntime:
         self.queue_lock = threading.Lock()
         self.stats = {"pipelines_compiled": 0, "pipeline_cache_hits": 0, "compile_seconds": 0.0,
                       "glsl_seconds": 0.0, "steps": 0, "pipelines_evicted": 0,
-                      "pipeline_wall_seconds": 0.0}
+                      "pipeline_wall_seconds": 0.0, "coopmat_kernels": 0}
+        self.coopmat_reason = coopmat_unavailable(self.vk)
+        self._variants: dict = {}         # (kernel text, emulate, configs) -> (GLSL, groups) or None
 
     @property
     def name(self) -> str:
@@ -232,9 +267,77 @@ class VulkanRuntime:
         """Every submission waits for itself (``VulkanRecorder.run``): nothing is in flight."""
 
     # ---------------------------------------------------------------- pipelines
+    def kernel_variant(self, kernel, text, label, bufs, groups, precision="strict"):
+        """The executor's hook: another kernel for one dispatch of a plan, as (text, label,
+        bufs, groups), or None to run ``text`` as rendered. In accelerated precision, tiled
+        matmuls with f16 operands run on cooperative matrices where the device has them
+        (``MEGANEURA_COOPMAT`` switches that, see ``coopmat_mode``); strict precision never.
+
+        A variant binds the WGSL kernel's buffers in the same order, so it is a function of the
+        WGSL text: cached by it in memory, and on disk for plans read from the plan cache,
+        which have no kernel IR to render from."""
+        if precision != "accelerated" or kernel.archetype != "matmul":
+            return None
+        mode = coopmat_mode()
+        if mode == "off" or (mode == "auto" and self.coopmat_reason):
+            return None
+        emulate = mode == "emulate"
+        from ...codegen.coopmat import configs
+        key = (text, emulate, tuple(sorted(configs().items())))
+        with self._lock:
+            found = self._variants.get(key, False)
+        if found is False:
+            found = self._render_variant(kernel, text, bufs, emulate)
+            if found is not None or "ta" in kernel.spec.get("parts", [kernel])[0].spec:
+                with self._lock:       # (a kernel without IR may find its variant later)
+                    self._variants[key] = found
+        if found is None:
+            return None
+        glsl, vgroups = found
+        self.stats["coopmat_kernels"] += 1
+        return glsl, label, bufs, vgroups
+
+    def _variant_path(self, text, emulate):
+        from ...codegen import coopmat
+        from ...plan_cache import package_digest
+        from .cache import cache_dir
+        h = hashlib.sha256(repr((text, emulate, sorted(coopmat.configs().items()),
+                                 self.limits["max-compute-workgroup-storage-size"], package_digest())).encode())
+        return cache_dir() / "coopmat" / f"{h.hexdigest()}.json"
+
+    def _render_variant(self, kernel, text, bufs, emulate):
+        """(GLSL, groups) of ``kernel`` on cooperative matrices, or None."""
+        from ...codegen import coopmat
+        from .cache import disk_cache_enabled, write_atomic
+        disk = disk_cache_enabled()
+        if "ta" not in kernel.spec.get("parts", [kernel])[0].spec:
+            if not disk:
+                return None
+            try:        # a kernel without IR: the variant stored when its plan was compiled
+                saved = json.loads(self._variant_path(text, emulate).read_text())
+                return saved["glsl"], tuple(saved["groups"])
+            except (OSError, ValueError, KeyError):
+                return None
+        if coopmat.select(kernel):
+            return None
+        try:
+            glsl, vbufs, groups = coopmat.render(kernel, self.limits["max-compute-workgroup-storage-size"], emulate)
+        except ValueError:          # more workgroup memory than the device has: the WGSL kernel
+            return None
+        # the variant binds the WGSL kernel's buffers in the same order (checked here, so that
+        # a variant found by the WGSL text alone is right for any plan)
+        if len(vbufs) != len(bufs) or any(x is not y for x, y in zip(vbufs, bufs)):
+            return None
+        if disk:
+            try:
+                write_atomic(self._variant_path(text, emulate), json.dumps({"glsl": glsl, "groups": groups}).encode())
+            except OSError:
+                pass
+        return glsl, tuple(groups)
+
     def pipeline(self, text: str, entry="main", access=None, label="", immediate_size=0):
-        """A kernel from the renderers' text (translated to GLSL, compiled to SPIR-V),
-        cached by text."""
+        """A kernel from the renderers' text (translated to GLSL, compiled to SPIR-V), or
+        from GLSL (text starting ``#version``: ``kernel_variant``'s), cached by text."""
         with self._lock:
             k = self._pipelines.get(text)
             if k is not None:
@@ -244,11 +347,14 @@ class VulkanRuntime:
             from ...codegen.glsl import to_glsl
             from .glslang import compile_glsl
             t0 = time.perf_counter()
-            glsl = to_glsl(text, label or "kernel")
+            glsl = text if text.startswith("#version") else to_glsl(text, label or "kernel")
             t1 = time.perf_counter()
             target = "vulkan1.3" if self.vk.api >= (1, 3) else "vulkan1.2"
+            # cooperative-matrix kernels map subgroups of 32 to fragments
+            sub = self.vk.subgroup
+            pin = 32 if "GL_KHR_cooperative_matrix" in glsl and (sub["min_size"], sub["max_size"]) != (32, 32) else None
             k = self.vk.kernel(compile_glsl(glsl, name=label or "kernel", target=target), name=label or "kernel",
-                               access=access)
+                               access=access, required_subgroup_size=pin)
             self.stats["glsl_seconds"] += t1 - t0
             self.stats["compile_seconds"] += time.perf_counter() - t0
             self.stats["pipelines_compiled"] += 1
@@ -284,7 +390,8 @@ class VulkanRuntime:
     def compile_summary(self) -> str:
         st = self.stats
         return (f"{st['pipelines_compiled']} pipelines compiled in {st['compile_seconds']:.3f} s "
-                f"(GLSL rendering {st['glsl_seconds']:.3f} s), {st['pipeline_cache_hits']} cache hits")
+                f"(GLSL rendering {st['glsl_seconds']:.3f} s), {st['pipeline_cache_hits']} cache hits, "
+                f"{st['coopmat_kernels']} matmul dispatches on cooperative matrices")
 
     def timestamp_period(self) -> float:
         return float(self.vk.limits["timestampPeriod"])

@@ -1,0 +1,425 @@
+"""The tiled matmul archetype on tensor cores: GLSL on ``GL_KHR_cooperative_matrix`` for the
+direct Vulkan backend, rendered from the same kernel IR as ``codegen.matmul``.
+
+In accelerated precision forward matmuls read f16 operands and accumulate in f32. On a device
+with a 16x16x16 f16 x f16 -> f32 subgroup shape the Vulkan runtime runs those tiled kernels
+from here instead of the f32 FMA tiles (``select`` says which kernels qualify). What the plan
+around a kernel relies on stays as the WGSL kernel has it: batch broadcasting, transposes
+(``ta``, ``tb``), K splits (partials side by side, summed by the next kernel), sibling matmuls
+merged into one launch (``parts``), the bindings in the same order, and the epilogue:
+``store_out`` of ``codegen.expr.OutputStore``, translated to GLSL, called per element once an
+accumulator fragment has gone through workgroup memory (a plain f32 output is stored straight
+from the fragments instead). The output tile of a workgroup, and so the grid, may differ: it
+comes from ``CONFIGS`` by the WGSL kernel's tile (square and the same by default).
+
+Inside a workgroup: SG_M x SG_N subgroups of 32 lanes, each owning WM x WN accumulator
+fragments of 16x16 of the BM x BN tile. K advances in chunks of BK. Each thread fetches its
+share of the next A (BM x BK) and B (BK x BN) chunks into registers as uvec4 (8 halves) while
+the subgroups multiply the current chunk out of workgroup memory, then stores them into the
+other half of a double buffer: one barrier per chunk. Operands are staged in their stored
+layout (rows along the dimension that is not contiguous), each row padded by 16 bytes against
+bank conflicts, and loaded as fragments row- or column-major to match. An operand whose
+contiguous dimension is not a multiple of 8, or that does not start on 16 bytes, is fetched
+element by element and packed. Edges (M, N not multiples of the tile; K not of the chunk)
+load zeros and skip stores.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import numpy as np
+
+from .common import Bindings, contiguous_batch_strides
+from .expr import OutputStore
+from .matmul import split_k
+
+FRAG = 16          # the fragment shape: 16x16x16
+SUBGROUP = 32      # lanes per subgroup the kernel is written for
+# per tile T of the WGSL kernel (chosen by ``matmul.plan_tiles``): the BM x BN output tile of a
+# workgroup, its SG_M x SG_N subgroups and the K chunk BK
+CONFIGS = {128: (128, 128, 2, 4, 32), 64: (64, 64, 2, 2, 32), 32: (32, 32, 2, 2, 32)}
+HEADER = """#version 450
+#extension GL_KHR_cooperative_matrix : require
+#extension GL_KHR_memory_scope_semantics : require
+#extension GL_KHR_shader_subgroup_basic : require
+#extension GL_EXT_shader_explicit_arithmetic_types_float16 : require
+#extension GL_EXT_shader_16bit_storage : require
+#extension GL_EXT_control_flow_attributes : require"""
+ROW, COL = "gl_CooperativeMatrixLayoutRowMajor", "gl_CooperativeMatrixLayoutColumnMajor"
+
+
+class CoopOps:
+    """The fragment operations on cooperative matrices (one subgroup of 32 owns a fragment)."""
+    header = HEADER
+    helpers = ""
+    ids = "uint sg = gl_SubgroupID, lane = gl_SubgroupInvocationID;"
+    sync = ["subgroupMemoryBarrierShared();", "subgroupBarrier();"]
+    acc_t = "coopmat<float, gl_ScopeSubgroup, 16, 16, gl_MatrixUseAccumulator>"
+
+    def acc_decl(self, wm, wn):
+        return [f"{self.acc_t} acc[{wm}][{wn}];",
+                f"[[unroll]] for (uint i = 0u; i < {wm}u; ++i)",
+                f"    [[unroll]] for (uint jn = 0u; jn < {wn}u; ++jn) acc[i][jn] = {self.acc_t}(0.0);"]
+
+    def frag_decl(self, use, name):
+        return f"coopmat<float16_t, gl_ScopeSubgroup, 16, 16, gl_MatrixUse{use}> {name};"
+
+    def load(self, frag, shared, at, stride, row_major):
+        return f"coopMatLoad({frag}, {shared}, {at}, {stride}u, {ROW if row_major else COL});"
+
+    def mma(self, fa, a_layout, fb, b_layout, acc):
+        return f"{acc} = coopMatMulAdd({fa}, {fb}, {acc});"
+
+    def store(self, acc, buf, at, stride):
+        return f"coopMatStore({acc}, {buf}, {at}, {stride}u, {ROW});"
+
+
+class EmulatedOps(CoopOps):
+    """The same fragment operations as plain loops over workgroup memory: a "fragment" is
+    its offset there, and lane ``l`` of a group of 32 invocations holds elements ``l + 32 q``
+    (row-major) of each accumulator. No cooperative matrices and any subgroup size: the
+    kernel with every index, guard, staging layout and the epilogue exactly as on tensor
+    cores, for devices without them (the tests run it on lavapipe against NumPy)."""
+    header = "\n".join(ln for ln in HEADER.splitlines() if "cooperative_matrix" not in ln
+                       and "memory_scope" not in ln and "subgroup" not in ln)
+    helpers = """// element (row, col) of a 16x16 f16 fragment staged at uvec4 offset ``at`` of As / Bs
+float frag_elem(uvec4 v, uint h) {
+    vec2 p = unpackHalf2x16(v[h >> 1u]);
+    return (h & 1u) == 0u ? p.x : p.y;
+}
+float frag_a(uint at, uint stride, bool row_major, uint r, uint c) {
+    return row_major ? frag_elem(As[at + r * stride + c / 8u], c % 8u) : frag_elem(As[at + c * stride + r / 8u], r % 8u);
+}
+float frag_b(uint at, uint stride, bool row_major, uint r, uint c) {
+    return row_major ? frag_elem(Bs[at + r * stride + c / 8u], c % 8u) : frag_elem(Bs[at + c * stride + r / 8u], r % 8u);
+}
+"""
+    ids = "uint sg = t / 32u, lane = t % 32u;"
+    sync = ["barrier();"]
+
+    def acc_decl(self, wm, wn):
+        return [f"float acc[{wm}][{wn}][8];",
+                f"[[unroll]] for (uint i = 0u; i < {wm}u; ++i)",
+                f"    [[unroll]] for (uint jn = 0u; jn < {wn}u; ++jn)",
+                "        [[unroll]] for (uint q = 0u; q < 8u; ++q) acc[i][jn][q] = 0.0;"]
+
+    def frag_decl(self, use, name):
+        return f"uint {name};"
+
+    def load(self, frag, shared, at, stride, row_major):
+        return f"{frag} = {at};"
+
+    def mma(self, fa, a_layout, fb, b_layout, acc):
+        (sa, ra), (sb, rb) = a_layout, b_layout
+        return (f"for (uint q = 0u; q < 8u; ++q) {{ uint e = lane + q * 32u; float s = {acc}[q]; "
+                f"for (uint k = 0u; k < 16u; ++k) s += frag_a({fa}, {sa}u, {str(ra).lower()}, e / 16u, k) * "
+                f"frag_b({fb}, {sb}u, {str(rb).lower()}, k, e % 16u); {acc}[q] = s; }}")
+
+    def store(self, acc, buf, at, stride):
+        return (f"for (uint q = 0u; q < 8u; ++q) {{ uint e = lane + q * 32u; "
+                f"{buf}[{at} + (e / 16u) * {stride}u + e % 16u] = {acc}[q]; }}")
+
+
+def configs() -> dict:
+    """The tile configurations, with ``MEGANEURA_COOPMAT_CONFIG`` (``T:BMxBNxSG_MxSG_NxBK,...``,
+    e.g. ``128:128x256x2x4x16``) replacing some: the benchmark's sweep."""
+    out = dict(CONFIGS)
+    raw = os.environ.get("MEGANEURA_COOPMAT_CONFIG", "").strip()
+    for item in filter(None, (s.strip() for s in raw.split(","))):
+        try:
+            t, rest = item.split(":")
+            bm, bn, sm, sn, bk = (int(x) for x in rest.lower().split("x"))
+            t = int(t)
+        except ValueError:
+            raise ValueError(f"MEGANEURA_COOPMAT_CONFIG: {item!r} is not T:BMxBNxSG_MxSG_NxBK "
+                             "(e.g. 128:128x128x2x4x32)") from None
+        if t not in CONFIGS or min(bm, bn, sm, sn, bk) <= 0 or bm % (FRAG * sm) or bn % (FRAG * sn) or bk % FRAG:
+            raise ValueError(f"MEGANEURA_COOPMAT_CONFIG: {item!r}: T must be one of {sorted(CONFIGS)}, BM and BN "
+                             f"split into 16-wide fragments by SG_M and SG_N, BK a multiple of 16")
+        out[t] = (bm, bn, sm, sn, bk)
+    return out
+
+
+def select(kernel) -> str:
+    """Why ``kernel`` cannot run on cooperative matrices ('' when it can): it must be a tiled
+    matmul (not a GEMV) whose A and B are f16 views, without a norm prologue, a gathered
+    operand or a paired product, and merged parts must share their tile, rows and batch."""
+    if kernel.archetype != "matmul":
+        return f"archetype {kernel.archetype!r}"
+    parts = kernel.spec.get("parts", [kernel])
+    for p in parts:
+        s = p.spec
+        if "ta" not in s:
+            return "no kernel IR (a plan read from the plan cache)"
+        if s.get("gemv"):
+            return "a GEMV"
+        for what in ("prologue", "gathers", "pair"):
+            if s.get(what):
+                return f"a {what}"
+        a, b = p.reads[:2]
+        if a.dtype.name != "f16" or b.dtype.name != "f16":
+            return f"operands {a.dtype.name} x {b.dtype.name} (f16 x f16 needed)"
+        if s.get("tile") not in CONFIGS:
+            return f"tile {s.get('tile')}"
+    shape = {(p.spec["tile"], p.spec.get("split", 1), p.shape[-2], tuple(p.spec.get("batch", p.shape[:-2])))
+             for p in parts}
+    if len(shape) > 1:
+        return "merged parts of different tiles, rows or batch"
+    return ""
+
+
+@dataclass
+class _Operand:
+    """One operand as staged: ``rows_own`` when its staged rows run along its own dimension
+    (M for A, N for B; K is then contiguous), else along K."""
+    view: object
+    binding: int
+    rows_own: bool
+    own: int          # M or N
+    own_tile: int     # BM or BN
+    K: int
+    own0: str         # the tile's first row (m0) or column (n0)
+    chk_own: bool
+    chk_k: bool
+    vec: bool = False
+
+    def tile(self, BK):
+        """(rows, columns) of the staged chunk."""
+        return (self.own_tile, BK) if self.rows_own else (BK, self.own_tile)
+
+    def stride(self, BK):
+        """uvec4 per staged row, padded."""
+        return self.tile(BK)[1] // 8 + 1
+
+    def size(self, BK):
+        return self.tile(BK)[0] * self.stride(BK)
+
+    def vectorizable(self):
+        return (self.K if self.rows_own else self.own) % 8 == 0 and self.view.offset % 8 == 0
+
+
+def _ind(lines, n):
+    return "\n".join(" " * n + ln for ln in lines)
+
+
+def _fetch_store(op: _Operand, BK, NT, reg, off, shared):
+    """GLSL fetching this thread's share of the chunk at ``k0`` into ``reg[]`` and storing it
+    into ``shared`` at ``base``; and the register array's length."""
+    R, C = op.tile(BK)
+    CQ, SX = C // 8, op.stride(BK)
+    total = R * CQ
+    per = -(-total // NT)
+    guard = total % NT != 0
+    row0, col0 = (op.own0, "k0") if op.rows_own else ("k0", op.own0)
+    row_ext, col_ext = (f"{op.own}u", "kend") if op.rows_own else ("kend", f"{op.own}u")
+    chk_row, chk_col = (op.chk_own, op.chk_k) if op.rows_own else (op.chk_k, op.chk_own)
+    ld = op.K if op.rows_own else op.own
+    last = op.view.offset + op.view.size - 1
+    b = f"b{op.binding}"
+    idx = [f"uint v = t + l * {NT}u;", f"uint r = v / {CQ}u, q = v % {CQ}u;",
+           f"uint gr = {row0} + r, gc = {col0} + q * 8u;"]
+    if op.vec:
+        conds = [c for c, on in ((f"gr < {row_ext}", chk_row), (f"gc < {col_ext}", chk_col)) if on]
+        at = f"({off} + gr * {ld}u + gc) / 8u"
+        if conds:
+            load = f"({' && '.join(conds)}) ? {b}[min({at}, {last // 8}u)] : uvec4(0u)"
+        else:
+            load = f"{b}[{at}]"
+        body = [f"{reg}[l] = {load};"]
+    else:
+        body = [f"uint e = {off} + gr * {ld}u + gc;", "float16_t h[8];"]
+        for i in range(8):
+            conds = [c for c, on in ((f"gr < {row_ext}", chk_row), (f"gc + {i}u < {col_ext}", chk_col)) if on]
+            if conds:
+                body.append(f"h[{i}] = ({' && '.join(conds)}) ? {b}[min(e + {i}u, {last}u)] : float16_t(0.0);")
+            else:
+                body.append(f"h[{i}] = {b}[e + {i}u];")
+        body.append(f"{reg}[l] = uvec4(" + ", ".join(f"packFloat2x16(f16vec2(h[{2 * i}], h[{2 * i + 1}]))"
+                                                     for i in range(4)) + ");")
+    wrap = (lambda ls: [f"if (v < {total}u) {{"] + ["    " + x for x in ls] + ["}"]) if guard else (lambda ls: ls)
+    head = [f"[[unroll]] for (uint l = 0u; l < {per}u; ++l) {{"]
+    fetch = head + ["    " + x for x in idx[:1] + wrap(idx[1:] + body)] + ["}"]
+    store = head + ["    " + x for x in idx[:1] + wrap([idx[1], f"{shared}[base + r * {SX}u + q] = {reg}[l];"])] + ["}"]
+    return fetch, store, per
+
+
+def _batch_offsets(a, b, batch, index):
+    """GLSL lines splitting the batch ``index`` into coordinates, and each operand's element
+    offset terms (as ``matmul._batch_offsets``: broadcast batch dims contribute nothing)."""
+    sa = contiguous_batch_strides(a.shape[:-2], batch, a.shape[-2] * a.shape[-1])
+    sb = contiguous_batch_strides(b.shape[:-2], batch, b.shape[-2] * b.shape[-1])
+    lines, aoff, boff = [f"uint br = {index};"], [f"{a.offset}u"], [f"{b.offset}u"]
+    for d in range(len(batch) - 1, -1, -1):
+        lines.append(f"uint z{d} = br % {batch[d]}u; br = br / {batch[d]}u;")
+        if sa[d]:
+            aoff.append(f"z{d} * {sa[d]}u")
+        if sb[d]:
+            boff.append(f"z{d} * {sb[d]}u")
+    return lines, " + ".join(aoff), " + ".join(boff)
+
+
+class _Part:
+    """One matmul of the launch: its operands, bindings and store."""
+
+    def __init__(self, kernel, bind, j, BM, BN):
+        self.kernel, self.j = kernel, j
+        a, b = kernel.reads[:2]
+        s = kernel.spec
+        self.ta, self.tb = bool(s["ta"]), bool(s["tb"])
+        self.M, self.N = kernel.shape[-2:]
+        self.K = a.shape[-2] if self.ta else a.shape[-1]
+        self.S = s.get("split", 1)
+        self.batch = tuple(s.get("batch", kernel.shape[:-2]))
+        self.nb = int(np.prod(self.batch, dtype=np.int64))
+        self.KC = split_k(self.K, self.S)
+        # bindings in the WGSL kernel's order: A, B, then the store's (output, epilogue)
+        self.A = _Operand(a, bind.index(a.buf, a.dtype), not self.ta, self.M, BM, self.K, "m0", self.M % BM != 0, False)
+        self.B = _Operand(b, bind.index(b.buf, b.dtype), self.tb, self.N, BN, self.K, "n0", self.N % BN != 0, False)
+        self.store = OutputStore(kernel, bind, name=f"store_out{j}")
+        self.store_bindings = {self.store.ob} | {bind.index(v.buf, v.dtype) for v in kernel.epi_reads}
+        out = kernel.out
+        # a plain f32 output written in whole fragments goes straight from the fragments
+        self.direct = (kernel.epilogue is None and "store_map" not in s and out.dtype.name == "f32"
+                       and out.is_contiguous() and out.offset % 4 == 0 and self.M % FRAG == 0 and self.N % FRAG == 0)
+
+    def groups(self):
+        return -(-self.N // self.B.own_tile), -(-self.M // self.A.own_tile), self.nb * self.S
+
+
+def render(kernel, workgroup_storage=49152, emulate=False):
+    """(GLSL text, bound logical buffers in binding order, workgroup counts) of ``kernel`` on
+    cooperative matrices; raises ValueError when it cannot (see ``select``) or when its
+    workgroup memory exceeds ``workgroup_storage`` bytes. ``emulate``: the same kernel with
+    the fragment operations as plain loops (``EmulatedOps``), for devices without them."""
+    why = select(kernel)
+    if why:
+        raise ValueError(f"kernel {kernel.name!r} cannot run on cooperative matrices: {why}")
+    from .glsl import to_glsl_library
+    ops = EmulatedOps() if emulate else CoopOps()
+    parts_ir = kernel.spec.get("parts", [kernel])
+    BM, BN, SG_M, SG_N, BK = configs()[parts_ir[0].spec["tile"]]
+    bind = Bindings()
+    parts = [_Part(p, bind, j, BM, BN) for j, p in enumerate(parts_ir)]
+    # uvec4 bindings where every operand use allows it and no store reads the buffer
+    uses: dict = {}
+    for p in parts:
+        for op in (p.A, p.B):
+            uses.setdefault(op.binding, []).append(op)
+    stored = set().union(*(p.store_bindings for p in parts))
+    for k, used in uses.items():
+        vec = k not in stored and all(op.vectorizable() for op in used)
+        for op in used:
+            op.vec = vec
+        if vec:
+            bind.types[k] = "vec4<u32>"
+    for p in parts:        # K is guarded where a split is not whole chunks, or the last split is short
+        p.A.chk_k = p.B.chk_k = p.K % p.KC != 0 or p.KC % BK != 0
+    size_a = max(p.A.size(BK) for p in parts)
+    size_b = max(p.B.size(BK) for p in parts)
+    staged = not all(p.direct for p in parts)
+    nsg = SG_M * SG_N
+    nbytes = 16 * 2 * (size_a + size_b) + (4 * FRAG * FRAG * nsg if staged else 0)
+    if nbytes > workgroup_storage:
+        raise ValueError(f"kernel {kernel.name!r}: {nbytes} B of workgroup memory on cooperative matrices "
+                         f"(the device allows {workgroup_storage})")
+    wgsl = bind.decls() + "\n" + "\n".join(p.store.module_text() for p in parts) + "\n"
+    lib = to_glsl_library(wgsl, kernel.name)
+    geo = dict(BM=BM, BN=BN, BK=BK, SG_M=SG_M, SG_N=SG_N, WM=BM // (FRAG * SG_M), WN=BN // (FRAG * SG_N),
+               NT=SUBGROUP * nsg, size_a=size_a, size_b=size_b)
+    fns, branches, x0 = [], [], 0
+    for p in parts:
+        fns.append(_part_function(p, ops, **geo))
+        gx, gy, gz = p.groups()
+        branches.append(f"    if (wid.x < {x0 + gx}u) {{ mm{p.j}(uvec3(wid.x - {x0}u, wid.y, wid.z)); return; }}")
+        x0 += gx
+    ext = [e for e in lib.extensions if e not in ops.header]
+    shared = [f"shared uvec4 As[{2 * size_a}];", f"shared uvec4 Bs[{2 * size_b}];"]
+    if staged:
+        shared.append(f"shared float Cs[{FRAG * FRAG * nsg}];")
+    src = "\n".join([ops.header] + ext + [f"layout(local_size_x = {geo['NT']}) in;", lib.code.rstrip()] + shared +
+                    [ops.helpers] + fns + ["void main() {", "    uvec3 wid = gl_WorkGroupID;"] + branches + ["}"]) + "\n"
+    if emulate:     # loops kept: unrolled, the emulated fragments take LLVM (lavapipe) minutes to compile
+        src = src.replace("[[unroll]]", "[[dont_unroll]]")
+    return src, bind.bufs, (x0, gy, gz)
+
+
+def _part_function(p: _Part, ops, BM, BN, BK, SG_M, SG_N, WM, WN, NT, size_a, size_b) -> str:
+    """GLSL ``void mm{j}(uvec3 wid)``: one part's output tile of the workgroup ``wid``."""
+    a_fetch, a_store, pa = _fetch_store(p.A, BK, NT, "ra", "aoff", "As")
+    b_fetch, b_store, pb = _fetch_store(p.B, BK, NT, "rb", "boff", "Bs")
+    bl, aoff, boff = _batch_offsets(p.A.view, p.B.view, p.batch, f"wid.z / {p.S}u")
+    nch = -(-p.KC // BK)
+    sa, sb = p.A.stride(BK), p.B.stride(BK)
+    # fragments (offsets in uvec4) inside a staged chunk: row-major where the staged rows are
+    # the fragment's rows (A: m; B: k), column-major otherwise
+    a_at = (f"(sy * {WM}u + i) * {FRAG * sa}u + kk * 2u" if p.A.rows_own else f"kk * {FRAG * sa}u + (sy * {WM}u + i) * 2u")
+    b_at = (f"(sx * {WN}u + jn) * {FRAG * sb}u + kk * 2u" if p.B.rows_own else f"kk * {FRAG * sb}u + (sx * {WN}u + jn) * 2u")
+    a_row, b_row = p.A.rows_own, not p.B.rows_own
+    M, N = p.M, p.N
+    if p.direct:
+        out = p.kernel.out
+        write = ([f"if (gm0 < {M}u && gn0 < {N}u)"] if M % BM or N % BN else []) + \
+            ["    " + ops.store("acc[i][jn]", f"b{p.store.ob}", f"{out.offset}u + coff + gm0 * {N}u + gn0", N)]
+    else:
+        edge = " && ".join(c for c, on in ((f"gm < {M}u", M % BM != 0), (f"gn < {N}u", N % BN != 0)) if on)
+        st = f"store_out{p.j}(coff + gm * {N}u + gn, Cs[cs + e]);"
+        write = [ops.store("acc[i][jn]", "Cs", "cs", FRAG)] + ops.sync + [
+            f"[[unroll]] for (uint q = 0u; q < {FRAG * FRAG // SUBGROUP}u; ++q) {{",
+            f"    uint e = lane + q * {SUBGROUP}u;",
+            f"    uint gm = gm0 + e / {FRAG}u, gn = gn0 + e % {FRAG}u;",
+            f"    {'if (' + edge + ') ' if edge else ''}{st}", "}"] + ops.sync
+    return f"""void mm{p.j}(uvec3 wid) {{
+    uint t = gl_LocalInvocationIndex;
+    {ops.ids}
+    uint sy = sg / {SG_N}u, sx = sg % {SG_N}u;
+    uint m0 = wid.y * {BM}u, n0 = wid.x * {BN}u;
+    uint split = wid.z % {p.S}u;
+    uint kbeg = split * {p.KC}u, kend = min(kbeg + {p.KC}u, {p.K}u);
+{_ind(bl, 4)}
+    uint aoff = {aoff};
+    uint boff = {boff};
+    uint coff = wid.z * {M * N}u;
+{_ind(ops.acc_decl(WM, WN), 4)}
+    uvec4 ra[{pa}];
+    uvec4 rb[{pb}];
+    {{
+        uint k0 = kbeg, base = 0u;
+{_ind(a_fetch + b_fetch + a_store + b_store, 8)}
+    }}
+    barrier();
+    // double-buffered chunks: the next one is fetched into registers while this one is
+    // multiplied, then stored into the other half; one barrier per chunk
+    for (uint c = 0u; c < {nch}u; ++c) {{
+        if (c + 1u < {nch}u) {{
+            uint k0 = kbeg + (c + 1u) * {BK}u;
+{_ind(a_fetch + b_fetch, 12)}
+        }}
+        uint abuf = (c % 2u) * {size_a}u, bbuf = (c % 2u) * {size_b}u;
+        [[unroll]] for (uint kk = 0u; kk < {BK // FRAG}u; ++kk) {{
+            {ops.frag_decl("A", f"fa[{WM}]")}
+            [[unroll]] for (uint i = 0u; i < {WM}u; ++i)
+                {ops.load("fa[i]", "As", "abuf + " + a_at, sa, a_row)}
+            [[unroll]] for (uint jn = 0u; jn < {WN}u; ++jn) {{
+                {ops.frag_decl("B", "fb")}
+                {ops.load("fb", "Bs", "bbuf + " + b_at, sb, b_row)}
+                [[unroll]] for (uint i = 0u; i < {WM}u; ++i)
+                    {ops.mma("fa[i]", (sa, a_row), "fb", (sb, b_row), "acc[i][jn]")}
+            }}
+        }}
+        if (c + 1u < {nch}u) {{
+            uint base = ((c + 1u) % 2u) * {size_a}u;
+{_ind(a_store, 12)}
+            base = ((c + 1u) % 2u) * {size_b}u;
+{_ind(b_store, 12)}
+        }}
+        barrier();
+    }}
+    uint cs = sg * {FRAG * FRAG}u;
+    [[unroll]] for (uint i = 0u; i < {WM}u; ++i) {{
+        [[unroll]] for (uint jn = 0u; jn < {WN}u; ++jn) {{
+            uint gm0 = m0 + (sy * {WM}u + i) * {FRAG}u, gn0 = n0 + (sx * {WN}u + jn) * {FRAG}u;
+{_ind(write, 12)}
+        }}
+    }}
+}}"""

@@ -1,0 +1,275 @@
+"""Matmuls on cooperative matrices (codegen.coopmat) in accelerated precision on the Vulkan
+backend: which kernels qualify and when the runtime swaps them in (device-free, and on the
+runtime without running them), every such kernel of the five workloads accepted by glslang,
+the kernels run against NumPy with their fragment operations emulated (any Vulkan device:
+lavapipe in CI), and on tensor cores where the device has them (skipped elsewhere)."""
+import dataclasses
+import os
+
+import numpy as np
+import pytest
+
+import meganeura as mg
+from meganeura.codegen import coopmat
+from meganeura.compiler import CompileOptions, compile_plan
+
+ACCEL = CompileOptions(precision="accelerated", max_bindings=64)
+
+
+def _matmuls(targets, options=ACCEL):
+    kp = compile_plan(targets, n_forward=len(targets), options=options)
+    return [d for d in kp.dispatches if d.kernel.archetype == "matmul"]
+
+
+def _linear_graph(m=40, k=24, n=52):
+    g = mg.Graph()
+    x, w = g.input("x", (m, k)), g.input("w", (n, k))
+    return g, mg.ops.mm(x, w, tb=True)
+
+
+# ------------------------------------------------------------------ device-free: selection
+def test_selection_takes_tiled_f16_matmuls_only():
+    _, y = _linear_graph()
+    (acc,) = _matmuls([y])
+    assert coopmat.select(acc.kernel) == ""
+    (strict,) = _matmuls([y], CompileOptions(max_bindings=64))
+    assert "f32 x f32" in coopmat.select(strict.kernel)
+    _, y = _linear_graph(m=3)                       # few rows: a GEMV
+    assert coopmat.select(_matmuls([y])[0].kernel) == "a GEMV"
+    k = acc.kernel
+    assert "prologue" in coopmat.select(dataclasses.replace(k, spec={**k.spec, "prologue": {"kind": "rms_norm"}}))
+    assert "tile" in coopmat.select(dataclasses.replace(k, spec={**k.spec, "tile": 16}))
+    from meganeura.plan_cache import _slim
+    assert "no kernel IR" in coopmat.select(_slim(k))
+    cast = compile_plan([y], n_forward=1, options=ACCEL).dispatches[0].kernel     # the operands' f16 casts
+    assert "archetype" in coopmat.select(cast)
+
+
+def test_render_keeps_the_wgsl_kernels_bindings_and_grid():
+    g = mg.Graph()
+    x = g.input("x", (2, 24, 40))
+    y1 = mg.ops.mm(x, g.input("w1", (48, 40)), tb=True).reshape((2, 24, 3, 16)).transpose(1, 2)
+    y2 = mg.ops.mm(x, g.input("w2", (32, 40)), tb=True)
+    (d,) = _matmuls([y1, y2])
+    parts = d.kernel.spec["parts"]
+    assert len(parts) == 2 and "store_map" in parts[0].spec     # merged siblings, one transposed store
+    for emulate in (False, True):
+        src, bufs, groups = coopmat.render(d.kernel, emulate=emulate)
+        assert len(bufs) == len(d.bufs) and all(a is b for a, b in zip(bufs, d.bufs))
+        assert groups == tuple(d.groups)
+        assert ("coopMatMulAdd" in src) != emulate and "store_out0" in src and "store_out1" in src
+    with pytest.raises(ValueError, match="workgroup memory"):
+        coopmat.render(d.kernel, workgroup_storage=4096)
+
+
+def test_configs_and_mode_switches(monkeypatch):
+    from meganeura.runtime.vulkan.backend import coopmat_mode
+    monkeypatch.setenv("MEGANEURA_COOPMAT_CONFIG", "128:128x256x2x4x16")
+    assert coopmat.configs()[128] == (128, 256, 2, 4, 16) and coopmat.configs()[64] == coopmat.CONFIGS[64]
+    for bad in ("128:128x128x3x4x32", "96:96x96x2x2x32", "128:128x128x2x2", "128:128x128x2x2x8", "x"):
+        monkeypatch.setenv("MEGANEURA_COOPMAT_CONFIG", bad)
+        with pytest.raises(ValueError, match="MEGANEURA_COOPMAT_CONFIG"):
+            coopmat.configs()
+    monkeypatch.delenv("MEGANEURA_COOPMAT_CONFIG")
+    for raw, mode in (("", "auto"), ("0", "off"), ("emulate", "emulate"), ("ON", "auto")):
+        monkeypatch.setenv("MEGANEURA_COOPMAT", raw)
+        assert coopmat_mode() == mode
+    monkeypatch.setenv("MEGANEURA_COOPMAT", "always")
+    with pytest.raises(ValueError, match="MEGANEURA_COOPMAT='always'"):
+        coopmat_mode()
+
+
+# ------------------------------------------------------------------------------ glslang
+def test_every_workload_coop_kernel_compiles_to_spirv():
+    """Every tiled f16 matmul of the five workloads at real size (the H200's plans; inference
+    and minimal: accelerated precision changes only forward matmuls, and the training phases'
+    are the same kernels) renders for cooperative matrices with the WGSL kernel's bindings and
+    grid, and glslang accepts it."""
+    pytest.importorskip("vulkan", reason="the vulkan extra (pip install 'meganeura[vulkan]')")
+    from meganeura.bench.dispatches import BINDINGS, phase_targets
+    from meganeura.bench.workloads import WORKLOADS, make
+    from meganeura.runtime.vulkan import spirv
+    from meganeura.runtime.vulkan.glslang import compile_glsl
+    opts = CompileOptions(precision="accelerated", max_bindings=BINDINGS, workgroup_storage=49152)
+    seen, per_workload = {}, {}
+    for name in WORKLOADS:
+        w = make(name, size="real", device="cpu")
+        for phase in ("inference", "minimal"):
+            targets, n, upd = phase_targets(w, phase)
+            for d in compile_plan(targets, n_forward=n, options=opts, updates=upd).dispatches:
+                if coopmat.select(d.kernel):
+                    continue
+                src, bufs, groups = coopmat.render(d.kernel, 49152)
+                assert all(a is b for a, b in zip(bufs, d.bufs)) and len(bufs) == len(d.bufs), d.kernel.name
+                assert groups == tuple(d.groups), d.kernel.name
+                seen.setdefault(src, d.kernel.name)
+                per_workload[name] = per_workload.get(name, 0) + 1
+    # ResNet-50's forward matmul is one GEMV (its convolutions are not matmuls in the graph)
+    assert set(per_workload) == {"smollm2", "smolvla", "unet", "whisper"}, per_workload
+    for src, kname in seen.items():
+        info = spirv.reflect(compile_glsl(src, name=kname, target="vulkan1.3", disk_cache=False))
+        assert "CooperativeMatrixKHR" in info["capabilities"], kname
+
+
+# ----------------------------------------------------------------- on the Vulkan runtime
+@pytest.fixture(scope="module")
+def runtime():
+    pytest.importorskip("vulkan", reason="the vulkan extra (pip install 'meganeura[vulkan]')")
+    from meganeura.runtime.vulkan.backend import get_vulkan_runtime
+    try:
+        return get_vulkan_runtime()
+    except Exception as e:          # noqa: BLE001 - no Vulkan device: nothing to run on
+        pytest.skip(f"no Vulkan device: {e}")
+
+
+def test_runtime_swaps_in_variants_only_where_asked(runtime, monkeypatch):
+    _, y = _linear_graph()
+    (d,) = _matmuls([y])
+    args = (d.kernel, d.wgsl, "mm", d.bufs, d.groups)
+    monkeypatch.setattr(runtime, "_variants", {})
+    monkeypatch.setattr(runtime, "coopmat_reason", "")           # as on a device with tensor cores
+    monkeypatch.delenv("MEGANEURA_COOPMAT", raising=False)
+    text, label, bufs, groups = runtime.kernel_variant(*args, precision="accelerated")
+    assert "GL_KHR_cooperative_matrix" in text and bufs is d.bufs and groups == tuple(d.groups)
+    assert runtime.kernel_variant(*args, precision="strict") is None
+    monkeypatch.setenv("MEGANEURA_COOPMAT", "off")
+    assert runtime.kernel_variant(*args, precision="accelerated") is None
+    monkeypatch.setenv("MEGANEURA_COOPMAT", "emulate")
+    text = runtime.kernel_variant(*args, precision="accelerated")[0]
+    assert "coopMat" not in text and "frag_a" in text
+    monkeypatch.delenv("MEGANEURA_COOPMAT")
+    monkeypatch.setattr(runtime, "coopmat_reason", "no cooperative matrices (test)")
+    assert runtime.kernel_variant(*args, precision="accelerated") is None
+
+
+def test_variant_of_a_plan_from_the_plan_cache(runtime, monkeypatch, tmp_path):
+    """A plan loaded from the plan cache has no kernel IR: its kernels find the variant
+    stored on disk when the plan was first compiled (same GLSL, same bindings)."""
+    monkeypatch.setenv("MEGANEURA_CACHE_DIR", str(tmp_path))
+    for name in ("MEGANEURA_COOPMAT", "MEGANEURA_NO_DISK_CACHE", "MEGANEURA_NO_PLAN_CACHE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(runtime, "coopmat_reason", "")
+    _, y = _linear_graph(m=48, k=40, n=56)
+    fresh = compile_plan([y], n_forward=1, options=ACCEL, cache=True)
+    (d,) = [d for d in fresh.dispatches if d.kernel.archetype == "matmul"]
+    monkeypatch.setattr(runtime, "_variants", {})
+    first = runtime.kernel_variant(d.kernel, d.wgsl, "mm", d.bufs, d.groups, precision="accelerated")
+    cached = compile_plan([y], n_forward=1, options=ACCEL, cache=True)
+    assert cached.stats.get("cache") == "hit"
+    (c,) = [c for c in cached.dispatches if c.kernel.archetype == "matmul"]
+    assert coopmat.select(c.kernel).startswith("no kernel IR")
+    monkeypatch.setattr(runtime, "_variants", {})
+    again = runtime.kernel_variant(c.kernel, c.wgsl, "mm", c.bufs, c.groups, precision="accelerated")
+    assert again[0] == first[0] and again[2] is c.bufs and again[3] == first[3]
+    import shutil
+    shutil.rmtree(tmp_path / "coopmat")          # no stored variant: the WGSL kernel runs
+    monkeypatch.setattr(runtime, "_variants", {})
+    assert runtime.kernel_variant(c.kernel, c.wgsl, "mm", c.bufs, c.groups, precision="accelerated") is None
+
+
+def _f16(x):
+    return x.astype(np.float16).astype(np.float64)
+
+
+def _case(name):
+    """(graph, outputs, feeds, expected outputs in float64 from f16-rounded operands, env)."""
+    rng = np.random.default_rng(0)
+    r = lambda *s: rng.standard_normal(s).astype(np.float32)  # noqa: E731
+    g = mg.Graph()
+    env = {}
+    if name == "plain":               # whole fragments: stored straight from the accumulators
+        A, B = r(64, 48), r(48, 80)
+        outs = [mg.ops.mm(g.input("a", A.shape), g.input("b", B.shape))]
+        return g, outs, {"a": A, "b": B}, [_f16(A) @ _f16(B)], env
+    if name == "tb_batch_epilogue":   # x @ W^T + bias, relu; batch; M, N not tile multiples
+        X, W, C = r(3, 40, 24), r(52, 24), r(52)
+        y = mg.ops.relu(mg.ops.mm(g.input("x", X.shape), g.input("w", W.shape), tb=True) + g.input("c", C.shape))
+        return g, [y], {"x": X, "w": W, "c": C}, [np.maximum(_f16(X) @ _f16(W).T + C, 0)], env
+    if name == "ta_broadcast":        # A transposed per batch, B shared by the batch
+        A, B = r(2, 24, 40), r(24, 56)
+        y = mg.ops.mm(g.input("a", A.shape), g.input("b", B.shape), ta=True)
+        return g, [y], {"a": A, "b": B}, [np.swapaxes(_f16(A), -1, -2) @ _f16(B)], env
+    if name == "odd_split_k":         # K=601: element-wise loads, a short last split, the partials summed
+        A, B = r(37, 601), r(601, 19)
+        return g, [mg.ops.mm(g.input("a", A.shape), g.input("b", B.shape))], {"a": A, "b": B}, [_f16(A) @ _f16(B)], env
+    if name == "merged_parts":        # sibling projections in one launch, one with a transposed store
+        X, W1, W2 = r(2, 24, 40), r(48, 40), r(32, 40)
+        x = g.input("x", X.shape)
+        y1 = mg.ops.mm(x, g.input("w1", W1.shape), tb=True).reshape((2, 24, 3, 16)).transpose(1, 2)
+        y2 = mg.ops.mm(x, g.input("w2", W2.shape), tb=True)
+        want1 = (_f16(X) @ _f16(W1).T).reshape(2, 24, 3, 16).transpose(0, 2, 1, 3)
+        return g, [y1, y2], {"x": X, "w1": W1, "w2": W2}, [want1, _f16(X) @ _f16(W2).T], env
+    if name in ("tile64", "tile128"):  # the larger tiles (4 or 8 subgroups of 32)
+        A, B = r(40, 70 if name == "tile64" else 130), r(80 if name == "tile64" else 140, 40)
+        env["MEGANEURA_MATMUL_TILE"] = name[4:]
+        y = mg.ops.mm(g.input("a", A.shape), g.input("b", B.shape), ta=True, tb=True)
+        return g, [y], {"a": A, "b": B}, [_f16(A).T @ _f16(B).T], env
+    if name == "rect_tile":           # a 32x128 workgroup tile: a grid other than the WGSL kernel's
+        A, B = r(2, 70, 48), r(2, 150, 48)
+        env.update(MEGANEURA_MATMUL_TILE="64", MEGANEURA_COOPMAT_CONFIG="64:32x128x1x4x32")
+        y = mg.ops.mm(g.input("a", A.shape), g.input("b", B.shape), tb=True)
+        return g, [y], {"a": A, "b": B}, [_f16(A) @ np.swapaxes(_f16(B), -1, -2)], env
+    raise KeyError(name)
+
+
+CASES = ["plain", "tb_batch_epilogue", "ta_broadcast", "odd_split_k", "merged_parts", "tile64", "tile128", "rect_tile"]
+
+
+def _run_case(runtime, name, mode, monkeypatch):
+    g, outs, feeds, want, env = _case(name)
+    monkeypatch.setenv("MEGANEURA_COOPMAT", mode)
+    if mode == "emulate" and runtime.limits["max-compute-workgroup-storage-size"] < 49152:
+        # lavapipe has 32 KiB of workgroup memory: the 128 tile with K chunks of 16 fits
+        monkeypatch.setenv("MEGANEURA_COOPMAT_CONFIG", "128:128x128x2x4x16")
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    if "MEGANEURA_COOPMAT_CONFIG" in env:        # the grid is the variant's, not the WGSL kernel's
+        (d,) = [d for d in compile_plan(outs, n_forward=1, options=ACCEL).dispatches if d.kernel.archetype == "matmul"]
+        assert coopmat.render(d.kernel, emulate=True)[2] != tuple(d.groups)
+    before = runtime.stats["coopmat_kernels"]
+    s = mg.compile(g, outputs=outs, backend="vulkan", precision="accelerated")
+    try:
+        got = s.run(feeds)
+    finally:
+        s.close()
+    assert runtime.stats["coopmat_kernels"] > before, "no matmul ran on the cooperative-matrix kernel"
+    for g_, w_ in zip(got, want):
+        assert g_.shape == w_.shape
+        # operands are exact f16 values and products exact in f32: what is left is the f32
+        # accumulation order
+        err = np.abs(g_ - w_).max() / np.abs(w_).max()
+        assert err < 1e-5, (name, err)
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_emulated_kernel_matches_numpy(runtime, name, monkeypatch):
+    """The kernels with their fragment operations as plain loops, on any Vulkan device:
+    staging, layouts, guards, splits, parts and the epilogue checked."""
+    _run_case(runtime, name, "emulate", monkeypatch)
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_coop_kernel_matches_numpy(runtime, name, monkeypatch):
+    if runtime.coopmat_reason:
+        pytest.skip(f"{runtime.name}: {runtime.coopmat_reason}")
+    _run_case(runtime, name, "auto", monkeypatch)
+
+
+def test_benchmark_runs_emulated(runtime, monkeypatch, tmp_path):
+    """bench/coopmat.py at tiny size, its kernels emulated: the table's rows ran on the
+    cooperative-matrix kernels and match float64."""
+    import importlib.util
+    import json
+    import pathlib
+    path = pathlib.Path(__file__).resolve().parents[1] / "bench" / "coopmat.py"
+    spec = importlib.util.spec_from_file_location("bench_coopmat", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    monkeypatch.setenv("MEGANEURA_COOPMAT", "emulate")
+    out = tmp_path / "coopmat.json"
+    bench.main(["--sizes", "48", "--size", "tiny", "--workloads", "whisper", "--samples", "2", "--warmup", "1",
+                "--no-sweep", "--no-fma", "--out", str(out)])
+    result = json.loads(out.read_text())
+    assert len(result["cases"]) > 2 and result["mode"] == "emulate"
+    for row in result["cases"]:
+        assert row["kernel"] == "emulated" and row["max_rel_err"] < 1e-5 and row["ours_s"] > 0, row
