@@ -49,6 +49,13 @@ def cmd_info(args):
     print(describe())
     why = vulkan_unavailable_reason()
     print(f"direct Vulkan backend: {'available (meganeura info --vulkan for details)' if why is None else why}")
+    if why is None:
+        from .runtime.vulkan.backend import coopmat_mode, get_vulkan_runtime
+        rt, mode = get_vulkan_runtime(), coopmat_mode()
+        tc = "off (MEGANEURA_COOPMAT=off)" if mode == "off" else "emulated (MEGANEURA_COOPMAT=emulate)" \
+            if mode == "emulate" else f"not available: {rt.coopmat_reason}" if rt.coopmat_reason else \
+            "f16 cooperative matrices for accelerated-precision matmuls"
+        print(f"tensor cores: {tc}")
     print(f"backend='gpu' runs on: {resolve('gpu')} (MEGANEURA_BACKEND=vulkan|wgpu overrides)")
 
 
