@@ -338,40 +338,72 @@ class VulkanRuntime:
     def pipeline(self, text: str, entry="main", access=None, label="", immediate_size=0):
         """A kernel from the renderers' text (translated to GLSL, compiled to SPIR-V), or
         from GLSL (text starting ``#version``: ``kernel_variant``'s), cached by text."""
-        with self._lock:
-            k = self._pipelines.get(text)
-            if k is not None:
-                self._pipelines.move_to_end(text)
-                self.stats["pipeline_cache_hits"] += 1
-                return k
-            from ...codegen.glsl import to_glsl
-            from .glslang import compile_glsl
-            t0 = time.perf_counter()
-            glsl = text if text.startswith("#version") else to_glsl(text, label or "kernel")
-            t1 = time.perf_counter()
-            target = "vulkan1.3" if self.vk.api >= (1, 3) else "vulkan1.2"
-            # cooperative-matrix kernels map subgroups of 32 to fragments
-            sub = self.vk.subgroup
-            pin = 32 if "GL_KHR_cooperative_matrix" in glsl and (sub["min_size"], sub["max_size"]) != (32, 32) else None
-            k = self.vk.kernel(compile_glsl(glsl, name=label or "kernel", target=target), name=label or "kernel",
-                               access=access, required_subgroup_size=pin)
-            self.stats["glsl_seconds"] += t1 - t0
-            self.stats["compile_seconds"] += time.perf_counter() - t0
-            self.stats["pipelines_compiled"] += 1
-            self._pipelines[text] = k
-            # evicted kernels stay alive while a plan holds them (the driver's pipeline
-            # cache makes a later rebuild cheap)
-            while len(self._pipelines) > max(self.pipeline_cache_size, 0):
-                self._pipelines.popitem(last=False)
-                self.stats["pipelines_evicted"] += 1
-            return k
+        return self.pipelines([(text, label)], threads=1, access=access)[0]
 
-    def pipelines(self, shaders, threads=None):
-        """Kernels for many ``(text, label)`` at once, in order (identical text once)."""
+    def _spirv(self, text, label):
+        """(SPIR-V, required subgroup size or None, seconds rendering GLSL) of a kernel text."""
+        from ...codegen.glsl import to_glsl
+        from .glslang import compile_glsl
         t0 = time.perf_counter()
-        made = [self.pipeline(text, label=label) for text, label in shaders]
+        glsl = text if text.startswith("#version") else to_glsl(text, label or "kernel")
+        glsl_s = time.perf_counter() - t0
+        target = "vulkan1.3" if self.vk.api >= (1, 3) else "vulkan1.2"
+        # cooperative-matrix kernels map subgroups of 32 to fragments
+        sub = self.vk.subgroup
+        pin = 32 if "GL_KHR_cooperative_matrix" in glsl and (sub["min_size"], sub["max_size"]) != (32, 32) else None
+        return compile_glsl(glsl, name=label or "kernel", target=target), pin, glsl_s
+
+    def pipelines(self, shaders, threads=None, access=None):
+        """Kernels for many ``(text, label)`` at once, in order (identical text once). GLSL
+        and SPIR-V are made one after the other (Python and glslang hold a lock); the
+        driver's pipeline compiles, the slow part on a GPU, run on ``threads`` threads
+        (default ``MEGANEURA_COMPILE_THREADS``, else up to 8)."""
+        t0 = time.perf_counter()
+        found, missing = {}, {}
+        with self._lock:
+            for text, label in shaders:
+                k = self._pipelines.get(text)
+                if k is not None:
+                    self._pipelines.move_to_end(text)
+                    self.stats["pipeline_cache_hits"] += 1
+                    found[text] = k
+                elif text not in missing:
+                    missing[text] = label
+                else:
+                    self.stats["pipeline_cache_hits"] += 1
+        if missing:
+            jobs = []
+            for text, label in missing.items():
+                t1 = time.perf_counter()
+                spirv, pin, glsl_s = self._spirv(text, label)
+                self.stats["glsl_seconds"] += glsl_s
+                self.stats["compile_seconds"] += time.perf_counter() - t1
+                jobs.append((text, label or "kernel", spirv, pin))
+
+            def make(job):
+                text, label, spirv, pin = job
+                t1 = time.perf_counter()
+                k = self.vk.kernel(spirv, name=label, access=access, required_subgroup_size=pin)
+                return text, k, time.perf_counter() - t1
+            n = threads or int(os.environ.get("MEGANEURA_COMPILE_THREADS", "0") or 0) or min(8, os.cpu_count() or 1)
+            if n > 1 and len(jobs) > 1:
+                from concurrent.futures import ThreadPoolExecutor
+                with ThreadPoolExecutor(min(n, len(jobs))) as pool:
+                    made = list(pool.map(make, jobs))
+            else:
+                made = [make(j) for j in jobs]
+            with self._lock:
+                for text, k, sec in made:
+                    found[text] = self._pipelines.setdefault(text, k)
+                    self.stats["compile_seconds"] += sec
+                    self.stats["pipelines_compiled"] += 1
+                # evicted kernels stay alive while a plan holds them (the driver's pipeline
+                # cache makes a later rebuild cheap)
+                while len(self._pipelines) > max(self.pipeline_cache_size, 0):
+                    self._pipelines.popitem(last=False)
+                    self.stats["pipelines_evicted"] += 1
         self.stats["pipeline_wall_seconds"] += time.perf_counter() - t0
-        return made
+        return [found[text] for text, _ in shaders]
 
     def clear_caches(self):
         """Drop the cached kernels (plans that are alive keep their own)."""
