@@ -180,7 +180,8 @@ def render(kernel):
         branches.append(f"    if (wid.x < {x0 + gx}u) {{ mm{j}(vec3<u32>(wid.x - {x0}u, wid.y, wid.z), lid3); return; }}")
         x0 += gx
     stats = "" if not any("prologue" in p.spec for p in parts) else \
-        f"var<workgroup> pm: array<f32, {4 * V}>;\nvar<workgroup> pinv: array<f32, {4 * V}>;\n"
+        f"var<workgroup> pm: array<f32, {4 * V}>;\nvar<workgroup> pinv: array<f32, {4 * V}>;\n" \
+        f"var<workgroup> pred: array<f32, {W * W}>;\n"
     src = f"""{bind.decls()}
 var<workgroup> As: array<vec4<f32>, {2 * TK * V}>;
 var<workgroup> Bs: array<vec4<f32>, {2 * TK * V}>;
@@ -211,15 +212,37 @@ def _tiled_norm_prologue(kernel, bind, M, K, T, th, ab, a_vec):
     else:
         load, n, total, sq = f"f32(b{ab}[aoff + gr * {K}u + k])", K, "q", "d * d"
         dev = "let d = q - mean;"
-    lines = [f"    for (var rr = tid; rr < {T}u; rr = rr + {th}u) {{",
-             "        let gr = row0 + rr;", "        var mean = 0.0;", "        var ss = 0.0;",
-             f"        if (gr < {M}u) {{"]
+    # P threads share each of the T rows, each summing every P-th element (a thread walking
+    # a whole row alone made the tile wait for K / 4 dependent loads); the P partial sums
+    # meet in workgroup memory
+    P = max(1, th // T)
+    rows = -(-T // (th // P))          # rows each thread group takes (1 when th >= T)
+
+    def pass_(acc_line, fin, centred):
+        body = [f"    for (var r = 0u; r < {rows}u; r = r + 1u) {{",
+                f"        let rr = r * {th // P}u + tid / {P}u; let gr = row0 + rr;",
+                "        var acc = 0.0;",
+                f"        if (rr < {T}u && gr < {M}u) {{",
+                f"            let mean = {'pm[rr]' if centred else '0.0'};",
+                f"            for (var k = tid % {P}u; k < {n}u; k = k + {P}u) {{ let q = {load}; {acc_line} }}",
+                "        }",
+                "        pred[tid] = acc;",
+                "        workgroupBarrier();",
+                f"        if (tid % {P}u == 0u && rr < {T}u) {{",
+                "            var tot = 0.0;",
+                f"            for (var j = 0u; j < {P}u; j = j + 1u) {{ tot = tot + pred[tid + j]; }}",
+                f"            {fin}",
+                "        }",
+                "        workgroupBarrier();",
+                "    }"]
+        return body
+    lines = []
     if center:
-        lines += [f"            for (var k = 0u; k < {n}u; k = k + 1u) {{ let q = {load}; mean = mean + {total}; }}",
-                  f"            mean = mean / {float(K)!r};"]
-    lines += [f"            for (var k = 0u; k < {n}u; k = k + 1u) {{ let q = {load}; {dev} ss = ss + {sq}; }}",
-              "        }", "        pm[rr] = mean;", f"        pinv[rr] = inverseSqrt(ss / {float(K)!r} + {pro['eps']!r});",
-              "    }", "    workgroupBarrier();"]
+        lines += pass_(f"acc = acc + {total};", f"pm[rr] = tot / {float(K)!r};", False)
+    else:
+        lines += [f"    for (var rr = tid; rr < {T}u; rr = rr + {th}u) {{ pm[rr] = 0.0; }}"]
+    lines += pass_(f"{dev} acc = acc + {sq};", f"pinv[rr] = inverseSqrt(tot / {float(K)!r} + {pro['eps']!r});", center)
+    lines += ["    workgroupBarrier();"]
 
     def transform(x, vec):
         ks = [f"k0 + kk + {c}u" for c in range(4)] if vec else ["k0 + kk"]
