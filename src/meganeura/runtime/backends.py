@@ -58,3 +58,44 @@ def make_recorder(dev):
         return VulkanRecorder(dev)
     from .recorder import StepRecorder
     return StepRecorder(dev)
+
+
+# ---------------------------------------------------------------- pipeline caches of both runtimes
+def lookup_cached(cache, keyed, stats):
+    """Split ``keyed`` [(key, label)] into ({key: cached pipeline}, {key: label} to create),
+    counting hits (a repeated key is one creation and hits after it); ``cache`` is an
+    OrderedDict kept in least-recently-used order. Call under the cache's lock."""
+    found, missing = {}, {}
+    for key, label in keyed:
+        p = cache.get(key)
+        if p is not None:
+            cache.move_to_end(key)
+            stats["pipeline_cache_hits"] += 1
+            found[key] = p
+        elif key not in missing:
+            missing[key] = label
+        else:
+            stats["pipeline_cache_hits"] += 1
+    return found, missing
+
+
+def store_cached(cache, made, size, stats, found):
+    """Put ``made`` [(key, pipeline)] into ``cache`` (and ``found``), evicting the least
+    recently used past ``size``. Call under the cache's lock."""
+    for key, p in made:
+        found[key] = cache.setdefault(key, p)
+    while len(cache) > max(size, 0):
+        cache.popitem(last=False)
+        stats["pipelines_evicted"] += 1
+
+
+def parallel_map(make, jobs, threads=None) -> list:
+    """``[make(j) for j in jobs]`` on ``threads`` threads (default
+    ``MEGANEURA_COMPILE_THREADS``, else up to 8): pipeline creation releases the GIL while
+    the shader compilers run."""
+    n = threads or int(os.environ.get("MEGANEURA_COMPILE_THREADS", "0") or 0) or min(8, os.cpu_count() or 1)
+    if n > 1 and len(jobs) > 1:
+        from concurrent.futures import ThreadPoolExecutor
+        with ThreadPoolExecutor(min(n, len(jobs))) as pool:
+            return list(pool.map(make, jobs))
+    return [make(j) for j in jobs]

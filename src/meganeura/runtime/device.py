@@ -454,38 +454,21 @@ class Device:
         layouts: dict = {}
         keys = [(wgsl, "main", layouts.get(wgsl) or layouts.setdefault(wgsl, tuple(parse_bindings(wgsl))), 0)
                 for wgsl, _ in shaders]
-        found, missing = {}, {}
+        from .backends import lookup_cached, parallel_map, store_cached
         with self._lock:
-            for key, (_, label) in zip(keys, shaders):
-                p = self._pipelines.get(key)
-                if p is not None:
-                    self._pipelines.move_to_end(key)
-                    self.stats["pipeline_cache_hits"] += 1
-                    found[key] = p
-                elif key not in missing:
-                    missing[key] = label
-                else:
-                    self.stats["pipeline_cache_hits"] += 1
+            found, missing = lookup_cached(self._pipelines, [(k, label) for k, (_, label) in zip(keys, shaders)],
+                                           self.stats)
         if missing:
             t0 = time.perf_counter()
-            n = threads or int(os.environ.get("MEGANEURA_COMPILE_THREADS", "0") or 0) or min(8, os.cpu_count() or 1)
             jobs = list(missing.items())
 
             def make(job):
                 (wgsl, entry, access, imm), label = job
                 return self._compile(wgsl, entry, access, label, imm)
-            if n > 1 and len(jobs) > 1:
-                from concurrent.futures import ThreadPoolExecutor
-                with ThreadPoolExecutor(min(n, len(jobs))) as pool:
-                    made = list(pool.map(make, jobs))
-            else:
-                made = [make(j) for j in jobs]
+            made = parallel_map(make, jobs, threads)
             with self._lock:
-                for (key, _), p in zip(jobs, made):
-                    found[key] = self._pipelines.setdefault(key, p)
-                while len(self._pipelines) > max(self.pipeline_cache_size, 0):
-                    self._pipelines.popitem(last=False)
-                    self.stats["pipelines_evicted"] += 1
+                store_cached(self._pipelines, [(key, p) for (key, _), p in zip(jobs, made)],
+                             self.pipeline_cache_size, self.stats, found)
                 self.stats["pipeline_wall_seconds"] += time.perf_counter() - t0
         return [found[key] for key in keys]
 

@@ -358,19 +358,10 @@ class VulkanRuntime:
         and SPIR-V are made one after the other (Python and glslang hold a lock); the
         driver's pipeline compiles, the slow part on a GPU, run on ``threads`` threads
         (default ``MEGANEURA_COMPILE_THREADS``, else up to 8)."""
+        from ..backends import lookup_cached, parallel_map, store_cached
         t0 = time.perf_counter()
-        found, missing = {}, {}
         with self._lock:
-            for text, label in shaders:
-                k = self._pipelines.get(text)
-                if k is not None:
-                    self._pipelines.move_to_end(text)
-                    self.stats["pipeline_cache_hits"] += 1
-                    found[text] = k
-                elif text not in missing:
-                    missing[text] = label
-                else:
-                    self.stats["pipeline_cache_hits"] += 1
+            found, missing = lookup_cached(self._pipelines, shaders, self.stats)
         if missing:
             jobs = []
             for text, label in missing.items():
@@ -385,23 +376,15 @@ class VulkanRuntime:
                 t1 = time.perf_counter()
                 k = self.vk.kernel(spirv, name=label, access=access, required_subgroup_size=pin)
                 return text, k, time.perf_counter() - t1
-            n = threads or int(os.environ.get("MEGANEURA_COMPILE_THREADS", "0") or 0) or min(8, os.cpu_count() or 1)
-            if n > 1 and len(jobs) > 1:
-                from concurrent.futures import ThreadPoolExecutor
-                with ThreadPoolExecutor(min(n, len(jobs))) as pool:
-                    made = list(pool.map(make, jobs))
-            else:
-                made = [make(j) for j in jobs]
+            made = parallel_map(make, jobs, threads)
             with self._lock:
-                for text, k, sec in made:
-                    found[text] = self._pipelines.setdefault(text, k)
+                for _, _, sec in made:
                     self.stats["compile_seconds"] += sec
                     self.stats["pipelines_compiled"] += 1
                 # evicted kernels stay alive while a plan holds them (the driver's pipeline
                 # cache makes a later rebuild cheap)
-                while len(self._pipelines) > max(self.pipeline_cache_size, 0):
-                    self._pipelines.popitem(last=False)
-                    self.stats["pipelines_evicted"] += 1
+                store_cached(self._pipelines, [(text, k) for text, k, _ in made], self.pipeline_cache_size,
+                             self.stats, found)
         self.stats["pipeline_wall_seconds"] += time.perf_counter() - t0
         return [found[text] for text, _ in shaders]
 
