@@ -28,3 +28,22 @@ def test_matmul_kernel(monkeypatch, tile, split, ta, tb, sa, sb):
     want = np.matmul(np.swapaxes(A, -1, -2) if ta else A, np.swapaxes(B, -1, -2) if tb else B,
                      dtype=np.float64)
     np.testing.assert_allclose(out, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
+
+
+def test_merged_matmuls_one_reading_a_buffer_in_its_epilogue_the_other_as_its_operand():
+    """Sibling matmuls share a launch and its bindings: a buffer that one part's epilogue
+    reads element by element stays scalar when the other part reads it as its B operand
+    (declaring it vec4 there made the epilogue's read a type error)."""
+    g = mg.Graph()
+    x, z = g.input("x", (64, 64)), g.input("z", (64, 64))
+    w = g.parameter("w", (64, 64))
+    outs = [mg.ops.linear(x, w) + z, mg.ops.linear(x, z)]
+    s = mg.compile(g, outputs=outs, backend="gpu")
+    assert s.executor.plan("run").names == ["matmul+add|matmul"]
+    rng = np.random.default_rng(0)
+    feeds = {"x": rng.standard_normal((64, 64)).astype(np.float32), "z": rng.standard_normal((64, 64)).astype(np.float32)}
+    wv = rng.standard_normal((64, 64)).astype(np.float32)
+    s.load_state_dict({"w": wv})
+    y1, y2 = s.run(feeds)
+    np.testing.assert_allclose(y1, feeds["x"] @ wv.T + feeds["z"], rtol=1e-5, atol=1e-4)
+    np.testing.assert_allclose(y2, feeds["x"] @ feeds["z"].T, rtol=1e-5, atol=1e-4)

@@ -191,6 +191,8 @@ class OutputStore:
         self.bind = bind
         self.ob = bind.index(out.buf, out.dtype, write=True)
         leaves = [(bind.index(v.buf, v.dtype), v) for v in kernel.epi_reads]
+        # read element by element here: a sibling part of the launch must not redeclare them vec4
+        bind.scalar.update(bi for bi, _ in leaves)
         lines = []
         smap = kernel.spec.get("store_map")
         if smap is not None:
