@@ -68,7 +68,9 @@ sign = _unary("sign", np.sign, None, "sign({0})", differentiable=False)
 abs = _unary("abs", np.abs, lambda ct, y, x: [ct * sign(x)], "abs({0})", float_only=False)
 tanh = _unary("tanh", np.tanh, lambda ct, y, x: [ct * (1.0 - y * y)], "tanh({0})")
 sigmoid = _unary("sigmoid", _sigmoid_ref, lambda ct, y, x: [ct * y * (1.0 - y)], "(1.0 / (1.0 + exp(-{0})))")
-relu = _unary("relu", lambda x: np.maximum(x, x.dtype.type(0)), lambda ct, y, x: [where(x > 0.0, ct, 0.0)],
+# the gradient masks by the output (y > 0 exactly where x > 0), as torch's threshold_backward:
+# backward then keeps the output, which the next layer keeps anyway, not the input too
+relu = _unary("relu", lambda x: np.maximum(x, x.dtype.type(0)), lambda ct, y, x: [where(y > 0.0, ct, 0.0)],
               "max({0}, 0.0)")
 erf = _unary("erf", _erf_like, lambda ct, y, x: [ct * exp(neg(x * x)) * (2.0 / math.sqrt(math.pi))], "erf({0})")
 silu = _unary("silu", lambda x: x * _sigmoid_ref(x),
