@@ -165,3 +165,29 @@ def test_graph_update_errors():
     g.update(g.states.get("p.momentum_buffer") or g.state("p.momentum_buffer", (3,)), x)
     with pytest.raises(ValueError, match=r"graph.update and the optimizer both update \['p.momentum_buffer'\]"):
         mg.compile(g, loss=mg.ops.sum(p * x), optimizer=mg.optim.SGD(lr=0.1, momentum=0.9))
+
+
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_data_parallel_steps_update_running_stats(monkeypatch, accumulate):
+    """mg.distributed's step (forward and backward as one phase, the update as another)
+    moves the statistics as a plain step does (a world of one: no torchrun)."""
+    from meganeura import distributed as dist
+    for var in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):
+        monkeypatch.delenv(var, raising=False)
+    t, ours = _models()
+    g = mg.Graph()
+    x, y = g.input("x", (N, C, S, S)), g.input("y", (N,), i32)
+    loss = mg.ops.cross_entropy(ours(x), y)
+    batches = _batches(4)
+    try:
+        dist.init()
+        with dist.compile(g, loss, mg.optim.SGD(lr=0.1), accumulate=accumulate) as s:
+            s.session.load_state_dict(ours.state_dict())
+            for xb, yb in batches:
+                s.step({"x": xb, "y": yb})
+            st = s.state_dict(include_optimizer=True)
+    finally:
+        dist.shutdown()
+    _torch_train(t, batches, 0.1, accumulate)
+    assert int(st["bn.num_batches_tracked"]) == 9
+    _check(st, t, 1e-4 if accumulate > 1 else 1e-5)

@@ -289,6 +289,10 @@ class Session:
                         if clash:
                             raise ValueError(f"graph.update and the optimizer both update {clash}")
                         updates[phase].update(graph.updates)
+                if separate_update and graph.updates and "grads" not in updates:
+                    # a data-parallel step runs its forward and backward as "grads": that
+                    # forward maintains them as well (each rank from its own batch)
+                    updates["grads"] = dict(graph.updates)
         fetches = self.outputs + ([loss] if loss is not None else [])
         self.program = Program(graph, fetches, grads, updates)
         used = self.program.used
