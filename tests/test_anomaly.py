@@ -33,7 +33,7 @@ def test_anomaly_names_first_kernel():
     with pytest.raises(FloatingPointError, match=rf"anomaly: kernel \d+ '{first.replace('+', '[+]')}' wrote "
                                                  r"\d+ non-finite value\(s\) \(inf, \.\.\.\) into '\w+' \(4, 8\)"):
         s.step(bad)
-    assert first == "gemv+add"          # the first layer: its bias add rides in the epilogue
+    assert first == "gemv+add+relu"     # the first layer: its bias add and relu ride in the epilogue
 
 
 def test_anomaly_env_switch(monkeypatch):
