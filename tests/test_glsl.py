@@ -104,3 +104,17 @@ def test_backends_agree_bit_for_bit_on_a_training_step(backend):
     np.testing.assert_allclose(got, ref, rtol=1e-5)
     if backend == "vulkan":
         np.testing.assert_array_equal(got, losses("wgpu"))
+
+
+def test_signed_remainder_folded_constants_and_saturate_keep_wgsl_meaning():
+    src = ("@group(0) @binding(0) var<storage, read_write> b0: array<f32>;\n"
+           "@group(0) @binding(1) var<storage, read_write> b1: array<i32>;\n"
+           "@compute @workgroup_size(64)\nfn main(@builtin(local_invocation_index) lid: u32) {\n"
+           "    let i = lid + 4 * 2;\n    b1[i] = b1[i] % 3i;\n    b0[i] = b0[i] * (3 / 2) + saturate(b0[i]);\n}\n")
+    g = to_glsl(src)
+    assert "uint i = (lid + uint((4 * 2)));" in g                 # a folded constant is wrapped, not suffixed
+    assert "(b1[i] - 3 * (b1[i] / 3))" in g                        # truncated, as WGSL's signed %
+    assert "float(((3 / 2)))" in g                                 # integer division first, as WGSL
+    assert "clamp(b0[i], 0.0, 1.0)" in g
+    from meganeura.runtime.vulkan.glslang import compile_glsl
+    assert compile_glsl(g, disk_cache=False)[:4] == b"\x03\x02\x23\x07"

@@ -52,10 +52,28 @@ def test_staged_memory_and_levels_match_the_reference(monkeypatch, staged_device
 def test_a_deferred_upload_is_visible_to_a_readback_before_any_step(staged_device):
     rt = backend.VulkanRuntime(staged_device)
     buf = rt.create_buffer(64)
-    rt.upload(buf, np.arange(16, dtype=np.float32))
+    rt.upload_input(buf, np.arange(16, dtype=np.float32))
     assert rt._pending                                   # waiting for the next step
     np.testing.assert_array_equal(rt.readback(buf, 64, np.float32), np.arange(16, dtype=np.float32))
     assert not rt._pending
-    rt.upload(buf, np.ones(16, np.float32))
+    rt.upload_input(buf, np.ones(16, np.float32))
     buf.destroy()                                        # a freed buffer's upload is dropped
     assert rt.take_pending() == []
+    with pytest.raises(ValueError, match="upload of 128 B at offset 0 into a buffer of 64 B"):
+        rt.upload(rt.create_buffer(64), np.zeros(32, np.float32))
+
+
+def test_odd_sized_f16_tensors_and_closing_frees_recorded_steps():
+    """f16 tensors of an odd element count (copies move whole words: buffers are rounded up
+    to 4 bytes), and a closed session's recorded command buffers are destroyed."""
+    g = mg.Graph()
+    x = g.input("x", (3,), mg.f16)
+    y = mg.ops.relu(x)
+    s = mg.compile(g, outputs=[y], backend="vulkan")
+    got = s.run({"x": np.array([-1, 2, -3], np.float16)})[0]
+    np.testing.assert_array_equal(got, np.array([0, 2, 0], np.float16))
+    step = s.executor.plans["run"].step
+    progs = [p for p, _ in step.programs.values()]
+    assert progs and all(p._cmd is not None for p in progs)
+    s.close()
+    assert not step.programs

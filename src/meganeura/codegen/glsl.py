@@ -7,10 +7,12 @@ maths). This module parses that subset, types every expression, and prints GLSL,
 renderer per archetype serves both languages and a new archetype gets GLSL for free. What
 the printer must decide:
 
+- workgroup (``shared``) arrays are not zero-initialised as WGSL's are: the renderers write
+  them before reading (the tests run every kernel on both runtimes);
 - declarations carry types in GLSL: every ``let``/``var`` gets the type of its value, and
   WGSL's abstract literals take the type of the operand they meet (``x + 1`` on a u32 is
   ``x + 1u``; ``2.0`` beside an f16 is an f16 literal);
-- WGSL zero-initialises variables, GLSL does not: declarations without a value are
+- WGSL zero-initialises variables, GLSL does not: local declarations without a value are
   initialised explicitly;
 - functions may be used before their definition in WGSL: prototypes come first, module
   variables are hoisted above every function;
@@ -180,7 +182,7 @@ TEMPLATED = {"vec2", "vec3", "vec4", "array", "bitcast", "ptr"}
 SAME_TYPE_BUILTINS = {"min", "max", "clamp", "abs", "exp", "exp2", "log", "log2", "sqrt", "inverseSqrt", "pow",
                       "floor", "ceil", "trunc", "fract", "sign", "sin", "cos", "tan", "asin", "acos", "atan",
                       "sinh", "cosh", "tanh", "asinh", "acosh", "atanh", "fma", "mix", "step", "smoothstep",
-                      "round", "atan2", "saturate", "countOneBits", "reverseBits"}
+                      "round", "atan2", "countOneBits", "reverseBits"}
 RENAMED = {"round": "roundEven", "inverseSqrt": "inversesqrt", "atan2": "atan", "countOneBits": "bitCount", "reverseBits": "bitfieldReverse"}
 # GLSL keywords and reserved words an identifier of ours could collide with
 RESERVED = set("""attribute const uniform varying buffer shared coherent volatile restrict readonly writeonly
@@ -305,7 +307,8 @@ class _Translator:
             # constant folding of abstract operands stays abstract (WGSL semantics): keep text
             ty = AFLOAT if AFLOAT in (a.ty, b.ty) else AINT
             text = f"({a.text} {op} {b.text})"
-            return Val(text, ty, text if op not in COMPARE else None) if op not in COMPARE else Val(text, BOOL)
+            # no digits to suffix: a later conversion wraps the whole expression
+            return Val(text, ty) if op not in COMPARE else Val(text, BOOL)
         a, b = unify(a, b)
         if op in COMPARE and Ty("vec", a.ty.elem, a.ty.n).kind == a.ty.kind == "vec":
             # WGSL compares vectors componentwise; GLSL's == on vectors is one bool
@@ -316,6 +319,9 @@ class _Translator:
         if op == "%" and _is_float(ty):
             # WGSL's float remainder truncates (C fmod); GLSL's mod floors
             return Val(f"({a.text} - {b.text} * trunc({a.text} / {b.text}))", ty)
+        if op == "%" and ty.scalar == "i32":
+            # WGSL's signed remainder takes the dividend's sign; GLSL's % leaves negatives to the driver
+            return Val(f"({a.text} - {b.text} * ({a.text} / {b.text}))", ty)
         return Val(f"({a.text} {op} {b.text})", ty)
 
     def unary(self) -> Val:
@@ -437,7 +443,8 @@ class _Translator:
             return Val(f"dot({a.text}, {b.text})", S(a.ty.elem))
         if name == "saturate":
             (x,) = args
-            return Val(f"clamp({x.text}, 0.0, 1.0)", x.ty)
+            lo, hi = (convert(Val(v, AFLOAT, v), S(x.ty.scalar)) for v in ("0.0", "1.0"))
+            return Val(f"clamp({x.text}, {lo.text}, {hi.text})", x.ty)
         if name in SAME_TYPE_BUILTINS:
             # every operand takes the type of the first concrete one (min(x, 0.0) on f16 ...)
             ref = next((a for a in args if not a.ty.abstract and a.ty.kind == "vec"), None) or \

@@ -290,8 +290,16 @@ class GpuExecutor:
             self.set_value(name, self.values.initial(name))
 
     def upload(self, feeds: dict):
+        """A call's inputs (the Vulkan backend defers small ones into the step's command buffer)."""
+        put = getattr(self.dev, "upload_input", None)
         for name, arr in feeds.items():
-            self.set_value(name, arr)
+            t = self._dtypes.get(name)
+            if put is not None and t is not None and t.op == "input" and name not in self.copies:
+                arr = np.asarray(arr, dtype=t.dtype.np, order="C")
+                put(self.named_buffer(name, arr.nbytes), arr)
+                self.unsent.discard(name)
+            else:
+                self.set_value(name, arr)
 
     def get_value(self, name):
         if name in self.unsent:
@@ -347,6 +355,10 @@ class GpuExecutor:
         if free_shared:
             owned.append(list(self.buffers.values()))
             self.buffers.clear()
+        for p in self.plans.values():
+            close = getattr(p.step, "close", None)     # the Vulkan backend's recorded command buffers
+            if close is not None:
+                close()
         # slots, constants and targets live only in the plans' bind groups and copies
         self.plans.clear()
         self.input_buffers.clear()

@@ -62,7 +62,8 @@ class PreparedProgram:
     """A plan's dispatch list: (kernel, ranges, groups) and names; the Programs recorded
     from it, one per set of copies after it (outputs fetched or not) and timing mode."""
 
-    def __init__(self, dispatches, names):
+    def __init__(self, dispatches, names, lock=None):
+        self.lock = lock or threading.RLock()    # the runtime's queue lock (closing waits on the queue)
         self.dispatches = [(k, list(bufs), _groups(g)) for k, bufs, g, *_ in dispatches]
         self.names = list(names) if names is not None else [k.name for k, _, _ in self.dispatches]
         if len(self.names) != len(self.dispatches):
@@ -76,7 +77,16 @@ class PreparedProgram:
     def sync_stats(self) -> dict:
         """Levels and barriers of the last Program recorded from this step (``Program.stats``);
         empty before the first run."""
-        return self.programs[self.last].stats if self.programs else {}
+        return self.programs[self.last][0].stats if self.programs else {}
+
+    def close(self):
+        """Destroy the Programs recorded from this step (their command buffers, fences and
+        descriptor pools)."""
+        with self.lock:
+            for prog, _ in self.programs.values():
+                prog.close()
+            self.programs.clear()
+            self.last = None
 
 
 def _groups(g):
@@ -103,35 +113,49 @@ class VulkanRecorder:
         self.last_timestamps_ns = None
 
     def prepare(self, dispatches, names=None) -> PreparedProgram:
-        return PreparedProgram(dispatches, names)
+        return PreparedProgram(dispatches, names, self.runtime.queue_lock)
 
     def run(self, step, copies_before=(), copies_after=(), timestamps=False, wait=False):
         """Submit ``step`` with its copies and wait (the Vulkan queue is used synchronously:
         the caller reads results right after). ``timestamps``: returns an (n, 2) array of
-        [start, end] ns per dispatch."""
-        step = step if isinstance(step, PreparedProgram) else self.prepare(step)
-        # uploads waiting in staging memory go first, in the same submit
-        copies_before = self.runtime.take_pending() + list(copies_before)
-        key = (tuple(_key(c) for c in copies_before), tuple(_key(c) for c in copies_after), bool(timestamps))
-        prog = step.programs.get(key)
-        if prog is None:
-            ops = [_copy(c) for c in copies_before]
-            ops += [Dispatch(k, bufs, g, name=n) for (k, bufs, g), n in zip(step.dispatches, step.names)]
-            ops += [_copy(c) for c in copies_after]
-            prog = Program(self.runtime.vk, ops, levels=self.runtime.use_levels,
-                           timestamps="ops" if timestamps else False, name="step")
-            step.programs[key] = prog
-        step.last = key
-        with self.runtime.queue_lock:
-            prog.run(wait=True)
-        self.runtime.stats["steps"] += 1
-        if timestamps:
-            ts = prog.timestamps_ns()
-            first = len(copies_before)
-            ns = np.asarray(ts[first:first + len(step.dispatches)], dtype=np.int64)
-            self.last_timestamps_ns = ns
-            return ns
-        return None
+        [start, end] ns per dispatch. A raw dispatch list (anomaly mode: one dispatch at a
+        time) runs as a Program that is closed after it."""
+        rt = self.runtime
+        if timestamps and not rt.has_timestamps:
+            raise RuntimeError(f"{rt.name}: the device has no timestamp queries")
+        temporary = not isinstance(step, PreparedProgram)
+        step = self.prepare(step) if temporary else step
+        with rt.queue_lock:
+            # inputs waiting in staging memory go first, in the same submit
+            pending = rt.take_pending()
+            try:
+                before = pending + list(copies_before)
+                key = (tuple(_key(c) for c in before), tuple(_key(c) for c in copies_after), bool(timestamps))
+                entry = step.programs.get(key)
+                if entry is None:
+                    ops = [_copy(c) for c in before]
+                    ops += [Dispatch(k, bufs, g, name=n) for (k, bufs, g), n in zip(step.dispatches, step.names)]
+                    ops += [_copy(c) for c in copies_after]
+                    prog = Program(rt.vk, ops, levels=rt.use_levels, timestamps="ops" if timestamps else False,
+                                   name="step")
+                    # the ranges the key names by id() stay alive as long as the Program
+                    entry = step.programs[key] = (prog, (before, list(copies_after)))
+                prog = entry[0]
+                step.last = key
+                prog.run(wait=True)
+                ns = None
+                if timestamps:
+                    ts = prog.timestamps_ns()
+                    first = len(before)
+                    ns = self.last_timestamps_ns = np.asarray(ts[first:first + len(step.dispatches)], dtype=np.int64)
+            except BaseException:
+                rt.restore_pending(pending)      # nothing was copied: the next step copies them
+                raise
+            finally:
+                if temporary:
+                    step.close()
+        rt.stats["steps"] += 1
+        return ns
 
 
 def _key(c):
@@ -197,11 +221,12 @@ class VulkanRuntime:
         self.adapter_info = {"name": self.vk.name, "backend": "Vulkan (direct)", "type": self.vk.device_type,
                              "description": f"{drv.get('name', '')} {drv.get('info', '')}".strip()}
         from ..device import PIPELINE_CACHE_SIZE
-        self._pending: dict = {}        # id(buffer) -> deferred upload copy (see upload)
+        self._pending: dict = {}        # id(buffer) -> deferred input copy (see upload_input)
+        self._pending_lock = threading.RLock()
         self._pipelines: OrderedDict = OrderedDict()    # text -> Kernel, least recently used first
         self.pipeline_cache_size = PIPELINE_CACHE_SIZE
         self._lock = threading.RLock()
-        self.queue_lock = threading.Lock()
+        self.queue_lock = threading.RLock()    # the queue, and the deferred inputs (taken first)
         self.stats = {"pipelines_compiled": 0, "pipeline_cache_hits": 0, "compile_seconds": 0.0,
                       "glsl_seconds": 0.0, "steps": 0, "pipelines_evicted": 0,
                       "pipeline_wall_seconds": 0.0, "coopmat_kernels": 0}
@@ -217,45 +242,75 @@ class VulkanRuntime:
 
     # ----------------------------------------------------------------- buffers
     def create_buffer(self, nbytes, usage_kind="storage", label=""):
-        rng = self.vk.alloc(max(int(nbytes), 4), host=usage_kind == "staging", label=label)
+        # sizes rounded up to 4 bytes as wgpu's are: copies move whole words
+        rng = self.vk.alloc(max((int(nbytes) + 3) & ~3, 4), host=usage_kind == "staging", label=label)
         return OwnedRange(rng, self.vk, label)
 
     def upload(self, buffer, array, offset=0):
-        """Write ``array`` into ``buffer``. Mapped memory (lavapipe, integrated GPUs) takes a
-        memcpy. Elsewhere a small whole-buffer upload (inputs) is copied into a staging
-        range kept for that buffer and the copy rides at the start of the next step's
-        command buffer (no submit of its own); anything else reads or copies the buffer only
-        after those copies ran (``flush``)."""
+        """Write ``array`` into ``buffer`` now (after any deferred input copies, so the order
+        of writes holds)."""
         raw = np.ascontiguousarray(array).reshape(-1).view(np.uint8)
-        if buffer.host_visible or offset or raw.size > DEFERRED_UPLOAD_BYTES or not isinstance(buffer, OwnedRange):
-            self.flush()
-            self.vk.upload(buffer.sub(int(offset), buffer.size - int(offset)) if offset else buffer, raw)
+        if raw.size + int(offset) > buffer.size:
+            raise ValueError(f"upload of {raw.size} B at offset {offset} into a buffer of {buffer.size} B "
+                             f"({getattr(buffer, 'label', '')!r})")
+        with self.queue_lock:
+            self.flush_locked()
+            if raw.size:
+                self.vk.upload(buffer.sub(int(offset), buffer.size - int(offset)) if offset else buffer, raw)
+
+    def upload_input(self, buffer, array):
+        """A call's input: on mapped memory (lavapipe, integrated GPUs) a memcpy; elsewhere,
+        when small, copied into a staging range kept for that buffer, and from there into
+        device memory at the start of the next step's command buffer (no submit of its own).
+        A readback, a copy or an ordinary upload first runs the pending copies (``flush``)."""
+        raw = np.ascontiguousarray(array).reshape(-1).view(np.uint8)
+        if buffer.host_visible or raw.size == 0 or raw.size > DEFERRED_UPLOAD_BYTES \
+                or not isinstance(buffer, OwnedRange) or raw.size > buffer.size:
+            self.upload(buffer, array)
             return
-        stage = buffer.staging
-        if stage is None or stage.size < raw.size:
-            if stage is not None:
-                stage.destroy()
-            stage = buffer.staging = OwnedRange(self.vk.alloc(raw.size, host=True), self.vk, "upload")
-        stage.block.mapped[stage.offset:stage.offset + raw.size] = raw
-        self._pending[id(buffer)] = (stage, 0, buffer, 0, raw.size)
+        with self.queue_lock, self._pending_lock:
+            stage = buffer.staging
+            if stage is None or stage.size < raw.size:
+                if stage is not None:
+                    self.flush_locked()
+                    stage.destroy()
+                stage = buffer.staging = OwnedRange(self.vk.alloc(raw.size, host=True), self.vk, "upload")
+            stage.block.mapped[stage.offset:stage.offset + raw.size] = raw
+            self._pending[id(buffer)] = (stage, 0, buffer, 0, raw.size)
 
     def take_pending(self) -> list:
         """The deferred uploads as copies (source, offset, destination, offset, bytes), cleared."""
-        out = [c for c in self._pending.values() if not c[2].freed]     # a freed buffer needs none
-        self._pending.clear()
+        with self._pending_lock:
+            out = [c for c in self._pending.values() if not c[2].freed]     # a freed buffer needs none
+            self._pending.clear()
         return out
+
+    def restore_pending(self, copies):
+        """Put back deferred uploads a failed step did not run (unless a newer one replaced them)."""
+        with self._pending_lock:
+            for c in copies:
+                self._pending.setdefault(id(c[2]), c)
 
     def flush(self):
         """Run the deferred uploads now (before a readback or a copy that reads them)."""
-        if self._pending:
-            for src, so, dst, do, n in self.take_pending():
+        with self.queue_lock:
+            self.flush_locked()
+
+    def flush_locked(self):
+        pending = self.take_pending()
+        try:
+            for src, so, dst, do, n in pending:
                 self.vk.copy(src.sub(so, n), dst.sub(do, n), n)
+        except BaseException:
+            self.restore_pending(pending)
+            raise
 
     def readback(self, buffer, nbytes, dtype=np.float32, shape=None, offset=0):
-        self.flush()
         dtype = np.dtype(dtype)
         n = min(int(nbytes), buffer.size - int(offset))
-        raw = self.vk.download(buffer.sub(int(offset), n), np.uint8)
+        with self.queue_lock:
+            self.flush_locked()
+            raw = self.vk.download(buffer.sub(int(offset), n), np.uint8)
         count = int(np.prod(shape)) if shape is not None else n // dtype.itemsize
         out = raw[:count * dtype.itemsize].view(dtype)
         return out.reshape(shape) if shape is not None else out
