@@ -77,3 +77,26 @@ def test_odd_sized_f16_tensors_and_closing_frees_recorded_steps():
     assert progs and all(p._cmd is not None for p in progs)
     s.close()
     assert not step.programs
+
+
+def test_kernels_nobody_holds_are_destroyed(monkeypatch, staged_device):
+    """Kernels evicted from the runtime's cache, once their sessions are closed, are
+    collected and their pipelines destroyed (not kept until the device closes)."""
+    import gc
+    from meganeura.runtime.vulkan import device as vkdevice
+    destroyed = []
+    real = vkdevice._destroy_kernel
+    monkeypatch.setattr(vkdevice, "_destroy_kernel", lambda *a: (destroyed.append(a[1]), real(*a)))
+    rt = backend.VulkanRuntime(staged_device)
+    rt.pipeline_cache_size = 1
+    monkeypatch.setattr(backend, "_runtime", rt)
+    gc.collect()
+    before = len(staged_device._kernels)
+    for n in range(3, 9):                              # distinct shapes: distinct kernels
+        g = mg.Graph()
+        x = g.input("x", (n,))
+        with mg.compile(g, outputs=[mg.ops.exp(x) * 2.0 + 1.0], backend="vulkan") as s:
+            np.testing.assert_allclose(s.run({"x": np.zeros(n, np.float32)})[0], 3.0)
+    gc.collect()
+    assert len(staged_device._kernels) <= before + 1   # the one still cached
+    assert len(destroyed) >= 5                          # their pipelines went back to the driver

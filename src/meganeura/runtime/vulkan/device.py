@@ -175,18 +175,27 @@ class Kernel:
         if dev.api >= (1, 3) and fb.flags & vk.VK_PIPELINE_CREATION_FEEDBACK_VALID_BIT:
             self.cache_hit = bool(fb.flags & vk.VK_PIPELINE_CREATION_FEEDBACK_APPLICATION_PIPELINE_CACHE_HIT_BIT)
         dev._kernels.add(self)
+        # a kernel nobody holds any more (evicted from a cache, its plans closed) is destroyed
+        # when it is collected, not only when the device closes
+        self._release = weakref.finalize(self, _destroy_kernel, dev, self.pipeline, self.layout, self.set_layout)
 
     def destroy(self):
         if self.pipeline is None:
             return
-        ffi, lib, d = _vk.ffi, _vk.lib, self.device.handle
-        lib.vkDestroyPipeline(d, self.pipeline, ffi.NULL)
-        lib.vkDestroyPipelineLayout(d, self.layout, ffi.NULL)
-        lib.vkDestroyDescriptorSetLayout(d, self.set_layout, ffi.NULL)
+        self._release()
         self.pipeline = None
 
     def __repr__(self):
         return f"Kernel({self.name!r}, access={self.access}, push={self.push_size} B, local_size={self.local_size})"
+
+
+def _destroy_kernel(dev, pipeline, layout, set_layout):
+    if dev.handle is None:          # the device is gone, and everything with it
+        return
+    ffi, lib, d = _vk.ffi, _vk.lib, dev.handle
+    lib.vkDestroyPipeline(d, pipeline, ffi.NULL)
+    lib.vkDestroyPipelineLayout(d, layout, ffi.NULL)
+    lib.vkDestroyDescriptorSetLayout(d, set_layout, ffi.NULL)
 
 
 def _env_selector():
