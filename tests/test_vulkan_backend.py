@@ -100,3 +100,16 @@ def test_kernels_nobody_holds_are_destroyed(monkeypatch, staged_device):
     gc.collect()
     assert len(staged_device._kernels) <= before + 1   # the one still cached
     assert len(destroyed) >= 5                          # their pipelines went back to the driver
+
+
+def test_a_session_dropped_without_close_releases_its_recorded_steps():
+    import gc
+    g = mg.Graph()
+    x = g.input("x", (5,))
+    s = mg.compile(g, outputs=[mg.ops.exp(x)], backend="vulkan")
+    s.run({"x": np.zeros(5, np.float32)})
+    progs = [p for p, _ in s.executor.plans["run"].step.programs.values()]
+    assert progs and all(p._cmd is not None for p in progs)
+    del s
+    gc.collect()
+    assert all(p._cmd is None for p in progs)           # command buffer, fence and pools destroyed

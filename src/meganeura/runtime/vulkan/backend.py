@@ -22,6 +22,7 @@ import json
 import os
 import threading
 import time
+import weakref
 from collections import OrderedDict
 
 import numpy as np
@@ -70,6 +71,8 @@ class PreparedProgram:
             raise ValueError(f"{len(self.names)} names for {len(self.dispatches)} dispatches")
         self.programs = {}
         self.last = None
+        # a plan dropped without its session being closed takes its Programs with it
+        self._release = weakref.finalize(self, _close_programs, self.programs, self.lock)
 
     def __len__(self):
         return len(self.dispatches)
@@ -82,11 +85,15 @@ class PreparedProgram:
     def close(self):
         """Destroy the Programs recorded from this step (their command buffers, fences and
         descriptor pools)."""
-        with self.lock:
-            for prog, _ in self.programs.values():
-                prog.close()
-            self.programs.clear()
-            self.last = None
+        _close_programs(self.programs, self.lock)
+        self.last = None
+
+
+def _close_programs(programs, lock):
+    with lock:
+        for prog, _ in programs.values():
+            prog.close()
+        programs.clear()
 
 
 def _groups(g):
