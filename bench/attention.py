@@ -26,6 +26,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
 import meganeura as mg  # noqa: E402
+from meganeura.bench.harness import replay_seconds  # noqa: E402
 from meganeura.codegen import attention as attn, flash  # noqa: E402
 from meganeura.compiler import CompileOptions, compile_plan  # noqa: E402
 from meganeura.runtime import get_device  # noqa: E402
@@ -90,24 +91,7 @@ def ours(feeds, causal, decompose, samples, warmup, backward=False, want=None):
         got = sess.run(feeds)
     finally:
         attn.MAX_ROW_WORK, flash.LOOP_BOUND = saved
-    ex = sess.executor
-    plan = ex.plan("run")
-    dev = ex.dev
-    for _ in range(warmup):
-        ex.recorder.run(plan.step)
-    dev.sync()
-    ts_gpu = None
-    if dev.has_timestamps:
-        ts = ex.recorder.run(plan.step, timestamps=True)
-        ts_gpu = float((ts[:, 1] - ts[:, 0]).sum()) / 1e9
-    reps = 10
-    times = []
-    for _ in range(samples):
-        t0 = time.perf_counter()
-        for _ in range(reps):
-            ex.recorder.run(plan.step)
-        dev.sync()
-        times.append((time.perf_counter() - t0) / reps)
+    times, ts_gpu = replay_seconds(sess, samples, warmup, reps=10)
     want = want if want is not None else [reference(feeds, causal)]
     err = max(float(np.abs(a - w).max() / np.abs(w).max()) for a, w in zip(got, want))
     return times, ts_gpu, err, names

@@ -19,6 +19,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
 import meganeura as mg  # noqa: E402
+from meganeura.bench.harness import replay_seconds  # noqa: E402
 from meganeura.runtime.backends import get_runtime_device, resolve  # noqa: E402
 
 
@@ -30,24 +31,8 @@ def ours(n, reps, samples, warmup):
     rng = np.random.default_rng(0)
     A, B = rng.standard_normal((n, n)).astype(np.float32), rng.standard_normal((n, n)).astype(np.float32)
     sess.run({"a": A, "b": B})
-    ex = sess.executor
-    plan = ex.plan("run")
-    dev = ex.dev
-    # time GPU work only: the prepared step run `reps` times per sample, then a sync
-    for _ in range(warmup):
-        ex.recorder.run(plan.step)
-    dev.sync()
-    ts_gpu = None
-    if dev.has_timestamps:
-        ts = ex.recorder.run(plan.step, timestamps=True)
-        ts_gpu = float((ts[:, 1] - ts[:, 0]).sum()) / 1e9
-    times = []
-    for _ in range(samples):
-        t0 = time.perf_counter()
-        for _ in range(reps):
-            ex.recorder.run(plan.step)
-        dev.sync()
-        times.append((time.perf_counter() - t0) / reps)
+    # GPU work only: the prepared step run `reps` times per sample, then a sync
+    times, ts_gpu = replay_seconds(sess, samples, warmup, reps)
     got = sess.run({"a": A, "b": B})[0]
     err = float(np.abs(got - A @ B).max() / np.abs(A @ B).max())
     return times, ts_gpu, err

@@ -106,6 +106,7 @@ def _operands(r, rng):
 
 def time_ours(r, samples, warmup):
     import meganeura as mg
+    from meganeura.bench.harness import replay_seconds
     A, B = _operands(r, np.random.default_rng(0))
     g = mg.Graph()
     a, b = g.input("a", A.shape), g.input("b", B.shape)
@@ -114,22 +115,11 @@ def time_ours(r, samples, warmup):
         got = sess.run({"a": A, "b": B})[0]
         want = np.matmul(np.swapaxes(A, -1, -2) if r["ta"] else A, np.swapaxes(B, -1, -2) if r["tb"] else B)
         err = float(np.abs(got - want).max() / max(np.abs(want).max(), 1e-30))
-        ex = sess.executor
-        plan = ex.plan("run")
         # replays per sample: about 2 GFLOP, so launch cost is amortised alike on both sides,
         # at most 100 so the sweep of ~300 shapes stays within minutes
         reps = min(100, max(1, int(2e9 // max(r["flops"], 1))))
-        for _ in range(warmup):
-            ex.recorder.run(plan.step)
-        ex.dev.sync()
-        times = []
-        for _ in range(samples):
-            t0 = time.perf_counter()
-            for _ in range(reps):
-                ex.recorder.run(plan.step)
-            ex.dev.sync()
-            times.append((time.perf_counter() - t0) / reps)
-        return times, err, plan.n_dispatches, reps
+        times, _ = replay_seconds(sess, samples, warmup, reps, gpu=False)
+        return times, err, sess.executor.plan("run").n_dispatches, reps
     finally:
         sess.close()
 

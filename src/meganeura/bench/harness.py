@@ -69,6 +69,30 @@ def measure(fn, warmup: int, samples: int, sync=None) -> dict:
     return stats(ts)
 
 
+def replay_seconds(sess, samples: int, warmup: int, reps: int = 1, phase: str = "run", gpu: bool = True):
+    """(seconds per call for each sample, GPU seconds of one call or None): ``sess``'s compiled
+    ``phase`` replayed on the device as it was prepared, no uploads or readbacks; ``reps``
+    replays per sample, then a sync, so launch cost is amortised. The GPU time comes from
+    timestamps around every dispatch (None where the device has none, or ``gpu=False``)."""
+    ex = sess.executor
+    plan, dev = ex.plan(phase), ex.dev
+    for _ in range(warmup):
+        ex.recorder.run(plan.step)
+    dev.sync()
+    gpu_s = None
+    if gpu and dev.has_timestamps:
+        ts = ex.recorder.run(plan.step, timestamps=True)
+        gpu_s = float((ts[:, 1] - ts[:, 0]).sum()) / 1e9
+    times = []
+    for _ in range(samples):
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            ex.recorder.run(plan.step)
+        dev.sync()
+        times.append((time.perf_counter() - t0) / reps)
+    return times, gpu_s
+
+
 class _Torch:
     """Torch-side helpers: device sync, memory peaks and torch.compile availability."""
 
