@@ -29,7 +29,7 @@ import meganeura as mg  # noqa: E402
 from meganeura.bench.harness import replay_seconds  # noqa: E402
 from meganeura.codegen import attention as attn, flash  # noqa: E402
 from meganeura.compiler import CompileOptions, compile_plan  # noqa: E402
-from meganeura.runtime import get_device  # noqa: E402
+from meganeura.runtime.backends import gpu_device  # noqa: E402
 
 # name: (q shape, kv heads, causal)
 CASES = {
@@ -139,7 +139,7 @@ def main(argv=None):
     p.add_argument("--out", default=None, help="JSON path (default bench/results/attention_<size>.json)")
     args = p.parse_args(argv)
     out = args.out or f"bench/results/attention_{args.size}.json"
-    dev = get_device()
+    dev = gpu_device()
     print(f"device: {dev.name} ({dev.adapter_info.get('backend')}), modules {'trusted' if dev.trusted else 'checked'}")
     print(f"{'case':11} {'phase':8} {'variant':11} {'dispatches':>10} {'median us':>10} {'GPU ts us':>10} "
           f"{'GFLOP/s':>9} {'torch/ours':>10} {'max rel err':>12}")

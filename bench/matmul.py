@@ -20,7 +20,7 @@ import numpy as np
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
 import meganeura as mg  # noqa: E402
 from meganeura.bench.harness import replay_seconds  # noqa: E402
-from meganeura.runtime.backends import get_runtime_device, resolve  # noqa: E402
+from meganeura.runtime.backends import gpu_device  # noqa: E402
 
 
 def ours(n, reps, samples, warmup):
@@ -66,10 +66,9 @@ def main():
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--out", default="bench/results/matmul.json")
     args = p.parse_args()
-    dev = get_runtime_device(resolve("gpu"))
-    trusted = getattr(dev, "trusted", True)
+    dev = gpu_device()
     rows = []
-    print(f"device: {dev.name} ({dev.adapter_info.get('backend')}), modules {'trusted' if trusted else 'checked'}")
+    print(f"device: {dev.name} ({dev.adapter_info.get('backend')}), modules {'trusted' if dev.trusted else 'checked'}")
     print(f"{'n':>6} {'ours ms':>9} {'ours TF/s':>10} {'torch ms':>9} {'torch TF/s':>11} {'ratio':>6} {'max rel err':>12}")
     for n in map(int, args.sizes.split(",")):
         reps = max(1, int(2e10 // (2 * n ** 3)))
@@ -87,7 +86,7 @@ def main():
               f"{row.get('torch_tflops', float('nan')):>11.2f} {row.get('ratio', float('nan')):>6.2f} {err:>12.2e}")
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out, "w") as f:
-        json.dump({"device": dev.adapter_info, "trusted": trusted, "python": platform.python_version(),
+        json.dump({"device": dev.adapter_info, "trusted": dev.trusted, "python": platform.python_version(),
                    "rows": rows}, f, indent=1, default=str)
     print(f"wrote {args.out}")
 

@@ -170,8 +170,8 @@ def main(argv=None):
     if not args.dry:
         import torch
 
-        from meganeura.runtime import get_device
-        dev = get_device()
+        from meganeura.runtime.backends import gpu_device
+        dev = gpu_device()
         picked = []
         for s in filter(None, args.time_shapes.split(",")):
             m, n, k = (int(v) for v in s.lower().split("x"))

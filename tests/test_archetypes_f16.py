@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 import meganeura as mg
-from meganeura.runtime.backends import get_runtime_device, resolve
+from meganeura.runtime.backends import gpu_device
 from meganeura.compiler import CompileOptions, compile_plan
 
 ARCHETYPES = {
@@ -24,7 +24,7 @@ ARCHETYPES = {
 @pytest.mark.parametrize("dtype", ["f32", "f16"])
 @pytest.mark.parametrize("arch", list(ARCHETYPES))
 def test_archetype_renders_and_matches(arch, dtype):
-    if dtype == "f16" and not get_runtime_device(resolve("gpu")).has_f16:
+    if dtype == "f16" and not gpu_device().has_f16:
         pytest.fail("the CI device (lavapipe) offers shader-f16; this device does not")
     dt = mg.f16 if dtype == "f16" else mg.f32
     g = mg.Graph()

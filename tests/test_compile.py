@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 import meganeura as mg
-from meganeura.runtime.backends import get_runtime_device, resolve
+from meganeura.runtime.backends import gpu_device
 from meganeura import api
 from meganeura.bench.dispatches import phase_targets
 from meganeura.bench.workloads import make
@@ -39,7 +39,7 @@ def test_a_producer_that_finds_no_binding_left_runs_as_its_own_kernel(monkeypatc
     kp = compile_plan([y], options=CompileOptions(max_bindings=8))     # raised "was not computed" before
     assert kp.n_dispatches == 2 and all(len(d.bufs) <= 8 for d in kp.dispatches)
     # on a device that offers 8 storage buffers per stage (WebGPU's default limit)
-    monkeypatch.setitem(get_runtime_device(resolve("gpu")).limits, "max-storage-buffers-per-shader-stage", 8)
+    monkeypatch.setitem(gpu_device().limits, "max-storage-buffers-per-shader-stage", 8)
     rng = np.random.default_rng(0)
     feeds = {x.name: rng.standard_normal(x.shape).astype(np.float32) for x in xs}
     out = mg.compile(g, outputs=[y], backend="gpu", plan_cache=False).run(feeds)[0]
@@ -84,7 +84,7 @@ def test_initial_values_are_made_only_when_needed(monkeypatch):
 
 def test_compile_creates_the_pipelines_of_the_main_call():
     g, loss = _mlp_graph()
-    dev = get_runtime_device(resolve("gpu"))
+    dev = gpu_device()
     dev.clear_caches()
     before = dev.stats["pipelines_compiled"]
     s = mg.compile(g, loss=loss, optimizer=mg.optim.SGD(lr=0.1), backend="gpu", plan_cache=False)

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import meganeura as mg
-from meganeura.runtime.backends import get_runtime_device, resolve
+from meganeura.runtime.backends import get_runtime_device, gpu_device
 
 
 def _regression(optimizer=None, n_in=8, n_out=16, batch=4, g=None):
@@ -103,7 +103,7 @@ def test_close_frees_device_buffers_and_refuses_later_calls():
             s.load_state_dict({"w": np.full((4096, 2048), 0.5, np.float32)})   # 32 MiB on the device, 32 on the host
             s.run({"x": np.ones((1, 2048), np.float32)})
         gc.collect()
-        get_runtime_device(resolve("gpu")).sync()
+        gpu_device().sync()
         return s
 
     closed = [cycle()]          # kept alive: only close() may free their memory
@@ -181,7 +181,7 @@ def test_second_compile_with_another_optimizer_keeps_the_first_session_working(t
 
 # ---------------------------------------------------------------- device limits
 def test_tensor_over_the_binding_limit_is_refused_at_compile_naming_it():
-    dev = get_runtime_device(resolve("gpu"))
+    dev = gpu_device()
     limit = min(dev.limits["max-storage-buffer-binding-size"], dev.limits["max-buffer-size"])
     n = limit // 4 + 1
     g = mg.Graph()

@@ -148,9 +148,9 @@ def scaling(layers=(8, 16, 32, 64)) -> list:
 def on_device(name, size, graph, mode="strict") -> dict:
     """``mg.compile`` of one workload graph with every plan built (pipelines included), twice
     in this process; device start-up is excluded."""
-    from ..runtime.backends import get_runtime_device, resolve
+    from ..runtime.backends import gpu_device
     t0 = time.perf_counter()
-    dev = get_runtime_device(resolve("gpu"))
+    dev = gpu_device()
     startup_s = time.perf_counter() - t0
     w = make(name, size=size, device="cpu")      # graphs only: torch is not imported
     out = {"workload": name, "graph": graph, "mode": mode, "startup_s": startup_s, "adapter": dev.name}

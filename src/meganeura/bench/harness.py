@@ -367,8 +367,8 @@ def run(opts, log=print) -> dict:
     if opts.device is None:
         from .workloads import default_device
         opts.device = default_device()
-    from ..runtime.backends import get_runtime_device, resolve
-    get_runtime_device(resolve("gpu"))      # device start-up is not part of any compile time
+    from ..runtime.backends import gpu_device
+    gpu_device()      # device start-up is not part of any compile time
     result = {"kind": "bench", "schema": 1,
               "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
               "options": {k: getattr(opts, k) for k in ("size", "workloads", "phases", "modes", "warmup", "samples",

@@ -52,6 +52,11 @@ def get_runtime_device(kind: str):
     return get_device()
 
 
+def gpu_device():
+    """The device object that ``backend="gpu"`` sessions run on."""
+    return get_runtime_device(resolve("gpu"))
+
+
 def make_recorder(dev):
     if getattr(dev, "backend", None) == "vulkan":
         from .vulkan.backend import VulkanRecorder

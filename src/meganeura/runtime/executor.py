@@ -16,8 +16,7 @@ from ..api import starts_at_zero
 from .. import plan_cache
 from ..compiler import F16_COPY, CompileOptions, compile_plan, f16_weights
 from ..graph import DeviceLimitError, fmt_shape
-from .backends import get_runtime_device, make_recorder, resolve
-from .device import get_device
+from .backends import get_runtime_device, gpu_device, make_recorder, resolve
 from .profiler import trace_writer, write_chrome_trace
 
 
@@ -177,8 +176,9 @@ def check_environment():
 def check_device_limits(tensors, dev=None):
     """Raise DeviceLimitError, naming each tensor, if any is larger than one storage
     binding (or one buffer) of the device may be: found at compile time, not as a wgpu
-    validation error at the first run."""
-    dev = dev or get_device()
+    validation error at the first run. ``dev``: the device the session runs on (default: the
+    ``backend="gpu"`` one)."""
+    dev = dev or gpu_device()
     lims = dev.limits
     limit, which = min((int(lims[k]), k) for k in ("max-storage-buffer-binding-size", "max-buffer-size") if k in lims)
     over = [t for t in tensors if t.size * t.dtype.np.itemsize > limit]

@@ -244,6 +244,11 @@ class VulkanRuntime:
     def name(self) -> str:
         return self.vk.name
 
+    @property
+    def trusted(self) -> bool:
+        """As wgpu's: no checks beyond the kernels' own (checked mode adds the index reports)."""
+        return not self.checked
+
     def __repr__(self):
         return f"VulkanRuntime({self.name!r}, {'software/CPU' if self.is_software else 'hardware'})"
 
