@@ -37,6 +37,20 @@ def _cse_key(t: Tensor, ins):
     return (t.op, tuple(i.id for i in ins), t.dtype.name, attrs)
 
 
+LEAVES = ("input", "parameter", "state", "constant")
+
+
+def copy_leaf(g: Graph, t: Tensor) -> Tensor:
+    """Leaf ``t`` (input, parameter, state or constant) declared again in graph ``g``."""
+    if t.op == "input":
+        return g.input(t.name, t.shape, t.dtype)
+    if t.op == "parameter":
+        return g.parameter(t.name, t.shape, t.dtype, init=t.attrs.get("init"))
+    if t.op == "state":
+        return g.state(t.name, t.shape, t.dtype, init=t.attrs.get("init"))
+    return g.constant(t.attrs["value"], t.dtype)
+
+
 def _copy(targets: list[Tensor], keep, rewrite=None, cse=False) -> tuple[Graph, list[Tensor], bool]:
     g = Graph()
     m: dict[int, Tensor] = {}
@@ -50,14 +64,8 @@ def _copy(targets: list[Tensor], keep, rewrite=None, cse=False) -> tuple[Graph, 
                 continue
         else:
             key = None
-        if t.op == "input":
-            n = g.input(t.name, t.shape, t.dtype)
-        elif t.op == "parameter":
-            n = g.parameter(t.name, t.shape, t.dtype, init=t.attrs.get("init"))
-        elif t.op == "state":
-            n = g.state(t.name, t.shape, t.dtype, init=t.attrs.get("init"))
-        elif t.op == "constant":
-            n = g.constant(t.attrs["value"], t.dtype)
+        if t.op in LEAVES:
+            n = copy_leaf(g, t)
         else:
             ins = [m[i.id] for i in t.inputs]
             dec = OPS[t.op].extra.get("decompose")

@@ -19,6 +19,7 @@ from __future__ import annotations
 from ..graph import Graph, Tensor
 from ..ops.registry import OPS
 from ..reference import needed_nodes
+from .lower import copy_leaf
 
 PERSISTENT = ("input", "parameter", "state", "constant")
 VIEW_OPS = ("reshape", "permute", "slice", "broadcast_to")
@@ -125,12 +126,8 @@ def _rebuild(nodes, boundary, chosen, targets):
         return c
 
     for i, t in enumerate(nodes):
-        if t.op == "input":
-            n = g.input(t.name, t.shape, t.dtype)
-        elif t.op == "parameter":
-            n = g.parameter(t.name, t.shape, t.dtype, init=t.attrs.get("init"))
-        elif t.op == "state":
-            n = g.state(t.name, t.shape, t.dtype, init=t.attrs.get("init"))
+        if t.op in ("input", "parameter", "state"):
+            n = copy_leaf(g, t)
         else:
             # a reader that absorbs its clone gets its own; the others share one per value
             memo = {} if _absorbs(t) else shared
