@@ -154,10 +154,7 @@ def convert(v: Val, to: Ty) -> Val:
         text = digits if v.lit is not None else f"int({v.text})"
     else:
         raise GlslTranslationError(f"cannot convert {v.text} to {target}")
-    ty = S(target)
-    if to.kind == "vec":       # a literal splatted into a vector operation stays scalar
-        ty = S(target)
-    return Val(text, ty)
+    return Val(text, S(target))      # beside a vector, the converted literal stays a scalar
 
 
 def unify(a: Val, b: Val) -> tuple[Val, Val]:
@@ -400,9 +397,7 @@ class _Translator:
         ty = self.parse_type()
         args = self.args()
         if ty.kind == "scalar":
-            (x,) = args
-            if ty.elem == "f16":
-                self.uses_f16 = True
+            (x,) = args                        # (parse_type noted an f16)
             if x.ty.abstract:
                 return convert(x, ty)
             return Val(f"{glsl_type(ty)}({x.text})", ty)
