@@ -321,6 +321,9 @@ class Device:
             with self.queue_lock:
                 self.queue.write_buffer(buffer, int(offset), raw)
 
+    # a call's inputs: wgpu already stages writes and runs them before the next submit
+    upload_input = upload
+
     def submit(self, command_buffers):
         """Submit to the queue (serialised across threads)."""
         with self.queue_lock:

@@ -249,9 +249,10 @@ class GpuExecutor:
             pool[name] = b
         return b
 
-    def set_value(self, name, arr):
+    def set_value(self, name, arr, put=None):
+        """``put``: how the bytes go to the device (default ``dev.upload``, at once)."""
         arr = np.asarray(arr, dtype=self._dtypes[name].dtype.np, order="C")
-        self.dev.upload(self.named_buffer(name, arr.nbytes), arr)
+        (put or self.dev.upload)(self.named_buffer(name, arr.nbytes), arr)
         self.unsent.discard(name)
         if name in self.copies:
             self._write_copy(name, arr)
@@ -291,15 +292,8 @@ class GpuExecutor:
 
     def upload(self, feeds: dict):
         """A call's inputs (the Vulkan backend defers small ones into the step's command buffer)."""
-        put = getattr(self.dev, "upload_input", None)
         for name, arr in feeds.items():
-            t = self._dtypes.get(name)
-            if put is not None and t is not None and t.op == "input" and name not in self.copies:
-                arr = np.asarray(arr, dtype=t.dtype.np, order="C")
-                put(self.named_buffer(name, arr.nbytes), arr)
-                self.unsent.discard(name)
-            else:
-                self.set_value(name, arr)
+            self.set_value(name, arr, self.dev.upload_input if self._dtypes[name].op == "input" else None)
 
     def get_value(self, name):
         if name in self.unsent:
