@@ -568,15 +568,13 @@ def _submit_segment(dev, step, copies) -> int:
     the submission index (``_wait_for_submission`` waits for it alone)."""
     from wgpu.backends.wgpu_native._ffi import ffi, lib
 
-    from .runtime.recorder import StepRecorder, _norm_copy
+    from .runtime.recorder import StepRecorder, encode_copies
     enc = dev.raw.create_command_encoder()
     if step.ops:
         cpass = enc.begin_compute_pass()
         StepRecorder._record(cpass._internal, step.ops)
         cpass.end()
-    for c in copies:
-        src, so, dst, do, n = _norm_copy(c)
-        enc.copy_buffer_to_buffer(src, so, dst, do, n)
+    encode_copies(enc, copies)
     cb = enc.finish()
     handles = ffi.new("WGPUCommandBuffer[]", [cb._internal])
     with dev.queue_lock:

@@ -27,6 +27,13 @@ def _norm_copy(c):
     return src, int(so), dst, int(do), (int(n) + 3) & ~3
 
 
+def encode_copies(enc, copies):
+    """Record buffer copies (``_norm_copy`` forms) into command encoder ``enc``."""
+    for c in copies:
+        src, so, dst, do, n = _norm_copy(c)
+        enc.copy_buffer_to_buffer(src, so, dst, do, n)
+
+
 class PreparedStep:
     """A dispatch list turned into raw handles, built once per plan.
 
@@ -99,15 +106,11 @@ class StepRecorder:
                 raise RuntimeError("adapter has no timestamp-query feature")
             return self._run_timed(step, copies_before, copies_after)
         enc = dev.raw.create_command_encoder()
-        for c in copies_before:
-            src, so, dst, do, n = _norm_copy(c)
-            enc.copy_buffer_to_buffer(src, so, dst, do, n)
+        encode_copies(enc, copies_before)
         cpass = enc.begin_compute_pass()
         self._record(cpass._internal, step.ops)
         cpass.end()
-        for c in copies_after:
-            src, so, dst, do, n = _norm_copy(c)
-            enc.copy_buffer_to_buffer(src, so, dst, do, n)
+        encode_copies(enc, copies_after)
         dev.submit([enc.finish()])
         if wait:
             dev.sync()
@@ -152,9 +155,7 @@ class StepRecorder:
         q = self._query_resources(step, nq)
         sets = q["sets"]
         enc = dev.raw.create_command_encoder()
-        for c in copies_before:
-            src, so, dst, do, nb = _norm_copy(c)
-            enc.copy_buffer_to_buffer(src, so, dst, do, nb)
+        encode_copies(enc, copies_before)
         if dev.has_timestamps_in_passes:
             # One pass, a timestamp before and after every dispatch.
             write = lib.wgpuComputePassEncoderWriteTimestamp
@@ -200,9 +201,7 @@ class StepRecorder:
         for si, qs in enumerate(sets):
             cnt = min(_MAX_QUERIES, nq - si * _MAX_QUERIES)
             enc.resolve_query_set(qs, 0, cnt, q["resolve"], si * _MAX_QUERIES * 8)
-        for c in copies_after:
-            src, so, dst, do, nb = _norm_copy(c)
-            enc.copy_buffer_to_buffer(src, so, dst, do, nb)
+        encode_copies(enc, copies_after)
         st = q["staging"]
         enc.copy_buffer_to_buffer(q["resolve"], 0, st, 0, 8 * nq)
         dev.submit([enc.finish()])
