@@ -1,15 +1,14 @@
-"""Matmul tile and split-K choice on the workloads' hot shapes: GPU microseconds of one
-linear layer (optionally with a layer norm fused in front, as the decoders use it) for
-every tile (MEGANEURA_MATMUL_TILE) and K split (MEGANEURA_MATMUL_SPLIT), beside the
-automatic choice. Prints a table and writes JSON.
+"""Matmul tile, K split and K step choice on the workloads' hot shapes: GPU microseconds of
+one linear layer (optionally with a layer norm fused in front, as the decoders use it) for
+every tile (MEGANEURA_MATMUL_TILE), K split (MEGANEURA_MATMUL_SPLIT) and K step
+(MEGANEURA_MATMUL_TK), beside the automatic choice. Prints the automatic choice and the four
+best per shape, and writes JSON with every configuration.
 
-Each sample is one call timed alone (GPU timestamps around its dispatches, after warm-up
-calls), so a few tens of microseconds of per-submission latency are in every number: the
-table ranks configurations, the workloads' profiles give kernel times. On the H200
-(bench/results/h200/matmul_tiles.json) the automatic choice was best or within 10% of the
-best on 7 of 9 shapes; Whisper's QKV projection gains 7% from 128-wide tiles.
+Each call runs 8 copies of the layer back to back (separate launches, a barrier after each)
+right after about 20 ms of other GPU work, so clocks are up as in a model; a sample is the
+call's GPU time per layer from timestamps.
 
-    python bench/matmul_tiles.py [--out bench/results/h200/matmul_tiles.json] [--quick]
+    python bench/matmul_tiles.py [--out bench/results/h200/matmul_tiles.json] [--quick] [--shapes a,b]
 """
 from __future__ import annotations
 
@@ -23,19 +22,45 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
 import meganeura as mg  # noqa: E402
+from meganeura.runtime.backends import gpu_device  # noqa: E402
 
 # (label, M, K, N, norm in front): Whisper-tiny encoder, SmolVLA expert, SmolLM2 prefill
 SHAPES = [("whisper qkv", 1500, 384, 1152, True), ("whisper fc1", 1500, 384, 1536, True),
+          ("whisper fc1 plain", 1500, 384, 1536, False),
           ("whisper fc2", 1500, 1536, 384, False), ("whisper out", 1500, 384, 384, False),
           ("smolvla gate", 50, 720, 2048, True), ("smolvla down", 50, 2048, 720, False),
           ("smolvla o", 50, 960, 720, False),
           ("smollm2 gate", 128, 576, 1536, True), ("smollm2 down", 128, 1536, 576, False)]
-WARMUP = 40
-CONFIGS = [("auto", None, None)] + [(f"t{t}/s{s}", t, s) for t in (32, 64, 128) for s in (1, 2, 4)]
+WARMUP = 5
+REPS = 8          # layers per call: the GPU stays busy, so clocks and caches are as in a model
+CONFIGS = [("auto", None, None, None)] + [(f"t{t}/s{s}/k{k}", t, s, k) for t in (32, 64, 128) for s in (1, 2, 4, 8)
+                                          for k in (8, 16, 32) if k * t <= 2048]
 
 
-def gpu_us(M, K, N, norm, tile, split, samples):
-    env = {"MEGANEURA_MATMUL_TILE": tile, "MEGANEURA_MATMUL_SPLIT": split}
+_HEATER = []
+
+
+def heat():
+    """About 20 ms of GPU work with a scalar result, right before a timed call: an idle GPU
+    lowers its clocks (an H200 idles at 345 of 1980 MHz) and isolated calls time that."""
+    if not _HEATER:
+        g = mg.Graph()
+        a = g.input("a", (4096, 4096))
+        y = a
+        for _ in range(4):
+            y = mg.ops.mm(y, a)
+        s = mg.compile(g, outputs=[mg.ops.reduce_sum(y, (0, 1))], backend="gpu", plan_cache=False)
+        feeds = {"a": np.random.default_rng(1).standard_normal((4096, 4096)).astype(np.float32) / 64}
+        _HEATER.append(lambda: s.run(feeds))
+    _HEATER[0]()
+
+
+def gpu_us(M, K, N, norm, tile, split, tk, samples):
+    """Median GPU microseconds of one layer (its matmul and any split-K sum): REPS
+    layers per call, kept apart (no horizontal merge) and run one after another (a barrier
+    after every dispatch)."""
+    env = {"MEGANEURA_MATMUL_TILE": tile, "MEGANEURA_MATMUL_SPLIT": split, "MEGANEURA_MATMUL_TK": tk,
+           "MEGANEURA_NO_FUSE": "horizontal"}     # the layers stay separate launches
     old = {k: os.environ.get(k) for k in env}
     for k, v in env.items():
         if v is None:
@@ -44,19 +69,21 @@ def gpu_us(M, K, N, norm, tile, split, samples):
             os.environ[k] = str(v)
     try:
         g = mg.Graph()
-        x = g.input("x", (M, K))
-        h = mg.ops.layer_norm(x, (K,)) if norm else x
-        y = mg.ops.linear(h, g.parameter("w", (N, K)))
-        s = mg.compile(g, outputs=[y], backend="gpu", plan_cache=False)
-        feeds = {"x": np.random.default_rng(0).standard_normal((M, K)).astype(np.float32)}
-        for _ in range(WARMUP):       # clocks up, memory touched: isolated calls time the idle GPU
+        ys = []
+        for r in range(REPS):
+            x = g.input(f"x{r}", (M, K))
+            h = mg.ops.layer_norm(x, (K,)) if norm else x
+            ys.append(mg.ops.linear(h, g.parameter(f"w{r}", (N, K))))
+        s = mg.compile(g, outputs=ys, backend="gpu", plan_cache=False)
+        rng = np.random.default_rng(0)
+        feeds = {f"x{r}": rng.standard_normal((M, K)).astype(np.float32) for r in range(REPS)}
+        for _ in range(WARMUP):
             s.run(feeds)
         times = []
         for _ in range(samples):
-            for _ in range(WARMUP // 4):
-                s.run(feeds)
-            times.append(sum(r[1] for r in s.profile(feeds)))
-        names = s.executor.plans["run"].names
+            heat()
+            times.append(sum(r[1] for r in s.profile(feeds)) / REPS)
+        names = sorted(set(s.executor.plans["run"].names))
         s.close()
         return statistics.median(times), names
     finally:
@@ -74,19 +101,23 @@ def main(argv=None):
     ap.add_argument("--shapes", default=None, help="comma-separated labels (default: all)")
     args = ap.parse_args(argv)
     samples = 3 if args.quick else 9
+    rt = gpu_device()
+    if hasattr(rt, "use_levels"):
+        rt.use_levels = False     # serial, as a model's dependent layers run
     shapes = [s for s in SHAPES if args.shapes is None or s[0] in args.shapes.split(",")]
     rows = []
-    print(f"{'shape':14} {'M':>5} {'K':>5} {'N':>5} " + " ".join(f"{c[0]:>9}" for c in CONFIGS) + "   (GPU us)")
+    print(f"{'shape':17} {'M':>5} {'K':>5} {'N':>5}  auto  best (GPU us per layer)")
     for label, M, K, N, norm in shapes:
         row = {"shape": label, "M": M, "K": K, "N": N, "norm": norm, "us": {}, "kernels": {}}
-        for name, tile, split in CONFIGS:
-            us, names = gpu_us(M, K, N, norm, tile, split, samples)
+        for name, tile, split, tk in CONFIGS:
+            us, names = gpu_us(M, K, N, norm, tile, split, tk, samples)
             row["us"][name], row["kernels"][name] = us, names
         best = min(row["us"], key=row["us"].get)
         row["best"] = best
         rows.append(row)
-        print(f"{label:14} {M:5d} {K:5d} {N:5d} " + " ".join(f"{row['us'][c[0]]:9.1f}" for c in CONFIGS)
-              + f"   best {best}")
+        top = sorted(row["us"], key=row["us"].get)[:4]
+        print(f"{label:17} {M:5d} {K:5d} {N:5d} {row['us']['auto']:6.1f}  "
+              + "  ".join(f"{c} {row['us'][c]:.1f}" for c in top), flush=True)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump({"kind": "matmul_tiles", "samples": samples, "rows": rows}, f, indent=1)

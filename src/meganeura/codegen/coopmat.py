@@ -32,7 +32,7 @@ import numpy as np
 
 from .common import Bindings, contiguous_batch_strides
 from .expr import OutputStore
-from .matmul import split_k
+from .matmul import k_step, split_k
 
 FRAG = 16          # the fragment shape: 16x16x16
 SUBGROUP = 32      # lanes per subgroup the kernel is written for
@@ -274,7 +274,7 @@ class _Part:
         self.S = s.get("split", 1)
         self.batch = tuple(s.get("batch", kernel.shape[:-2]))
         self.nb = int(np.prod(self.batch, dtype=np.int64))
-        self.KC = split_k(self.K, self.S)
+        self.KC = split_k(self.K, self.S, s.get("tk") or k_step(s.get("tile") or 128))
         # bindings in the WGSL kernel's order: A, B, then the store's (output, epilogue)
         self.A = _Operand(a, bind.index(a.buf, a.dtype), not self.ta, self.M, BM, self.K, "m0", self.M % BM != 0, False)
         self.B = _Operand(b, bind.index(b.buf, b.dtype), self.tb, self.N, BN, self.K, "n0", self.N % BN != 0, False)

@@ -152,7 +152,24 @@ def render(kernel):
                         + (f"if (e < {total}u) {{ {inner} }}" if guard else inner) + " }")
         return [f"    for (var it = 0u; it < {trips}u; it = it + 1u) {{"] + body + ["    }"]
 
+    def fetch(total, width, src, ok, reg):
+        """``stage`` split in two for software pipelining: the loads into registers ``reg``
+        (issued a phase ahead, so their latency hides behind arithmetic), then the stores
+        into workgroup memory (``put(dst)``)."""
+        per = -(-total // TH)
+
+        def one(u, body):
+            e = f"let e = lid + {u * TH}u; let row = e / {width}u; let col = e % {width}u;"
+            return f"        {{ {e} " + (f"if (e < {total}u) {{ {body} }}" if (u + 1) * TH > total else body) + " }"
+        load = [one(u, f"{reg}[{u}] = select(0.0, {src}, {ok});") for u in range(per)]
+        put = lambda dst: [one(u, f"{dst} = {reg}[{u}];") for u in range(per)]  # noqa: E731
+        return load, put
+
     qs, ks, vs = q.strides, k.strides, v.strides
+    # one K chunk and one V chunk per tile and few elements per thread: the next tile's K
+    # loads while P V is computed and the tile's V while Q K^T is (Whisper-tiny's encoder
+    # attention 268 -> see bench/attention.py on an H200)
+    piped = len(_chunks(d)) == 1 and len(VCH) == 1 and BK * max(_pad4(d), _pad4(dv)) <= 32 * TH
     L = [f"    let gi = {GROUP_INDEX};",
          f"    if (gi >= {nb * hq * NQT}u) {{ return; }}",
          f"    let qt = gi % {NQT}u; let bh = gi / {NQT}u; let h = bh % {hq}u; let bz = bh / {hq}u;"]
@@ -176,6 +193,20 @@ def render(kernel):
         L.append(f"    let nt = min({NT}u, (q0 + {BQ - 1}u) / {BK}u + 1u);")
     else:
         L.append(f"    let nt = {NT}u;")
+    k_src = lambda k0, c0: (f"b{kb}[koff + min({k0} + row, {lk - 1}u) * {ks[-2]}u + "  # noqa: E731
+                            f"min({c0}u + col, {d - 1}u) * {ks[-1]}u]")
+    k_ok = lambda k0, c0: f"{k0} + row < {lk}u && {c0}u + col < {d}u"  # noqa: E731
+    v_src = lambda k0, c0: (f"b{vb}[voff + min({k0} + row, {lk - 1}u) * {vs[-2]}u + "  # noqa: E731
+                            f"min({c0}u + col, {dv - 1}u) * {vs[-1]}u]")
+    v_ok = lambda k0, c0: f"{k0} + row < {lk}u && {c0}u + col < {dv}u"  # noqa: E731
+    if piped:
+        wk, wv = _pad4(d), _pad4(dv)
+        load_k = lambda k0: fetch(BK * wk, wk, k_src(k0, 0), k_ok(k0, 0), "kr")[0]  # noqa: E731
+        load_v = lambda k0: fetch(BK * wv, wv, v_src(k0, 0), v_ok(k0, 0), "vr")[0]  # noqa: E731
+        put_k = fetch(BK * wk, wk, "", "", "kr")[1]
+        put_v = fetch(BK * wv, wv, "", "", "vr")[1]
+        L += [f"    var kr: array<f32, {-(-BK * wk // TH)}>;", f"    var vr: array<f32, {-(-BK * wv // TH)}>;"]
+        L += load_k("0u")
     L += ["    for (var t = 0u; t < nt; t = t + 1u) {", f"    let kt0 = t * {BK}u;",
           # s[r][c]: row ty*4+r, key kt0 + tx + 16c; zeroed here (naga hoists a bare var's
           # zero initialisation to the function's entry, not to each iteration)
@@ -185,11 +216,12 @@ def render(kernel):
         if n:
             L.append("    workgroupBarrier();")
         # K chunk: row j holds dims c0.. of key kt0 + j, vec4 d4 stored at d4 ^ (j % R)
-        L += stage(BK * w, w, f"KV[row * {R}u + ((col / 4u) ^ (row & {R - 1}u))][col % 4u]",
-                   f"b{kb}[koff + min(kt0 + row, {lk - 1}u) * {ks[-2]}u + min({c0}u + col, {d - 1}u) * {ks[-1]}u]",
-                   f"kt0 + row < {lk}u && {c0}u + col < {d}u")
-        L += ["    workgroupBarrier();",
-              f"    for (var d4 = 0u; d4 < {w // 4}u; d4 = d4 + 1u) {{"]
+        kdst = f"KV[row * {R}u + ((col / 4u) ^ (row & {R - 1}u))][col % 4u]"
+        if piped:
+            L += put_k(kdst) + ["    workgroupBarrier();"] + load_v("kt0")
+        else:
+            L += stage(BK * w, w, kdst, k_src("kt0", c0), k_ok("kt0", c0)) + ["    workgroupBarrier();"]
+        L += [f"    for (var d4 = 0u; d4 < {w // 4}u; d4 = d4 + 1u) {{"]
         L += [f"        let qa{r} = Qs[(ty * 4u + {r}u) * {DQ4}u + {c0 // 4}u + d4];" for r in range(4)]
         L += [f"        let kc{c} = KV[(tx + {16 * c}u) * {R}u + (d4 ^ ((tx + {16 * c}u) & {R - 1}u))];"
               for c in range(4)]
@@ -245,11 +277,13 @@ def render(kernel):
     for g, (c0, w) in enumerate(VCH):
         if g:
             L.append("    workgroupBarrier();")
-        L += stage(BK * w, w, f"KV[row * {CH // 4}u + col / 4u][col % 4u]",
-                   f"b{vb}[voff + min(kt0 + row, {lk - 1}u) * {vs[-2]}u + min({c0}u + col, {dv - 1}u) * {vs[-1]}u]",
-                   f"kt0 + row < {lk}u && {c0}u + col < {dv}u")
-        L += ["    workgroupBarrier();",
-              f"    for (var j4 = 0u; j4 < {BK // 4}u; j4 = j4 + 1u) {{"]
+        vdst = f"KV[row * {CH // 4}u + col / 4u][col % 4u]"
+        if piped:
+            L += put_v(vdst) + ["    workgroupBarrier();",
+                                "    if (t + 1u < nt) {"] + load_k(f"kt0 + {BK}u") + ["    }"]
+        else:
+            L += stage(BK * w, w, vdst, v_src("kt0", c0), v_ok("kt0", c0)) + ["    workgroupBarrier();"]
+        L += [f"    for (var j4 = 0u; j4 < {BK // 4}u; j4 = j4 + 1u) {{"]
         for u in range(4):
             L += [f"        let j{u} = j4 * 4u + {u}u;",
                   f"        let pp{u} = Ps[j{u} * {TY}u + (ty ^ (j{u} & {TY - 1}u))];",

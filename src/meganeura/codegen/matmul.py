@@ -36,7 +36,7 @@ def lower_matmul(t, ins, out, materialize, temp):
         return _split_k(t, out, temp, Kernel("gemv", "matmul", {**spec, "gemv": True, "split": split},
                                              temp((nb, split, m, n), out.dtype), [a, b]), split)
     tile, split = plan_tiles(m, n, k, nb)
-    spec.update(tile=tile, split=split)
+    spec.update(tile=tile, split=split, tk=k_step(tile))
     if split == 1:
         return [Kernel("matmul", "matmul", {**spec, "split": 1}, out, [a, b])]
     part = temp((nb, split, m, n), out.dtype)
@@ -65,7 +65,22 @@ def accelerate(a, b, ta, tb):
     return emit("matmul", [cast(a, "f16"), cast(b, "f16")], ta=ta, tb=tb, out_dtype="f32")
 
 
-TK = 8
+# K elements per double-buffered step (one barrier each), by tile. Workgroup memory: 2
+# stages x 2 operands x TK x T floats. Longer steps for the small tiles (32 and 16) sped
+# ResNet-50's convolutions by 3% on an H200 but slowed SmolVLA's norm-fused projections by
+# 40%, so every tile keeps 8 until bench/matmul_tiles.py says otherwise per shape.
+K_STEPS = {32: 8, 64: 8, 128: 8}
+
+
+def k_step(tile) -> int:
+    """K per step of ``tile``: MEGANEURA_MATMUL_TK (8, 16 or 32) or the tile's default."""
+    forced = os.environ.get("MEGANEURA_MATMUL_TK")
+    if not forced:
+        return K_STEPS[tile]
+    tk = int(forced)
+    if tk not in (8, 16, 32) or tk * tile > 4096:
+        raise ValueError(f"MEGANEURA_MATMUL_TK={tk}: expected 8, 16 or 32 (at most 4096 / tile {tile})")
+    return tk
 
 
 TARGET_GROUPS = 256   # enough workgroups to occupy a large GPU (an H200 has 132 SMs)
@@ -86,13 +101,14 @@ def plan_tiles(M, N, K, nb):
         tile = 32
     split = int(os.environ.get("MEGANEURA_MATMUL_SPLIT", "0")) or \
         max(1, min(-(-TARGET_GROUPS // tiles(tile)), K // 128, 16))
-    split = max(split, -(-K // (TK * (LOOP_BOUND - 1))))   # each split loops K / split / TK + 1 times
-    return tile, -(-K // split_k(K, split))   # no empty splits
+    tk = k_step(tile)
+    split = max(split, -(-K // (tk * (LOOP_BOUND - 1))))   # each split loops K / split / tk + 1 times
+    return tile, -(-K // split_k(K, split, tk))   # no empty splits
 
 
-def split_k(K, split):
-    """K per split: a whole number of K steps."""
-    return -(-(-(-K // split)) // TK) * TK
+def split_k(K, split, tk):
+    """K per split: a whole number of K steps of ``tk``."""
+    return -(-(-(-K // split)) // tk) * tk
 
 
 def _batch_offsets(a, b, batch, index):
@@ -115,7 +131,7 @@ def _ind(lines, n):
 
 
 def _operand(name, view, trans_contig_t, dim_t, K, T, V, tile0, binding, off, chk_t, chk_k, reg, allow_vec=True,
-             threads=256, transform=None, load=None):
+             threads=256, transform=None, load=None, TK=8):
     """WGSL that fetches one operand's K-step tile into register ``reg`` and stores it into
     workgroup memory ``name`` (laid out [k][t] as vec4 over t).
 
@@ -173,12 +189,14 @@ def render(kernel):
         return render_gemv(kernel)
     parts = kernel.spec.get("parts", [kernel])
     bind = Bindings()
-    fns, branches, x0 = [], [], 0
+    fns, branches, x0, tks = [], [], 0, set()
     for j, part in enumerate(parts):
-        fn, (gx, gy, gz), T, W, V = _tiled_part(part, bind, j)
+        fn, (gx, gy, gz), T, W, V, TK = _tiled_part(part, bind, j)
+        tks.add((T, TK))
         fns.append(fn)
         branches.append(f"    if (wid.x < {x0 + gx}u) {{ mm{j}(vec3<u32>(wid.x - {x0}u, wid.y, wid.z), lid3); return; }}")
         x0 += gx
+    assert len(tks) == 1, f"merged matmuls with different tiles or K steps: {tks}"   # one workgroup memory layout
     stats = "" if not any("prologue" in p.spec for p in parts) else \
         f"var<workgroup> pm: array<f32, {4 * V}>;\nvar<workgroup> pinv: array<f32, {4 * V}>;\n" \
         f"var<workgroup> pred: array<f32, {W * W}>;\n"
@@ -276,7 +294,8 @@ def _tiled_part(kernel, bind, j):
     W = 8 if T == 32 else 16     # threads per side
     G = T // (4 * W)             # groups of 4 rows (and columns) per thread, 4*W apart
     V = T // 4                   # vec4s per tile row in workgroup memory
-    KC = split_k(K, S)
+    TK = kernel.spec.get("tk") or k_step(T)
+    KC = split_k(K, S, TK)
     # static shapes: bounds checks only where a dimension is not a multiple of its tile
     chk_m, chk_n, chk_k = M % T != 0, N % T != 0, K % KC != 0 or KC % TK != 0
     bl, aoff, boff = _batch_offsets(a, bv, batch, f"wid.z / {S}u")
@@ -298,14 +317,14 @@ def _tiled_part(kernel, bind, j):
         pro_lines, transform = _tiled_norm_prologue(kernel, bind, M, K, T, th, ab, a_vec0)
     a_vec, a_reg, a_fetch, a_store = _operand("As", a, ta, M, K, T, V, "row0", ab, "aoff", chk_m, chk_k, "ra",
                                               threads=th, allow_vec=(transform is None or a_vec0) and ab not in bind.scalar,
-                                              transform=transform, load=loads.get(0))
+                                              transform=transform, load=loads.get(0), TK=TK)
     b_vec, b_reg, b_fetch, b_store = _operand("Bs", bv, not tb, N, K, T, V, "col0", bb, "boff", chk_n, chk_k, "rb",
-                                              threads=th, allow_vec=bb not in bind.scalar, load=loads.get(1))
+                                              threads=th, allow_vec=bb not in bind.scalar, load=loads.get(1), TK=TK)
     if ab == bb and ab is not None and a_vec != b_vec:   # one buffer, one declared type: scalars
         a_vec, a_reg, a_fetch, a_store = _operand("As", a, ta, M, K, T, V, "row0", ab, "aoff", chk_m, chk_k, "ra",
-                                                  False, threads=th, transform=transform)
+                                                  False, threads=th, transform=transform, TK=TK)
         b_vec, b_reg, b_fetch, b_store = _operand("Bs", bv, not tb, N, K, T, V, "col0", bb, "boff", chk_n, chk_k,
-                                                  "rb", False, threads=th)
+                                                  "rb", False, threads=th, TK=TK)
     if a_vec:
         bind.types[ab] = "vec4<f32>"
     if b_vec:
@@ -367,7 +386,7 @@ fn mm{j}(wid: vec3<u32>, lid3: vec3<u32>) {{
 {chr(10).join(writes)}
 }}
 """
-    return src, (-(-N // T), -(-M // T), nb * S), T, W, V
+    return src, (-(-N // T), -(-M // T), nb * S), T, W, V, TK
 
 
 GEMV_MAX_ROWS = 4
