@@ -66,10 +66,10 @@ def accelerate(a, b, ta, tb):
 
 
 # K elements per double-buffered step (one barrier each), by tile. Workgroup memory: 2
-# stages x 2 operands x TK x T floats. Longer steps for the small tiles (32 and 16) sped
-# ResNet-50's convolutions by 3% on an H200 but slowed SmolVLA's norm-fused projections by
-# 40%, so every tile keeps 8 until bench/matmul_tiles.py says otherwise per shape.
-K_STEPS = {32: 8, 64: 8, 128: 8}
+# stages x 2 operands x TK x T floats (16 KiB for 64 x 16). The 64 tile, with 16 per step
+# and more K splits (plan_tiles), took SmolVLA's expert 2.25 -> 1.78 ms and ResNet-50's
+# batch-1 inference 2.34 -> 1.65 ms on an H200.
+K_STEPS = {32: 8, 64: 16, 128: 8}
 
 
 def k_step(tile) -> int:
@@ -87,20 +87,21 @@ TARGET_GROUPS = 256   # enough workgroups to occupy a large GPU (an H200 has 132
 
 
 def plan_tiles(M, N, K, nb):
-    """(tile, K splits): the largest tile that still yields enough workgroups; small
-    products use 32-wide tiles and split K so that more workgroups share the work."""
+    """(tile, K splits): 128-wide tiles where they yield enough workgroups, else 64-wide
+    tiles (256 threads each; 32-wide tiles of 64 threads were slower on every measured
+    shape) with K split so that more workgroups share the work."""
     tiles = lambda t: -(-M // t) * -(-N // t) * nb  # noqa: E731
     forced = os.environ.get("MEGANEURA_MATMUL_TILE")
     if forced:
         tile = int(forced)
     elif tiles(128) >= TARGET_GROUPS // 2:
         tile = 128
-    elif tiles(64) >= TARGET_GROUPS // 4:
-        tile = 64
     else:
-        tile = 32
+        tile = 64
+    # up to 8 K splits of at least 64 each, toward TARGET_GROUPS workgroups. Splits of at
+    # least 128 cut the U-Net's launches 247 -> 219 but cost it 5-10% (H200)
     split = int(os.environ.get("MEGANEURA_MATMUL_SPLIT", "0")) or \
-        max(1, min(-(-TARGET_GROUPS // tiles(tile)), K // 128, 16))
+        max(1, min(-(-TARGET_GROUPS // tiles(tile)), K // 64, 8))
     tk = k_step(tile)
     split = max(split, -(-K // (tk * (LOOP_BOUND - 1))))   # each split loops K / split / tk + 1 times
     return tile, -(-K // split_k(K, split, tk))   # no empty splits
