@@ -129,3 +129,14 @@ def test_cached_decoder_keeps_the_cache_on_device():
     b = w.build("minimal")
     assert set(b.graph.inputs) == {"input_ids", "rope_cos", "rope_sin", "attn_mask", "cache_write"}
     assert len(b.state_updates) == 2 * w.cfg.num_hidden_layers
+
+
+def test_compile_time_device_free_table(tmp_path):
+    """The device-free compile table builds every graph kind (ResNet-50 trains with its
+    batch-norm state updates) and writes its JSON."""
+    from meganeura.bench.compile_time import main as compile_main
+    out = tmp_path / "compile.json"
+    compile_main(["--size", "tiny", "--workloads", "resnet50", "--out", str(out)])
+    rows = json.loads(out.read_text())["rows"]
+    assert {r["graph"] for r in rows} == {"inference", "train"}
+    assert all(r["plans_s"] > 0 for r in rows)

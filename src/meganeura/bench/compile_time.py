@@ -40,11 +40,8 @@ def _session(w, graph, backend, precision="strict", **kw):
     b = w.build(graph)
     t0 = time.perf_counter()
     if graph == "train":
-        opt = mg.optim.AdamW(lr=1e-4)
-        if b.optimizer_updates:
-            from ..models.resnet import with_state_updates
-            opt = with_state_updates(opt, b.optimizer_updates)
-        s = mg.compile(b.graph, loss=b.loss, optimizer=opt, backend=backend, precision=precision, **kw)
+        s = mg.compile(b.graph, loss=b.loss, optimizer=mg.optim.AdamW(lr=1e-4), backend=backend,
+                       precision=precision, **kw)
     else:
         s = mg.compile(b.graph, outputs=b.outputs, state_updates=b.state_updates or None, backend=backend,
                        precision=precision, **kw)
