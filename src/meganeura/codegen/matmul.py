@@ -83,7 +83,9 @@ def k_step(tile) -> int:
     return tk
 
 
-TARGET_GROUPS = 256   # enough workgroups to occupy a large GPU (an H200 has 132 SMs)
+# enough workgroups to occupy a large GPU (an H200 has 132 SMs); MEGANEURA_MATMUL_GROUPS
+# overrides it for sweeps (the 128-wide tile needs half as many of its own)
+TARGET_GROUPS = int(os.environ.get("MEGANEURA_MATMUL_GROUPS", "256"))
 
 
 def plan_tiles(M, N, K, nb):
