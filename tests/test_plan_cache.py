@@ -58,6 +58,12 @@ def test_key_follows_graph_options_adapter_and_switches(monkeypatch):
     monkeypatch.delenv("MEGANEURA_MATMUL_TILE")
     monkeypatch.setenv("MEGANEURA_TRACE", "trace.json")               # one that changes no plan
     assert key() == base
+    from meganeura.codegen import attention, flash
+    monkeypatch.setattr(attention, "MAX_ROW_WORK", 0)                   # routing constants a benchmark changes
+    assert key() != base
+    monkeypatch.undo()
+    monkeypatch.setattr(flash, "LOOP_BOUND", 0)
+    assert key() != base
 
 
 def test_constant_values_are_part_of_the_key():

@@ -33,6 +33,15 @@ OPS["scaled_dot_product_attention"].lower = OPS["attention_lse"].lower = attenti
 OPS["attention_grad"].lower = attention.lower_attention_grad
 
 
+def routing_constants() -> tuple:
+    """The module constants that decide which kernels a graph gets (attention routing,
+    matmul tiles): part of the plan cache's key, so that a benchmark or test that changes
+    one (the decomposed attention baseline) never reads a plan compiled under another."""
+    from . import flash
+    return (attention.MAX_ROW_WORK, flash.LOOP_BOUND, matmul.TARGET_GROUPS, sorted(matmul.K_STEPS.items()),
+            matmul.GEMV_MAX_ROWS)
+
+
 def has_kernel(t) -> bool:
     """Nodes (or ops, by name) the GPU runs directly; everything else is decomposed first."""
     op = t if isinstance(t, str) else t.op
