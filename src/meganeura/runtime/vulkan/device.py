@@ -600,6 +600,13 @@ class VulkanDevice:
         r = new("VkBufferCopy", srcOffset=src.offset, dstOffset=dst.offset, size=n)
         self._one_shot(lambda cmd: _vk.lib.vkCmdCopyBuffer(cmd, src.block.buffer, dst.block.buffer, 1, r))
 
+    def zero(self, rng: BufferRange):
+        """Fill ``rng`` with zeros (synchronously; its size a multiple of 4)."""
+        if rng.block.mapped is not None:
+            rng.block.mapped[rng.offset:rng.offset + rng.size] = 0
+        elif rng.size:
+            self._one_shot(lambda cmd: _vk.lib.vkCmdFillBuffer(cmd, rng.block.buffer, rng.offset, rng.size, 0))
+
     def upload(self, dst: BufferRange, array):
         """Write ``array``'s bytes at the start of ``dst`` (synchronously)."""
         raw = np.ascontiguousarray(array).reshape(-1).view(np.uint8)
