@@ -1,16 +1,21 @@
 """Data-parallel training throughput: SmolLM2-135M on N GPUs (mg.distributed) against one.
 
     torchrun --standalone --nproc_per_node 2 bench/data_parallel.py --size real
+    torchrun --standalone --nproc_per_node 2 bench/data_parallel.py --size real --backend wgpu --out /tmp/dp-wgpu
     torchrun --standalone --nproc_per_node 2 bench/data_parallel.py --size small --out /tmp/dp   # smoke test
 
 For each accumulation (``--accumulate``, default 1,4,16): rank 0 first trains alone with
 an ordinary session (forward, backward and update in one submit per micro-step, AdamW) while
 the other ranks wait, then every rank trains with ``mg.distributed.compile`` on its own
-micro-batch of ``--batch`` sequences of ``--seq`` tokens. Throughput is tokens per second
+micro-batch of ``--batch`` sequences of ``--seq`` tokens; both on the runtime that
+``--backend`` names (``gpu``: the direct Vulkan backend where it runs, else wgpu; the report
+says which ran). Throughput is tokens per second
 over whole updates (accumulate micro-steps and one update; N GPUs process N times the
 tokens per update). The breakdown is host seconds per update by stage, as the session
 measures it (compute = waiting for the GPU, readback = copying gradients out of mapped
-memory, allreduce = waiting for Gloo beyond what overlapped, upload, update); ``allreduce
+memory, allreduce = waiting for Gloo beyond what overlapped, upload = handing the sums to
+the runtime's input upload, update = the update phase: on Vulkan with device memory it
+also copies the small gradients from staging memory); ``allreduce
 alone`` times the same buckets all-reduced with nothing else running: the communication
 that overlap has to hide.
 
@@ -34,6 +39,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
 import meganeura as mg  # noqa: E402
 from meganeura import distributed as dist  # noqa: E402
 from meganeura.models import llama  # noqa: E402
+from meganeura.runtime.backends import get_runtime_device  # noqa: E402
 
 SIZES = {   # config, tokens per sequence, sequences per micro-batch, bucket megabytes
     "real": (llama.LlamaConfig.smollm2_135m, 128, 8, dist.DEFAULT_BUCKET_MB),
@@ -72,9 +78,9 @@ def time_updates(step, data, accumulate, warmup, updates, on_warm=None):
     return samples
 
 
-def single_gpu(cfg, args, k):
+def single_gpu(ctx, cfg, args, k):
     g, _, _, loss = llama.build_training(cfg, args.batch, args.seq)
-    with mg.compile(g, loss=loss, optimizer=mg.optim.AdamW(lr=1e-4), accumulate=k, backend="gpu") as s:
+    with mg.compile(g, loss=loss, optimizer=mg.optim.AdamW(lr=1e-4), accumulate=k, backend=ctx.runtime) as s:
         return time_updates(s.step, batches(cfg, args.batch, args.seq, 0), k, args.warmup, args.updates)
 
 
@@ -108,6 +114,8 @@ def allreduce_alone(ctx, s, repeats):
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--size", choices=sorted(SIZES), default="real")
+    ap.add_argument("--backend", choices=("gpu", "vulkan", "wgpu"), default="gpu",
+                    help="GPU runtime (gpu: the direct Vulkan backend where it runs, else wgpu)")
     ap.add_argument("--accumulate", default="1,4,16", help="comma-separated accumulation counts")
     ap.add_argument("--batch", type=int, help="sequences per micro-batch per GPU (real: 8, small: 2)")
     ap.add_argument("--seq", type=int, help="tokens per sequence (real: 128, small: 16)")
@@ -122,23 +130,23 @@ def main(argv=None):
     args.seq, args.batch = args.seq or seq, args.batch or batch
     args.bucket_mb = args.bucket_mb or bucket
     accs = [int(a) for a in args.accumulate.split(",")]
-    ctx = dist.init(timeout_s=args.timeout)
+    ctx = dist.init(timeout_s=args.timeout, backend=args.backend)
     cfg = make_cfg()
-    dev = mg.runtime.get_device()
+    dev = get_runtime_device(ctx.runtime)
     mine = f"{ctx.adapter} ({dev.adapter_info['backend']})"
     devices = [mine] * ctx.world_size
     if ctx.world_size > 1:
         import torch.distributed as tdist
         tdist.all_gather_object(devices, mine)
-    log(ctx, f"data-parallel SmolLM2 ({args.size}): {ctx.world_size} rank(s) on {devices}; micro-batch "
-             f"{args.batch} x {args.seq} tokens per GPU, accumulate {accs}")
+    log(ctx, f"data-parallel SmolLM2 ({args.size}) on the {ctx.runtime} runtime: {ctx.world_size} rank(s) on "
+             f"{devices}; micro-batch {args.batch} x {args.seq} tokens per GPU, accumulate {accs}")
     rows = []
     for k in accs:
         row = {"accumulate": k}
         if not args.no_single:
             if ctx.rank == 0:
                 log(ctx, f"accumulate {k}: one GPU ...")
-                row["single_s"] = single_gpu(cfg, args, k)
+                row["single_s"] = single_gpu(ctx, cfg, args, k)
             dist.barrier(ctx)
         log(ctx, f"accumulate {k}: {ctx.world_size} GPU(s) ...")
         samples, per_update, alone, n_buckets, grad_mb = data_parallel(ctx, cfg, args, k)
@@ -166,7 +174,7 @@ def report(ctx, args, devices, rows):
     n = ctx.world_size
     head = (f"| accumulate | 1 GPU tokens/s | {n} GPUs tokens/s | speedup | ms per update: "
             + " | ".join(STAGES) + " | total | all-reduce alone ms |")
-    lines = [f"SmolLM2 ({args.size}) data-parallel training on {n} x {devices[0]}; micro-batch "
+    lines = [f"SmolLM2 ({args.size}) data-parallel training on {n} x {devices[0]}, {ctx.runtime} runtime; micro-batch "
              f"{args.batch} x {args.seq} tokens per GPU, AdamW, strict f32, median of {args.updates} updates; "
              f"stage times: mean over ranks of host ms per update", "", head,
              "|" + "---|" * (head.count("|") - 1)]
@@ -183,7 +191,8 @@ def report(ctx, args, devices, rows):
     text = "\n".join(lines)
     print(text)
     import torch
-    out = dict(workload="smollm2", size=args.size, world_size=n, devices=devices, batch=args.batch, seq=args.seq,
+    out = dict(workload="smollm2", size=args.size, runtime=ctx.runtime, world_size=n, devices=devices,
+               batch=args.batch, seq=args.seq,
                bucket_mb=args.bucket_mb, warmup=args.warmup, updates=args.updates, rows=rows,
                host=dict(python=sys.version.split()[0], platform=platform.platform(), numpy=np.__version__,
                          torch=torch.__version__, backend="gloo"))

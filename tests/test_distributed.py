@@ -3,8 +3,9 @@
 Each test launches two worker processes (this file run as a script): under torchrun for
 training, or with torchrun's environment set by hand where one rank must die. The digits
 MLP trained on two ranks must give the losses and weights of one process trained on the
-doubled batch; ranks that build different graphs are refused, and a killed rank must end
-the other with a DistributedError instead of a hang.
+doubled batch, on both GPU runtimes (the direct Vulkan backend and wgpu); ranks that build
+different graphs are refused, and a killed rank must end the other with a DistributedError
+instead of a hang.
 """
 from __future__ import annotations
 
@@ -22,12 +23,15 @@ pytest.importorskip("torch.distributed")
 
 import meganeura as mg  # noqa: E402
 from meganeura.models.mlp import build_mlp, load_digits_split  # noqa: E402
+from meganeura.runtime.backends import vulkan_unavailable_reason  # noqa: E402
 
 HERE = os.path.abspath(__file__)
 BATCH = 16          # per rank; the single-process reference trains on 2 * BATCH
 STEPS = 6
 HIDDEN = 32
 LR = 1e-2
+RUNTIMES = [pytest.param("vulkan", marks=pytest.mark.skipif(vulkan_unavailable_reason() is not None,
+                                                            reason="no direct Vulkan backend here")), "wgpu"]
 
 
 def global_batches():
@@ -74,7 +78,7 @@ def worker(mode, out_dir):
                     g2, _, _, _, loss2 = build_mlp(BATCH, 64, HIDDEN, 10)
                     dist.compile(g2, loss2, _optimizer(), accumulate=k, seed=99)  # the same collectives as rank 1
                 np.savez(os.path.join(out_dir, f"rank{ctx.rank}_k{k}.npz"), losses=np.array(losses),
-                         mean_loss=s.mean_loss, **state)
+                         mean_loss=s.mean_loss, runtime=s.runtime, **state)
                 s.close()
             # then ranks that build different graphs: refused on every rank, the group still usable
             g, _, _, _, loss = build_mlp(BATCH, 64, HIDDEN + 8 * ctx.rank, 10)
@@ -103,9 +107,13 @@ def _free_port():
         return sock.getsockname()[1]
 
 
-def _env():
+def _env(runtime=None):
+    """The workers' environment: ``runtime`` sets MEGANEURA_BACKEND (None: the default)."""
     env = dict(os.environ)
-    env.pop("MEGANEURA_ADAPTER", None)
+    for var in ("MEGANEURA_ADAPTER", "MEGANEURA_VK_DEVICE", "MEGANEURA_BACKEND"):
+        env.pop(var, None)
+    if runtime is not None:
+        env["MEGANEURA_BACKEND"] = runtime
     env["OMP_NUM_THREADS"] = "1"
     return env
 
@@ -136,25 +144,28 @@ def launch_by_hand(mode, tmp_path, timeout=90):
 
 
 # ------------------------------------------------------------------------------------ tests
-@pytest.fixture(scope="module")
-def trained(tmp_path_factory):
-    out = tmp_path_factory.mktemp("dp")
+@pytest.fixture(scope="module", params=RUNTIMES)
+def trained(request, tmp_path_factory):
+    """Two ranks trained under torchrun on one runtime: (output folder, runtime)."""
+    out = tmp_path_factory.mktemp(f"dp_{request.param}")
     write_batches(out)
     torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
     cmd = [torchrun, "--standalone", "--nproc_per_node", "2", HERE, "train", str(out)]
-    r = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=120)
+    r = subprocess.run(cmd, env=_env(request.param), capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    return out
+    return out, request.param
 
 
 @pytest.mark.parametrize("k", [1, 2])
 def test_two_ranks_match_one_process_on_the_doubled_batch(trained, k):
+    trained, runtime = trained
     xs, ys = global_batches()
     g, _, _, _, loss = build_mlp(2 * BATCH, 64, HIDDEN, 10)
-    with mg.compile(g, loss=loss, optimizer=_optimizer(), accumulate=k, seed=10, backend="gpu") as s:
+    with mg.compile(g, loss=loss, optimizer=_optimizer(), accumulate=k, seed=10, backend=runtime) as s:
         ref = np.array([s.step({"x": xs[i], "labels": ys[i]}) for i in range(STEPS)])
         ref_state = s.state_dict()
     r0, r1 = (np.load(trained / f"rank{r}_k{k}.npz") for r in range(2))
+    assert str(r0["runtime"]) == str(r1["runtime"]) == runtime       # the ranks ran where asked
     # each rank's loss is the mean over its half: their mean is the doubled batch's loss
     np.testing.assert_allclose((r0["losses"] + r1["losses"]) / 2, ref, rtol=1e-5, atol=0)
     np.testing.assert_allclose(float(r0["mean_loss"]), ref[-k:].mean(), rtol=1e-5)
@@ -165,7 +176,7 @@ def test_two_ranks_match_one_process_on_the_doubled_batch(trained, k):
 
 
 def test_checkpoint_written_by_rank_0_only(trained):
-    files = sorted(p.name for p in trained.iterdir())
+    files = sorted(p.name for p in trained[0].iterdir())
     assert "k1.safetensors" in files and "k2.safetensors" in files
     assert not [f for f in files if f.endswith(".tmp")]
 
@@ -181,30 +192,51 @@ def test_killed_rank_ends_the_other_with_a_clear_error(tmp_path):
 
 def test_ranks_with_different_graphs_are_refused(trained):
     for r in range(2):
-        msg = (trained / f"mismatch{r}.txt").read_text()
+        msg = (trained[0] / f"mismatch{r}.txt").read_text()
         assert msg.startswith("ranks disagree on the graph")
         assert "rank 0: 4 parameters (2410 values)" in msg and "rank 1: 4 parameters (3010 values)" in msg
         assert "first differing parameter: rank 0 '0.weight' (32, 64), rank 1 '0.weight' (40, 64)" in msg
 
 
-def test_alone_the_session_trains_as_a_plain_one(monkeypatch):
+@pytest.fixture
+def staged_vulkan(monkeypatch):
+    """The Vulkan runtime with staged memory, as on a discrete GPU: inputs deferred into the
+    next submit, readbacks through host-visible staging ranges."""
+    from meganeura.runtime.vulkan import backend
+    from meganeura.runtime.vulkan.device import VulkanDevice
+    dev = VulkanDevice(direct_host_access=False)
+    monkeypatch.setattr(backend, "_runtime", backend.VulkanRuntime(dev))
+    yield
+    dev.close()
+
+
+@pytest.mark.parametrize("k", [1, 2])
+@pytest.mark.parametrize("runtime", RUNTIMES)
+def test_alone_the_session_trains_as_a_plain_one(monkeypatch, request, runtime, k):
     """Without torchrun's environment: a world of one, the same readback, upload and
-    update path, no communication."""
+    update path, no communication (on Vulkan with staged memory). With accumulate=1 the
+    first step is the segmented one: it must send the initial values first."""
     from meganeura import distributed as dist
-    for var in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):
+    if runtime == "vulkan":
+        request.getfixturevalue("staged_vulkan")
+    for var in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MEGANEURA_BACKEND"):
         monkeypatch.delenv(var, raising=False)
     xs, ys = global_batches()
     try:
-        ctx = dist.init()
-        assert (ctx.rank, ctx.world_size) == (0, 1)
+        ctx = dist.init(backend=runtime)
+        assert (ctx.rank, ctx.world_size, ctx.runtime) == (0, 1, runtime)
         g, _, _, _, loss = build_mlp(2 * BATCH, 64, HIDDEN, 10)
-        with dist.compile(g, loss, _optimizer(), accumulate=2, seed=3, bucket_mb=0.004) as s:
-            assert len(s.buckets) > 1
+        with dist.compile(g, loss, _optimizer(), accumulate=k, seed=3, bucket_mb=0.004) as s:
+            assert len(s.buckets) > 1 and len(s.submissions) > 1 and s.runtime == runtime
+            if runtime == "vulkan":
+                assert not s.session.executor.dev.vk.direct_host_access
             got = [s.step({"x": xs[i], "labels": ys[i]}) for i in range(4)]
             state = s.state_dict()
-            assert s.updates_timed == 2 and s.timings["total"] > 0
+            assert s.updates_timed == 4 // k and s.timings["total"] > 0
+        with pytest.raises(ValueError, match="init\\(\\) chose this rank's device on"):
+            dist.compile(g, loss, _optimizer(), backend="wgpu" if runtime == "vulkan" else "vulkan")
         g, _, _, _, loss = build_mlp(2 * BATCH, 64, HIDDEN, 10)
-        with mg.compile(g, loss=loss, optimizer=_optimizer(), accumulate=2, seed=3, backend="gpu") as ref:
+        with mg.compile(g, loss=loss, optimizer=_optimizer(), accumulate=k, seed=3, backend=runtime) as ref:
             want = [ref.step({"x": xs[i], "labels": ys[i]}) for i in range(4)]
             ref_state = ref.state_dict()
     finally:
@@ -226,6 +258,27 @@ def test_shard_helpers():
     joined = np.concatenate(idx)
     assert len(joined) == 9 and len(set(joined.tolist())) == 9      # disjoint, drop_last
     assert not np.array_equal(idx[0], dist.shard_indices(10, epoch=3, seed=1, ctx=dist.Context(0, 3, 0, "", 1)))
+
+
+def test_each_local_rank_takes_its_own_vulkan_device(monkeypatch):
+    """The Vulkan device of each local rank, from the runtime's device list (as wgpu's)."""
+    from meganeura import distributed as dist
+    from meganeura.runtime.vulkan import device as vkdev
+    gpus = [dict(index=0, name="llvmpipe", type_code=4, type="cpu"),
+            dict(index=1, name="GPU A", type_code=2, type="discrete"),
+            dict(index=2, name="GPU B", type_code=2, type="discrete")]
+
+    def pick(rank):
+        return dist._by_local_rank(rank, "MEGANEURA_VK_DEVICE", gpus, vkdev.choose_physical,
+                                   lambda d: (vkdev.device_rank(d), d["type"] == "cpu"))["index"]
+    monkeypatch.delenv("MEGANEURA_VK_DEVICE", raising=False)
+    assert [pick(r) for r in (0, 1)] == [1, 2]              # the hardware ones, in order
+    with pytest.warns(UserWarning, match="ranks share GPU 0"):
+        assert pick(2) == 1
+    monkeypatch.setenv("MEGANEURA_VK_DEVICE", "2,llvm")
+    assert [pick(r) for r in (0, 1)] == [2, 0]
+    with pytest.raises(dist.DistributedError, match="names 2 devices, but this process has local rank 2"):
+        pick(2)
 
 
 def test_core_package_imports_without_torch():

@@ -113,3 +113,55 @@ def test_a_session_dropped_without_close_releases_its_recorded_steps():
     del s
     gc.collect()
     assert all(p._cmd is None for p in progs)           # command buffer, fence and pools destroyed
+
+
+def test_submissions_waited_for_one_by_one(monkeypatch, staged_device):
+    """``VulkanRecorder.submit`` returns before the step has run; each submission has its own
+    fence, so one is waited for (and its staging range read) while another is queued; the
+    deferred inputs ride in the submit; a step waited for can be submitted again."""
+    rt = backend.VulkanRuntime(staged_device)
+    monkeypatch.setattr(backend, "_runtime", rt)
+    sessions = []
+    for op in (mg.ops.relu, mg.ops.exp):
+        g = mg.Graph()
+        x = g.input("x", (40,))
+        sessions.append(mg.compile(g, outputs=[op(x)], backend="vulkan"))
+    rec = sessions[0].executor.recorder
+    rng = np.random.default_rng(0)
+    for _ in range(2):
+        x = rng.standard_normal(40).astype(np.float32)
+        subs = []
+        for s in sessions:
+            s.executor.upload({"x": x})
+            assert rt._pending                            # staged: the input waits for the submit
+            plan = s.executor.plan("run")
+            subs.append(rec.submit(plan.step, plan.copies_after))
+            assert not rt._pending
+        assert subs[0].program is not subs[1].program and subs[0].program._fence is not subs[1].program._fence
+        for s, sub, want in zip(sessions[::-1], subs[::-1], (np.exp(x), np.maximum(x, 0))):
+            with rec.mapped_after(sub, s.executor.plan("run").staging[0], 160) as raw:
+                np.testing.assert_allclose(raw.view(np.float32), want, rtol=1e-6)
+            rec.wait(sub)                                 # a second wait returns at once
+    with pytest.raises(ValueError, match="not host-visible"):
+        with rec.mapped_after(subs[0], rt.create_buffer(16), 16):
+            pass
+    for s in sessions:
+        s.close()
+
+
+@pytest.mark.parametrize("staged", [True, False])
+def test_a_new_buffer_holds_zeros_where_a_freed_one_was(staged_device, staged):
+    """Values that start at zero (optimizer moments) are left to new buffers, as on wgpu;
+    a range freed by a closed session is handed out again and must not keep its bytes."""
+    from meganeura.runtime.vulkan.backend import get_vulkan_runtime
+    rt = backend.VulkanRuntime(staged_device) if staged else get_vulkan_runtime()
+    keep = rt.create_buffer(256)            # keeps the block from going back to the driver
+    old = rt.create_buffer(256)
+    rt.upload(old, np.full(64, np.nan, np.float32))
+    where = (old.block, old.offset)
+    old.destroy()
+    new = rt.create_buffer(256)
+    assert (new.block, new.offset) == where
+    np.testing.assert_array_equal(rt.readback(new, 256, np.float32), np.zeros(64, np.float32))
+    new.destroy()
+    keep.destroy()

@@ -64,11 +64,12 @@ def _torch_dist():
 # ----------------------------------------------------------------------------- process group
 class Context:
     """This process's place in the group: rank, world_size, local_rank (its index on its
-    machine), the adapter it uses, and the collective timeout in seconds."""
+    machine), the GPU runtime (``vulkan`` or ``wgpu``) and the device it uses, and the
+    collective timeout in seconds."""
 
-    def __init__(self, rank, world_size, local_rank, adapter, timeout_s):
+    def __init__(self, rank, world_size, local_rank, adapter, timeout_s, runtime=None):
         self.rank, self.world_size, self.local_rank = rank, world_size, local_rank
-        self.adapter, self.timeout_s = adapter, timeout_s
+        self.adapter, self.timeout_s, self.runtime = adapter, timeout_s, runtime
 
     @property
     def is_main(self) -> bool:
@@ -76,7 +77,7 @@ class Context:
 
     def __repr__(self):
         return (f"Context(rank={self.rank}, world_size={self.world_size}, local_rank={self.local_rank}, "
-                f"adapter={self.adapter!r})")
+                f"runtime={self.runtime!r}, adapter={self.adapter!r})")
 
 
 _context: Context | None = None
@@ -94,37 +95,26 @@ def _env_int(name, default=None):
     return int(v)
 
 
-def select_adapter(local_rank: int) -> str:
-    """Make this process use the GPU of its local rank, before the runtime opens a device.
+def select_adapter(local_rank: int, runtime: str | None = None) -> str:
+    """Make this process use the GPU of its local rank, before ``runtime`` (``vulkan`` or
+    ``wgpu``; default: what ``backend="gpu"`` resolves to) opens a device.
 
-    The candidates are the adapters of the kind the runtime would pick by itself (Vulkan
-    before other backends, hardware before software), in the order wgpu lists them; local
-    rank r takes the r-th (wrapping round, with a warning, when there are fewer). With one
-    adapter (lavapipe) every rank uses it. ``$MEGANEURA_ADAPTER`` set by the user wins: one
-    selector for all ranks, or a comma-separated list indexed by local rank. Returns the
-    adapter's name."""
+    The candidates are the devices of the kind the runtime would pick by itself (hardware
+    before software; on wgpu, Vulkan before other backends), in the order the runtime lists
+    them; local rank r takes the r-th (wrapping round, with a warning, when there are
+    fewer). With one device (lavapipe) every rank uses it. The runtime's own selector set
+    by the user wins (``$MEGANEURA_VK_DEVICE`` on Vulkan, ``$MEGANEURA_ADAPTER`` on wgpu):
+    one for all ranks, or a comma-separated list indexed by local rank. Returns the
+    device's name."""
+    from .runtime.backends import resolve
+    if (runtime or resolve("gpu")) == "vulkan":
+        return _select_vulkan_device(local_rank)
     from .runtime import device as devmod
     adapters = devmod.enumerate_adapters()
-    sel = os.environ.get("MEGANEURA_ADAPTER", "").strip()
-    if "," in sel:
-        choices = [c.strip() for c in sel.split(",")]
-        if local_rank >= len(choices):
-            raise DistributedError(f"MEGANEURA_ADAPTER={sel!r} names {len(choices)} adapters, "
-                                   f"but this process has local rank {local_rank}")
-        chosen = devmod.choose_adapter(adapters, choices[local_rank])
-    elif sel:
-        chosen = devmod.choose_adapter(adapters, sel)
-    else:
-        def kind(a):
-            return (devmod.adapter_summary(a)["backend"] != "Vulkan", devmod.is_software_adapter(a))
-        best = min(kind(a) for a in adapters) if adapters else None
-        candidates = [a for a in adapters if kind(a) == best]
-        if not candidates:
-            devmod.choose_adapter(adapters)      # raises its own clear error
-        if local_rank >= len(candidates) and not best[1]:
-            warnings.warn(f"local rank {local_rank}: only {len(candidates)} GPU(s) on this machine; "
-                          f"ranks share GPU {local_rank % len(candidates)}")
-        chosen = candidates[local_rank % len(candidates)]
+
+    def kind(a):
+        return (devmod.adapter_summary(a)["backend"] != "Vulkan", devmod.is_software_adapter(a))
+    chosen = _by_local_rank(local_rank, "MEGANEURA_ADAPTER", adapters, devmod.choose_adapter, kind)
     current = devmod._device
     if current is not None and current.adapter is not chosen:
         raise DistributedError(f"local rank {local_rank} should use {devmod.adapter_summary(chosen)['name']!r}, "
@@ -136,11 +126,52 @@ def select_adapter(local_rank: int) -> str:
     return f"[{adapters.index(chosen)}] {devmod.adapter_summary(chosen)['name']}"
 
 
-def init(timeout_s: float = DEFAULT_TIMEOUT_S) -> Context:
+def _select_vulkan_device(local_rank: int) -> str:
+    """``select_adapter`` on the direct Vulkan backend: the process-wide VulkanDevice is
+    created on the chosen physical device (no wgpu device is opened)."""
+    from .runtime.vulkan import device as vkdev
+    devices = vkdev.list_physical_devices()
+    chosen = _by_local_rank(local_rank, "MEGANEURA_VK_DEVICE", devices, vkdev.choose_physical,
+                            lambda d: (vkdev.device_rank(d), d["type"] == "cpu"))
+    dev = vkdev.get_vulkan_device(str(chosen["index"]))
+    if dev.index != chosen["index"]:
+        raise DistributedError(f"local rank {local_rank} should use Vulkan device [{chosen['index']}] "
+                               f"{chosen['name']!r}, but this process already opened [{dev.index}] {dev.name!r}: "
+                               f"call mg.distributed.init() before anything uses the GPU")
+    return f"[{chosen['index']}] {chosen['name']}"
+
+
+def _by_local_rank(local_rank, var, items, choose, kind):
+    """The device of ``items`` for ``local_rank``: by ``$var`` (one selector, or one per local
+    rank, comma-separated; ``choose(items, selector)`` resolves it), else the local_rank-th
+    of those of the lowest ``kind`` (a tuple whose last item says software; ``choose(items)``
+    raises its own error when there are none)."""
+    sel = os.environ.get(var, "").strip()
+    if "," in sel:
+        choices = [c.strip() for c in sel.split(",")]
+        if local_rank >= len(choices):
+            raise DistributedError(f"{var}={sel!r} names {len(choices)} devices, "
+                                   f"but this process has local rank {local_rank}")
+        return choose(items, choices[local_rank])
+    if sel:
+        return choose(items, sel)
+    best = min(kind(a) for a in items) if items else None
+    candidates = [a for a in items if kind(a) == best]
+    if not candidates:
+        return choose(items)
+    if local_rank >= len(candidates) and not best[-1]:
+        warnings.warn(f"local rank {local_rank}: only {len(candidates)} GPU(s) on this machine; "
+                      f"ranks share GPU {local_rank % len(candidates)}")
+    return candidates[local_rank % len(candidates)]
+
+
+def init(timeout_s: float = DEFAULT_TIMEOUT_S, backend: str = "gpu") -> Context:
     """Join the process group that torchrun describes ($RANK, $WORLD_SIZE, $LOCAL_RANK,
     $MASTER_ADDR, $MASTER_PORT) on the Gloo backend and pick this process's GPU by local
     rank. Without $WORLD_SIZE the process trains alone (world size 1, no communication).
-    ``timeout_s``: how long a collective may wait for the other ranks before failing."""
+    ``timeout_s``: how long a collective may wait for the other ranks before failing.
+    ``backend``: ``gpu`` (the direct Vulkan backend where it runs, else wgpu; as
+    ``mg.compile``'s, ``$MEGANEURA_BACKEND`` chooses), ``vulkan`` or ``wgpu``."""
     global _context
     if _context is not None:
         return _context
@@ -151,7 +182,9 @@ def init(timeout_s: float = DEFAULT_TIMEOUT_S) -> Context:
     local = _env_int("LOCAL_RANK", rank if world == 1 else None)
     if not 0 <= rank < world:
         raise DistributedError(f"$RANK={rank} is outside 0..{world - 1} ($WORLD_SIZE={world})")
-    adapter = select_adapter(local)
+    from .runtime.backends import resolve
+    runtime = resolve(backend)
+    adapter = select_adapter(local, runtime)
     if world > 1:
         _, tdist = _torch_dist()
         if not tdist.is_initialized():
@@ -164,7 +197,7 @@ def init(timeout_s: float = DEFAULT_TIMEOUT_S) -> Context:
                                        f"within {timeout_s:g} s: {e}") from e
         # leave the group before the interpreter tears down (Gloo's threads abort otherwise)
         atexit.register(shutdown)
-    _context = Context(rank, world, local, adapter, float(timeout_s))
+    _context = Context(rank, world, local, adapter, float(timeout_s), runtime)
     return _context
 
 
@@ -293,20 +326,21 @@ class DataParallel:
 
     ``step(feeds)`` takes this rank's share of the batch and returns this rank's loss;
     ``mean_loss`` is the mean over ranks (and micro-steps) of the last update's losses.
+    ``runtime`` names the GPU runtime it runs on (``vulkan`` or ``wgpu``).
     ``timings`` holds the host seconds of the last update by stage (``TIMING_KEYS``:
     compute = waiting for the GPU, readback = copying gradients out of mapped memory,
     allreduce = waiting for collectives, upload, update, total); ``timing_totals`` sums
     them over every update and ``reset_timings`` clears them."""
 
     def __init__(self, graph: Graph, loss: Tensor, optimizer, accumulate=1, precision="strict", seed=0,
-                 bucket_mb=DEFAULT_BUCKET_MB, ctx=None):
-        self.ctx = ctx = _ctx(ctx)
+                 bucket_mb=DEFAULT_BUCKET_MB, ctx=None, backend=None):
+        self.ctx = ctx = ctx or _context or init(backend=backend or "gpu")
         if bucket_mb <= 0:
             raise ValueError(f"bucket_mb must be > 0, got {bucket_mb}")
         if loss is None or optimizer is None:
             raise ValueError("mg.distributed.compile: give loss= and optimizer= (data-parallel training)")
-        # segment submission and per-segment mapping are written against wgpu's queue
-        self.session = Session(graph, None, loss, optimizer, "wgpu", precision, seed, accumulate,
+        self.runtime = _session_runtime(ctx, backend)
+        self.session = Session(graph, None, loss, optimizer, self.runtime, precision, seed, accumulate,
                                separate_update=True)
         self.accumulate = self.session.accumulate
         self.torch, self.tdist = _torch_dist() if ctx.world_size > 1 else (_torch_or_none(), None)
@@ -465,47 +499,53 @@ class DataParallel:
     def _reduce_step(self, feeds) -> float:
         """The last micro-step: its segments are submitted ahead of the host; each bucket is
         read back when its segment has run and all-reduced asynchronously while later
-        segments run; then the sums are uploaded."""
+        segments run; then the sums are uploaded as the update's inputs."""
         ex, dev, tm = self.session.executor, self.session.executor.dev, self._current
+        rec = ex.recorder
         plan = ex.plan(self.phase)
         subs, done = self.submissions, []
-        # a software driver runs a submit only once the one before it has finished, so there
-        # one segment is queued ahead of the host; a GPU gets them all at once
-        ahead = 1 if dev.is_software else len(subs)
+        # wgpu on a software driver runs a submit only once the one before it has finished,
+        # so there one segment is queued ahead of the host; elsewhere they go all at once
+        ahead = 1 if dev.is_software and self.runtime == "wgpu" else len(subs)
 
         def submit_until(i):
             while len(done) <= min(i, len(subs) - 1):
-                done.append(_submit_segment(dev, *subs[len(done)]))
+                done.append(rec.submit(*subs[len(done)]))
 
-        t = time.perf_counter()
-        ex.upload(feeds)
-        submit_until(ahead - 1)
-        tm["compute"] += time.perf_counter() - t
-        loss = None
-        for k, b in enumerate(self.buckets):
+        try:
             t = time.perf_counter()
-            j = self.bucket_submission[k]
-            submit_until(j + ahead)
-            size = 4 * max(b.n, 1)
-            _map_after(dev, b.staging, size, done[j])   # its segment, not the whole step
-            t1 = time.perf_counter()
-            try:
-                b.host_np[:b.n] = np.frombuffer(b.staging.read_mapped(0, size, copy=False), np.float32, count=b.n)
-            finally:
-                b.staging.unmap()
-            t2 = time.perf_counter()
-            tm["compute"] += t1 - t
-            tm["readback"] += t2 - t1
-            if k == len(self.buckets) - 1:     # the loss rides with the last bucket
-                submit_until(len(subs) - 1)
-                st, (_, _, nb, dt, shape) = plan.staging[-1], plan.fetch_locs[-1]
-                loss = float(dev.read_staging(st, nb, dt, shape))
-                self._loss_sum += loss
-                b.host_np[b.n] = self._loss_sum
-                tm["compute"] += time.perf_counter() - t2
-            if self.tdist is not None:
-                b.work = _collective(self.ctx, f"starting the all-reduce of gradient bucket {k + 1}/"
-                                     f"{len(self.buckets)}", lambda: self.tdist.all_reduce(b.host, async_op=True))
+            # as GpuExecutor.execute: values never set go up first (alone and with
+            # accumulate=1, this is the first thing that runs)
+            ex.send_initial_values()
+            ex.refresh_copies(plan)
+            ex.upload(feeds)
+            submit_until(ahead - 1)
+            tm["compute"] += time.perf_counter() - t
+            loss = None
+            for k, b in enumerate(self.buckets):
+                t = time.perf_counter()
+                j = self.bucket_submission[k]
+                submit_until(j + ahead)
+                with rec.mapped_after(done[j], b.staging, 4 * max(b.n, 1)) as raw:   # its segment alone
+                    t1 = time.perf_counter()
+                    b.host_np[:b.n] = raw.view(np.float32)[:b.n]
+                t2 = time.perf_counter()
+                tm["compute"] += t1 - t
+                tm["readback"] += t2 - t1
+                if k == len(self.buckets) - 1:     # the loss rides with the last bucket
+                    submit_until(len(subs) - 1)
+                    st, (_, _, nb, dt, _) = plan.staging[-1], plan.fetch_locs[-1]
+                    with rec.mapped_after(done[-1], st, nb) as raw:
+                        loss = float(raw.view(dt)[0])
+                    self._loss_sum += loss
+                    b.host_np[b.n] = self._loss_sum
+                    tm["compute"] += time.perf_counter() - t2
+                if self.tdist is not None:
+                    b.work = _collective(self.ctx, f"starting the all-reduce of gradient bucket {k + 1}/"
+                                         f"{len(self.buckets)}", lambda: self.tdist.all_reduce(b.host, async_op=True))
+        finally:
+            for d in done:          # a submission left unwaited could not be submitted again
+                rec.wait(d)
         plan.check_indices(dev)
         ex.last_plan = ex.last_fetch_plan = plan
         for k, b in enumerate(self.buckets):
@@ -515,8 +555,10 @@ class DataParallel:
                             f"{self.session.steps_done + 1}", b.work.wait)
                 b.work = None
             t1 = time.perf_counter()
-            for name, o, (_, _, nb, _, _) in zip(b.names, b.offsets, b.locs):
-                dev.upload(ex.named_buffer(GRAD_FEED + name, nb), b.host_np[o:o + nb // 4])
+            # inputs of the update phase: on the Vulkan backend with staged memory, the small
+            # ones are copied inside the update's command buffer (no submit of their own)
+            ex.upload({GRAD_FEED + name: b.host_np[o:o + nb // 4]
+                       for name, o, (_, _, nb, _, _) in zip(b.names, b.offsets, b.locs)})
             tm["allreduce"] += t1 - t
             tm["upload"] += time.perf_counter() - t1
         last = self.buckets[-1]
@@ -554,6 +596,10 @@ class DataParallel:
         return self.session.state_dict(include_optimizer)
 
     def close(self):
+        for step, _ in getattr(self, "submissions", ()):
+            close = getattr(step, "close", None)      # the Vulkan backend's recorded command buffers
+            if close is not None:
+                close()
         self.session.close()
 
     def __enter__(self):
@@ -561,39 +607,6 @@ class DataParallel:
 
     def __exit__(self, *exc):
         self.close()
-
-
-def _submit_segment(dev, step, copies) -> int:
-    """Record a PreparedStep and the copies after it into one pass and submit it; returns
-    the submission index (``_wait_for_submission`` waits for it alone)."""
-    from wgpu.backends.wgpu_native._ffi import ffi, lib
-
-    from .runtime.recorder import StepRecorder, encode_copies
-    enc = dev.raw.create_command_encoder()
-    if step.ops:
-        cpass = enc.begin_compute_pass()
-        StepRecorder._record(cpass._internal, step.ops)
-        cpass.end()
-    encode_copies(enc, copies)
-    cb = enc.finish()
-    handles = ffi.new("WGPUCommandBuffer[]", [cb._internal])
-    with dev.queue_lock:
-        return int(lib.wgpuQueueSubmitForIndex(dev.queue._internal, 1, handles))
-
-
-def _map_after(dev, staging, size, index):
-    """Map ``staging`` for reading once submission ``index`` (which fills it) has run.
-
-    ``map_sync`` would wait for every submission, later segments included (wgpu-py's poll
-    thread polls for all of them), and first submits an empty command buffer, which a
-    software driver runs only after the work before it: either would stop later segments
-    from overlapping the all-reduce of earlier buckets. So the map is requested without
-    that submit and this thread polls for submission ``index`` alone, which also delivers
-    the map's callback."""
-    from wgpu.backends.wgpu_native._ffi import ffi, lib
-    promise = staging.map_async("READ_NOSYNC", 0, size)
-    lib.wgpuDevicePoll(dev.handle, True, ffi.new("WGPUSubmissionIndex *", index))
-    promise.sync_wait()
 
 
 def _torch_or_none():
@@ -621,11 +634,24 @@ def _chunks(names, nbytes, limit):
     return groups
 
 
+def _session_runtime(ctx, backend) -> str:
+    """The runtime a session runs on: ``backend`` resolved, else the one ``init`` chose the
+    device for; they must agree (the other runtime would open its own default device)."""
+    from .runtime.backends import resolve
+    runtime = resolve(backend) if backend is not None else (ctx.runtime or resolve("gpu"))
+    if ctx.runtime is not None and runtime != ctx.runtime:
+        raise ValueError(f"mg.distributed.compile: backend {backend!r} runs on {runtime}, but init() chose this "
+                         f"rank's device on {ctx.runtime}: pass the same backend to init()")
+    return runtime
+
+
 def compile(graph: Graph, loss: Tensor, optimizer, accumulate=1, precision="strict", seed=0,
-            bucket_mb=DEFAULT_BUCKET_MB, ctx=None) -> DataParallel:
+            bucket_mb=DEFAULT_BUCKET_MB, ctx=None, backend=None) -> DataParallel:
     """A data-parallel training session on this rank's GPU (``init`` is called if it was
     not). Every rank must build the same graph: their program hashes are compared first
     (DistributedError otherwise). Rank 0's initial values are broadcast to all.
     accumulate: all-reduce and update once per ``accumulate`` calls of ``step``.
-    bucket_mb: gradient megabytes per all-reduce."""
-    return DataParallel(graph, loss, optimizer, accumulate, precision, seed, bucket_mb, ctx)
+    bucket_mb: gradient megabytes per all-reduce. backend: None runs on the runtime that
+    ``init`` chose (``init(backend=...)``: the direct Vulkan backend by default, wgpu where
+    it does not run or when asked)."""
+    return DataParallel(graph, loss, optimizer, accumulate, precision, seed, bucket_mb, ctx, backend)

@@ -9,6 +9,8 @@ between dispatches of a pass itself.
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 from wgpu.backends.wgpu_native._ffi import ffi, lib
 
@@ -131,6 +133,44 @@ class StepRecorder:
             if imm is not None:
                 set_imm(p, 0, imm[0], imm[1])
             dispatch(p, x, y, z)
+
+    # ------------------------------------------------ submissions waited for one by one
+    def submit(self, step: PreparedStep, copies_after=()) -> int:
+        """Record ``step`` and the copies after it into one encoder and submit it without
+        waiting; returns its submission index (``wait`` and ``mapped_after`` wait for it
+        alone, while later submissions run)."""
+        dev = self.device
+        enc = dev.raw.create_command_encoder()
+        if step.ops:
+            cpass = enc.begin_compute_pass()
+            self._record(cpass._internal, step.ops)
+            cpass.end()
+        encode_copies(enc, copies_after)
+        handles = ffi.new("WGPUCommandBuffer[]", [enc.finish()._internal])
+        with dev.queue_lock:
+            return int(lib.wgpuQueueSubmitForIndex(dev.queue._internal, 1, handles))
+
+    def wait(self, index: int):
+        lib.wgpuDevicePoll(self.device.handle, True, ffi.new("WGPUSubmissionIndex *", index))
+
+    @contextlib.contextmanager
+    def mapped_after(self, index: int, staging, nbytes):
+        """The first ``nbytes`` of MAP_READ buffer ``staging`` as a uint8 array, once
+        submission ``index`` (which fills it) has run; unmapped after the block.
+
+        ``map_sync`` would wait for every submission, later ones included (wgpu-py's poll
+        thread polls for all of them), and first submits an empty command buffer, which a
+        software driver runs only after the work before it. So the map is requested without
+        that submit and this thread polls for submission ``index`` alone, which also
+        delivers the map's callback."""
+        size = (int(nbytes) + 3) & ~3
+        promise = staging.map_async("READ_NOSYNC", 0, size)
+        self.wait(index)
+        promise.sync_wait()
+        try:
+            yield np.frombuffer(staging.read_mapped(0, size, copy=False), np.uint8, count=int(nbytes))
+        finally:
+            staging.unmap()
 
     # ----------------------------------------------------------- profiling
     def _query_resources(self, step, n_queries):

@@ -17,6 +17,7 @@ unchanged:
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -122,6 +123,21 @@ class VulkanRecorder:
     def prepare(self, dispatches, names=None) -> PreparedProgram:
         return PreparedProgram(dispatches, names, self.runtime.queue_lock)
 
+    def _program(self, step, before, after, timestamps) -> Program:
+        """The Program of ``step`` with these copies (recorded on first use, then kept)."""
+        rt = self.runtime
+        key = (tuple(_key(c) for c in before), tuple(_key(c) for c in after), bool(timestamps))
+        entry = step.programs.get(key)
+        if entry is None:
+            ops = [_copy(c) for c in before]
+            ops += [Dispatch(k, bufs, g, name=n) for (k, bufs, g), n in zip(step.dispatches, step.names)]
+            ops += [_copy(c) for c in after]
+            prog = Program(rt.vk, ops, levels=rt.use_levels, timestamps="ops" if timestamps else False, name="step")
+            # the ranges the key names by id() stay alive as long as the Program
+            entry = step.programs[key] = (prog, (list(before), list(after)))
+        step.last = key
+        return entry[0]
+
     def run(self, step, copies_before=(), copies_after=(), timestamps=False, wait=False):
         """Submit ``step`` with its copies and wait (the Vulkan queue is used synchronously:
         the caller reads results right after). ``timestamps``: returns an (n, 2) array of
@@ -137,18 +153,7 @@ class VulkanRecorder:
             pending = rt.take_pending()
             try:
                 before = pending + list(copies_before)
-                key = (tuple(_key(c) for c in before), tuple(_key(c) for c in copies_after), bool(timestamps))
-                entry = step.programs.get(key)
-                if entry is None:
-                    ops = [_copy(c) for c in before]
-                    ops += [Dispatch(k, bufs, g, name=n) for (k, bufs, g), n in zip(step.dispatches, step.names)]
-                    ops += [_copy(c) for c in copies_after]
-                    prog = Program(rt.vk, ops, levels=rt.use_levels, timestamps="ops" if timestamps else False,
-                                   name="step")
-                    # the ranges the key names by id() stay alive as long as the Program
-                    entry = step.programs[key] = (prog, (before, list(copies_after)))
-                prog = entry[0]
-                step.last = key
+                prog = self._program(step, before, copies_after, timestamps)
                 prog.run(wait=True)
                 ns = None
                 if timestamps:
@@ -163,6 +168,49 @@ class VulkanRecorder:
                     step.close()
         rt.stats["steps"] += 1
         return ns
+
+    # ------------------------------------------------ submissions waited for one by one
+    def submit(self, step: PreparedProgram, copies_after=()) -> "Submission":
+        """Submit ``step`` (the deferred inputs first, as in ``run``) and the copies after it
+        without waiting; returns a ``Submission`` to wait for it alone (its Program's fence),
+        while later submissions run. Wait before submitting the same step again."""
+        rt = self.runtime
+        with rt.queue_lock:
+            pending = rt.take_pending()
+            try:
+                prog = self._program(step, pending, copies_after, False)
+                prog.run(wait=False)
+            except BaseException:
+                rt.restore_pending(pending)
+                raise
+        rt.stats["steps"] += 1
+        return Submission(prog)
+
+    @staticmethod
+    def wait(sub: "Submission"):
+        sub.wait()
+
+    @contextlib.contextmanager
+    def mapped_after(self, sub: "Submission", staging, nbytes):
+        """The first ``nbytes`` of host-visible ``staging`` as a uint8 array, once ``sub``
+        (which fills it) has run: a view of the mapped memory, valid inside the block."""
+        sub.wait()
+        if staging.block.mapped is None:
+            raise ValueError(f"mapped_after: {getattr(staging, 'label', staging)!r} is not host-visible")
+        yield staging.block.mapped[staging.offset:staging.offset + int(nbytes)]
+
+
+class Submission:
+    """A Program submitted without waiting; ``wait`` returns once it has run (the first call
+    waits on and resets its fence, later calls return at once)."""
+
+    def __init__(self, program: Program):
+        self.program, self.done = program, False
+
+    def wait(self):
+        if not self.done:
+            self.program.wait()
+            self.done = True
 
 
 def _key(c):
@@ -256,6 +304,11 @@ class VulkanRuntime:
     def create_buffer(self, nbytes, usage_kind="storage", label=""):
         # sizes rounded up to 4 bytes as wgpu's are: copies move whole words
         rng = self.vk.alloc(max((int(nbytes) + 3) & ~3, 4), host=usage_kind == "staging", label=label)
+        if usage_kind != "staging":
+            # zeros, as wgpu's new buffers: the executor leaves values that start at zero
+            # (optimizer moments, accumulators) to them, and a range may be one that a closed
+            # session freed
+            self.vk.zero(rng)
         return OwnedRange(rng, self.vk, label)
 
     def upload(self, buffer, array, offset=0):
@@ -310,9 +363,8 @@ class VulkanRuntime:
 
     def flush_locked(self):
         pending = self.take_pending()
-        try:
-            for src, so, dst, do, n in pending:
-                self.vk.copy(src.sub(so, n), dst.sub(do, n), n)
+        try:       # one submit for all of them (the gradient uploads of a data-parallel update: hundreds)
+            self.vk.copy_many([(src.sub(so, n), dst.sub(do, n), n) for src, so, dst, do, n in pending])
         except BaseException:
             self.restore_pending(pending)
             raise

@@ -203,6 +203,70 @@ def _env_selector():
     return s or None
 
 
+def _create_instance():
+    """(VkInstance, instance version, the application name it points at: keep it alive)."""
+    ffi, lib, vk = _vk.ffi, _vk.lib, _vk.vk
+    v = ffi.new("uint32_t*")
+    version = version_str(v[0]) if lib.vkEnumerateInstanceVersion(v) == 0 else "1.0.0"
+    name = ffi.new("char[]", b"meganeura")
+    app = new("VkApplicationInfo", sType=vk.VK_STRUCTURE_TYPE_APPLICATION_INFO, pApplicationName=name,
+              applicationVersion=1, pEngineName=name, engineVersion=1, apiVersion=vk.VK_MAKE_VERSION(1, 3, 0))
+    ci = new("VkInstanceCreateInfo", sType=vk.VK_STRUCTURE_TYPE_INSTANCE_CREATE_INFO, pApplicationInfo=app)
+    p = ffi.new("VkInstance*")
+    res = lib.vkCreateInstance(ci, ffi.NULL, p)
+    if res != 0:
+        raise VulkanUnavailable(f"vkCreateInstance failed ({_vk.result_name(res)}): is a Vulkan driver "
+                                "installed? (no GPU: apt-get install mesa-vulkan-drivers)")
+    return p[0], version, name
+
+
+def _physical_devices(instance):
+    ffi, lib = _vk.ffi, _vk.lib
+    arr, n = _vk.enumerate_array(lambda c, a: lib.vkEnumeratePhysicalDevices(instance, c, a), "VkPhysicalDevice")
+    out = []
+    for i in range(n):
+        pr = ffi.new("VkPhysicalDeviceProperties*")
+        lib.vkGetPhysicalDeviceProperties(arr[i], pr)
+        out.append((arr[i], dict(index=i, name=string(pr.deviceName), type=_TYPE_NAMES.get(pr.deviceType, "other"),
+                                 type_code=int(pr.deviceType), api_version=version_str(pr.apiVersion))))
+    return out
+
+
+def list_physical_devices() -> list:
+    """Summaries (index, name, type, ...) of the physical devices, without opening one (to
+    choose a device before the process-wide one is created)."""
+    _vk.require()
+    instance, _, _ = _create_instance()
+    try:
+        return [s for _, s in _physical_devices(instance)]
+    finally:
+        _vk.lib.vkDestroyInstance(instance, _vk.ffi.NULL)
+
+
+def device_rank(summary) -> int:
+    """Preference of a device type (lower first): discrete > integrated > virtual > other > CPU."""
+    return _TYPE_RANK.get(summary["type_code"], 3)
+
+
+def choose_physical(devices, selector=None) -> dict:
+    """The summary in ``devices`` that ``selector`` (an index or a name substring) names, or
+    the preferred one (``device_rank``, then the lowest index)."""
+    if not devices:
+        raise VulkanUnavailable("no Vulkan physical device (no GPU: apt-get install mesa-vulkan-drivers)")
+    if selector is None:
+        return min(devices, key=lambda d: (device_rank(d), d["index"]))
+    sel = str(selector).strip()
+    if sel.isdigit():
+        if not 0 <= int(sel) < len(devices):
+            raise VulkanUnavailable(f"Vulkan device index {sel}: only {len(devices)} device(s): "
+                                    f"{[d['name'] for d in devices]}")
+        return devices[int(sel)]
+    hits = [d for d in devices if sel.lower() in d["name"].lower()]
+    if not hits:
+        raise VulkanUnavailable(f"Vulkan device {sel!r} matches none of {[d['name'] for d in devices]}")
+    return hits[0]
+
+
 class VulkanDevice:
     """One Vulkan logical device with a compute queue (see the module docstring).
 
@@ -232,54 +296,17 @@ class VulkanDevice:
 
     # ------------------------------------------------------------------ instance and device
     def _create_instance(self):
-        ffi, lib, vk = _vk.ffi, _vk.lib, _vk.vk
-        v = ffi.new("uint32_t*")
-        self.instance_version = version_str(v[0]) if lib.vkEnumerateInstanceVersion(v) == 0 else "1.0.0"
-        self._name = ffi.new("char[]", b"meganeura")
-        app = new("VkApplicationInfo", sType=vk.VK_STRUCTURE_TYPE_APPLICATION_INFO, pApplicationName=self._name,
-                  applicationVersion=1, pEngineName=self._name, engineVersion=1,
-                  apiVersion=vk.VK_MAKE_VERSION(1, 3, 0))
-        ci = new("VkInstanceCreateInfo", sType=vk.VK_STRUCTURE_TYPE_INSTANCE_CREATE_INFO, pApplicationInfo=app)
-        p = ffi.new("VkInstance*")
-        res = lib.vkCreateInstance(ci, ffi.NULL, p)
-        if res != 0:
-            raise VulkanUnavailable(f"vkCreateInstance failed ({_vk.result_name(res)}): is a Vulkan driver "
-                                    "installed? (no GPU: apt-get install mesa-vulkan-drivers)")
-        self.instance = p[0]
+        self.instance, self.instance_version, self._name = _create_instance()
 
     def physical_devices(self):
         """[(handle, summary dict)] of every physical device."""
-        ffi, lib = _vk.ffi, _vk.lib
-        arr, n = _vk.enumerate_array(lambda c, a: lib.vkEnumeratePhysicalDevices(self.instance, c, a),
-                                     "VkPhysicalDevice")
-        out = []
-        for i in range(n):
-            pr = ffi.new("VkPhysicalDeviceProperties*")
-            lib.vkGetPhysicalDeviceProperties(arr[i], pr)
-            out.append((arr[i], dict(index=i, name=string(pr.deviceName), type=_TYPE_NAMES.get(pr.deviceType, "other"),
-                                     type_code=int(pr.deviceType), api_version=version_str(pr.apiVersion))))
-        return out
+        return _physical_devices(self.instance)
 
     def _choose_physical(self, selector):
         devs = self.physical_devices()
-        if not devs:
-            raise VulkanUnavailable("no Vulkan physical device (no GPU: apt-get install mesa-vulkan-drivers)")
         self.all_devices = [s for _, s in devs]
-        if selector is not None:
-            sel = str(selector).strip()
-            if sel.isdigit():
-                if not 0 <= int(sel) < len(devs):
-                    raise VulkanUnavailable(f"Vulkan device index {sel}: only {len(devs)} device(s): "
-                                            f"{[s['name'] for _, s in devs]}")
-                chosen = devs[int(sel)]
-            else:
-                hits = [d for d in devs if sel.lower() in d[1]["name"].lower()]
-                if not hits:
-                    raise VulkanUnavailable(f"Vulkan device {sel!r} matches none of {[s['name'] for _, s in devs]}")
-                chosen = hits[0]
-        else:
-            chosen = min(devs, key=lambda d: (_TYPE_RANK.get(d[1]["type_code"], 3), d[1]["index"]))
-        self.physical, self.summary = chosen
+        self.summary = choose_physical(self.all_devices, selector)
+        self.physical = devs[self.summary["index"]][0]
         self.index = self.summary["index"]
 
     def _query_features(self, want_coop):
@@ -596,9 +623,28 @@ class VulkanDevice:
             self.submit(pc, self._xfer_fence)
 
     def copy(self, src: BufferRange, dst: BufferRange, nbytes=None):
-        n = min(src.size, dst.size) if nbytes is None else int(nbytes)
-        r = new("VkBufferCopy", srcOffset=src.offset, dstOffset=dst.offset, size=n)
-        self._one_shot(lambda cmd: _vk.lib.vkCmdCopyBuffer(cmd, src.block.buffer, dst.block.buffer, 1, r))
+        self.copy_many([(src, dst, nbytes)])
+
+    def copy_many(self, copies):
+        """Run (src, dst, nbytes or None) copies in one submit and wait."""
+        regions = []
+        for src, dst, n in copies:
+            n = min(src.size, dst.size) if n is None else int(n)
+            regions.append((src.block.buffer, dst.block.buffer,
+                            new("VkBufferCopy", srcOffset=src.offset, dstOffset=dst.offset, size=n)))
+
+        def record(cmd):
+            for sb, db, r in regions:
+                _vk.lib.vkCmdCopyBuffer(cmd, sb, db, 1, r)
+        if regions:
+            self._one_shot(record)
+
+    def zero(self, rng: BufferRange):
+        """Fill ``rng`` with zeros (synchronously; its size a multiple of 4)."""
+        if rng.block.mapped is not None:
+            rng.block.mapped[rng.offset:rng.offset + rng.size] = 0
+        elif rng.size:
+            self._one_shot(lambda cmd: _vk.lib.vkCmdFillBuffer(cmd, rng.block.buffer, rng.offset, rng.size, 0))
 
     def upload(self, dst: BufferRange, array):
         """Write ``array``'s bytes at the start of ``dst`` (synchronously)."""
@@ -780,12 +826,14 @@ _default = None
 _default_lock = threading.Lock()
 
 
-def get_vulkan_device() -> VulkanDevice:
-    """The process-wide Vulkan device (created on first use, closed at exit)."""
+def get_vulkan_device(selector=None) -> VulkanDevice:
+    """The process-wide Vulkan device (created on first use, closed at exit). ``selector``
+    (as ``VulkanDevice``'s) picks it when this call creates it; an existing one is returned
+    as it is (the caller compares ``index``)."""
     global _default
     with _default_lock:
         if _default is None:
             import atexit
-            _default = VulkanDevice()
+            _default = VulkanDevice(selector)
             atexit.register(_default.close)
         return _default
