@@ -165,3 +165,25 @@ def test_a_new_buffer_holds_zeros_where_a_freed_one_was(staged_device, staged):
     np.testing.assert_array_equal(rt.readback(new, 256, np.float32), np.zeros(64, np.float32))
     new.destroy()
     keep.destroy()
+
+
+def test_device_memory_is_filled_once_per_block_not_per_buffer(staged_device, monkeypatch):
+    """On device-only memory a new block is filled with zeros once; new buffers in never
+    used bytes cost no fill (no submit each), one that reuses freed bytes gets its own."""
+    rt = backend.VulkanRuntime(staged_device)
+    fills = []
+    real = staged_device.zero
+    monkeypatch.setattr(staged_device, "zero", lambda rng: (fills.append(rng.size), real(rng)))
+    bufs = [rt.create_buffer(4096) for _ in range(40)]
+    assert len(fills) <= len({b.block for b in bufs})          # at most the blocks' fills
+    for b in bufs:
+        np.testing.assert_array_equal(rt.readback(b, 4096, np.float32), np.zeros(1024, np.float32))
+    rt.upload(bufs[3], np.ones(1024, np.float32))
+    where = (bufs[3].block, bufs[3].offset)
+    bufs[3].destroy()
+    del fills[:]
+    again = rt.create_buffer(4096)
+    assert (again.block, again.offset) == where and fills == [4096]
+    np.testing.assert_array_equal(rt.readback(again, 4096, np.float32), np.zeros(1024, np.float32))
+    for b in bufs[:3] + bufs[4:] + [again]:
+        b.destroy()

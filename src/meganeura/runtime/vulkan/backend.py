@@ -303,12 +303,11 @@ class VulkanRuntime:
     # ----------------------------------------------------------------- buffers
     def create_buffer(self, nbytes, usage_kind="storage", label=""):
         # sizes rounded up to 4 bytes as wgpu's are: copies move whole words
-        rng = self.vk.alloc(max((int(nbytes) + 3) & ~3, 4), host=usage_kind == "staging", label=label)
-        if usage_kind != "staging":
-            # zeros, as wgpu's new buffers: the executor leaves values that start at zero
-            # (optimizer moments, accumulators) to them, and a range may be one that a closed
-            # session freed
-            self.vk.zero(rng)
+        # zeros, as wgpu's new buffers: the executor leaves values that start at zero
+        # (optimizer moments, accumulators) to them, and a range may be one that a closed
+        # session freed
+        rng = self.vk.alloc(max((int(nbytes) + 3) & ~3, 4), host=usage_kind == "staging", label=label,
+                            zeroed=usage_kind != "staging")
         return OwnedRange(rng, self.vk, label)
 
     def upload(self, buffer, array, offset=0):

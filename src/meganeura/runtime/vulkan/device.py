@@ -565,9 +565,11 @@ class VulkanDevice:
         if self.staging_mem_type is None:
             raise VulkanUnavailable(f"{self.name}: no host-visible coherent memory type for staging")
 
-    def alloc(self, nbytes, host=False, label=None) -> BufferRange:
+    def alloc(self, nbytes, host=False, label=None, zeroed=False) -> BufferRange:
         """``nbytes`` (rounded up to the alignment) of device memory, or of host-visible
-        staging memory when ``host``. Free with ``free``."""
+        staging memory when ``host``. Free with ``free``. ``zeroed``: the range holds zeros.
+        Device-only blocks are filled with zeros once when created, so only a range that
+        reuses freed bytes costs a fill of its own (not one submit per new buffer)."""
         nbytes = int(nbytes)
         kind = "staging" if host else "device"
         # a large tensor gets a block of its own, so that freeing it gives the memory back
@@ -576,16 +578,25 @@ class VulkanDevice:
             for blk in ([] if dedicated else self._blocks[kind]):
                 if blk.size != self.block_bytes:
                     continue
+                high_water = blk.allocator.high_water
                 off = blk.allocator.alloc(nbytes)
                 if off is not None:
-                    return BufferRange(blk, off, nbytes)
+                    rng = BufferRange(blk, off, nbytes)
+                    if zeroed and (blk.mapped is not None or off < high_water):
+                        self.zero(rng)
+                    return rng
             size = align_up(max(nbytes, 1), self.alignment) if dedicated else self.block_bytes
             size = min(size, max(self.limits["maxMemoryAllocationSize"], align_up(nbytes, self.alignment)))
             mapped = host or self.direct_host_access
             blk = MemoryBlock(self, size, self.staging_mem_type if host else self.device_mem_type, mapped,
                               f"{kind}#{len(self._blocks[kind])}")
             self._blocks[kind].append(blk)
-            return BufferRange(blk, blk.allocator.alloc(nbytes), nbytes)
+            rng = BufferRange(blk, blk.allocator.alloc(nbytes), nbytes)
+            if zeroed and blk.mapped is not None:
+                self.zero(rng)
+            elif blk.mapped is None:
+                self.zero(BufferRange(blk, 0, blk.size))     # the block's one fill
+            return rng
 
     def free(self, rng: BufferRange):
         """Give a range back. A device block left empty goes back to the driver (closing a

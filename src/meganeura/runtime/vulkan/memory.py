@@ -25,6 +25,7 @@ class OffsetAllocator:
         self.capacity, self.alignment = int(capacity), int(alignment)
         self.free_list = [(0, self.capacity)]   # sorted, disjoint, merged (offset, size)
         self.used: dict = {}                    # offset -> size
+        self.high_water = 0                     # bytes below it have been handed out before
 
     @property
     def bytes_used(self) -> int:
@@ -45,6 +46,7 @@ class OffsetAllocator:
                 else:
                     self.free_list[i] = (off + size, avail - size)
                 self.used[off] = size
+                self.high_water = max(self.high_water, off + size)
                 return off
         return None
 
