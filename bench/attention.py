@@ -2,10 +2,12 @@
 probabilities matmul, and their gradients) and PyTorch's SDPA (CUDA, TF32 off) in one run,
 forward alone and forward + backward (the gradients of q, k and v for a given dO).
 
-    python bench/attention.py [--size tiny|real] [--phases forward,backward] [--out bench/results/attention.json]
+    python bench/attention.py [--size tiny|real] [--phases forward,backward] [--split 2,4] [--out bench/results/attention.json]
 
-Prints a table and writes JSON. ``real`` is Whisper-tiny's encoder self-attention
-(1 x 6 heads x 1500 x 64, no mask) and SmolLM2's causal grouped-query prefill (9 query and
+Prints a table and writes JSON. ``--split`` (default: MEGANEURA_FLASH_SPLIT where set) adds a
+row per S for the flash forward split over keys into S workgroups per query tile
+(``flash_sS``); the ``flash`` row is always the unsplit kernel. ``real`` is Whisper-tiny's
+encoder self-attention (1 x 6 heads x 1500 x 64, no mask) and SmolLM2's causal grouped-query prefill (9 query and
 3 kv heads x 2048 x 64); ``tiny`` runs on a software driver in seconds. The backward rows
 time forward + backward on both sides (the backward needs the forward's output and LSE);
 their error is the largest of dQ, dK and dV's against float64 on the host. Times are medians of GPU-complete wall times (submit to
@@ -76,13 +78,14 @@ def reference_grads(feeds, causal):
     return evaluate(g, outs, {n: a.astype(np.float64) for n, a in feeds.items()}, compute=np.float64)
 
 
-def ours(feeds, causal, decompose, samples, warmup, backward=False, want=None):
+def ours(feeds, causal, decompose, samples, warmup, backward=False, want=None, split=1):
     """(wall-time samples per call, GPU timestamp seconds or None, max relative error,
-    dispatch names)."""
-    saved = attn.MAX_ROW_WORK, flash.LOOP_BOUND
+    dispatch names). ``split``: key splits of the flash forward (1: none)."""
+    saved = attn.MAX_ROW_WORK, flash.LOOP_BOUND, os.environ.get("MEGANEURA_FLASH_SPLIT")
     attn.MAX_ROW_WORK = 0         # the flash kernels also at tiny size (the one-row kernel declines)
     if decompose:                 # both attention kernels decline: matmuls and a softmax
         flash.LOOP_BOUND = 0
+    os.environ["MEGANEURA_FLASH_SPLIT"] = str(split)     # read when the plan is compiled
     try:
         g, outs = _graph(feeds, causal, backward)
         names = compile_plan(outs, options=CompileOptions(max_bindings=64)).names
@@ -90,7 +93,11 @@ def ours(feeds, causal, decompose, samples, warmup, backward=False, want=None):
         feeds = {n: a for n, a in feeds.items() if n in g.inputs}
         got = sess.run(feeds)
     finally:
-        attn.MAX_ROW_WORK, flash.LOOP_BOUND = saved
+        attn.MAX_ROW_WORK, flash.LOOP_BOUND = saved[:2]
+        if saved[2] is None:
+            os.environ.pop("MEGANEURA_FLASH_SPLIT", None)
+        else:
+            os.environ["MEGANEURA_FLASH_SPLIT"] = saved[2]
     times, ts_gpu = replay_seconds(sess, samples, warmup, reps=10)
     want = want if want is not None else [reference(feeds, causal)]
     err = max(float(np.abs(a - w).max() / np.abs(w).max()) for a, w in zip(got, want))
@@ -136,8 +143,13 @@ def main(argv=None):
     p.add_argument("--samples", type=int, default=20)
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--phases", default="forward,backward", help="forward, backward (forward + backward) or both")
+    p.add_argument("--split", default=os.environ.get("MEGANEURA_FLASH_SPLIT", ""),
+                   help="key splits of the flash forward to time besides the unsplit one, e.g. 2,4 "
+                        "(default: MEGANEURA_FLASH_SPLIT)")
     p.add_argument("--out", default=None, help="JSON path (default bench/results/attention_<size>.json)")
     args = p.parse_args(argv)
+    splits = [int(x) for x in args.split.split(",") if x.strip() and int(x) > 1]
+    variants = [("flash", False, 1)] + [(f"flash_s{s}", False, s) for s in splits] + [("decomposed", True, 1)]
     out = args.out or f"bench/results/attention_{args.size}.json"
     dev = gpu_device()
     print(f"device: {dev.name} ({dev.adapter_info.get('backend')}), modules {'trusted' if dev.trusted else 'checked'}")
@@ -156,11 +168,11 @@ def main(argv=None):
             want = reference_grads(feeds, causal) if backward else None
             t_torch = theirs(feeds, causal, args.samples, args.warmup, backward)
             mt = statistics.median(t_torch) if t_torch else None
-            for variant in ("flash", "decomposed"):
-                times, ts, err, names = ours(feeds, causal, variant == "decomposed", args.samples, args.warmup,
-                                             backward, want)
+            for variant, decompose, split in variants:
+                times, ts, err, names = ours(feeds, causal, decompose, args.samples, args.warmup,
+                                             backward, want, split)
                 mo = statistics.median(times)
-                row = {"case": name, "phase": phase, "variant": variant, "q_shape": qs, "kv_heads": hkv,
+                row = {"case": name, "phase": phase, "variant": variant, "split": split, "q_shape": qs, "kv_heads": hkv,
                        "causal": causal, "dispatches": len(names), "kernels": names, "median_s": mo,
                        "samples_s": times, "gpu_timestamp_s": ts, "gflops": flops / mo / 1e9, "max_rel_err": err}
                 if mt:

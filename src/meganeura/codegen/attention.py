@@ -11,7 +11,8 @@ zeros, as the op's decomposition does. Longer sequences run the flash kernel
 neither takes decompose into matmuls and a softmax. Both are this one archetype
 (``spec["flash"]`` picks the renderer), so epilogue fusion treats them alike; so is the
 flash backward (``spec["grad"]``: ``flash_grad.py``), which the gradient takes where the
-forward runs the flash kernel.
+forward runs the flash kernel, and the combine of a flash forward split over keys
+(``spec["combine"]``: ``flash_split.py``).
 """
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ import numpy as np
 from ..schedule import Kernel
 from .common import ENTRY, GROUP_INDEX, WG, Bindings, broadcast_view_strides, coords, grid, literal
 from .expr import OutputStore
-from . import flash, flash_grad
+from . import flash, flash_grad, flash_split
 
 MAX_KEYS = 2048          # scores of one row in workgroup memory (8 KiB)
 MAX_ROW_WORK = 1 << 17   # Lq * Lk per head: beyond it the matmul path is faster
@@ -81,20 +82,30 @@ def _mask_spec(t, mask_at):
 
 def lower_attention(t, ins, out, materialize, temp, siblings=()):
     """The SDPA node, or its LSE node (``attention_lse``), with the other as a sibling: one
-    flash kernel writes the output and, as its second output, the LSE."""
+    flash kernel writes the output and, as its second output, the LSE. Split over keys,
+    the flash kernel writes partial outputs and LSEs, and a combine kernel writes both."""
     reads = list(ins)        # q, k and v are read through their views (head splits cost nothing)
     spec = _mask_spec(t, 3)
     views = {t.op: out, **{s.op: v for s, v in siblings}}
-    if "attention_lse" in views:
-        q, v = t.inputs[0], t.inputs[2]
-        o = views.get("scaled_dot_product_attention") or \
-            temp(views["attention_lse"].shape + (v.shape[-1],), q.dtype)   # only the LSE is needed
-        spec["flash"] = flash.rows_per_group(q.shape[-1])
-        return [Kernel("flash_attention+lse", "attention", spec, o, reads, outs=[views["attention_lse"]])]
-    if not short_rows(t):
-        spec["flash"] = flash.rows_per_group(t.inputs[0].shape[-1])     # query rows per workgroup
-        return [Kernel("flash_attention", "attention", spec, out, reads)]
-    return [Kernel("attention", "attention", spec, out, reads)]
+    q, k, v = t.inputs[:3]
+    if "attention_lse" not in views and short_rows(t):
+        return [Kernel("attention", "attention", spec, out, reads)]
+    lse = views.get("attention_lse")
+    o = views.get("scaled_dot_product_attention") or \
+        temp(lse.shape + (v.shape[-1],), q.dtype)             # only the LSE is needed
+    spec["flash"] = bq = flash.rows_per_group(q.shape[-1])    # query rows per workgroup
+    # the split is fixed here (its buffers' sizes depend on it), with the portable tile
+    # size: the adapter's workgroup memory is only known to the later tile sizing
+    nt = -(-k.shape[-2] // flash.BK)
+    s = flash_split.splits(int(np.prod(q.shape[:-2])) * -(-q.shape[-2] // bq), nt)
+    if s == 1:
+        name = "flash_attention+lse" if lse is not None else "flash_attention"
+        return [Kernel(name, "attention", spec, o, reads, outs=[lse] if lse is not None else [])]
+    rows = o.shape[:-1]
+    o_s, lse_s = temp((s,) + o.shape, q.dtype), temp((s,) + rows, q.dtype)
+    return [Kernel("flash_attention_split", "attention", {**spec, "split": s}, o_s, reads, outs=[lse_s]),
+            Kernel("flash_attention_combine" + ("+lse" if lse is not None else ""), "attention",
+                   {"combine": s}, o, [o_s, lse_s], outs=[lse] if lse is not None else [])]
 
 
 def lower_attention_grad(t, ins, out, materialize, temp, siblings=()):
@@ -112,6 +123,8 @@ def lower_attention_grad(t, ins, out, materialize, temp, siblings=()):
 def render(kernel):
     if kernel.spec.get("grad"):
         return flash_grad.render(kernel)
+    if kernel.spec.get("combine"):
+        return flash_split.render_combine(kernel)
     if kernel.spec.get("flash"):
         return flash.render(kernel)
     q, k, v = kernel.reads[:3]

@@ -26,6 +26,12 @@ the mask are read through their strided views (head splits and transposes cost n
 With a second output (``kernel.outs``, the ``attention_lse`` node scheduled with the
 output's) the kernel also stores each row's log-sum-exp, max + log(sum), for the backward
 pass (``flash_grad.py``).
+
+Split over keys (``spec["split"]`` = S > 1, flash-decoding): S workgroups share a query
+tile, split s walking key tiles [s * nt / S, (s + 1) * nt / S) of the nt that tile needs;
+``out`` is then (S, *batch, Hq, Lq, Dv) of partial outputs, each normalised by its own row
+sum, and the second output (S, *batch, Hq, Lq) their log-sum-exps (-inf where a split saw
+no unmasked key). ``flash_split.py`` combines them.
 """
 from __future__ import annotations
 
@@ -126,6 +132,8 @@ def render(kernel):
     DQ4 = _pad4(d) // 4
     NQT = -(-lq // BQ)
     NT = -(-lk // BK)
+    S = spec.get("split", 1)
+    NBH = nb * hq
     VCH = _chunks(dv)
     NG = len(VCH)
     b = Bindings()
@@ -171,8 +179,11 @@ def render(kernel):
     # attention 268 -> see bench/attention.py on an H200)
     piped = len(_chunks(d)) == 1 and len(VCH) == 1 and BK * max(_pad4(d), _pad4(dv)) <= 32 * TH
     L = [f"    let gi = {GROUP_INDEX};",
-         f"    if (gi >= {nb * hq * NQT}u) {{ return; }}",
-         f"    let qt = gi % {NQT}u; let bh = gi / {NQT}u; let h = bh % {hq}u; let bz = bh / {hq}u;"]
+         f"    if (gi >= {NBH * NQT * S}u) {{ return; }}",
+         # the query tile varies fastest: neighbouring workgroups read the same K/V tiles
+         f"    let qt = gi % {NQT}u; let bh = (gi / {NQT}u) % {NBH}u; let h = bh % {hq}u; let bz = bh / {hq}u;"]
+    if S > 1:
+        L.append(f"    let sp = gi / {NQT * NBH}u;     // this workgroup's split of the keys")
     L += coords("bz", batch, prefix="z") if batch else []
     L += [f"    let hk = h / {group}u;",
           f"    let q0 = qt * {BQ}u;",
@@ -193,6 +204,9 @@ def render(kernel):
         L.append(f"    let nt = min({NT}u, (q0 + {BQ - 1}u) / {BK}u + 1u);")
     else:
         L.append(f"    let nt = {NT}u;")
+    # key tiles [t0, t1): all of them, or this split's share
+    L += ([f"    let t0 = sp * nt / {S}u; let t1 = (sp + 1u) * nt / {S}u;"] if S > 1
+          else ["    let t0 = 0u; let t1 = nt;"])
     k_src = lambda k0, c0: (f"b{kb}[koff + min({k0} + row, {lk - 1}u) * {ks[-2]}u + "  # noqa: E731
                             f"min({c0}u + col, {d - 1}u) * {ks[-1]}u]")
     k_ok = lambda k0, c0: f"{k0} + row < {lk}u && {c0}u + col < {d}u"  # noqa: E731
@@ -206,8 +220,8 @@ def render(kernel):
         put_k = fetch(BK * wk, wk, "", "", "kr")[1]
         put_v = fetch(BK * wv, wv, "", "", "vr")[1]
         L += [f"    var kr: array<f32, {-(-BK * wk // TH)}>;", f"    var vr: array<f32, {-(-BK * wv // TH)}>;"]
-        L += load_k("0u")
-    L += ["    for (var t = 0u; t < nt; t = t + 1u) {", f"    let kt0 = t * {BK}u;",
+        L += load_k(f"t0 * {BK}u")
+    L += ["    for (var t = t0; t < t1; t = t + 1u) {", f"    let kt0 = t * {BK}u;",
           # s[r][c]: row ty*4+r, key kt0 + tx + 16c; zeroed here (naga hoists a bare var's
           # zero initialisation to the function's entry, not to each iteration)
           "    var s = array<vec4<f32>, 4>(vec4<f32>(0.0), vec4<f32>(0.0), vec4<f32>(0.0), vec4<f32>(0.0));"]
@@ -235,7 +249,7 @@ def render(kernel):
         st = broadcast_view_strides(m, tuple(batch) + (hq, lq, lk))
         terms = [f"{m.offset}u"] + [f"z{n} * {st[n]}u" for n in range(nbd) if st[n]]
         terms += [f"h * {st[nbd]}u"] if st[nbd] else []
-        L.insert(L.index("    for (var t = 0u; t < nt; t = t + 1u) {"), f"    let moff = {' + '.join(terms)};")
+        L.insert(L.index("    for (var t = t0; t < t1; t = t + 1u) {"), f"    let moff = {' + '.join(terms)};")
         mv = (f"b{mb}[moff + min(i, {lq - 1}u) * {st[-2]}u + min(j, {lk - 1}u) * {st[-1]}u]")
         score.append(f"        x = select({NEG_INF}, x, {mv} != {literal(0, m.dtype)});" if spec["int_mask"]
                      else f"        x = x + {mv};")
@@ -280,7 +294,7 @@ def render(kernel):
         vdst = f"KV[row * {CH // 4}u + col / 4u][col % 4u]"
         if piped:
             L += put_v(vdst) + ["    workgroupBarrier();",
-                                "    if (t + 1u < nt) {"] + load_k(f"kt0 + {BK}u") + ["    }"]
+                                "    if (t + 1u < t1) {"] + load_k(f"kt0 + {BK}u") + ["    }"]
         else:
             L += stage(BK * w, w, vdst, v_src("kt0", c0), v_ok("kt0", c0)) + ["    workgroupBarrier();"]
         L += [f"    for (var j4 = 0u; j4 < {BK // 4}u; j4 = j4 + 1u) {{"]
@@ -299,22 +313,26 @@ def render(kernel):
                  f"Ps[(ty * 4u + {r}u) * 4u + 2u] + Ps[(ty * 4u + {r}u) * 4u + 3u], vec4<f32>(1.0));")
         # a fully masked row has sum 0: zeros, as the op's safe softmax gives
         L.append(f"    let inv{r} = select(0.0, 1.0 / lsum{r}, lsum{r} != 0.0);")
+    # a split's rows start past the earlier splits' (out and the LSE lead with the split)
+    row0 = f"(sp * {NBH}u + bh) * {lq}u" if S > 1 else f"bh * {lq}u"
     if kernel.outs:
         # the second output: each row's log-sum-exp of its scaled, masked scores (+inf for a
-        # fully masked row), which the backward pass recomputes the probabilities from
+        # fully masked row), which the backward pass recomputes the probabilities from; a
+        # split's -inf where it saw no unmasked key gives it no weight in the combine
         lse = kernel.outs[0]
-        assert lse.is_contiguous() and lse.shape == tuple(batch) + (hq, lq), lse.shape
+        assert lse.is_contiguous() and lse.shape == (S,) * (S > 1) + tuple(batch) + (hq, lq), lse.shape
         lb = b.index(lse.buf, lse.dtype, write=True)
+        empty = NEG_INF if S > 1 else "bitcast<f32>(0x7f800000u)"
         for r in range(4):
-            L.append(f"    {{ let i = q0 + ty * 4u + {r}u; if (tx == 0u && i < {lq}u) {{ b{lb}[{lse.offset}u + bh * {lq}u + i] = "
-                     f"select(bitcast<f32>(0x7f800000u), mrow[{r}] + log(lsum{r}), lsum{r} != 0.0); }} }}")
+            L.append(f"    {{ let i = q0 + ty * 4u + {r}u; if (tx == 0u && i < {lq}u) {{ b{lb}[{lse.offset}u + {row0} + i] = "
+                     f"select({empty}, mrow[{r}] + log(lsum{r}), lsum{r} != 0.0); }} }}")
     for r in range(4):
         L.append(f"    {{ let i = q0 + ty * 4u + {r}u;")
         L.append(f"      if (i < {lq}u) {{")
         for g, (c0, w) in enumerate(VCH):
             for e in range(4):
                 col = f"{c0}u + tx * 4u + {e}u"
-                L.append(f"        if ({col} < {dv}u) {{ store_out((bh * {lq}u + i) * {dv}u + {col}, "
+                L.append(f"        if ({col} < {dv}u) {{ store_out(({row0} + i) * {dv}u + {col}, "
                          f"o[{r * NG + g}][{e}] * inv{r}); }}")
         L.append("      }")
         L.append("    }")
@@ -323,5 +341,5 @@ def render(kernel):
            f"\nvar<workgroup> KV: array<vec4<f32>, {BK * CH // 4}>;"
            f"\nvar<workgroup> Ps: array<vec4<f32>, {BK * TY}>;\n\n"
            + ENTRY.format(wg=TH) + "\n".join(L) + "\n}\n")
-    return src, b.bufs, grid(nb * hq * NQT)
+    return src, b.bufs, grid(NBH * NQT * S)
 

@@ -1,0 +1,95 @@
+"""Flash attention forward split over keys (flash-decoding): how many splits, and the
+kernel that combines the splits' partial outputs.
+
+A sequence with few query tiles per head (Whisper-tiny's encoder: 6 heads x 24 tiles of
+64 rows = 144 workgroups) leaves most of a large GPU idle. With S splits, S workgroups
+share a query tile, each walking its share of the key tiles (``flash.py``, ``spec["split"]``)
+and writing its output normalised by its own row sum, O_s, and its row log-sum-exp, lse_s
+(-inf for a split that saw no unmasked key). The combine kernel then takes, per row,
+
+    m = max_s lse_s,  w_s = exp(lse_s - m),  O = sum_s w_s O_s / sum_s w_s,  lse = m + log(sum_s w_s)
+
+and a row no split saw an unmasked key of gives O = 0 and lse = +inf, as the unsplit
+kernel does (the backward reads that LSE). The combine ends in ``store_out``, so the
+output's epilogues (transposed stores, residual adds) fuse into it as into the unsplit
+kernel.
+
+``MEGANEURA_FLASH_SPLIT`` = S forces S splits (1: off); unset, ``auto_splits`` would choose,
+but only where ``AUTO_SPLIT`` is on.
+"""
+from __future__ import annotations
+
+import os
+
+from .common import ENTRY, GROUP_INDEX, WG, Bindings, grid
+from .expr import OutputStore
+
+# The automatic rule is off until its speed is measured on a GPU (bench/attention.py
+# --split 2,4 compares S = 1, 2, 4); until then S = 1 unless MEGANEURA_FLASH_SPLIT is set.
+AUTO_SPLIT = False
+TARGET_GROUPS = 512      # workgroups to aim for: a few per SM on a 132-SM GPU
+MAX_SPLIT = 4
+MIN_TILES = 4            # key tiles per split at least: fewer and the combine outweighs the gain
+
+NEG_INF = "bitcast<f32>(0xff800000u)"
+POS_INF = "bitcast<f32>(0x7f800000u)"
+
+
+def auto_splits(groups: int, key_tiles: int) -> int:
+    """Splits for a forward of ``groups`` workgroups over ``key_tiles`` key tiles: enough
+    to reach about TARGET_GROUPS workgroups, at most MAX_SPLIT, and at least MIN_TILES key
+    tiles per split."""
+    want = -(-TARGET_GROUPS // max(1, groups))
+    return max(1, min(want, MAX_SPLIT, key_tiles // MIN_TILES))
+
+
+def splits(groups: int, key_tiles: int) -> int:
+    """S for a flash forward: MEGANEURA_FLASH_SPLIT if set, else the automatic rule where
+    AUTO_SPLIT is on, else 1."""
+    raw = os.environ.get("MEGANEURA_FLASH_SPLIT", "").strip()
+    if raw:
+        try:
+            s = int(raw)
+        except ValueError:
+            s = 0
+        if s < 1:
+            raise ValueError(f"MEGANEURA_FLASH_SPLIT must be a positive integer (1: no split), got {raw!r}")
+        return s
+    return auto_splits(groups, key_tiles) if AUTO_SPLIT else 1
+
+
+def render_combine(kernel):
+    """The combine: one invocation per output element (row, column) reads the S partial
+    LSEs of its row and the S partial values of its element; column 0 also writes the
+    row's LSE when the kernel has that second output."""
+    o_s, lse_s = kernel.reads[:2]
+    S = kernel.spec["combine"]
+    assert o_s.is_contiguous() and lse_s.is_contiguous() and o_s.shape[0] == lse_s.shape[0] == S
+    dv = o_s.shape[-1]
+    rows = lse_s.size // S
+    n = rows * dv
+    b = Bindings()
+    store = OutputStore(kernel, b).require("fmax_f32")     # a NaN partial LSE gives a NaN row
+    ob, lb = b.index(o_s.buf, o_s.dtype), b.index(lse_s.buf, lse_s.dtype)
+    L = [f"    let e = ({GROUP_INDEX}) * {WG}u + lid;",
+         f"    if (e >= {n}u) {{ return; }}",
+         f"    let row = e / {dv}u;"]
+    L += [f"    let l{s} = b{lb}[{lse_s.offset}u + {s * rows}u + row];" for s in range(S)]
+    m = "l0"
+    for s in range(1, S):
+        m = f"fmax_f32({m}, l{s})"
+    L += [f"    let m = {m};",
+          # no split saw an unmasked key: weights against 0 are zeros, not NaN
+          f"    let live = m != {NEG_INF};",
+          "    let mref = select(0.0, m, live);"]
+    L += [f"    let w{s} = exp(l{s} - mref);" for s in range(S)]
+    L += ["    let wsum = " + " + ".join(f"w{s}" for s in range(S)) + ";",
+          "    let acc = " + " + ".join(f"w{s} * b{ob}[{o_s.offset}u + {s * n}u + e]" for s in range(S)) + ";",
+          "    store_out(e, select(0.0, acc / wsum, live));"]
+    if kernel.outs:
+        lse = kernel.outs[0]
+        assert lse.is_contiguous() and lse.size == rows, lse.shape
+        rb = b.index(lse.buf, lse.dtype, write=True)
+        L.append(f"    if (e % {dv}u == 0u) {{ b{rb}[{lse.offset}u + row] = select({POS_INF}, m + log(wsum), live); }}")
+    src = b.decls() + "\n" + store.module_text() + "\n\n" + ENTRY.format(wg=WG) + "\n".join(L) + "\n}\n"
+    return src, b.bufs, grid(-(-n // WG))
