@@ -77,7 +77,8 @@ def test_every_workload_kernel_compiles_to_spirv():
                 seen.setdefault(d.wgsl, d.kernel.name)
     assert len(seen) > 300
     for text, kname in seen.items():
-        spirv = compile_glsl(to_glsl(text, kname), name=kname, disk_cache=False)
+        # as hardware drivers get them: with [[unroll]] hints (lavapipe runs them without)
+        spirv = compile_glsl(to_glsl(text, kname, unroll=True), name=kname, disk_cache=False)
         assert spirv[:4] == b"\x03\x02\x23\x07"      # the SPIR-V magic number
 
 
@@ -118,3 +119,17 @@ def test_signed_remainder_folded_constants_and_saturate_keep_wgsl_meaning():
     assert "clamp(b0[i], 0.0, 1.0)" in g
     from meganeura.runtime.vulkan.glslang import compile_glsl
     assert compile_glsl(g, disk_cache=False)[:4] == b"\x03\x02\x23\x07"
+
+
+def test_unroll_hints_only_where_asked(monkeypatch):
+    """Short constant loops get [[unroll]] for hardware drivers; the software rasterizer
+    (lavapipe) gets none, since its compile time explodes on unrolled kernels."""
+    src = main("    var s = 0.0;\n    for (var k = 0u; k < 8u; k = k + 1u) { s = s + b0[k]; }\n"
+               "    for (var k = 0u; k < 64u; k = k + 1u) { s = s + b0[k]; }\n    b0[lid] = s;")
+    on, off = to_glsl(src, unroll=True), to_glsl(src, unroll=False)
+    assert on.count("[[unroll]]") == 1 and "GL_EXT_control_flow_attributes" in on      # 8 trips, not 64
+    assert "[[unroll]]" not in off and "control_flow_attributes" not in off
+    monkeypatch.delenv("MEGANEURA_GLSL_UNROLL", raising=False)
+    from meganeura.runtime.vulkan.backend import get_vulkan_runtime
+    rt = get_vulkan_runtime()
+    assert rt.unroll_loops is not rt.is_software

@@ -29,10 +29,19 @@ import os
 import re
 from dataclasses import dataclass
 
-# Loops of a few constant trips are marked [[unroll]]: NVIDIA's compiler left the tiled
+# Loops of a few constant trips can be marked [[unroll]]: NVIDIA's compiler left the tiled
 # matmul's inner K loop rolled, and unrolled it ran 31.3 -> 37.8 TFLOP/s at 4096^3 on an
-# H200. MEGANEURA_GLSL_UNROLL=0 turns it off.
-UNROLL = os.environ.get("MEGANEURA_GLSL_UNROLL", "1").strip().lower() not in ("0", "false", "off", "no")
+# H200. A software rasterizer's LLVM compiles unrolled kernels far more slowly (lavapipe: a
+# masked flash attention kernel with 130-wide heads, 1 s -> 48 s), so the runtime asks for it
+# on hardware drivers only (``to_glsl(unroll=...)``); MEGANEURA_GLSL_UNROLL=1 or 0 forces it.
+
+
+def unroll_switch() -> bool | None:
+    """MEGANEURA_GLSL_UNROLL as True / False, or None when unset (the runtime decides)."""
+    raw = os.environ.get("MEGANEURA_GLSL_UNROLL", "").strip().lower()
+    if not raw:
+        return None
+    return raw not in ("0", "false", "off", "no")
 _SHORT_LOOP = re.compile(r"^\(*\w+ < (\d+)u?\)*$")
 
 
@@ -218,7 +227,8 @@ class Fn:
 
 
 class _Translator:
-    def __init__(self, src: str, name: str):
+    def __init__(self, src: str, name: str, unroll: bool = False):
+        self.unroll = unroll
         self.toks = tokenize(src)
         self.i = 0
         self.name = name
@@ -564,7 +574,7 @@ class _Translator:
             self.eat(";")
             step = self.simple(0) if self.tok.text != ")" else ""
             self.eat(")")
-            if UNROLL and _short_loop(cond):
+            if self.unroll and _short_loop(cond):
                 self.unrolled = True
                 out.append(f"{pad}[[unroll]]")
             out.append(f"{pad}for ({init}; {cond}; {step}) {{")
@@ -754,9 +764,12 @@ class _Translator:
         return "\n".join(out)
 
 
-def to_glsl(wgsl: str, name: str = "kernel") -> str:
-    """GLSL 4.50 (Vulkan semantics) for a kernel rendered in our WGSL subset."""
-    return _Translator(wgsl, name).translate()
+def to_glsl(wgsl: str, name: str = "kernel", unroll: bool | None = None) -> str:
+    """GLSL 4.50 (Vulkan semantics) for a kernel rendered in our WGSL subset. ``unroll``:
+    mark loops of at most 32 constant trips ``[[unroll]]`` (None: MEGANEURA_GLSL_UNROLL, else no)."""
+    if unroll is None:
+        unroll = bool(unroll_switch())
+    return _Translator(wgsl, name, unroll).translate()
 
 
 @dataclass

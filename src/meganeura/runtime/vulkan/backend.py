@@ -261,6 +261,11 @@ class VulkanRuntime:
         self.has_f16 = bool(f.get("shaderFloat16") and f.get("storageBuffer16BitAccess"))
         self.has_timestamps = self.vk.timestamp_bits > 0
         self.is_software = self.vk.is_software
+        # [[unroll]] hints for hardware drivers only (codegen.glsl: a software rasterizer's
+        # compile time explodes on unrolled kernels)
+        from ...codegen.glsl import unroll_switch
+        forced = unroll_switch()
+        self.unroll_loops = (not self.is_software) if forced is None else forced
         self.features = {k for k, on in f.items() if on}
         lim = self.vk.limits
         # the limits the compiler and the executor read, under wgpu's names
@@ -463,7 +468,7 @@ class VulkanRuntime:
         from ...codegen.glsl import to_glsl
         from .glslang import compile_glsl
         t0 = time.perf_counter()
-        glsl = text if text.startswith("#version") else to_glsl(text, label or "kernel")
+        glsl = text if text.startswith("#version") else to_glsl(text, label or "kernel", unroll=self.unroll_loops)
         glsl_s = time.perf_counter() - t0
         target = "vulkan1.3" if self.vk.api >= (1, 3) else "vulkan1.2"
         # cooperative-matrix kernels map subgroups of 32 to fragments
