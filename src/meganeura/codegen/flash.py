@@ -160,18 +160,15 @@ def render(kernel):
                         + (f"if (e < {total}u) {{ {inner} }}" if guard else inner) + " }")
         return [f"    for (var it = 0u; it < {trips}u; it = it + 1u) {{"] + body + ["    }"]
 
-    def fetch(total, width, src, ok, reg):
-        """``stage`` split in two for software pipelining: the loads into registers ``reg``
-        (issued a phase ahead, so their latency hides behind arithmetic), then the stores
-        into workgroup memory (``put(dst)``)."""
-        per = -(-total // TH)
-
-        def one(u, body):
+    def by_register(total, width, reg, body):
+        """One statement per register ``reg[u]`` of a thread's share of ``total`` elements
+        (e -> row = e / width, col = e % width): ``stage`` split in two for software
+        pipelining, the loads issued a phase ahead so their latency hides behind arithmetic."""
+        def one(u):
             e = f"let e = lid + {u * TH}u; let row = e / {width}u; let col = e % {width}u;"
-            return f"        {{ {e} " + (f"if (e < {total}u) {{ {body} }}" if (u + 1) * TH > total else body) + " }"
-        load = [one(u, f"{reg}[{u}] = select(0.0, {src}, {ok});") for u in range(per)]
-        put = lambda dst: [one(u, f"{dst} = {reg}[{u}];") for u in range(per)]  # noqa: E731
-        return load, put
+            st = body(f"{reg}[{u}]")
+            return f"        {{ {e} " + (f"if (e < {total}u) {{ {st} }}" if (u + 1) * TH > total else st) + " }"
+        return [one(u) for u in range(-(-total // TH))]
 
     qs, ks, vs = q.strides, k.strides, v.strides
     # one K chunk and one V chunk per tile and few elements per thread: the next tile's K
@@ -215,10 +212,10 @@ def render(kernel):
     v_ok = lambda k0, c0: f"{k0} + row < {lk}u && {c0}u + col < {dv}u"  # noqa: E731
     if piped:
         wk, wv = _pad4(d), _pad4(dv)
-        load_k = lambda k0: fetch(BK * wk, wk, k_src(k0, 0), k_ok(k0, 0), "kr")[0]  # noqa: E731
-        load_v = lambda k0: fetch(BK * wv, wv, v_src(k0, 0), v_ok(k0, 0), "vr")[0]  # noqa: E731
-        put_k = fetch(BK * wk, wk, "", "", "kr")[1]
-        put_v = fetch(BK * wv, wv, "", "", "vr")[1]
+        load_k = lambda k0: by_register(BK * wk, wk, "kr", lambda r: f"{r} = select(0.0, {k_src(k0, 0)}, {k_ok(k0, 0)});")  # noqa: E731,E501
+        load_v = lambda k0: by_register(BK * wv, wv, "vr", lambda r: f"{r} = select(0.0, {v_src(k0, 0)}, {v_ok(k0, 0)});")  # noqa: E731,E501
+        put_k = lambda dst: by_register(BK * wk, wk, "kr", lambda r: f"{dst} = {r};")  # noqa: E731
+        put_v = lambda dst: by_register(BK * wv, wv, "vr", lambda r: f"{dst} = {r};")  # noqa: E731
         L += [f"    var kr: array<f32, {-(-BK * wk // TH)}>;", f"    var vr: array<f32, {-(-BK * wv // TH)}>;"]
         L += load_k(f"t0 * {BK}u")
     L += ["    for (var t = t0; t < t1; t = t + 1u) {", f"    let kt0 = t * {BK}u;",

@@ -134,7 +134,7 @@ def _ind(lines, n):
 
 
 def _operand(name, view, trans_contig_t, dim_t, K, T, V, tile0, binding, off, chk_t, chk_k, reg, allow_vec=True,
-             threads=256, transform=None, load=None, TK=8):
+             threads=256, transform=None, load=None, *, TK):
     """WGSL that fetches one operand's K-step tile into register ``reg`` and stores it into
     workgroup memory ``name`` (laid out [k][t] as vec4 over t).
 
