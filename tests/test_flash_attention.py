@@ -154,9 +154,11 @@ def test_whisper_encoder_dispatches_drop(monkeypatch):
     assert counts[True] <= counts[False] - 2 * cfg.encoder_layers, counts
 
 
-def test_tiles_follow_the_adapters_workgroup_memory():
+def test_tiles_follow_the_adapters_workgroup_memory(monkeypatch):
     """With an adapter's 48 KiB of workgroup memory the flash kernel takes twice the query
-    rows per workgroup (half the workgroups); without a limit it keeps a portable 32 KiB."""
+    rows per workgroup (half the workgroups); without a limit it keeps a portable 32 KiB.
+    (Unsplit over keys, so that the grid counts query tiles alone.)"""
+    monkeypatch.setenv("MEGANEURA_FLASH_SPLIT", "1")
     g, out = _whisper_like(1500)
     small = compile_plan([out]).dispatches[0]
     big = compile_plan([out], options=CompileOptions(workgroup_storage=49152)).dispatches[0]

@@ -143,16 +143,18 @@ def test_automatic_rule():
     assert flash_split.auto_splits(6, 12) == 3
 
 
-def test_selection_is_off_unless_forced(monkeypatch):
-    """Unset, the split stays off (the automatic rule is not yet timed); the variable
-    forces it; the automatic rule applies only where AUTO_SPLIT is on."""
+def test_selection_automatic_unless_forced(monkeypatch):
+    """Unset, the automatic rule chooses (Whisper-tiny's encoder gets 4 splits); the
+    variable forces a count; with AUTO_SPLIT off the forward stays whole."""
     monkeypatch.delenv("MEGANEURA_FLASH_SPLIT", raising=False)
-    assert not flash_split.AUTO_SPLIT
-    assert flash_split.splits(144, 24) == 1
+    assert flash_split.AUTO_SPLIT
+    assert flash_split.splits(144, 24) == 4
     g, out = fwd._whisper_like(1500)
+    assert compile_plan([out]).names == ["flash_attention_split", "flash_attention_combine"]
+    monkeypatch.setattr(flash_split, "AUTO_SPLIT", False)
+    assert flash_split.splits(144, 24) == 1
     assert compile_plan([out]).names == ["flash_attention"]
     monkeypatch.setattr(flash_split, "AUTO_SPLIT", True)
-    assert flash_split.splits(144, 24) == 4
     monkeypatch.setenv("MEGANEURA_FLASH_SPLIT", "1")
     assert flash_split.splits(144, 24) == 1
     monkeypatch.setattr(flash_split, "AUTO_SPLIT", False)

@@ -129,31 +129,30 @@ def _store_permuted(k, p, uses, ki, pi) -> bool:
 def _pointwise_store_permuted(k, p, leaf, uses, ki, pi) -> bool:
     """``p`` only copies pointwise kernel ``k``'s output into another layout through a
     transpose of its dims: ``k`` writes that layout directly (its output becomes a strided
-    view of ``p``'s)."""
+    view of ``p``'s). ``k`` first iterates the leaf's dims in its own memory order, so a
+    dim that the leaf splits (a sequence read back as height x width) is split in ``k``."""
     o = k.out
     if p.spec["expr"] != ("leaf", 0) or len(p.reads) != 1 or not p.out.is_contiguous() \
-            or k.out.buf.kind != "temp" or k.spec.get("flat_leaf") or not o.is_contiguous() \
-            or p.out.dtype is not o.dtype:
+            or k.out.buf.kind != "temp" or k.spec.get("flat_leaf") or _has_rleaf(k.spec["expr"]) \
+            or not o.is_contiguous() or p.out.dtype is not o.dtype:
         return False
     if not p.spec.get("flat_leaf") and leaf.shape != p.out.shape:
         return False
     if not uses.read_only_by(leaf.buf, pi, p.reads) or not _permutes(k, leaf) \
             or uses.touched_between(p.out.buf, ki, pi):
         return False
-    # each of k's dims (size > 1) is one dim of the leaf, found by its stride
+    # k's elements in memory order are the leaf's dims (size > 1) by falling stride
+    order = sorted((d for d, n in enumerate(leaf.shape) if n != 1), key=lambda d: -leaf.strides[d])
+    shape = tuple(leaf.shape[d] for d in order) or (1,)
+    reads = [reshape_view(View(v.buf, o.shape, tuple(broadcast_view_strides(v, o.shape)), v.offset, v.dtype), shape)
+             for v in k.reads]
+    if any(v is None for v in reads):
+        return False
     dest = contiguous_strides(leaf.shape)
-    by_stride = {s: e for e, (s, n) in enumerate(zip(leaf.strides, leaf.shape)) if n != 1}
-    strides = []
-    for s, n in zip(o.strides, o.shape):
-        if n == 1:
-            strides.append(0)
-        elif s in by_stride and leaf.shape[by_stride[s]] == n:
-            strides.append(dest[by_stride[s]])
-        else:
-            return False
     uses.remove(ki, k)
     uses.remove(pi, p)
-    k.out = View(p.out.buf, o.shape, tuple(strides), p.out.offset, p.out.dtype)
+    k.reads = reads
+    k.out = View(p.out.buf, shape, tuple(dest[d] for d in order) or (0,), p.out.offset, p.out.dtype)
     k.name = f"{k.name}+{p.name}"
     uses.add(ki, k)
     return True
