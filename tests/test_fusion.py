@@ -252,6 +252,45 @@ def test_pointwise_kernel_writes_a_transposed_copy_itself():
     _assert_gpu_matches_reference(g, [y, z], feeds, rtol=1e-6, atol=1e-6)
 
 
+def test_transposed_copy_that_splits_a_dim_is_the_writers_store():
+    """A transformer's tokens read back as channels x height x width (a transpose that
+    splits the sequence dim): the pointwise kernel that wrote the tokens stores that
+    layout itself."""
+    g = mg.Graph()
+    x = g.input("x", (1, 64, 8))
+    r = g.input("r", (1, 64, 8))
+    h = mg.ops.tanh(x) + r
+    y = mg.ops.reshape(mg.ops.transpose(h, 1, 2), (1, 8, 8, 8))
+    z = mg.ops.exp(y) * 2.0                 # a consumer that needs y in its own layout
+    w = mg.ops.reshape(y, (1, 8, 64)) @ mg.ops.reshape(r, (1, 64, 8))
+    kp = compile_plan([z, w], options=CompileOptions(max_bindings=32))
+    assert not any(n in ("copy", "reshape") for n in kp.names), kp.names
+    rng = np.random.default_rng(11)
+    feeds = {n: rng.standard_normal((1, 64, 8)).astype(np.float32) for n in "xr"}
+    _assert_gpu_matches_reference(g, [z, w], feeds, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("archetype", ["pointwise", "matmul"])
+def test_concat_of_an_early_value_is_its_writers_second_store(archetype):
+    """A skip connection: a value computed early, used on, and concatenated much later is
+    stored into the concat's slice by the kernel that computes it (no copy launch); the
+    kernel that writes the concat's other slice in between does not get in the way."""
+    g = mg.Graph()
+    x = g.input("x", (4, 16))
+    w = g.parameter("w", (16, 16))
+    skip = mg.ops.tanh(x) * 3.0 if archetype == "pointwise" else mg.ops.relu(x @ w)
+    h = mg.ops.exp(skip * 0.1) @ w          # the skip is also read on the way
+    h = mg.ops.sigmoid(h) + 1.0
+    out = mg.ops.concat([h, skip], dim=1) @ g.parameter("w2", (32, 8))
+    kp = compile_plan([out], options=CompileOptions(max_bindings=32))
+    assert not any(n == "concat" for n in kp.names), kp.names
+    assert any(n.endswith("+concat") for n in kp.names), kp.names
+    off = compile_plan([out], options=CompileOptions(max_bindings=32, disabled=frozenset({"stores"})))
+    assert off.n_dispatches == kp.n_dispatches + 1, (off.names, kp.names)
+    feeds = {"x": np.random.default_rng(12).standard_normal((4, 16)).astype(np.float32)}
+    _assert_gpu_matches_reference(g, [out], feeds, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("k", [64, 30, 2048])
 def test_norm_prologue_in_tiled_matmuls_matches_reference(k):
     """A norm read only by tiled matmuls (a prefill's q/k/v projections): each workgroup

@@ -282,7 +282,7 @@ class _Part:
         self.store_bindings = {self.store.ob} | {bind.index(v.buf, v.dtype) for v in kernel.epi_reads}
         out = kernel.out
         # a plain f32 output written in whole fragments goes straight from the fragments
-        self.direct = (kernel.epilogue is None and "store_map" not in s and out.dtype.name == "f32"
+        self.direct = (kernel.epilogue is None and "store_map" not in s and not s.get("stores") and out.dtype.name == "f32"
                        and out.is_contiguous() and out.offset % 4 == 0 and self.M % FRAG == 0 and self.N % FRAG == 0)
 
     def groups(self):

@@ -230,7 +230,16 @@ class OutputStore:
             val = f"{out.dtype.wgsl}({val})"
         idx = f"{out.offset}u + {dest}" if out.is_contiguous() else offset_expr(out.offset, out.strides, "e")
         self.used = w.used
-        body = lines + w.lines + [f"    b{self.ob}[{idx}] = {val};"]
+        body = lines + w.lines
+        stores = kernel.spec.get("stores", ())   # the same value also stored elsewhere (a concat's slice)
+        if stores:
+            body.append(f"    let stored = {val};")
+            val = "stored"
+        body.append(f"    b{self.ob}[{idx}] = {val};")
+        for s in stores:
+            sb = bind.index(s.buf, s.dtype, write=True)
+            sv = val if s.dtype is out.dtype else f"{s.dtype.wgsl}({val})"
+            body.append(f"    b{sb}[{offset_expr(s.offset, s.strides, 'e')}] = {sv};")
         acc2 = f", acc2: {self.acc_dtype.wgsl}" if "pair" in kernel.spec else ""
         self.fn = f"fn {name}(f: u32, acc: {self.acc_dtype.wgsl}{acc2}) {{\n" + "\n".join(body) + "\n}"
 

@@ -12,6 +12,8 @@ the memory planner and the runtime need no knowledge of them.
   norm read only by GEMVs is computed inside them.
 - ``rows``: reductions read only by a pointwise kernel that broadcasts them back over the
   reduced axes run with it as one row kernel.
+- ``stores``: a copy of a kernel's whole output into a slice of another buffer (a
+  concat) becomes a second store of that kernel.
 - ``horizontal``: independent pointwise kernels close together run as one launch.
 """
 from __future__ import annotations
@@ -704,8 +706,78 @@ def merge_horizontal(kernels, max_bindings):
     return out
 
 
+def _extent(v) -> tuple:
+    """[first, last] element of buffer ``v.buf`` that view ``v`` can touch."""
+    span = sum((n - 1) * s for n, s in zip(v.shape, v.strides) if n > 0)
+    return v.offset, v.offset + span
+
+
+def _write_views(k) -> list:
+    if "parts" in k.spec:
+        return [v for p in k.spec["parts"] for v in _write_views(p)]
+    return [k.out] + list(k.outs) + list(k.spec.get("stores", ()))
+
+
+def _elements(v) -> np.ndarray:
+    idx = np.array([v.offset], dtype=np.int64)
+    for n, s in zip(v.shape, v.strides):
+        idx = np.add.outer(idx, np.arange(n, dtype=np.int64) * s).ravel()
+    return idx
+
+
+def _overlaps(a, b, exact_up_to=1 << 21) -> bool:
+    """Views ``a`` and ``b`` may share an element (exact for views of up to
+    ``exact_up_to`` elements; larger ones are compared by their extents)."""
+    if a.buf is not b.buf:
+        return False
+    (a0, a1), (b0, b1) = _extent(a), _extent(b)
+    if a1 < b0 or b1 < a0:
+        return False
+    if a.size > exact_up_to or b.size > exact_up_to:
+        return True
+    return np.intersect1d(_elements(a), _elements(b)).size > 0
+
+
+def fuse_copy_stores(kernels, max_bindings):
+    """A kernel that only copies another kernel's whole output into part of a larger buffer
+    (a concat's slice: a U-Net skip connection, stored long before the decoder reads it)
+    becomes a second store of that writer (``spec["stores"]``): the value is stored twice
+    where it is computed, and the copy's launch goes."""
+    kernels = list(kernels)
+    uses = _Uses(kernels)
+    for pi, p in enumerate(kernels):
+        if p is None or p.archetype != "pointwise" or p.epilogue is not None or p.spec["expr"] != ("leaf", 0) \
+                or len(p.reads) != 1 or p.spec.get("flat_leaf") or p.spec.get("stores") or p.out.buf.kind != "temp":
+            continue
+        src = p.reads[0]
+        ki = uses.producer(src.buf, pi)
+        if ki is None:
+            continue
+        k = kernels[ki]
+        o = k.out
+        if (k.archetype not in EPILOGUE_ARCHETYPES and k.archetype != "pointwise") or "parts" in k.spec \
+                or "index" in k.spec or (o.buf, o.offset, o.shape, tuple(o.strides)) != \
+                (src.buf, src.offset, p.out.shape, tuple(src.strides)):
+            continue
+        # nothing reads the destination in between, and what writes it there writes elsewhere
+        if any(ki <= j < pi for j in uses.readers[id(p.out.buf)]) \
+                or any(_overlaps(w, p.out) for j in set(uses.writers[id(p.out.buf)]) if ki <= j < pi
+                       for w in _write_views(kernels[j])):
+            continue
+        if len({id(v.buf) for v in k.read_views()} | {id(b) for b in k.written_bufs()} | {id(p.out.buf)}) \
+                > max_bindings:
+            continue
+        uses.remove(ki, k)
+        uses.remove(pi, p)
+        k.spec = {**k.spec, "stores": [*k.spec.get("stores", []), p.out]}
+        k.name = f"{k.name}+{p.name}"
+        kernels[pi] = None
+        uses.add(ki, k)
+    return [k for k in kernels if k is not None]
+
+
 FUSION_PASSES = {"epilogue": fuse_epilogues, "prologue": fuse_prologues, "rows": fuse_rows,
-                 "horizontal": merge_horizontal}
+                 "stores": fuse_copy_stores, "horizontal": merge_horizontal}
 
 
 def run_fusion(kernels, disabled=frozenset(), max_bindings=8):
