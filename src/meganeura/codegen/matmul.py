@@ -16,6 +16,7 @@ from ..schedule import Kernel, View, contiguous_strides
 from .expr import Node, OutputStore
 from .common import LOOP_BOUND, Bindings, contiguous_batch_strides
 from .gather import as_function as gather_function
+from .pointwise import as_function as pointwise_function
 
 
 def lower_matmul(t, ins, out, materialize, temp):
@@ -309,7 +310,8 @@ def _tiled_part(kernel, bind, j):
     loads, fns = {}, []
     for op, gs in gathers.items():
         fname = f"gat{j}_{op}"
-        fns.append(gather_function(gs, kernel.reads[gs["first"]:gs["first"] + gs["n"]], bind, fname))
+        make = pointwise_function if "expr" in gs else gather_function
+        fns.append(make(gs, kernel.reads[gs["first"]:gs["first"] + gs["n"]], bind, fname))
         loads[op] = (lambda at, f=fname, o=gs["offset"]: f"{f}(({at}) - {o}u)")
     ab = None if 0 in loads else bind.index(a.buf, a.dtype)
     bb = None if 1 in loads else bind.index(bv.buf, bv.dtype)

@@ -46,6 +46,25 @@ def _body(kernel, b: Bindings):
     return w.helpers(b), lines
 
 
+def as_function(operand_spec, reads, bind: Bindings, name) -> str:
+    """WGSL ``fn name(i: u32) -> f32``: the value a pointwise kernel would have stored at flat
+    index ``i`` of its (contiguous) output, for a matmul that computes its operand in its
+    loads instead of reading a stored one (``fuse.fuse_pointwise_operands``). Helpers the
+    expression calls are emitted once per module, before the function."""
+    shape = operand_spec["shape"]
+    lines = [f"    let i = min(i0, {operand_spec['size'] - 1}u);"] + coords("i", shape)
+    leaf_vars = []
+    for k, v in enumerate(reads):
+        bi = bind.index(v.buf, v.dtype)
+        bind.scalar.add(bi)
+        lines.append(f"    let v{k} = b{bi}[{offset_expr(v.offset, broadcast_view_strides(v, shape))}];")
+        leaf_vars.append((f"v{k}", v.dtype))
+    w = ExprWriter(lambda e: leaf_vars[e[1]], last_coord=f"c{len(shape) - 1}")
+    val, _ = w.emit(operand_spec["expr"])
+    return "\n".join(w.helpers(bind) + [f"fn {name}(i0: u32) -> f32 {{"] + lines + w.lines
+                     + [f"    return f32({val});", "}"]) + "\n"
+
+
 def render(kernel) -> tuple[str, list, tuple]:
     """WGSL text, the bound logical buffers (binding order), and the workgroup counts."""
     if kernel.archetype == "multi":

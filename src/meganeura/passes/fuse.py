@@ -375,6 +375,48 @@ def fuse_reduce_prologue(kernels, max_bindings):
     return [k for k in kernels if k is not None]
 
 
+def _load_operand(m, gk, max_bindings):
+    """The operand (0 or 1) of tiled matmul ``m`` that is ``gk``'s output, when ``m`` can
+    compute it in its loads from ``gk``'s reads instead (one operand, read once, no other
+    prologue, bindings to spare), else None."""
+    if m.archetype != "matmul" or m.spec.get("gemv") or "tile" not in m.spec \
+            or any(key in m.spec for key in ("parts", "prologue", "gathers")):
+        return None
+    ops = [j for j in (0, 1) if m.reads[j].buf is gk.out.buf]
+    if len(ops) != 1 or sum(v.buf is gk.out.buf for v in m.read_views()) != 1 \
+            or any(v.buf is m.reads[1 - ops[0]].buf for v in gk.reads) \
+            or len({id(v.buf) for v in m.read_views() + gk.reads}
+                   | {id(b) for b in m.written_bufs()}) > max_bindings:
+        return None
+    return ops[0]
+
+
+def _compute_in_loads(kernels, gi, uses, max_bindings, operand_spec, accept=None):
+    """Kernel ``gi`` (a gather or pointwise kernel whose output only tiled matmuls read) is
+    evaluated in those matmuls' operand loads (``spec["gathers"]``), when every reader can
+    (and ``accept(matmul, operand)`` agrees). Returns whether it was."""
+    gk = kernels[gi]
+    readers = sorted(set(uses.readers[id(gk.out.buf)]))
+    if not readers or len(uses.writers[id(gk.out.buf)]) != 1 or readers[0] < gi:
+        return False
+    if any(uses.touched_between(v.buf, gi, readers[-1], writes_only=True) for v in gk.reads):
+        return False
+    ops = [_load_operand(kernels[mi], gk, max_bindings) for mi in readers]
+    if None in ops or (accept is not None and not all(accept(kernels[mi], op) for mi, op in zip(readers, ops))):
+        return False
+    for mi, op in zip(readers, ops):
+        m = kernels[mi]
+        uses.remove(mi, m)
+        m.spec = {**m.spec, "gathers": {op: {**operand_spec, "size": gk.out.size, "offset": gk.out.offset,
+                                             "first": len(m.reads), "n": len(gk.reads)}}}
+        m.reads = list(m.reads) + list(gk.reads)
+        m.name = f"{gk.name}>{m.name}"
+        uses.add(mi, m)
+    uses.remove(gi, gk)
+    kernels[gi] = None
+    return True
+
+
 def fuse_gather_operands(kernels, max_bindings):
     """An im2col read only by tiled matmuls (a convolution's forward and its weight
     gradient) is computed in their operand loads (implicit-GEMM convolution): the column
@@ -385,37 +427,34 @@ def fuse_gather_operands(kernels, max_bindings):
     for gi, gk in enumerate(kernels):
         if gk is None or not inlinable(gk) or gk.out.buf.kind != "temp" or not gk.out.is_contiguous():
             continue
-        readers = sorted(set(uses.readers[id(gk.out.buf)]))
-        if not readers or len(uses.writers[id(gk.out.buf)]) != 1 or readers[0] < gi:
-            continue
-        if any(uses.touched_between(v.buf, gi, readers[-1], writes_only=True) for v in gk.reads):
-            continue
+        _compute_in_loads(kernels, gi, uses, max_bindings, {"body": gk.spec["body"]})
+    return [k for k in kernels if k is not None]
 
-        def operand(m):
-            """The operand (0 or 1) of matmul ``m`` that is the gather's output, or None."""
-            if m.archetype != "matmul" or m.spec.get("gemv") or "tile" not in m.spec \
-                    or any(key in m.spec for key in ("parts", "prologue", "gathers")):
-                return None
-            ops = [j for j in (0, 1) if m.reads[j].buf is gk.out.buf]
-            if len(ops) != 1 or sum(v.buf is gk.out.buf for v in m.read_views()) != 1 \
-                    or any(v.buf is m.reads[1 - ops[0]].buf for v in gk.reads) \
-                    or len({id(v.buf) for v in m.read_views() + gk.reads}
-                           | {id(b) for b in m.written_bufs()}) > max_bindings:
-                return None
-            return ops[0]
-        ops = [operand(kernels[mi]) for mi in readers]
-        if None in ops:
+
+MAX_LOAD_RECOMPUTE = 4      # a pointwise operand is evaluated once per output tile across it
+MAX_LOAD_LEAVES = 2
+
+
+def fuse_pointwise_operands(kernels, max_bindings):
+    """A small pointwise kernel read only by tiled matmuls (GEGLU's gelu(gate) * value
+    before the feed-forward's output projection) is evaluated in their operand loads, when
+    each value is recomputed by at most MAX_LOAD_RECOMPUTE output tiles: its launch and
+    its stored intermediate go."""
+    kernels = list(kernels)
+    uses = _Uses(kernels)
+
+    def accept(m, op):
+        M, N = m.shape[-2:]
+        return -(-(N if op == 0 else M) // m.spec["tile"]) <= MAX_LOAD_RECOMPUTE
+
+    for gi, gk in enumerate(kernels):
+        if gk is None or gk.archetype != "pointwise" or gk.epilogue is not None or gk.spec.get("stores") \
+                or gk.spec.get("flat_leaf") or _has_rleaf(gk.spec["expr"]) or gk.out.buf.kind != "temp" \
+                or not gk.out.is_contiguous() or gk.out.dtype.name != "f32" or len(gk.reads) > MAX_LOAD_LEAVES \
+                or any(v.dtype.name != "f32" for v in gk.reads) or gk.spec["expr"][0] != "op":
             continue
-        for mi, op in zip(readers, ops):
-            m = kernels[mi]
-            uses.remove(mi, m)
-            m.spec = {**m.spec, "gathers": {op: {"body": gk.spec["body"], "size": gk.out.size,
-                                                 "offset": gk.out.offset, "first": len(m.reads), "n": len(gk.reads)}}}
-            m.reads = list(m.reads) + list(gk.reads)
-            m.name = f"{gk.name}>{m.name}"
-            uses.add(mi, m)
-        uses.remove(gi, gk)
-        kernels[gi] = None
+        _compute_in_loads(kernels, gi, uses, max_bindings,
+                          {"expr": gk.spec["expr"], "shape": tuple(gk.out.shape)}, accept)
     return [k for k in kernels if k is not None]
 
 
@@ -424,7 +463,7 @@ def fuse_prologues(kernels, max_bindings):
     reductions that read them, norms into the GEMVs that read them, im2col into the
     matmuls that read it."""
     kernels = fuse_norm_prologue(fuse_reduce_prologue(kernels, max_bindings), max_bindings)
-    return fuse_gather_operands(kernels, max_bindings)
+    return fuse_pointwise_operands(fuse_gather_operands(kernels, max_bindings), max_bindings)
 
 
 def _row_reduction(rk, p, leaf):
