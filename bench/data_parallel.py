@@ -2,7 +2,8 @@
 
     torchrun --standalone --nproc_per_node 2 bench/data_parallel.py --size real
     torchrun --standalone --nproc_per_node 2 bench/data_parallel.py --size real --backend wgpu --out /tmp/dp-wgpu
-    torchrun --standalone --nproc_per_node 2 bench/data_parallel.py --size small --out /tmp/dp   # smoke test
+    torchrun --standalone --nproc_per_node 2 bench/data_parallel.py --size tiny --out /tmp/dp    # smoke test
+    torchrun --standalone --nproc_per_node 2 bench/data_parallel.py --size real --grad-path host  # the copies
 
 For each accumulation (``--accumulate``, default 1,4,16): rank 0 first trains alone with
 an ordinary session (forward, backward and update in one submit per micro-step, AdamW) while
@@ -13,19 +14,31 @@ says which ran). Throughput is tokens per second
 over whole updates (accumulate micro-steps and one update; N GPUs process N times the
 tokens per update). The breakdown is host seconds per update by stage, as the session
 measures it (compute = waiting for the GPU, readback = copying gradients out of mapped
-memory, allreduce = waiting for Gloo beyond what overlapped, upload = handing the sums to
-the runtime's input upload, update = the update phase: on Vulkan with device memory it
-also copies the small gradients from staging memory); ``allreduce
-alone`` times the same buckets all-reduced with nothing else running: the communication
-that overlap has to hide.
+memory into host arrays, allreduce = waiting for Gloo beyond what overlapped, upload =
+handing the sums to the runtime's input upload, update = the update phase, with the copies
+of the sums from staging into device memory where they ride in its command buffer);
+``allreduce alone`` times the same buckets all-reduced with nothing else running: the
+communication that overlap has to hide.
+
+``--grad-path`` picks how gradients reach Gloo (``DataParallel.grad_path``): ``auto``
+(default: ``mapped`` where the runtime keeps staging memory mapped, the Vulkan one, else
+``host``), ``mapped`` (Gloo reduces the staging memory the device copied the gradients
+into, and the update copies the sums from there: readback and upload are zero) or
+``host`` (the sums go through host arrays: one copy out of the staging memory and one
+upload per gradient, the path wgpu always takes).
 
 Prints a table (rank 0) and writes ``data_parallel.json`` and ``data_parallel.md`` into
-``--out`` (default bench/results/h200x2/). ``--size small`` is a 2-layer model that runs
-on a software driver in seconds.
+``--out`` (default bench/results/h200x2/). ``--size tiny`` (or ``small``) is a 2-layer model
+that runs on a software driver in seconds; ``--size vocab`` is the same with SmolLM2's
+vocabulary, so that its two embedding matrices have gradients of 12 MiB each (over the
+8 MiB under which the Vulkan runtime defers an ordinary input upload): what the copies
+cost shows on a software driver too.
 """
 from __future__ import annotations
 
 import argparse
+import atexit
+import dataclasses
 import json
 import os
 import platform
@@ -41,10 +54,18 @@ from meganeura import distributed as dist  # noqa: E402
 from meganeura.models import llama  # noqa: E402
 from meganeura.runtime.backends import get_runtime_device  # noqa: E402
 
+def _tiny_wide_vocab():
+    return dataclasses.replace(llama.LlamaConfig.tiny(), vocab_size=llama.LlamaConfig.smollm2_135m().vocab_size,
+                               hidden_size=64, intermediate_size=128)
+
+
 SIZES = {   # config, tokens per sequence, sequences per micro-batch, bucket megabytes
     "real": (llama.LlamaConfig.smollm2_135m, 128, 8, dist.DEFAULT_BUCKET_MB),
     "small": (llama.LlamaConfig.tiny, 16, 2, 0.01),
+    "tiny": (llama.LlamaConfig.tiny, 16, 2, 0.01),
+    "vocab": (_tiny_wide_vocab, 16, 2, dist.DEFAULT_BUCKET_MB),
 }
+GRAD_PATHS = {"auto": None, "mapped": True, "host": False}
 STAGES = ("compute", "readback", "allreduce", "upload", "update")
 
 
@@ -86,12 +107,14 @@ def single_gpu(ctx, cfg, args, k):
 
 def data_parallel(ctx, cfg, args, k):
     g, _, _, loss = llama.build_training(cfg, args.batch, args.seq)
-    with dist.compile(g, loss, mg.optim.AdamW(lr=1e-4), accumulate=k, bucket_mb=args.bucket_mb) as s:
+    with dist.compile(g, loss, mg.optim.AdamW(lr=1e-4), accumulate=k, bucket_mb=args.bucket_mb,
+                      mapped=GRAD_PATHS[args.grad_path]) as s:
         samples = time_updates(s.step, batches(cfg, args.batch, args.seq, 1 + ctx.rank), k, args.warmup,
                                args.updates, on_warm=s.reset_timings)
         per_update = {key: v / max(s.updates_timed, 1) for key, v in s.timing_totals.items()}
         alone = allreduce_alone(ctx, s, args.updates)
         n_buckets, grad_mb = len(s.buckets), sum(b.n for b in s.buckets) * 4 / 2 ** 20
+        args.grad_path_taken = s.grad_path
     return samples, per_update, alone, n_buckets, grad_mb
 
 
@@ -120,6 +143,11 @@ def main(argv=None):
     ap.add_argument("--batch", type=int, help="sequences per micro-batch per GPU (real: 8, small: 2)")
     ap.add_argument("--seq", type=int, help="tokens per sequence (real: 128, small: 16)")
     ap.add_argument("--bucket-mb", type=float, help="gradient megabytes per all-reduce (real: 25)")
+    ap.add_argument("--grad-path", choices=sorted(GRAD_PATHS), default="auto",
+                    help="how gradients reach Gloo: mapped staging memory, or host copies (auto: mapped on Vulkan)")
+    ap.add_argument("--staged", action="store_true",
+                    help="Vulkan: device memory apart from host memory, as on a discrete GPU, also on a "
+                         "software or integrated one (uploads and readbacks through staging copies)")
     ap.add_argument("--warmup", type=int, default=2, help="updates before timing")
     ap.add_argument("--updates", type=int, default=5, help="timed updates per setting")
     ap.add_argument("--no-single", action="store_true", help="skip the one-GPU baseline")
@@ -131,9 +159,14 @@ def main(argv=None):
     args.bucket_mb = args.bucket_mb or bucket
     accs = [int(a) for a in args.accumulate.split(",")]
     ctx = dist.init(timeout_s=args.timeout, backend=args.backend)
+    if args.staged and ctx.runtime == "vulkan":
+        from meganeura.runtime.vulkan import backend as vkb, device as vkdev
+        staged = vkdev.VulkanDevice(str(vkdev.get_vulkan_device().index), direct_host_access=False)
+        atexit.register(staged.close)
+        vkb._runtime = vkb.VulkanRuntime(staged)
     cfg = make_cfg()
     dev = get_runtime_device(ctx.runtime)
-    mine = f"{ctx.adapter} ({dev.adapter_info['backend']})"
+    mine = f"{ctx.adapter} ({dev.adapter_info['backend']}{', staged memory' if args.staged else ''})"
     devices = [mine] * ctx.world_size
     if ctx.world_size > 1:
         import torch.distributed as tdist
@@ -170,6 +203,10 @@ def main(argv=None):
     dist.shutdown()
 
 
+PATH_WORDS = {"mapped": "in the mapped staging memory (grad path: mapped)",
+              "host": "in host arrays, copied out and uploaded (grad path: host)"}
+
+
 def report(ctx, args, devices, rows):
     n = ctx.world_size
     head = (f"| accumulate | 1 GPU tokens/s | {n} GPUs tokens/s | speedup | ms per update: "
@@ -187,12 +224,12 @@ def report(ctx, args, devices, rows):
                      + f" | {st['total']:.1f} | {r['allreduce_alone_s'] * 1e3:.1f} |")
     lines.append("")
     lines.append(f"gradients: {rows[0]['grad_mb']:.1f} MiB in {rows[0]['buckets']} bucket(s) of at most "
-                 f"{args.bucket_mb:g} MiB")
+                 f"{args.bucket_mb:g} MiB, all-reduced {PATH_WORDS[args.grad_path_taken]}")
     text = "\n".join(lines)
     print(text)
     import torch
     out = dict(workload="smollm2", size=args.size, runtime=ctx.runtime, world_size=n, devices=devices,
-               batch=args.batch, seq=args.seq,
+               batch=args.batch, seq=args.seq, grad_path=args.grad_path_taken,
                bucket_mb=args.bucket_mb, warmup=args.warmup, updates=args.updates, rows=rows,
                host=dict(python=sys.version.split()[0], platform=platform.platform(), numpy=np.__version__,
                          torch=torch.__version__, backend="gloo"))

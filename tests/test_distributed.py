@@ -78,7 +78,7 @@ def worker(mode, out_dir):
                     g2, _, _, _, loss2 = build_mlp(BATCH, 64, HIDDEN, 10)
                     dist.compile(g2, loss2, _optimizer(), accumulate=k, seed=99)  # the same collectives as rank 1
                 np.savez(os.path.join(out_dir, f"rank{ctx.rank}_k{k}.npz"), losses=np.array(losses),
-                         mean_loss=s.mean_loss, runtime=s.runtime, **state)
+                         mean_loss=s.mean_loss, runtime=s.runtime, grad_path=s.grad_path, **state)
                 s.close()
             # then ranks that build different graphs: refused on every rank, the group still usable
             g, _, _, _, loss = build_mlp(BATCH, 64, HIDDEN + 8 * ctx.rank, 10)
@@ -166,6 +166,8 @@ def test_two_ranks_match_one_process_on_the_doubled_batch(trained, k):
         ref_state = s.state_dict()
     r0, r1 = (np.load(trained / f"rank{r}_k{k}.npz") for r in range(2))
     assert str(r0["runtime"]) == str(r1["runtime"]) == runtime       # the ranks ran where asked
+    # Gloo reduced the mapped staging memory on Vulkan; wgpu copies through host arrays
+    assert str(r0["grad_path"]) == str(r1["grad_path"]) == ("mapped" if runtime == "vulkan" else "host")
     # each rank's loss is the mean over its half: their mean is the doubled batch's loss
     np.testing.assert_allclose((r0["losses"] + r1["losses"]) / 2, ref, rtol=1e-5, atol=0)
     np.testing.assert_allclose(float(r0["mean_loss"]), ref[-k:].mean(), rtol=1e-5)
@@ -244,6 +246,79 @@ def test_alone_the_session_trains_as_a_plain_one(monkeypatch, request, runtime, 
     np.testing.assert_allclose(got, want, rtol=1e-6)
     for name in ref_state:
         np.testing.assert_allclose(state[name], ref_state[name], rtol=1e-6, atol=1e-7, err_msg=name)
+
+
+@pytest.mark.skipif(vulkan_unavailable_reason() is not None, reason="no direct Vulkan backend here")
+def test_vulkan_reduces_in_mapped_staging_memory_without_per_step_submits(monkeypatch, staged_vulkan):
+    """On Vulkan with device memory apart from host memory (as on a discrete GPU) the
+    collective works on the staging memory the gradients are copied into, and the update
+    copies the sums from there inside its own command buffer: no host copy, and no
+    synchronous upload per step even for a gradient over the 8 MiB under which ordinary
+    inputs are deferred. The result is bitwise that of the host-copy path."""
+    from meganeura import distributed as dist
+    from meganeura.runtime.vulkan.backend import DEFERRED_UPLOAD_BYTES
+    for var in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MEGANEURA_BACKEND"):
+        monkeypatch.delenv(var, raising=False)
+    xs, ys = global_batches()
+    hidden = DEFERRED_UPLOAD_BYTES // (4 * 64) + 64          # the first weight's gradient: over 8 MiB
+    results = {}
+    try:
+        dist.init(backend="vulkan")
+        for mapped in (None, False):
+            g, _, _, _, loss = build_mlp(2 * BATCH, 64, hidden, 10)
+            with dist.compile(g, loss, mg.optim.AdamW(lr=1e-3), seed=5, bucket_mb=4, mapped=mapped) as s:
+                big = [b for b in s.buckets if 4 * b.n > DEFERRED_UPLOAD_BYTES]
+                assert big and len(s.buckets) > 1
+                vk = s.session.executor.dev.vk
+                assert not vk.direct_host_access
+                submits = []         # one-shot submits that are waited for (synchronous transfers)
+
+                def one_shot(record, vk=vk):
+                    submits.append(1)
+                    return type(vk)._one_shot(vk, record)
+                monkeypatch.setattr(vk, "_one_shot", one_shot)
+                losses = []
+                for i in range(4):
+                    if i == 2:              # steady state: values sent, Programs recorded
+                        submits.clear()
+                        update = s.session.executor.plan("update").step
+                        recorded = sum(p.record_count for p, _ in update.programs.values())
+                    losses.append(s.step({"x": xs[i], "labels": ys[i]}))
+                if mapped is None:
+                    assert s.grad_path == "mapped" and all(b.mapped for b in s.buckets)
+                    for b in s.buckets:      # the tensor Gloo reduces is the mapped staging memory
+                        assert np.shares_memory(b.host.numpy(), b.staging.block.mapped)
+                        assert len(b.upload_copies) == len(b.names)
+                    assert submits == []     # no upload of its own, big gradient included
+                    assert sum(p.record_count for p, _ in update.programs.values()) == recorded
+                else:
+                    assert s.grad_path == "host" and not any(b.mapped for b in s.buckets)
+                    assert submits          # the big gradient goes up through a synchronous copy
+                results[mapped] = (losses, s.state_dict(include_optimizer=True))
+    finally:
+        dist.shutdown()
+    (l_m, st_m), (l_h, st_h) = results[None], results[False]
+    assert l_m == l_h
+    for name in st_h:
+        np.testing.assert_array_equal(st_m[name], st_h[name], err_msg=name)
+
+
+def test_wgpu_falls_back_to_host_copies(monkeypatch):
+    """wgpu maps a buffer only to read it: the gradients go through host arrays, and
+    insisting on the mapped path is refused."""
+    from meganeura import distributed as dist
+    for var in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MEGANEURA_BACKEND"):
+        monkeypatch.delenv(var, raising=False)
+    try:
+        dist.init(backend="wgpu")
+        g, _, _, _, loss = build_mlp(BATCH, 64, HIDDEN, 10)
+        with dist.compile(g, loss, _optimizer(), bucket_mb=0.004) as s:
+            assert s.grad_path == "host" and s.update_copies == []
+            assert not any(b.mapped for b in s.buckets)
+        with pytest.raises(ValueError, match="keeps no staging memory mapped"):
+            dist.compile(g, loss, _optimizer(), mapped=True)
+    finally:
+        dist.shutdown()
 
 
 def test_shard_helpers():

@@ -14,12 +14,15 @@ trains on its own share of every batch::
         s.step(dist.shard({"x": xb, "labels": yb}))
     s.save("model.safetensors")                    # rank 0 writes it; every rank can load it
 
-A step runs forward and backward on the device, copies the gradients to the host in
-buckets as soon as the kernels that write them have run (the step is submitted in segments
-that end where a bucket is final), all-reduces each bucket with an asynchronous Gloo collective while later
-buckets are still being computed or copied, uploads the sums and runs the optimizer update
-(the session's "update" phase) with them scaled to the mean. Gloo runs on CPU tensors,
-between processes and machines; see docs/distributed.md for why it was chosen.
+A step runs forward and backward on the device, copies the gradients to host-visible
+staging memory in buckets as soon as the kernels that write them have run (the step is
+submitted in segments that end where a bucket is final), all-reduces each bucket with an
+asynchronous Gloo collective while later buckets are still being computed or copied, and
+runs the optimizer update (the session's "update" phase) on the sums scaled to the mean.
+On the Vulkan runtime Gloo reduces the mapped staging memory itself and the update copies
+the sums from it in its own command buffer; on wgpu the buckets go through host arrays
+(``DataParallel.grad_path``). Gloo runs on CPU tensors, between processes and machines;
+see docs/distributed.md for why it was chosen.
 
 torch is an optional extra (``pip install 'meganeura[distributed]'``); this module imports
 it only when used, and ``import meganeura`` never does.
@@ -300,11 +303,17 @@ def plan_signature(session: Session) -> str:
 
 # ------------------------------------------------------------------------------ the session
 class _Bucket:
-    """Gradients all-reduced together: their device locations, one staging buffer, one
+    """Gradients all-reduced together: their device locations, one staging buffer, the
     host tensor (torch) that the collective reduces in place, and the dispatch after which
-    all of them are final."""
+    all of them are final.
 
-    def __init__(self, dev, torch, entries, extra=0):
+    ``mapped``: the tensor is the staging buffer's own mapped memory (the Vulkan runtime's
+    staging ranges stay mapped), so the copies into it from the device are the whole
+    readback and the update copies the sums from it inside its own command buffer
+    (``upload_copies``); otherwise a separate host array (wgpu: a MAP_READ buffer is mapped
+    only between reads and cannot be a copy's source)."""
+
+    def __init__(self, dev, torch, entries, extra=0, mapped=False):
         self.names = [n for n, _, _ in entries]
         self.locs = [loc for _, loc, _ in entries]
         self.ready_after = max((last for _, _, last in entries), default=-1)
@@ -313,12 +322,46 @@ class _Bucket:
             self.offsets.append(off)
             off += nb // 4
         self.n = off
-        self.staging = dev.create_buffer(4 * max(self.n, 1), "staging", label="grad_bucket")
-        self.host_np = np.zeros(self.n + extra, np.float32)
+        self.staging = dev.create_buffer(4 * max(self.n + extra, 1), "staging", label="grad_bucket")
+        view = _mapped_view(self.staging, 4 * (self.n + extra)) if mapped else None
+        self.mapped = view is not None
+        if self.mapped:
+            self.host_np = view.view(np.float32)
+            self.host_np[:] = 0.0
+        else:
+            self.host_np = np.zeros(self.n + extra, np.float32)
         self.host = torch.from_numpy(self.host_np) if torch is not None else None   # the same memory
         self.copies = [(buf, off_b, self.staging, 4 * o, nb)
                        for (buf, off_b, nb, _, _), o in zip(self.locs, self.offsets)]
+        self.upload_copies = []        # mapped: staging -> the update's gradient inputs
         self.work = None
+
+    def release(self):
+        """Drop the views of the staging memory (before it is unmapped) and free it."""
+        self.host = self.host_np = None
+        self.upload_copies = []
+        self.staging.destroy()
+
+
+def _runtime_maps_staging(runtime) -> bool:
+    """Whether ``runtime``'s staging buffers stay mapped (``_mapped_view`` gives a view)."""
+    from .runtime.backends import get_runtime_device
+    probe = get_runtime_device(runtime).create_buffer(4, "staging", label="probe")
+    try:
+        return _mapped_view(probe, 4) is not None
+    finally:
+        probe.destroy()
+
+
+def _mapped_view(buf, nbytes):
+    """The first ``nbytes`` of ``buf``'s host mapping as a writable uint8 array, or None
+    when the runtime gives none that stays valid (wgpu maps a buffer only between reads).
+    On the Vulkan runtime staging ranges are host-visible and mapped for their lifetime."""
+    block = getattr(buf, "block", None)
+    mapped = getattr(block, "mapped", None)
+    if mapped is None or not mapped.flags.writeable or int(nbytes) > buf.size:
+        return None
+    return mapped[buf.offset:buf.offset + int(nbytes)]
 
 
 class DataParallel:
@@ -327,19 +370,27 @@ class DataParallel:
     ``step(feeds)`` takes this rank's share of the batch and returns this rank's loss;
     ``mean_loss`` is the mean over ranks (and micro-steps) of the last update's losses.
     ``runtime`` names the GPU runtime it runs on (``vulkan`` or ``wgpu``).
+    ``grad_path`` says how gradients reach the collective and come back: ``mapped`` (Gloo
+    reduces the mapped staging memory the device copied them into, and the update copies
+    the sums from there: no host copy) or ``host`` (copied into a host array, reduced there
+    and uploaded as the update's inputs).
     ``timings`` holds the host seconds of the last update by stage (``TIMING_KEYS``:
-    compute = waiting for the GPU, readback = copying gradients out of mapped memory,
-    allreduce = waiting for collectives, upload, update, total); ``timing_totals`` sums
+    compute = waiting for the GPU, readback = copying gradients out of mapped memory into
+    host arrays (the host path), allreduce = waiting for collectives, upload (the host
+    path), update, total); ``timing_totals`` sums
     them over every update and ``reset_timings`` clears them."""
 
     def __init__(self, graph: Graph, loss: Tensor, optimizer, accumulate=1, precision="strict", seed=0,
-                 bucket_mb=DEFAULT_BUCKET_MB, ctx=None, backend=None):
+                 bucket_mb=DEFAULT_BUCKET_MB, ctx=None, backend=None, mapped=None):
         self.ctx = ctx = ctx or _context or init(backend=backend or "gpu")
         if bucket_mb <= 0:
             raise ValueError(f"bucket_mb must be > 0, got {bucket_mb}")
         if loss is None or optimizer is None:
             raise ValueError("mg.distributed.compile: give loss= and optimizer= (data-parallel training)")
         self.runtime = _session_runtime(ctx, backend)
+        if mapped and not _runtime_maps_staging(self.runtime):
+            raise ValueError(f"mg.distributed.compile: mapped=True, but the {self.runtime} runtime keeps no "
+                             f"staging memory mapped (wgpu maps a buffer only to read it): use mapped=None")
         self.session = Session(graph, None, loss, optimizer, self.runtime, precision, seed, accumulate,
                                separate_update=True)
         self.accumulate = self.session.accumulate
@@ -350,7 +401,7 @@ class DataParallel:
         self.phase = "micro" if self.accumulate > 1 else "grads"
         plan = ex.plan(self.phase)
         ex.plan("update")
-        self._build_buckets(plan, bucket_mb)
+        self._build_buckets(plan, bucket_mb, mapped)
         self.mean_loss = None
         self._loss_sum = 0.0
         self.reset_timings()
@@ -404,9 +455,11 @@ class DataParallel:
         if ctx.rank != 0:
             self.session.assign(out)
 
-    def _build_buckets(self, plan, bucket_mb):
+    def _build_buckets(self, plan, bucket_mb, mapped=None):
         """Group the gradients (or, when accumulating, the accumulated sums) into buckets
-        in the order the step finishes them; rank 0's grouping is used by all."""
+        in the order the step finishes them; rank 0's grouping is used by all. ``mapped``:
+        None all-reduces in the staging memory where the runtime maps it for good (Vulkan),
+        True insists, False copies through host arrays (the path wgpu takes)."""
         ex, torch = self.session.executor, self.torch
         if self.accumulate > 1:
             locs = {n: plan.update_locs[f"{n}.grad_accum"] for n in self.session.program.grads}
@@ -428,7 +481,16 @@ class DataParallel:
             _collective(self.ctx, "sharing the bucket layout", lambda: self.tdist.broadcast_object_list(box, src=0))
             groups = box[0]
         self.buckets = [_Bucket(ex.dev, torch, [(n, locs[n], ready[n]) for n in g],
-                                extra=1 if k == len(groups) - 1 else 0) for k, g in enumerate(groups)]
+                                extra=1 if k == len(groups) - 1 else 0, mapped=mapped is not False)
+                        for k, g in enumerate(groups)]
+        self.grad_path = "mapped" if self.buckets and all(b.mapped for b in self.buckets) else "host"
+        for b in self.buckets:
+            if b.mapped:
+                # the update's gradient inputs are filled from the staging memory inside the
+                # update's own command buffer (recorded once: the ranges never change)
+                b.upload_copies = [(b.staging, 4 * o, ex.named_buffer(GRAD_FEED + n, nb), 0, nb)
+                                   for n, o, (_, _, nb, _, _) in zip(b.names, b.offsets, b.locs)]
+        self.update_copies = [c for b in self.buckets for c in b.upload_copies]
         # the step is submitted in segments, each ending where a bucket's gradients are final
         # and followed by that bucket's copies (buckets final at the same point share one);
         # the outputs' copies follow the last. No segment is copies alone: on lavapipe such a
@@ -498,8 +560,9 @@ class DataParallel:
 
     def _reduce_step(self, feeds) -> float:
         """The last micro-step: its segments are submitted ahead of the host; each bucket is
-        read back when its segment has run and all-reduced asynchronously while later
-        segments run; then the sums are uploaded as the update's inputs."""
+        all-reduced asynchronously once its segment has run, while later segments run: in
+        place in its mapped staging memory (``grad_path`` "mapped"), or copied out of it into
+        a host array first, and the sums then uploaded as the update's inputs ("host")."""
         ex, dev, tm = self.session.executor, self.session.executor.dev, self._current
         rec = ex.recorder
         plan = ex.plan(self.phase)
@@ -526,9 +589,13 @@ class DataParallel:
                 t = time.perf_counter()
                 j = self.bucket_submission[k]
                 submit_until(j + ahead)
-                with rec.mapped_after(done[j], b.staging, 4 * max(b.n, 1)) as raw:   # its segment alone
+                if b.mapped:          # its segment alone; the collective reduces the staging memory
+                    rec.wait(done[j])
                     t1 = time.perf_counter()
-                    b.host_np[:b.n] = raw.view(np.float32)[:b.n]
+                else:
+                    with rec.mapped_after(done[j], b.staging, 4 * max(b.n, 1)) as raw:
+                        t1 = time.perf_counter()
+                        b.host_np[:b.n] = raw.view(np.float32)[:b.n]
                 t2 = time.perf_counter()
                 tm["compute"] += t1 - t
                 tm["readback"] += t2 - t1
@@ -555,10 +622,12 @@ class DataParallel:
                             f"{self.session.steps_done + 1}", b.work.wait)
                 b.work = None
             t1 = time.perf_counter()
-            # inputs of the update phase: on the Vulkan backend with staged memory, the small
-            # ones are copied inside the update's command buffer (no submit of their own)
-            ex.upload({GRAD_FEED + name: b.host_np[o:o + nb // 4]
-                       for name, o, (_, _, nb, _, _) in zip(b.names, b.offsets, b.locs)})
+            # inputs of the update phase: mapped buckets are copied from their staging memory
+            # inside the update's command buffer (self.update_copies); otherwise uploaded (on
+            # the Vulkan backend with staged memory the small ones are copied inside it too)
+            if not b.mapped:
+                ex.upload({GRAD_FEED + name: b.host_np[o:o + nb // 4]
+                           for name, o, (_, _, nb, _, _) in zip(b.names, b.offsets, b.locs)})
             tm["allreduce"] += t1 - t
             tm["upload"] += time.perf_counter() - t1
         last = self.buckets[-1]
@@ -572,7 +641,7 @@ class DataParallel:
         scal = s.optimizer.scalars(s.steps_done + 1)
         scal[SCALAR_PREFIX + GRAD_SCALE] = 1.0 / (self.accumulate * self.ctx.world_size)
         feeds = {k: np.asarray(v, np.float32) for k, v in scal.items() if k in s.graph.inputs}
-        s.executor.execute(feeds, "update")
+        s.executor.execute(feeds, "update", copies_before=self.update_copies)
         s.executor.dev.sync()
         self._current["update"] += time.perf_counter() - t
 
@@ -601,6 +670,9 @@ class DataParallel:
             if close is not None:
                 close()
         self.session.close()
+        for b in getattr(self, "buckets", ()):
+            if b.host_np is not None:
+                b.release()
 
     def __enter__(self):
         return self
@@ -646,12 +718,15 @@ def _session_runtime(ctx, backend) -> str:
 
 
 def compile(graph: Graph, loss: Tensor, optimizer, accumulate=1, precision="strict", seed=0,
-            bucket_mb=DEFAULT_BUCKET_MB, ctx=None, backend=None) -> DataParallel:
+            bucket_mb=DEFAULT_BUCKET_MB, ctx=None, backend=None, mapped=None) -> DataParallel:
     """A data-parallel training session on this rank's GPU (``init`` is called if it was
     not). Every rank must build the same graph: their program hashes are compared first
     (DistributedError otherwise). Rank 0's initial values are broadcast to all.
     accumulate: all-reduce and update once per ``accumulate`` calls of ``step``.
     bucket_mb: gradient megabytes per all-reduce. backend: None runs on the runtime that
     ``init`` chose (``init(backend=...)``: the direct Vulkan backend by default, wgpu where
-    it does not run or when asked)."""
-    return DataParallel(graph, loss, optimizer, accumulate, precision, seed, bucket_mb, ctx, backend)
+    it does not run or when asked). mapped: None all-reduces the gradients in the staging
+    memory the device copies them into and updates from there, where the runtime keeps it
+    mapped (Vulkan), else through host copies (wgpu); False always copies (for comparison);
+    True refuses a runtime that cannot."""
+    return DataParallel(graph, loss, optimizer, accumulate, precision, seed, bucket_mb, ctx, backend, mapped)

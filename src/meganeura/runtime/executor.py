@@ -362,9 +362,13 @@ class GpuExecutor:
             for b in bufs:
                 b.destroy()
 
-    def execute(self, feeds: dict, phase: str, fetch: bool = True):
+    def execute(self, feeds: dict, phase: str, fetch: bool = True, copies_before=()):
         """Run ``phase``; with ``fetch`` False the outputs stay on the device (the call
-        still waits for the GPU) and ``read_outputs`` reads them later."""
+        still waits for the GPU) and ``read_outputs`` reads them later. ``copies_before``:
+        buffer copies, (src, src_offset, dst, dst_offset, nbytes), recorded in the same
+        submit before the step (data-parallel training fills the update's gradient inputs
+        from staging memory that way; keep the same buffers from call to call, so that the
+        Vulkan backend records its command buffer once)."""
         plan = self.plan(phase)
         trace = os.environ.get("MEGANEURA_TRACE")
         writer = trace_writer(trace) if trace else None    # an unwritable path fails before the step
@@ -374,12 +378,14 @@ class GpuExecutor:
         copies = plan.copies_after if fetch else plan.update_copies
         anomaly = anomaly_from_env() if self.detect_anomaly is None else self.detect_anomaly
         if anomaly:
+            if copies_before:
+                self.recorder.run([], copies_after=copies_before, wait=True)
             plan.run_detecting_anomaly(self, copies)
         elif writer is not None:
-            ts = self.recorder.run(plan.step, copies_after=copies, timestamps=True)
+            ts = self.recorder.run(plan.step, copies_before=copies_before, copies_after=copies, timestamps=True)
             writer.add(plan.names, ts, session=self.trace_id, label=phase)
         else:
-            self.recorder.run(plan.step, copies_after=copies)
+            self.recorder.run(plan.step, copies_before=copies_before, copies_after=copies)
         self.mark_stale_copies(plan)
         plan.check_indices(self.dev)
         if plan.grad_locs or phase in ("step", "micro"):     # a step leaves older gradients stale
