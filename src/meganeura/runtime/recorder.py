@@ -146,9 +146,15 @@ class StepRecorder:
             self._record(cpass._internal, step.ops)
             cpass.end()
         encode_copies(enc, copies_after)
-        handles = ffi.new("WGPUCommandBuffer[]", [enc.finish()._internal])
+        # keep the command buffer's wrapper alive until it is submitted: wgpu-py releases a
+        # dropped wrapper's handle (from its poll thread), and a released handle makes the
+        # submit panic ("CommandBuffer ... does not exist")
+        cmd = enc.finish()
+        handles = ffi.new("WGPUCommandBuffer[]", [cmd._internal])
         with dev.queue_lock:
-            return int(lib.wgpuQueueSubmitForIndex(dev.queue._internal, 1, handles))
+            index = int(lib.wgpuQueueSubmitForIndex(dev.queue._internal, 1, handles))
+        del cmd
+        return index
 
     def wait(self, index: int):
         lib.wgpuDevicePoll(self.device.handle, True, ffi.new("WGPUSubmissionIndex *", index))
