@@ -356,6 +356,23 @@ def test_each_local_rank_takes_its_own_vulkan_device(monkeypatch):
         pick(2)
 
 
+def test_choosing_the_runtime_opens_the_ranks_own_vulkan_device(monkeypatch):
+    """Deciding between Vulkan and wgpu opens the process-wide Vulkan device: for local
+    rank 1 that must be rank 1's GPU (it was device 0, and rank 1 then refused to run)."""
+    from meganeura import distributed as dist
+    from meganeura.runtime.vulkan import _vk, device as vkdev
+    gpus = [dict(index=0, name="GPU A", type_code=2, type="discrete"),
+            dict(index=1, name="GPU B", type_code=2, type="discrete")]
+    opened = []
+    monkeypatch.delenv("MEGANEURA_VK_DEVICE", raising=False)
+    monkeypatch.delenv("MEGANEURA_BACKEND", raising=False)
+    monkeypatch.setattr(_vk, "require", lambda: None)
+    monkeypatch.setattr(vkdev, "list_physical_devices", lambda: gpus)
+    monkeypatch.setattr(vkdev, "get_vulkan_device", lambda selector=None: opened.append(selector))
+    assert dist._resolve_for_rank("gpu", 1) == "vulkan"
+    assert opened == ["1"]
+
+
 def test_core_package_imports_without_torch():
     code = ("import sys; sys.modules['torch'] = None\n"
             "import meganeura, meganeura.distributed as d\n"

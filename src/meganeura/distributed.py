@@ -109,8 +109,7 @@ def select_adapter(local_rank: int, runtime: str | None = None) -> str:
     by the user wins (``$MEGANEURA_VK_DEVICE`` on Vulkan, ``$MEGANEURA_ADAPTER`` on wgpu):
     one for all ranks, or a comma-separated list indexed by local rank. Returns the
     device's name."""
-    from .runtime.backends import resolve
-    if (runtime or resolve("gpu")) == "vulkan":
+    if (runtime or _resolve_for_rank("gpu", local_rank)) == "vulkan":
         return _select_vulkan_device(local_rank)
     from .runtime import device as devmod
     adapters = devmod.enumerate_adapters()
@@ -129,13 +128,32 @@ def select_adapter(local_rank: int, runtime: str | None = None) -> str:
     return f"[{adapters.index(chosen)}] {devmod.adapter_summary(chosen)['name']}"
 
 
+def _vulkan_choice(local_rank: int) -> dict:
+    """The Vulkan physical device (as ``list_physical_devices`` describes it) of a local rank."""
+    from .runtime.vulkan import device as vkdev
+    return _by_local_rank(local_rank, "MEGANEURA_VK_DEVICE", vkdev.list_physical_devices(), vkdev.choose_physical,
+                          lambda d: (vkdev.device_rank(d), d["type"] == "cpu"))
+
+
+def _resolve_for_rank(backend: str, local_rank: int) -> str:
+    """``resolve(backend)`` for a rank: deciding between the runtimes opens the process-wide
+    Vulkan device, so it must open this rank's (device 0 for every rank made rank 1 fail on
+    a 2-GPU machine)."""
+    from .runtime.backends import resolve
+    try:
+        selector = str(_vulkan_choice(local_rank)["index"])
+    except DistributedError:
+        raise
+    except Exception:           # no Vulkan loader or device: resolve says why, or picks wgpu
+        selector = None
+    return resolve(backend, vulkan_selector=selector)
+
+
 def _select_vulkan_device(local_rank: int) -> str:
     """``select_adapter`` on the direct Vulkan backend: the process-wide VulkanDevice is
     created on the chosen physical device (no wgpu device is opened)."""
     from .runtime.vulkan import device as vkdev
-    devices = vkdev.list_physical_devices()
-    chosen = _by_local_rank(local_rank, "MEGANEURA_VK_DEVICE", devices, vkdev.choose_physical,
-                            lambda d: (vkdev.device_rank(d), d["type"] == "cpu"))
+    chosen = _vulkan_choice(local_rank)
     dev = vkdev.get_vulkan_device(str(chosen["index"]))
     if dev.index != chosen["index"]:
         raise DistributedError(f"local rank {local_rank} should use Vulkan device [{chosen['index']}] "
@@ -185,8 +203,7 @@ def init(timeout_s: float = DEFAULT_TIMEOUT_S, backend: str = "gpu") -> Context:
     local = _env_int("LOCAL_RANK", rank if world == 1 else None)
     if not 0 <= rank < world:
         raise DistributedError(f"$RANK={rank} is outside 0..{world - 1} ($WORLD_SIZE={world})")
-    from .runtime.backends import resolve
-    runtime = resolve(backend)
+    runtime = _resolve_for_rank(backend, local)
     adapter = select_adapter(local, runtime)
     if world > 1:
         _, tdist = _torch_dist()

@@ -17,20 +17,23 @@ KINDS = ("vulkan", "wgpu")
 
 
 @functools.lru_cache(maxsize=1)
-def vulkan_unavailable_reason() -> str | None:
-    """None when the direct Vulkan backend can run here, else why not."""
+def vulkan_unavailable_reason(selector=None) -> str | None:
+    """None when the direct Vulkan backend can run here, else why not. The check opens the
+    process-wide Vulkan device, on ``selector``'s physical device if it is not open yet
+    (a data-parallel rank's own GPU, not the first one)."""
     try:
         from .vulkan import _vk
         _vk.require()
         from .vulkan.device import get_vulkan_device
-        get_vulkan_device()
+        get_vulkan_device(selector)
     except Exception as e:      # the package, the loader or a device is missing
         return f"{type(e).__name__}: {e}"
     return None
 
 
-def resolve(backend: str = "gpu") -> str:
-    """The runtime (``vulkan`` or ``wgpu``) that runs ``backend``."""
+def resolve(backend: str = "gpu", vulkan_selector=None) -> str:
+    """The runtime (``vulkan`` or ``wgpu``) that runs ``backend`` (``vulkan_selector``: the
+    device the Vulkan check opens, see ``vulkan_unavailable_reason``)."""
     if backend in KINDS:
         return backend
     if backend != "gpu":
@@ -40,7 +43,7 @@ def resolve(backend: str = "gpu") -> str:
         if env not in KINDS:
             raise ValueError(f"MEGANEURA_BACKEND={env!r}: must be one of {KINDS} (or unset)")
         return env
-    return "vulkan" if vulkan_unavailable_reason() is None else "wgpu"
+    return "vulkan" if vulkan_unavailable_reason(vulkan_selector) is None else "wgpu"
 
 
 def get_runtime_device(kind: str):
