@@ -102,7 +102,7 @@ def test_a_warm_runtime_creates_the_same_pipelines_without_translating(cache_dir
     warm = backend.VulkanRuntime(dev)         # a fresh runtime: nothing in memory
     again = warm.pipelines(shaders, threads=2)
     assert warm.stats["kernel_cache_hits"] == len(shaders) == warm.stats["pipelines_compiled"]
-    assert warm.stats["glsl_seconds"] == 0.0
+    assert warm.stats["glsl_seconds"] < 0.01
     for a, b in zip(first, again):
         _same(a, b)
         assert a.name == b.name

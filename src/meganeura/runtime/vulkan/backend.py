@@ -480,23 +480,18 @@ class VulkanRuntime:
         return kernel_key(text, unroll=unroll, target=self._target(), glslang=glslang_version_tag(),
                           package=package_digest())
 
-    def _compile(self, text, label, key, disk):
-        """The ``CompiledKernel`` of a kernel text: rendered to GLSL (unless it is GLSL),
-        compiled to SPIR-V (glslang's own cache keyed by the GLSL), reflected, and stored under
-        ``key`` when ``disk``. Returns (kernel, seconds rendering GLSL)."""
-        from ...codegen.glsl import to_glsl
+    def _compile(self, glsl, label, key, disk):
+        """The ``CompiledKernel`` of a kernel's GLSL: compiled to SPIR-V (glslang's own cache
+        is keyed by the GLSL) and reflected; stored under ``key`` when ``disk``."""
         from .cache import CompiledKernel, store_kernel
         from .glslang import compile_glsl
         from .spirv import reflect
-        t0 = time.perf_counter()
-        glsl = text if text.startswith("#version") else to_glsl(text, label or "kernel", unroll=self.unroll_loops)
-        glsl_s = time.perf_counter() - t0
-        spirv = compile_glsl(glsl, name=label or "kernel", target=self._target(), disk_cache=disk)
+        spirv = compile_glsl(glsl, name=label, target=self._target(), disk_cache=disk)
         # cooperative-matrix kernels map subgroups of 32 to fragments
         ck = CompiledKernel(spirv, reflect(spirv), "GL_KHR_cooperative_matrix" in glsl)
         if disk:
             store_kernel(key, ck)
-        return ck, glsl_s
+        return ck
 
     def _pin(self, ck) -> int | None:
         """The subgroup size a kernel requires (cooperative matrices: 32 where the device's
@@ -509,11 +504,12 @@ class VulkanRuntime:
 
         A kernel text whose SPIR-V an earlier process stored (``cache.CompiledKernel``, keyed
         by the text) is read back with its reflection: no GLSL translation, no glslang, no
-        SPIR-V parsing. Those pipelines are created in batches (one ``vkCreateComputePipelines``
-        per ``device.PIPELINE_BATCH``) on ``threads`` threads (default
-        ``MEGANEURA_COMPILE_THREADS``, else up to 8), beside the others, each of which is
-        translated, compiled and created on a thread of its own (Python's translation,
-        glslang and the driver's compile overlap: glslang and the driver release the GIL)."""
+        SPIR-V parsing. The others are translated to GLSL here (Python: one thread), then
+        compiled by glslang on ``threads`` threads (default ``MEGANEURA_COMPILE_THREADS``,
+        else up to 8). The pipelines are created on those threads too, the ones read from
+        disk in batches of ``device.PIPELINE_BATCH`` per ``vkCreateComputePipelines``, the
+        new ones one per call (their driver compiles take longer)."""
+        from ...codegen.glsl import to_glsl
         from ..backends import lookup_cached, parallel_map, store_cached
         from .cache import disk_cache_enabled, load_kernel
         from .device import PIPELINE_BATCH
@@ -527,35 +523,30 @@ class VulkanRuntime:
                 key = self._kernel_key(text)
                 ck = load_kernel(key) if disk else None
                 if ck is not None:
-                    self.stats["kernel_cache_hits"] += 1
                     hits.append((text, label or "kernel", ck))
                 else:
                     misses.append((text, label or "kernel", key))
-            jobs = [("compile", m) for m in misses]
-            jobs += [("batch", hits[i:i + PIPELINE_BATCH]) for i in range(0, len(hits), PIPELINE_BATCH)]
-
-            def make(job):
-                kind, what = job
-                t1 = time.perf_counter()
-                if kind == "batch":
-                    ks = self.vk.kernels([dict(spirv=ck.spirv, name=label, access=access, info=ck.info,
-                                               required_subgroup_size=self._pin(ck)) for _, label, ck in what],
-                                         threads=1)
-                    return [(text, k) for (text, _, _), k in zip(what, ks)], time.perf_counter() - t1, 0.0
-                text, label, key = what
-                ck, glsl_s = self._compile(text, label, key, disk)
-                k = self.vk.kernel(ck.spirv, name=label, access=access, info=ck.info,
-                                   required_subgroup_size=self._pin(ck))
-                return [(text, k)], time.perf_counter() - t1, glsl_s
-            made = parallel_map(make, jobs, threads)
+            self.stats["kernel_cache_hits"] += len(hits)
+            # GLSL here, on one thread: Python threads translating beside threads in glslang
+            # or the driver would make each of those wait for the GIL after every C call
+            t1 = time.perf_counter()
+            glsl = [text if text.startswith("#version") else to_glsl(text, label, unroll=self.unroll_loops)
+                    for text, label, _ in misses]
+            glsl_s = time.perf_counter() - t1
+            compiled = parallel_map(lambda job: self._compile(*job, disk),
+                                    [(g, label, key) for g, (_, label, key) in zip(glsl, misses)], threads)
+            todo = [(text, label, ck) for (text, label, _), ck in zip(misses, compiled)] + hits
+            t2 = time.perf_counter()
+            made = self.vk.kernels([dict(spirv=ck.spirv, name=label, access=access, info=ck.info,
+                                         required_subgroup_size=self._pin(ck)) for _, label, ck in todo],
+                                   threads=threads, batch=[1] * len(misses) + [PIPELINE_BATCH])
             with self._lock:
-                for ks, sec, glsl_s in made:
-                    self.stats["compile_seconds"] += sec
-                    self.stats["glsl_seconds"] += glsl_s
-                    self.stats["pipelines_compiled"] += len(ks)
+                self.stats["glsl_seconds"] += glsl_s
+                self.stats["compile_seconds"] += (t2 - t1) + sum(k.create_seconds for k in made)
+                self.stats["pipelines_compiled"] += len(made)
                 # evicted kernels stay alive while a plan holds them (the driver's pipeline
                 # cache makes a later rebuild cheap)
-                store_cached(self._pipelines, [tk for ks, _, _ in made for tk in ks],
+                store_cached(self._pipelines, [(text, k) for (text, _, _), k in zip(todo, made)],
                              self.pipeline_cache_size, self.stats, found)
         self.stats["pipeline_wall_seconds"] += time.perf_counter() - t0
         return [found[text] for text, _ in shaders]

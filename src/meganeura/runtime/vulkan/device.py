@@ -169,7 +169,8 @@ PIPELINE_BATCH = 16
 
 def _create_pipelines(dev, kernels, threads=1, batch=PIPELINE_BATCH):
     """Create the pipelines of prepared ``kernels`` (``Kernel._prepare``): one
-    ``vkCreateComputePipelines`` per batch of ``batch``, the batches on ``threads`` threads
+    ``vkCreateComputePipelines`` per batch of ``batch`` (or of each size of the list ``batch``
+    in order, the last one repeated), the batches on ``threads`` threads
     (the calls release the GIL; the pipeline cache is internally synchronised). A failing
     batch is retried one pipeline at a time, so the error names the kernel; on any error the
     pipelines already made are destroyed. The shader modules are destroyed in every case."""
@@ -224,7 +225,12 @@ def _create_pipelines(dev, kernels, threads=1, batch=PIPELINE_BATCH):
                           f"vkCreateComputePipelines({kernels[i].name})")
             return (time.perf_counter() - t0) / (e - s)
 
-        spans = [(s, min(s + max(int(batch), 1), n)) for s in range(0, n, max(int(batch), 1))]
+        sizes = [max(int(b), 1) for b in (batch if isinstance(batch, (list, tuple)) else [batch])] or [PIPELINE_BATCH]
+        spans, s = [], 0
+        while s < n:
+            size = sizes[min(len(spans), len(sizes) - 1)]
+            spans.append((s, min(s + size, n)))
+            s = spans[-1][1]
         try:
             if len(spans) > 1 and (threads or 0) != 1:
                 from ..backends import parallel_map
@@ -804,12 +810,14 @@ class VulkanDevice:
         """A compute pipeline from SPIR-V (see ``Kernel``)."""
         return Kernel(self, spirv, name, access, push_size, required_subgroup_size, info)
 
-    def kernels(self, specs, threads=None) -> list:
+    def kernels(self, specs, threads=None, batch=PIPELINE_BATCH) -> list:
         """Kernels for many ``specs`` at once, in order: dicts of ``Kernel``'s arguments
         (``spirv``, ``name``, and optionally ``access``, ``push_size``, ``required_subgroup_size``,
-        ``info``). The pipelines are created in batches (``PIPELINE_BATCH`` per
-        ``vkCreateComputePipelines``) on ``threads`` threads (``backends.parallel_map``'s
-        default when None). A failure raises and leaves no pipeline behind."""
+        ``info``). The pipelines are created in batches (``batch`` per
+        ``vkCreateComputePipelines``, or a list of batch sizes in order, its last repeated) on
+        ``threads`` threads (``backends.parallel_map``'s default when None). The shader modules
+        are made here, on the calling thread, so the threads run little Python. A failure
+        raises and leaves no pipeline behind."""
         made = []
         try:
             for sp in specs:
@@ -822,7 +830,7 @@ class VulkanDevice:
                 if getattr(k, "_module", None) is not None:
                     k._drop_module()
             raise
-        _create_pipelines(self, made, threads)
+        _create_pipelines(self, made, threads, batch)
         return made
 
     def _layouts(self, n_bindings: int, push_size: int):
