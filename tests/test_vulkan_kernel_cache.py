@@ -184,3 +184,16 @@ def test_glslang_compiles_on_several_threads_as_on_one():
     for t in threads:
         t.join()
     assert out == one
+
+
+def test_a_kernel_that_fails_to_translate_names_itself_and_stores_nothing(cache_dir, monkeypatch):
+    from meganeura.codegen.glsl import GlslTranslationError
+    from meganeura.runtime.vulkan.device import get_vulkan_device
+    rt = backend.VulkanRuntime(get_vulkan_device())
+    good = _texts(rt, monkeypatch)[:2]
+    rt = backend.VulkanRuntime(get_vulkan_device())
+    before = sorted((cache_dir / "kernels").glob("*.bin"))
+    with pytest.raises(GlslTranslationError, match="broken"):
+        rt.pipelines(good + [("fn main( {", "broken")])
+    assert sorted((cache_dir / "kernels").glob("*.bin")) == before
+    assert rt.pipelines(good)[0].pipeline is not None
