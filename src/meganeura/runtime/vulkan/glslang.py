@@ -14,6 +14,7 @@ A failing shader raises ``GlslError`` naming the kernel and showing the failing 
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import pathlib
@@ -140,7 +141,12 @@ class _Glslang:
         if not self.glslang.glslang_initialize_process():
             raise GlslangUnavailable("glslang_initialize_process failed")
         self.version = _version()
+        # glslang compiles on several threads at once once its process state is set up (its
+        # allocators are per thread, the built-in symbol tables shared read-only); the first
+        # compile of the process runs alone, so that any state set up lazily on first use is
+        # set up once
         self.lock = threading.Lock()
+        self.warm = False
 
     def compile(self, source, preamble, name, target):
         ffi, g = self.ffi, self.glslang
@@ -154,7 +160,7 @@ class _Glslang:
         inp.messages = _MSG_SPV_RULES | _MSG_VULKAN_RULES
         inp.resource = self.limits.glslang_default_resource()
         pre = ffi.new("char[]", preamble.encode())
-        with self.lock:
+        with self.lock if not self.warm else contextlib.nullcontext():
             shader = g.glslang_shader_create(inp)
             program = ffi.NULL
             try:
@@ -173,6 +179,7 @@ class _Glslang:
                     raise GlslError(name, "generate SPIR-V", msgs or "no SPIR-V produced", source)
                 words = ffi.new("unsigned int[]", n)
                 self.spirv.glslang_program_SPIRV_get(program, words)
+                self.warm = True
                 return bytes(ffi.buffer(words, 4 * n))
             finally:
                 if program != ffi.NULL:
@@ -208,6 +215,21 @@ def _glslang() -> _Glslang:
 def glslang_version() -> str:
     """The glslang in use (package and version), loading it if needed."""
     return _glslang().version
+
+
+_version_tags: dict = {}
+
+
+def glslang_version_tag() -> str:
+    """The glslang that compiles (as ``glslang_version``) without loading its libraries:
+    a key part for caches whose hits need no compile."""
+    if _instance is not None:
+        return _instance.version
+    env = os.environ.get("MEGANEURA_GLSLANG_LIB", "")
+    tag = _version_tags.get(env)
+    if tag is None:
+        tag = _version_tags[env] = _version()
+    return tag
 
 
 def preamble(defines) -> str:

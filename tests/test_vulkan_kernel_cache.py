@@ -1,0 +1,199 @@
+"""The Vulkan backend's compiled-kernel cache: a kernel text's SPIR-V and reflection kept on
+disk under a key of the text, so that a warm process creates its pipelines without
+translating WGSL to GLSL, running glslang or parsing SPIR-V; corrupt entries are ignored
+and rewritten; ``MEGANEURA_NO_DISK_CACHE=1`` writes and reads nothing. Also: pipelines
+made in batches share their layouts, and a failing batch names its kernel."""
+import threading
+
+import numpy as np
+import pytest
+
+import meganeura as mg
+from meganeura.runtime.vulkan import cache
+
+# ------------------------------------------------------------------ device-free: entries
+
+
+def _entry():
+    spirv = b"\x03\x02\x23\x07" + bytes(range(4, 40))
+    info = dict(bindings={0: "read", 1: "rw"}, local_size=(64, 1, 1), push_constant_size=8,
+                capabilities=["Shader"], extensions=[])
+    return cache.CompiledKernel(spirv, info, True)
+
+
+def test_an_entry_reads_back_as_written_and_only_under_its_key():
+    ck = _entry()
+    data = cache.encode_kernel("k1", ck)
+    assert cache.decode_kernel("k1", data) == ck
+    assert cache.decode_kernel("k2", data) is None                 # another key's entry
+    assert cache.decode_kernel("k1", data[:-4]) is None            # truncated
+    flipped = bytearray(data)
+    flipped[-5] ^= 0xFF
+    assert cache.decode_kernel("k1", bytes(flipped)) is None       # corrupted SPIR-V
+    assert cache.decode_kernel("k1", b"garbage") is None
+    assert cache.decode_kernel("k1", data[:12]) is None
+
+
+def test_the_key_follows_everything_that_decides_the_spirv():
+    base = dict(unroll=False, target="vulkan1.3", glslang="g 1", package="p")
+    k = cache.kernel_key("text", **base)
+    assert k == cache.kernel_key("text", **base)
+    for change in (dict(unroll=True), dict(target="vulkan1.2"), dict(glslang="g 2"), dict(package="q")):
+        assert cache.kernel_key("text", **{**base, **change}) != k
+    assert cache.kernel_key("text2", **base) != k
+
+
+# ------------------------------------------------------------------ on the device
+vulkan = pytest.importorskip("vulkan", reason="the vulkan extra (pip install 'meganeura[vulkan]')")
+from meganeura.runtime.vulkan import backend  # noqa: E402
+from meganeura.runtime.vulkan import device as vkdevice  # noqa: E402
+
+
+def _texts(rt, monkeypatch, with_loss=False):
+    """The kernel texts (and names) of a small training step compiled and run on ``rt``
+    (and the loss of two steps)."""
+    monkeypatch.setattr(backend, "_runtime", rt)
+    g = mg.Graph()
+    x, y = g.input("x", (16, 8)), g.input("y", (16,), mg.i32)
+    h = mg.ops.relu(mg.ops.linear(x, g.parameter("a.weight", (12, 8)), g.parameter("a.bias", (12,))))
+    loss = mg.ops.cross_entropy(mg.ops.linear(h, g.parameter("b.weight", (3, 12))), y)
+    rng = np.random.default_rng(0)
+    feed = {"x": rng.standard_normal((16, 8)).astype(np.float32), "y": rng.integers(0, 3, 16).astype(np.int32)}
+    with mg.compile(g, loss=loss, optimizer=mg.optim.SGD(lr=0.1), backend="vulkan", plan_cache=False) as s:
+        losses = [float(s.step(feed)) for _ in range(2)]
+        shaders = {d.wgsl: d.kernel.name for p in s.executor.plans.values() for d in p.kernel_plan.dispatches}
+    return (list(shaders.items()), losses) if with_loss else list(shaders.items())
+
+
+def _forbid_compiling(monkeypatch):
+    """Translating, compiling or reflecting anything fails the test."""
+    from meganeura.codegen import glsl
+    from meganeura.runtime.vulkan import glslang
+
+    def fail(*a, **k):
+        raise AssertionError("compiled a kernel the cache holds")
+    monkeypatch.setattr(glsl, "to_glsl", fail)
+    monkeypatch.setattr(glslang, "compile_glsl", fail)
+    monkeypatch.setattr(vkdevice, "reflect", fail)
+
+
+def _same(a, b):
+    assert (a.access, a.push_size, a.local_size, a.capabilities) == (b.access, b.push_size, b.local_size, b.capabilities)
+
+
+@pytest.fixture
+def cache_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("MEGANEURA_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("MEGANEURA_NO_DISK_CACHE", raising=False)
+    return tmp_path
+
+
+def test_a_warm_runtime_creates_the_same_pipelines_without_translating(cache_dir, monkeypatch):
+    from meganeura.runtime.vulkan.device import get_vulkan_device
+    dev = get_vulkan_device()
+    cold = backend.VulkanRuntime(dev)
+    shaders, cold_losses = _texts(cold, monkeypatch, with_loss=True)
+    assert len(shaders) >= 4
+    entries = list((cache_dir / "kernels").glob("*.bin"))
+    assert len(entries) == len(shaders) and cold.stats["kernel_cache_hits"] == 0
+    first = cold.pipelines(shaders)
+
+    _forbid_compiling(monkeypatch)
+    warm = backend.VulkanRuntime(dev)         # a fresh runtime: nothing in memory
+    again = warm.pipelines(shaders, threads=2)
+    assert warm.stats["kernel_cache_hits"] == len(shaders) == warm.stats["pipelines_compiled"]
+    assert warm.stats["glsl_seconds"] < 0.01
+    for a, b in zip(first, again):
+        _same(a, b)
+        assert a.name == b.name
+    # kernels with as many bindings and push-constant bytes share their layouts
+    by_sig = {}
+    for k in again:
+        by_sig.setdefault((len(k.access), k.push_size), set()).add(id(k.layout))
+    assert all(len(v) == 1 for v in by_sig.values())
+    # and a session on the warm runtime runs as the cold one did, compiling nothing
+    _, losses = _texts(warm, monkeypatch, with_loss=True)
+    assert np.isfinite(losses).all() and losses == cold_losses
+
+
+def test_corrupt_entries_are_ignored_and_rewritten(cache_dir, monkeypatch):
+    from meganeura.codegen import glsl
+    from meganeura.runtime.vulkan.device import get_vulkan_device
+    dev = get_vulkan_device()
+    shaders = _texts(backend.VulkanRuntime(dev), monkeypatch)
+    entries = sorted((cache_dir / "kernels").glob("*.bin"))
+    good = {p: p.read_bytes() for p in entries}
+    entries[0].write_bytes(good[entries[0]][:len(good[entries[0]]) // 2])      # truncated
+    flipped = bytearray(good[entries[1]])
+    flipped[-8] ^= 0x5A
+    entries[1].write_bytes(bytes(flipped))                                    # a flipped bit
+    entries[2].write_bytes(b"")                                               # empty
+    translated = []
+    real = glsl.to_glsl
+    monkeypatch.setattr(glsl, "to_glsl", lambda *a, **k: (translated.append(a[1]), real(*a, **k))[1])
+    rt = backend.VulkanRuntime(dev)
+    ks = rt.pipelines(shaders)
+    assert len(translated) == 3 and rt.stats["kernel_cache_hits"] == len(shaders) - 3
+    assert all(k.pipeline is not None for k in ks)
+    assert {p: p.read_bytes() for p in entries} == good                       # rewritten whole
+    assert not list((cache_dir / "kernels").glob("*.tmp"))
+
+
+def test_no_disk_cache_means_no_kernel_entries(cache_dir, monkeypatch):
+    from meganeura.runtime.vulkan.device import get_vulkan_device
+    monkeypatch.setenv("MEGANEURA_NO_DISK_CACHE", "1")
+    rt = backend.VulkanRuntime(get_vulkan_device())
+    shaders = _texts(rt, monkeypatch)
+    assert shaders and not (cache_dir / "kernels").exists() and not (cache_dir / "spirv").exists()
+    rt2 = backend.VulkanRuntime(get_vulkan_device())
+    rt2.pipelines(shaders)
+    assert rt2.stats["kernel_cache_hits"] == 0 and not (cache_dir / "kernels").exists()
+
+
+def test_a_batch_with_a_bad_kernel_names_it_and_leaves_no_pipeline():
+    from meganeura.runtime.vulkan import glslang, samples
+    from meganeura.runtime.vulkan.device import get_vulkan_device
+    dev = get_vulkan_device()
+    spirv = glslang.compile_glsl(samples.SAXPY, name="saxpy")
+    before = len(dev._kernels)
+    specs = [dict(spirv=spirv, name=f"saxpy{i}") for i in range(5)]
+    ks = dev.kernels(specs, threads=2)
+    assert [k.name for k in ks] == [f"saxpy{i}" for i in range(5)] and len({id(k.layout) for k in ks}) == 1
+    assert all(k.access == ("read", "rw") and k.push_size == 8 for k in ks)
+    for k in ks:
+        k.destroy()
+    bad = specs[:2] + [dict(spirv=spirv, name="odd", access=("read",))] + specs[2:]
+    with pytest.raises(ValueError, match="'odd': access"):
+        dev.kernels(bad)
+    assert len([k for k in dev._kernels if k.pipeline is not None]) <= before
+
+
+def test_glslang_compiles_on_several_threads_as_on_one():
+    from meganeura.runtime.vulkan import glslang, samples
+    sources = [(samples.SGEMM, samples.defines(samples.SGEMM_SMALL)), (samples.SAXPY, None)]
+    sources = [(src, {**(d or {}), "MG_VARIANT": i}) for i in range(6) for src, d in sources]
+    one = [glslang.compile_glsl(s, d, disk_cache=False) for s, d in sources]
+    glslang.clear_memory_cache()
+    out = [None] * len(sources)
+
+    def work(i):
+        out[i] = glslang.compile_glsl(*sources[i], disk_cache=False)
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(len(sources))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert out == one
+
+
+def test_a_kernel_that_fails_to_translate_names_itself_and_stores_nothing(cache_dir, monkeypatch):
+    from meganeura.codegen.glsl import GlslTranslationError
+    from meganeura.runtime.vulkan.device import get_vulkan_device
+    rt = backend.VulkanRuntime(get_vulkan_device())
+    good = _texts(rt, monkeypatch)[:2]
+    rt = backend.VulkanRuntime(get_vulkan_device())
+    before = sorted((cache_dir / "kernels").glob("*.bin"))
+    with pytest.raises(GlslTranslationError, match="broken"):
+        rt.pipelines(good + [("fn main( {", "broken")])
+    assert sorted((cache_dir / "kernels").glob("*.bin")) == before
+    assert rt.pipelines(good)[0].pipeline is not None
