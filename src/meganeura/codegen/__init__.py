@@ -15,6 +15,7 @@ OPS["concat"].lower = layout.lower_concat
 OPS["slice_grad"].lower = layout.lower_slice_grad
 OPS["softmax"].lower = OPS["log_softmax"].lower = OPS["safe_softmax"].lower = rows.lower_softmax
 OPS["layer_norm"].lower = OPS["rms_norm"].lower = rows.lower_norm
+OPS["norm_stat"].lower = rows.lower_norm_stat
 for _op, _lower in gather.LOWER.items():
     OPS[_op].lower = _lower
 

@@ -85,13 +85,29 @@ def lower_norm(t, ins, out, materialize, temp):
     return [Kernel(t.op, "norm", spec, out, dense)]
 
 
+def lower_norm_stat(t, ins, out, materialize, temp):
+    """A norm's statistic alone (``ops.nn.norm_stat``): a row kernel that stores it, unless
+    the fusion pass ``normstats`` moves it into the norm kernel over the same rows."""
+    a = t.attrs
+    spec = {"kind": "layer_norm" if a["center"] else "rms_norm", "eps": float(a["eps"]),
+            "row": int(np.prod(t.inputs[0].shape[t.inputs[0].ndim - a["k"]:], dtype=np.int64)),
+            "weight": False, "bias": False, "stats_only": a["stat"]}
+    return [Kernel(f"norm_{a['stat']}", "norm", spec, out, [ins[0]])]
+
+
 def render_norm(kernel):
+    """A norm's rows (or, ``spec["stats_only"]``, one statistic per row through the
+    epilogue); statistics in ``kernel.outs`` (``spec["out_stats"]``: "mean" or "rstd"
+    each) are stored beside, one value per row."""
     spec, out = kernel.spec, kernel.out
     x = kernel.reads[0]
     r = spec["row"]
-    n_rows = out.size // r
+    only = spec.get("stats_only")
+    n_rows = out.size if only else out.size // r
     b = Bindings()
     store = OutputStore(kernel, b)
+    stat_vars = {"mean": "mean", "rstd": "inv"}
+    extra_stats = [(b.index(v.buf, v.dtype, write=True), v, st) for v, st in zip(kernel.outs, spec.get("out_stats", ()))]
     xb = b.index(x.buf, x.dtype)
     extra = kernel.reads[1:]
     wb = b.index(extra[0].buf, extra[0].dtype) if spec["weight"] else None
@@ -130,7 +146,15 @@ def render_norm(kernel):
     else:
         body += "    var var_ = 0.0;\n    {\n    " + sums(f"{xv} * {xv}") + f"\n    var_ = acc / {float(r)!r};\n    }}\n"
     body += f"    let inv = inverseSqrt(var_ + {spec['eps']!r});\n"
-    body += f"    {loop} {{\n        let xj = {xv};\n        store_out(base + j, {y});\n    }}\n}}\n"
+    first = "lid == 0u" if wg > 1 else "true"
+    stores = [f"b{bi}[{v.offset}u + row] = {v.dtype.wgsl}({stat_vars[st]});" for bi, v, st in extra_stats]
+    if only:
+        stores.append(f"store_out(row, {stat_vars[only]});")
+    if stores:
+        body += f"    if ({first}) {{ " + " ".join(stores) + " }\n"
+    if not only:
+        body += f"    {loop} {{\n        let xj = {xv};\n        store_out(base + j, {y});\n    }}\n"
+    body += "}\n"
     shared = f"\nvar<workgroup> part: array<f32, {WG}>;\n" if wg > 1 else "\n"
     src = b.decls() + "\n" + store.module_text() + "\n" + _index_fn(x, r) + shared + "\n" + ENTRY.format(wg=WG) + body
     return src, b.bufs, grid(n_rows if wg > 1 else -(-n_rows // WG))

@@ -494,12 +494,75 @@ def _norm_graph(op):
     return dec
 
 
+# ------------------------------------------------ statistics the forward norm kernel stores
+# A norm's backward needs the forward's statistics. ``norm_stat`` is one of them (the mean,
+# or 1/sqrt(var + eps)) over the trailing ``k`` dims of its input, kept as size-1 dims. The
+# backward reads them over exactly the view the forward norm kernel normalises, so on the
+# GPU the compiler stores them from that kernel (fusion pass ``normstats``) instead of
+# reducing the input again; alone, a stats-only row kernel computes them.
+NORM_STAT = "norm_stat"
+
+
+def _stat_infer(ins, stat, k, center, eps):
+    x = ins[0]
+    require_float(NORM_STAT, x)
+    if stat not in ("mean", "rstd") or not 1 <= k <= x.ndim or (stat == "mean" and not center):
+        raise op_error(NORM_STAT, f"bad statistic {stat!r} over {k} trailing dims (center={center})", x)
+    return x.shape[:x.ndim - k] + (1,) * k, x.dtype
+
+
+def _stat_ref(x, stat, k, center, eps):
+    axes = tuple(range(x.ndim - k, x.ndim))
+    m = np.mean(x, axis=axes, keepdims=True, dtype=x.dtype)
+    if stat == "mean":
+        return m
+    v = x - m if center else x
+    return (1 / np.sqrt(np.mean(v * v, axis=axes, keepdims=True, dtype=x.dtype) + x.dtype.type(eps))).astype(x.dtype)
+
+
+def _stat_graph(x, stat, k, center, eps):
+    axes = tuple(range(x.ndim - k, x.ndim))
+    if stat == "mean":
+        return _kmean(x, axes)
+    return _standardize(x, axes, eps, center)[1]
+
+
+def _stat_vjp(ct, out, x, **attrs):
+    from ..autodiff import grad
+    return grad(_stat_graph(x, **attrs), [x], ct)
+
+
+register(NORM_STAT, _stat_infer, _stat_ref, _stat_vjp, decompose=_stat_graph)
+
+
+def _norm_stats(op, x, attrs):
+    """(normalised x, 1/sqrt(var + eps)) for ``op``'s backward, the statistics read as
+    ``norm_stat`` nodes over the view the forward's layer-norm kernel normalises (a group
+    norm's groups, a batch norm's transposed channels), broadcast back to x's layout."""
+    center, eps = op != "rms_norm", float(attrs["eps"])
+    if op == "batch_norm":
+        nb, c = x.shape[0], x.shape[1]
+        hw = int(np.prod(x.shape[2:], dtype=np.int64))
+        rows, k, kept = permute(reshape(x, (nb, c, hw)), (1, 0, 2)), 2, (1, c) + (1,) * (x.ndim - 2)
+    else:
+        view, axes, _ = _layout(op, x.shape, attrs)
+        rows, k, kept = reshape(x, view), len(axes), None
+
+    def stat(name):
+        v = emit(NORM_STAT, [rows], stat=name, k=k, center=center, eps=eps)
+        return reshape(v, kept) if kept is not None else v
+    r = stat("rstd")
+    xv = x if op == "batch_norm" else rows
+    n = (xv - stat("mean")) * r if center else xv * r
+    return n, r
+
+
 def _norm_vjp(op):
     center = op != "rms_norm"
 
     def vjp(ct, y, x, *params, **attrs):
         view, axes, aff = _layout(op, x.shape, attrs)
-        n, r = _standardize(reshape(x, view), axes, attrs["eps"], center)
+        n, r = _norm_stats(op, x, attrs)
         w, b = _params(params, attrs)
         dn = reshape(ct * reshape(w, aff) if w is not None else ct, view)
         inner = dn - n * _kmean(dn * n, axes)

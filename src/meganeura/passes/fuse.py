@@ -12,6 +12,8 @@ the memory planner and the runtime need no knowledge of them.
   norm read only by GEMVs is computed inside them.
 - ``rows``: reductions read only by a pointwise kernel that broadcasts them back over the
   reduced axes run with it as one row kernel.
+- ``normstats``: a norm statistic the backward reads is stored by the forward norm kernel
+  over the same rows.
 - ``stores``: a copy of a kernel's whole output into a slice of another buffer (a
   concat) becomes a second store of that kernel.
 - ``horizontal``: independent pointwise kernels close together run as one launch.
@@ -309,7 +311,8 @@ def fuse_norm_prologue(kernels, max_bindings):
     uses = _Uses(kernels)
     for ni, nk in enumerate(kernels):
         if nk is None or nk.archetype != "norm" or (nk.epilogue is not None and not _stores_f16(nk)) \
-                or nk.out.buf.kind != "temp" or not nk.reads[0].is_contiguous():
+                or nk.out.buf.kind != "temp" or not nk.reads[0].is_contiguous() \
+                or "stats_only" in nk.spec or nk.outs:
             continue
         readers = sorted(set(uses.readers[id(nk.out.buf)]))
         if not readers or len(uses.writers[id(nk.out.buf)]) != 1:
@@ -745,6 +748,46 @@ def merge_horizontal(kernels, max_bindings):
     return out
 
 
+def _norm_rows_key(k):
+    """What decides a norm kernel's row statistics: the rows it reads and how it reduces them."""
+    x = k.reads[0]
+    return (id(x.buf), x.offset, tuple(x.shape), tuple(x.strides), x.dtype.name, k.spec["kind"], k.spec["eps"],
+            k.spec["row"])
+
+
+def fuse_norm_stats(kernels, max_bindings):
+    """A norm statistic the backward reads (``ops.nn.norm_stat``: a stats-only norm kernel)
+    over the same rows as an earlier norm kernel is stored by that kernel (``outs``), which
+    computes it anyway: the backward does not reduce the input again."""
+    kernels = list(kernels)
+    uses = _Uses(kernels)
+    norms = {}          # rows key -> position of the first norm kernel over those rows
+    for i, k in enumerate(kernels):
+        if k is None or k.archetype != "norm":
+            continue
+        key = _norm_rows_key(k)
+        j = norms.get(key)
+        only = k.spec.get("stats_only")
+        if j is None or not only or k.epilogue is not None or k.outs or not k.out.is_contiguous() \
+                or k.out.dtype is not k.reads[0].dtype:
+            norms.setdefault(key, i)
+            continue
+        n = kernels[j]
+        if any(uses.touched_between(v.buf, j, i, writes_only=True) for v in n.reads[:1]) \
+                or uses.touched_between(k.out.buf, j, i) \
+                or len({id(v.buf) for v in n.read_views()} | {id(b) for b in n.written_bufs()} | {id(k.out.buf)}) \
+                > max_bindings:
+            continue
+        uses.remove(j, n)
+        uses.remove(i, k)
+        n.outs = list(n.outs) + [k.out]
+        n.spec = {**n.spec, "out_stats": [*n.spec.get("out_stats", []), only]}
+        n.name = f"{n.name}&{k.name}"
+        kernels[i] = None
+        uses.add(j, n)
+    return [k for k in kernels if k is not None]
+
+
 def _extent(v) -> tuple:
     """[first, last] element of buffer ``v.buf`` that view ``v`` can touch."""
     span = sum((n - 1) * s for n, s in zip(v.shape, v.strides) if n > 0)
@@ -816,7 +859,7 @@ def fuse_copy_stores(kernels, max_bindings):
 
 
 FUSION_PASSES = {"epilogue": fuse_epilogues, "prologue": fuse_prologues, "rows": fuse_rows,
-                 "stores": fuse_copy_stores, "horizontal": merge_horizontal}
+                 "normstats": fuse_norm_stats, "stores": fuse_copy_stores, "horizontal": merge_horizontal}
 
 
 def run_fusion(kernels, disabled=frozenset(), max_bindings=8):
