@@ -20,6 +20,18 @@ of the sums from staging into device memory where they ride in its command buffe
 ``allreduce alone`` times the same buckets all-reduced with nothing else running: the
 communication that overlap has to hide.
 
+``--streams`` (comma-separated, default: the library's default, 4, or
+``$MEGANEURA_DP_STREAMS``) sets how many all-reduces run at once, each on a Gloo process
+group of its own (``mg.distributed.init(streams=)``); every accumulation is timed with
+each count, and ``allreduce alone`` uses the session's own streams and pieces.
+``--gloo-only`` skips the model: it all-reduces ``--gloo-mb`` MiB of float32 (default 513,
+SmolLM2's gradients) in buckets of ``--bucket-mb`` (default 25) with each stream count,
+both whole buckets round-robin over the streams and buckets split over them as the
+session does, and reports the bandwidth (``gloo_streams.json`` / ``.md``)::
+
+    GLOO_SOCKET_IFNAME=lo torchrun --standalone --nproc_per_node 2 bench/data_parallel.py --gloo-only \
+        --streams 1,2,4,8 --out /tmp/gloo
+
 ``--grad-path`` picks how gradients reach Gloo (``DataParallel.grad_path``): ``auto``
 (default: ``mapped`` where the runtime keeps staging memory mapped, the Vulkan one, else
 ``host``), ``mapped`` (Gloo reduces the staging memory the device copied the gradients
@@ -39,6 +51,7 @@ from __future__ import annotations
 import argparse
 import atexit
 import dataclasses
+import datetime
 import json
 import os
 import platform
@@ -105,10 +118,10 @@ def single_gpu(ctx, cfg, args, k):
         return time_updates(s.step, batches(cfg, args.batch, args.seq, 0), k, args.warmup, args.updates)
 
 
-def data_parallel(ctx, cfg, args, k):
+def data_parallel(ctx, cfg, args, k, streams):
     g, _, _, loss = llama.build_training(cfg, args.batch, args.seq)
     with dist.compile(g, loss, mg.optim.AdamW(lr=1e-4), accumulate=k, bucket_mb=args.bucket_mb,
-                      mapped=GRAD_PATHS[args.grad_path]) as s:
+                      mapped=GRAD_PATHS[args.grad_path], streams=streams) as s:
         samples = time_updates(s.step, batches(cfg, args.batch, args.seq, 1 + ctx.rank), k, args.warmup,
                                args.updates, on_warm=s.reset_timings)
         per_update = {key: v / max(s.updates_timed, 1) for key, v in s.timing_totals.items()}
@@ -127,11 +140,66 @@ def allreduce_alone(ctx, s, repeats):
     for _ in range(repeats):
         dist.barrier(ctx)
         t = time.perf_counter()
-        works = [tdist.all_reduce(b.host, async_op=True) for b in s.buckets]
-        for w in works:
-            w.wait()
+        for b in s.buckets:             # on the session's streams, split as it splits them
+            b.start_allreduce(tdist)
+        for b in s.buckets:
+            for w in b.works:
+                w.wait()
+            b.works = []
         out.append(time.perf_counter() - t)
     return statistics.median(out)
+
+
+def gloo_only(ctx, args, counts):
+    """All-reduce ``args.gloo_mb`` MiB of float32 in ``args.bucket_mb`` buckets with each
+    stream count: whole buckets round-robin, and split as the session splits them."""
+    import torch
+    import torch.distributed as tdist
+    limit = max(1, int(args.bucket_mb * 2 ** 20) // 4)
+    total = int(args.gloo_mb * 2 ** 20) // 4
+    sizes = [min(limit, total - a) for a in range(0, total, limit)]
+    bufs = [torch.ones(n) for n in sizes]
+    configs = []
+    for n in counts:
+        groups = ctx.stream_groups(n)
+        for mode in ("whole", "split"):
+            plan = [[(0, m, i % n)] for i, m in enumerate(sizes)] if mode == "whole" else dist.split_pieces(sizes, n)
+            views = [(bufs[i][a:z], groups[j]) for i, pieces in enumerate(plan) for a, z, j in pieces]
+            configs.append((n, mode, views, []))
+    for _ in range(args.warmup + args.updates):     # interleaved: the settings share any drift in load
+        for n, mode, views, samples in configs:
+            dist.barrier(ctx)
+            t = time.perf_counter()
+            works = [tdist.all_reduce(v, group=g, async_op=True) for v, g in views]
+            for w in works:
+                w.wait()
+            samples.append(time.perf_counter() - t)
+    rows = []
+    for n, mode, views, samples in configs:
+        med = statistics.median(samples[args.warmup:])
+        rows.append(dict(streams=n, mode=mode, pieces=len(views), seconds=samples[args.warmup:],
+                         median_s=med, gib_per_s=total * 4 / 2 ** 30 / med))
+    if ctx.rank == 0:
+        head = f"| streams | buckets | all-reduces | ms | GiB/s | vs {counts[0]} stream(s) |"
+        base = {r["mode"]: r["median_s"] for r in rows if r["streams"] == counts[0]}
+        lines = [f"Gloo all-reduce of {args.gloo_mb:g} MiB float32 in {len(sizes)} buckets of at most "
+                 f"{args.bucket_mb:g} MiB, {ctx.world_size} ranks, median of {args.updates} "
+                 f"(GLOO_SOCKET_IFNAME={os.environ.get('GLOO_SOCKET_IFNAME', '')!r})", "", head,
+                 "|---|---|---|---|---|---|"]
+        for r in rows:
+            lines.append(f"| {r['streams']} | {r['mode']} | {r['pieces']} | {r['median_s'] * 1e3:.1f} | "
+                         f"{r['gib_per_s']:.2f} | {base[r['mode']] / r['median_s']:.2f}x |")
+        text = "\n".join(lines)
+        print(text)
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "gloo_streams.json"), "w") as f:
+            json.dump(dict(gloo_mb=args.gloo_mb, bucket_mb=args.bucket_mb, world_size=ctx.world_size,
+                           min_piece_bytes=dist.MIN_PIECE_BYTES, rows=rows,
+                           gloo_socket_ifname=os.environ.get("GLOO_SOCKET_IFNAME"),
+                           host=dict(platform=platform.platform(), cpus=os.cpu_count(),
+                                     torch=torch.__version__)), f, indent=1)
+        with open(os.path.join(args.out, "gloo_streams.md"), "w") as f:
+            f.write(text + "\n")
 
 
 def main(argv=None):
@@ -143,6 +211,10 @@ def main(argv=None):
     ap.add_argument("--batch", type=int, help="sequences per micro-batch per GPU (real: 8, small: 2)")
     ap.add_argument("--seq", type=int, help="tokens per sequence (real: 128, small: 16)")
     ap.add_argument("--bucket-mb", type=float, help="gradient megabytes per all-reduce (real: 25)")
+    ap.add_argument("--streams", help="comma-separated counts of concurrent all-reduce streams (default: "
+                    f"${dist.STREAMS_ENV}, else {dist.DEFAULT_STREAMS})")
+    ap.add_argument("--gloo-only", action="store_true", help="time Gloo alone: --gloo-mb MiB in --bucket-mb buckets")
+    ap.add_argument("--gloo-mb", type=float, default=513.0, help="--gloo-only: MiB all-reduced (SmolLM2: 513)")
     ap.add_argument("--grad-path", choices=sorted(GRAD_PATHS), default="auto",
                     help="how gradients reach Gloo: mapped staging memory, or host copies (auto: mapped on Vulkan)")
     ap.add_argument("--staged", action="store_true",
@@ -158,7 +230,17 @@ def main(argv=None):
     args.seq, args.batch = args.seq or seq, args.batch or batch
     args.bucket_mb = args.bucket_mb or bucket
     accs = [int(a) for a in args.accumulate.split(",")]
-    ctx = dist.init(timeout_s=args.timeout, backend=args.backend)
+    counts = [dist.check_streams(int(a)) for a in args.streams.split(",")] if args.streams else \
+        [dist._streams_setting()]
+    args.stream_counts = counts
+    if args.gloo_only:
+        import torch.distributed as tdist
+        tdist.init_process_group("gloo", timeout=datetime.timedelta(seconds=args.timeout))
+        ctx = dist.Context(tdist.get_rank(), tdist.get_world_size(), 0, "", args.timeout, None, 1)
+        gloo_only(ctx, args, counts)
+        tdist.destroy_process_group()
+        return
+    ctx = dist.init(timeout_s=args.timeout, backend=args.backend, streams=max(counts))
     if args.staged and ctx.runtime == "vulkan":
         from meganeura.runtime.vulkan import backend as vkb, device as vkdev
         staged = vkdev.VulkanDevice(str(vkdev.get_vulkan_device().index), direct_host_access=False)
@@ -175,29 +257,34 @@ def main(argv=None):
              f"{devices}; micro-batch {args.batch} x {args.seq} tokens per GPU, accumulate {accs}")
     rows = []
     for k in accs:
-        row = {"accumulate": k}
-        if not args.no_single:
-            if ctx.rank == 0:
-                log(ctx, f"accumulate {k}: one GPU ...")
-                row["single_s"] = single_gpu(ctx, cfg, args, k)
-            dist.barrier(ctx)
-        log(ctx, f"accumulate {k}: {ctx.world_size} GPU(s) ...")
-        samples, per_update, alone, n_buckets, grad_mb = data_parallel(ctx, cfg, args, k)
-        every = [None] * ctx.world_size
-        if ctx.world_size > 1:
-            import torch.distributed as tdist
-            tdist.all_gather_object(every, {"samples": samples, "stages": per_update})
-        else:
-            every = [{"samples": samples, "stages": per_update}]
-        tokens = k * args.batch * args.seq
-        dp_s = statistics.median(samples)
-        row.update(parallel_s=samples, ranks=every, allreduce_alone_s=alone, buckets=n_buckets,
-                   grad_mb=grad_mb, tokens_per_update_per_gpu=tokens,
-                   parallel_tokens_per_s=ctx.world_size * tokens / dp_s)
-        if "single_s" in row:
-            row["single_tokens_per_s"] = tokens / statistics.median(row["single_s"])
-            row["speedup"] = row["parallel_tokens_per_s"] / row["single_tokens_per_s"]
-        rows.append(row)
+        single = None               # one baseline per accumulation
+        for m, streams in enumerate(counts):
+            row = {"accumulate": k, "streams": streams}
+            if not args.no_single:
+                if m == 0:
+                    if ctx.rank == 0:
+                        log(ctx, f"accumulate {k}: one GPU ...")
+                        single = single_gpu(ctx, cfg, args, k)
+                    dist.barrier(ctx)
+                if ctx.rank == 0:
+                    row["single_s"] = single
+            log(ctx, f"accumulate {k}: {ctx.world_size} GPU(s), {streams} all-reduce stream(s) ...")
+            samples, per_update, alone, n_buckets, grad_mb = data_parallel(ctx, cfg, args, k, streams)
+            every = [None] * ctx.world_size
+            if ctx.world_size > 1:
+                import torch.distributed as tdist
+                tdist.all_gather_object(every, {"samples": samples, "stages": per_update})
+            else:
+                every = [{"samples": samples, "stages": per_update}]
+            tokens = k * args.batch * args.seq
+            dp_s = statistics.median(samples)
+            row.update(parallel_s=samples, ranks=every, allreduce_alone_s=alone, buckets=n_buckets,
+                       grad_mb=grad_mb, tokens_per_update_per_gpu=tokens,
+                       parallel_tokens_per_s=ctx.world_size * tokens / dp_s)
+            if "single_s" in row:
+                row["single_tokens_per_s"] = tokens / statistics.median(row["single_s"])
+                row["speedup"] = row["parallel_tokens_per_s"] / row["single_tokens_per_s"]
+            rows.append(row)
     if ctx.rank == 0:
         report(ctx, args, devices, rows)
     dist.shutdown()
@@ -209,7 +296,7 @@ PATH_WORDS = {"mapped": "in the mapped staging memory (grad path: mapped)",
 
 def report(ctx, args, devices, rows):
     n = ctx.world_size
-    head = (f"| accumulate | 1 GPU tokens/s | {n} GPUs tokens/s | speedup | ms per update: "
+    head = (f"| accumulate | streams | 1 GPU tokens/s | {n} GPUs tokens/s | speedup | ms per update: "
             + " | ".join(STAGES) + " | total | all-reduce alone ms |")
     lines = [f"SmolLM2 ({args.size}) data-parallel training on {n} x {devices[0]}, {ctx.runtime} runtime; micro-batch "
              f"{args.batch} x {args.seq} tokens per GPU, AdamW, strict f32, median of {args.updates} updates; "
@@ -219,17 +306,18 @@ def report(ctx, args, devices, rows):
         st = {key: statistics.mean(e["stages"][key] for e in r["ranks"]) * 1e3 for key in STAGES + ("total",)}
         single = f"{r['single_tokens_per_s']:.0f}" if "single_tokens_per_s" in r else "-"
         speed = f"{r['speedup']:.2f}x" if "speedup" in r else "-"
-        lines.append(f"| {r['accumulate']} | {single} | {r['parallel_tokens_per_s']:.0f} | {speed} | "
+        lines.append(f"| {r['accumulate']} | {r['streams']} | {single} | {r['parallel_tokens_per_s']:.0f} | {speed} | "
                      + " | ".join(f"{st[key]:.1f}" for key in STAGES)
                      + f" | {st['total']:.1f} | {r['allreduce_alone_s'] * 1e3:.1f} |")
     lines.append("")
     lines.append(f"gradients: {rows[0]['grad_mb']:.1f} MiB in {rows[0]['buckets']} bucket(s) of at most "
-                 f"{args.bucket_mb:g} MiB, all-reduced {PATH_WORDS[args.grad_path_taken]}")
+                 f"{args.bucket_mb:g} MiB, all-reduced {PATH_WORDS[args.grad_path_taken]}; streams: "
+                 f"concurrent all-reduces, each on a Gloo process group of its own, buckets split over them")
     text = "\n".join(lines)
     print(text)
     import torch
     out = dict(workload="smollm2", size=args.size, runtime=ctx.runtime, world_size=n, devices=devices,
-               batch=args.batch, seq=args.seq, grad_path=args.grad_path_taken,
+               batch=args.batch, seq=args.seq, grad_path=args.grad_path_taken, streams=args.stream_counts,
                bucket_mb=args.bucket_mb, warmup=args.warmup, updates=args.updates, rows=rows,
                host=dict(python=sys.version.split()[0], platform=platform.platform(), numpy=np.__version__,
                          torch=torch.__version__, backend="gloo"))

@@ -54,7 +54,7 @@ def _optimizer():
 # ------------------------------------------------------------------------- worker processes
 def worker(mode, out_dir):
     from meganeura import distributed as dist
-    ctx = dist.init(timeout_s=30)
+    ctx = dist.init(timeout_s=30, streams=3 if mode == "streams" else None)
     data = np.load(os.path.join(out_dir, "batches.npz"))
     xs, ys = data["xs"], data["ys"]
     try:
@@ -86,6 +86,27 @@ def worker(mode, out_dir):
                 dist.compile(g, loss, _optimizer())
             except dist.DistributedError as e:
                 with open(os.path.join(out_dir, f"mismatch{ctx.rank}.txt"), "w") as f:
+                    f.write(str(e))
+            dist.barrier()
+        elif mode == "streams":
+            # buckets split over 3 concurrent all-reduce streams give the sums of one stream
+            dist.MIN_PIECE_BYTES = 256          # so that these small buckets are split too
+            assert ctx.streams == 3 and len(ctx.groups) == 3
+            for streams in (1, 3):
+                g, _, _, _, loss = build_mlp(BATCH, 64, HIDDEN, 10)
+                s = dist.compile(g, loss, _optimizer(), accumulate=2, seed=10 + ctx.rank, bucket_mb=0.004,
+                                 streams=streams)
+                groups = {id(grp) for b in s.buckets for _, _, grp in b.pieces}
+                split = max(len(b.pieces) for b in s.buckets)
+                losses = [s.step(dist.shard({"x": xs[i], "labels": ys[i]})) for i in range(STEPS)]
+                np.savez(os.path.join(out_dir, f"rank{ctx.rank}_s{streams}.npz"), losses=np.array(losses),
+                         mean_loss=s.mean_loss, groups=len(groups), split=split, **s.state_dict())
+                s.close()
+            g, _, _, _, loss = build_mlp(BATCH, 64, HIDDEN, 10)
+            try:                                # ranks asking for other stream counts are refused
+                dist.compile(g, loss, _optimizer(), streams=2 + ctx.rank)
+            except dist.DistributedError as e:
+                with open(os.path.join(out_dir, f"streams_mismatch{ctx.rank}.txt"), "w") as f:
                     f.write(str(e))
             dist.barrier()
         elif mode == "kill":
@@ -181,6 +202,58 @@ def test_checkpoint_written_by_rank_0_only(trained):
     files = sorted(p.name for p in trained[0].iterdir())
     assert "k1.safetensors" in files and "k2.safetensors" in files
     assert not [f for f in files if f.endswith(".tmp")]
+
+
+def test_concurrent_streams_give_the_sums_of_one(tmp_path):
+    """Two ranks (default runtime): buckets split over 3 Gloo groups train bitwise as with
+    the default group alone; ranks asking for different stream counts are refused."""
+    write_batches(tmp_path)
+    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    r = subprocess.run([torchrun, "--standalone", "--nproc_per_node", "2", HERE, "streams", str(tmp_path)],
+                       env=_env(), capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    for rank in range(2):
+        one, three = (np.load(tmp_path / f"rank{rank}_s{n}.npz") for n in (1, 3))
+        assert int(one["groups"]) == 1 and int(three["groups"]) == 3 and int(three["split"]) > 1
+        np.testing.assert_array_equal(one["losses"], three["losses"])
+        assert float(one["mean_loss"]) == float(three["mean_loss"])
+        for name in one.files:
+            if name not in ("losses", "mean_loss", "groups", "split"):
+                np.testing.assert_array_equal(one[name], three[name], err_msg=name)
+        msg = (tmp_path / f"streams_mismatch{rank}.txt").read_text()
+        assert msg.startswith("ranks disagree on the number of all-reduce streams") and "rank 1: 3" in msg
+
+
+def test_streams_are_validated(monkeypatch):
+    from meganeura import distributed as dist
+    for var in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MEGANEURA_BACKEND", "MEGANEURA_DP_STREAMS"):
+        monkeypatch.delenv(var, raising=False)
+    for bad in (0, -1, 65, 2.0, True, "4", None):
+        with pytest.raises(ValueError, match=r"streams must be an integer from 1 to 64 .*got"):
+            dist.check_streams(bad)
+    try:
+        monkeypatch.setenv("MEGANEURA_DP_STREAMS", "four")
+        with pytest.raises(ValueError, match=r"\$MEGANEURA_DP_STREAMS='four': the number of concurrent"):
+            dist.init()
+        monkeypatch.setenv("MEGANEURA_DP_STREAMS", "2")
+        assert dist.init().streams == 2 and dist._context.stream_groups(2) == [None]   # alone: no group
+        with pytest.raises(ValueError, match="already joined with streams=2"):
+            dist.init(streams=3)
+        g, _, _, _, loss = build_mlp(BATCH, 64, HIDDEN, 10)
+        with pytest.raises(ValueError, match="streams must be an integer from 1 to 64"):
+            dist.compile(g, loss, _optimizer(), streams=0)
+    finally:
+        dist.shutdown()
+    monkeypatch.delenv("MEGANEURA_DP_STREAMS")
+    with pytest.raises(ValueError, match="got 0"):
+        dist.init(streams=0)
+    # the split: every value once, pieces of near-equal size, the streams taken in turn
+    split = dist.split_pieces([1000, 10, 4096], 4, min_piece=100)
+    assert [[(a, z) for a, z, _ in p] for p in split] == [
+        [(0, 256), (256, 512), (512, 768), (768, 1000)], [(0, 10)],
+        [(0, 1024), (1024, 2048), (2048, 3072), (3072, 4096)]]
+    assert [i for p in split for _, _, i in p] == [0, 1, 2, 3, 0, 1, 2, 3, 0]
+    assert dist.split_pieces([1000], 1) == [[(0, 1000, 0)]]
 
 
 def test_killed_rank_ends_the_other_with_a_clear_error(tmp_path):

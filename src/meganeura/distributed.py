@@ -17,7 +17,8 @@ trains on its own share of every batch::
 A step runs forward and backward on the device, copies the gradients to host-visible
 staging memory in buckets as soon as the kernels that write them have run (the step is
 submitted in segments that end where a bucket is final), all-reduces each bucket with an
-asynchronous Gloo collective while later buckets are still being computed or copied, and
+asynchronous Gloo collective while later buckets are still being computed or copied (split
+over several concurrent streams, each a Gloo process group of its own: ``init(streams=)``), and
 runs the optimizer update (the session's "update" phase) on the sums scaled to the mean.
 On the Vulkan runtime Gloo reduces the mapped staging memory itself and the update copies
 the sums from it in its own command buffer; on wgpu the buckets go through host arrays
@@ -45,6 +46,10 @@ from .optim import SCALAR_PREFIX
 
 DEFAULT_TIMEOUT_S = 300.0     # a collective that waits longer than this fails (a rank died or hangs)
 DEFAULT_BUCKET_MB = 25.0      # gradient bytes per all-reduce (as torch's DistributedDataParallel)
+DEFAULT_STREAMS = 4           # concurrent all-reduce streams (Gloo process groups)
+MAX_STREAMS = 64
+STREAMS_ENV = "MEGANEURA_DP_STREAMS"
+MIN_PIECE_BYTES = 2 ** 20     # a bucket is split over the streams into pieces no smaller than this
 TIMING_KEYS = ("compute", "readback", "allreduce", "upload", "update", "total")
 
 
@@ -70,9 +75,26 @@ class Context:
     machine), the GPU runtime (``vulkan`` or ``wgpu``) and the device it uses, and the
     collective timeout in seconds."""
 
-    def __init__(self, rank, world_size, local_rank, adapter, timeout_s, runtime=None):
+    def __init__(self, rank, world_size, local_rank, adapter, timeout_s, runtime=None, streams=1):
         self.rank, self.world_size, self.local_rank = rank, world_size, local_rank
         self.adapter, self.timeout_s, self.runtime = adapter, timeout_s, runtime
+        self.streams = streams
+        self.groups = []        # Gloo process groups of the all-reduce streams (created by stream_groups)
+
+    def stream_groups(self, n):
+        """The process groups of ``n`` all-reduce streams: [None] (the default group) for one
+        stream or a world of one, else the first ``n`` of the groups made for streams,
+        creating the missing ones (a collective: every rank must ask for the same counts in
+        the same order, as ``init`` and ``compile`` do)."""
+        n = check_streams(n)
+        if n == 1 or self.world_size == 1:
+            return [None]
+        _, tdist = _torch_dist()
+        while len(self.groups) < n:
+            what = f"creating all-reduce stream {len(self.groups) + 1} of {n}"
+            self.groups.append(_collective(self, what, lambda: tdist.new_group(
+                backend="gloo", timeout=datetime.timedelta(seconds=self.timeout_s))))
+        return self.groups[:n]
 
     @property
     def is_main(self) -> bool:
@@ -84,6 +106,29 @@ class Context:
 
 
 _context: Context | None = None
+
+
+def check_streams(streams):
+    """``streams`` as an int in 1..MAX_STREAMS, or a ValueError that says what is allowed."""
+    if isinstance(streams, (bool, float)) or not isinstance(streams, (int, np.integer)) \
+            or not 1 <= streams <= MAX_STREAMS:
+        raise ValueError(f"streams must be an integer from 1 to {MAX_STREAMS} (the number of concurrent "
+                         f"all-reduce streams), got {streams!r}")
+    return int(streams)
+
+
+def _streams_setting(streams=None) -> int:
+    """``streams``, else ``$MEGANEURA_DP_STREAMS``, else DEFAULT_STREAMS; validated."""
+    if streams is not None:
+        return check_streams(streams)
+    v = os.environ.get(STREAMS_ENV, "").strip()
+    if not v:
+        return DEFAULT_STREAMS
+    try:
+        return check_streams(int(v))
+    except ValueError:
+        raise ValueError(f"${STREAMS_ENV}={v!r}: the number of concurrent all-reduce streams must be an "
+                         f"integer from 1 to {MAX_STREAMS}") from None
 
 
 def _env_int(name, default=None):
@@ -186,18 +231,26 @@ def _by_local_rank(local_rank, var, items, choose, kind):
     return candidates[local_rank % len(candidates)]
 
 
-def init(timeout_s: float = DEFAULT_TIMEOUT_S, backend: str = "gpu") -> Context:
+def init(timeout_s: float = DEFAULT_TIMEOUT_S, backend: str = "gpu", streams: int | None = None) -> Context:
     """Join the process group that torchrun describes ($RANK, $WORLD_SIZE, $LOCAL_RANK,
     $MASTER_ADDR, $MASTER_PORT) on the Gloo backend and pick this process's GPU by local
     rank. Without $WORLD_SIZE the process trains alone (world size 1, no communication).
     ``timeout_s``: how long a collective may wait for the other ranks before failing.
     ``backend``: ``gpu`` (the direct Vulkan backend where it runs, else wgpu; as
-    ``mg.compile``'s, ``$MEGANEURA_BACKEND`` chooses), ``vulkan`` or ``wgpu``."""
+    ``mg.compile``'s, ``$MEGANEURA_BACKEND`` chooses), ``vulkan`` or ``wgpu``.
+    ``streams``: how many all-reduces run at once (each stream is a Gloo process group of
+    its own, with its own connections and threads; the gradient buckets are split over
+    them); default ``$MEGANEURA_DP_STREAMS``, else DEFAULT_STREAMS (4). The groups are
+    created here, on every rank in the same order."""
     global _context
     if _context is not None:
+        if streams is not None and check_streams(streams) != _context.streams:
+            raise ValueError(f"init(streams={streams}): this process already joined with streams="
+                             f"{_context.streams}; pass streams= to compile() for another count")
         return _context
     if timeout_s <= 0:
         raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+    streams = _streams_setting(streams)
     world = _env_int("WORLD_SIZE", 1)
     rank = _env_int("RANK", 0 if world == 1 else None)
     local = _env_int("LOCAL_RANK", rank if world == 1 else None)
@@ -217,7 +270,15 @@ def init(timeout_s: float = DEFAULT_TIMEOUT_S, backend: str = "gpu") -> Context:
                                        f"within {timeout_s:g} s: {e}") from e
         # leave the group before the interpreter tears down (Gloo's threads abort otherwise)
         atexit.register(shutdown)
-    _context = Context(rank, world, local, adapter, float(timeout_s), runtime)
+        every = [None] * world          # the stream groups are made in step: the counts must agree
+        _collective(Context(rank, world, local, adapter, float(timeout_s)), "comparing the stream counts",
+                    lambda: tdist.all_gather_object(every, streams))
+        if len(set(every)) > 1:
+            raise DistributedError("ranks disagree on the number of all-reduce streams (init(streams=...) or "
+                                   f"${STREAMS_ENV}): " + ", ".join(f"rank {r}: {v}" for r, v in enumerate(every)))
+    ctx = Context(rank, world, local, adapter, float(timeout_s), runtime, streams)
+    ctx.stream_groups(streams)
+    _context = ctx
     return _context
 
 
@@ -351,13 +412,50 @@ class _Bucket:
         self.copies = [(buf, off_b, self.staging, 4 * o, nb)
                        for (buf, off_b, nb, _, _), o in zip(self.locs, self.offsets)]
         self.upload_copies = []        # mapped: staging -> the update's gradient inputs
-        self.work = None
+        self.pieces = [(0, self.n + extra, None)]  # (start, stop, group): one all-reduce each
+        self.piece_tensors = [self.host] if self.host is not None else []
+        self.works = []
+
+    def set_pieces(self, pieces):
+        """All-reduce ``[(start, stop, group)]`` (views of the one tensor) instead of the whole."""
+        self.pieces = list(pieces)
+        self.piece_tensors = [self.host[a:z] for a, z, _ in self.pieces] if self.host is not None else []
+
+    def start_allreduce(self, tdist):
+        """Issue this bucket's asynchronous all-reduces, one per piece on its stream's group."""
+        self.works = [tdist.all_reduce(t, group=g, async_op=True)
+                      for t, (_, _, g) in zip(self.piece_tensors, self.pieces)]
 
     def release(self):
         """Drop the views of the staging memory (before it is unmapped) and free it."""
         self.host = self.host_np = None
+        self.piece_tensors, self.works = [], []
         self.upload_copies = []
         self.staging.destroy()
+
+
+def split_pieces(sizes, streams, min_piece=None, align=16):
+    """How buckets of ``sizes`` float32 values are all-reduced over ``streams`` concurrent
+    streams: ``[[(start, stop, stream)] per bucket]``. A bucket is cut into up to ``streams``
+    equal pieces (boundaries on multiples of ``align`` values), none under ``min_piece``
+    values, so every stream works on the bucket that is final first and a large bucket
+    (SmolLM2's 108 MiB embedding) does not hold one stream alone; the pieces go to the
+    streams round-robin, counting on across buckets (small buckets spread too). The same
+    on every rank (it depends on sizes and streams alone). ``min_piece``: default
+    MIN_PIECE_BYTES / 4."""
+    min_piece = MIN_PIECE_BYTES // 4 if min_piece is None else min_piece
+    out, turn = [], 0
+    for m in sizes:
+        k = max(1, min(streams, m // max(min_piece, 1)))
+        step = -(-m // k)
+        step = -(-step // align) * align
+        cuts = list(range(0, m, step)) + [m] if m else [0, 0]
+        pieces = []
+        for a, z in zip(cuts, cuts[1:]):
+            pieces.append((a, z, turn % streams))
+            turn += 1
+        out.append(pieces)
+    return out
 
 
 def _runtime_maps_staging(runtime) -> bool:
@@ -398,10 +496,13 @@ class DataParallel:
     them over every update and ``reset_timings`` clears them."""
 
     def __init__(self, graph: Graph, loss: Tensor, optimizer, accumulate=1, precision="strict", seed=0,
-                 bucket_mb=DEFAULT_BUCKET_MB, ctx=None, backend=None, mapped=None):
+                 bucket_mb=DEFAULT_BUCKET_MB, ctx=None, backend=None, mapped=None, streams=None):
+        if streams is not None:
+            check_streams(streams)
         self.ctx = ctx = ctx or _context or init(backend=backend or "gpu")
         if bucket_mb <= 0:
             raise ValueError(f"bucket_mb must be > 0, got {bucket_mb}")
+        self.streams = ctx.streams if streams is None else int(streams)
         if loss is None or optimizer is None:
             raise ValueError("mg.distributed.compile: give loss= and optimizer= (data-parallel training)")
         self.runtime = _session_runtime(ctx, backend)
@@ -413,6 +514,7 @@ class DataParallel:
         self.accumulate = self.session.accumulate
         self.torch, self.tdist = _torch_dist() if ctx.world_size > 1 else (_torch_or_none(), None)
         self.check_same_program()
+        self.groups = ctx.stream_groups(self.streams)
         self.broadcast_values()
         ex = self.session.executor
         self.phase = "micro" if self.accumulate > 1 else "grads"
@@ -430,9 +532,13 @@ class DataParallel:
         if ctx.world_size == 1:
             return
         params = [(n, self.session.graph.parameters[n].shape) for n in self.session.parameter_names]
-        mine = (plan_signature(self.session), len(params), sum(int(np.prod(s)) for _, s in params), params)
+        mine = (plan_signature(self.session), len(params), sum(int(np.prod(s)) for _, s in params), params,
+                self.streams)
         every = [None] * ctx.world_size
         _collective(ctx, "comparing the program hash", lambda: self.tdist.all_gather_object(every, mine))
+        if len({e[4] for e in every}) > 1:
+            raise DistributedError("ranks disagree on the number of all-reduce streams (compile(streams=...)): "
+                                   + ", ".join(f"rank {r}: {e[4]}" for r, e in enumerate(every)))
         if all(e[0] == every[0][0] for e in every):
             return
         lines = [f"rank {r}: {e[1]} parameters ({e[2]} values), hash {e[0][:12]}" for r, e in enumerate(every)]
@@ -501,6 +607,11 @@ class DataParallel:
                                 extra=1 if k == len(groups) - 1 else 0, mapped=mapped is not False)
                         for k, g in enumerate(groups)]
         self.grad_path = "mapped" if self.buckets and all(b.mapped for b in self.buckets) else "host"
+        if len(self.groups) > 1:
+            split = split_pieces([b.n + (1 if k == len(self.buckets) - 1 else 0) for k, b in enumerate(self.buckets)],
+                                 len(self.groups))
+            for b, pieces in zip(self.buckets, split):
+                b.set_pieces([(a, z, self.groups[i]) for a, z, i in pieces])
         for b in self.buckets:
             if b.mapped:
                 # the update's gradient inputs are filled from the staging memory inside the
@@ -624,9 +735,9 @@ class DataParallel:
                     self._loss_sum += loss
                     b.host_np[b.n] = self._loss_sum
                     tm["compute"] += time.perf_counter() - t2
-                if self.tdist is not None:
-                    b.work = _collective(self.ctx, f"starting the all-reduce of gradient bucket {k + 1}/"
-                                         f"{len(self.buckets)}", lambda: self.tdist.all_reduce(b.host, async_op=True))
+                if self.tdist is not None:      # on its streams, while later segments run
+                    _collective(self.ctx, f"starting the all-reduce of gradient bucket {k + 1}/"
+                                f"{len(self.buckets)}", lambda: b.start_allreduce(self.tdist))
         finally:
             for d in done:          # a submission left unwaited could not be submitted again
                 rec.wait(d)
@@ -634,10 +745,10 @@ class DataParallel:
         ex.last_plan = ex.last_fetch_plan = plan
         for k, b in enumerate(self.buckets):
             t = time.perf_counter()
-            if b.work is not None:
+            for w in b.works:
                 _collective(self.ctx, f"the all-reduce of gradient bucket {k + 1}/{len(self.buckets)} at update "
-                            f"{self.session.steps_done + 1}", b.work.wait)
-                b.work = None
+                            f"{self.session.steps_done + 1}", w.wait)
+            b.works = []
             t1 = time.perf_counter()
             # inputs of the update phase: mapped buckets are copied from their staging memory
             # inside the update's command buffer (self.update_copies); otherwise uploaded (on
@@ -735,7 +846,7 @@ def _session_runtime(ctx, backend) -> str:
 
 
 def compile(graph: Graph, loss: Tensor, optimizer, accumulate=1, precision="strict", seed=0,
-            bucket_mb=DEFAULT_BUCKET_MB, ctx=None, backend=None, mapped=None) -> DataParallel:
+            bucket_mb=DEFAULT_BUCKET_MB, ctx=None, backend=None, mapped=None, streams=None) -> DataParallel:
     """A data-parallel training session on this rank's GPU (``init`` is called if it was
     not). Every rank must build the same graph: their program hashes are compared first
     (DistributedError otherwise). Rank 0's initial values are broadcast to all.
@@ -745,5 +856,8 @@ def compile(graph: Graph, loss: Tensor, optimizer, accumulate=1, precision="stri
     it does not run or when asked). mapped: None all-reduces the gradients in the staging
     memory the device copies them into and updates from there, where the runtime keeps it
     mapped (Vulkan), else through host copies (wgpu); False always copies (for comparison);
-    True refuses a runtime that cannot."""
-    return DataParallel(graph, loss, optimizer, accumulate, precision, seed, bucket_mb, ctx, backend, mapped)
+    True refuses a runtime that cannot. streams: concurrent all-reduce streams (None: what
+    ``init`` set up, by default 4; another count uses the first of the context's stream
+    groups, creating more where needed, on every rank alike)."""
+    return DataParallel(graph, loss, optimizer, accumulate, precision, seed, bucket_mb, ctx, backend, mapped,
+                        streams)
