@@ -179,6 +179,22 @@ def read_leaves(leaves, shape, bind, prefix="c"):
     return lines, vals
 
 
+def store_lines(bind, ob, idx, val, dtype, stores=(), prefix="c") -> list[str]:
+    """WGSL lines storing ``val`` (of ``dtype``) at ``idx`` of binding ``ob`` and, converted,
+    at each view of ``stores`` (second stores of the same value: a concat's slice, an f16
+    copy), indexed by the coordinates ``prefix0..`` of the output."""
+    lines = []
+    if stores:
+        lines.append(f"    let stored = {val};")
+        val = "stored"
+    lines.append(f"    b{ob}[{idx}] = {val};")
+    for s in stores:
+        sb = bind.index(s.buf, s.dtype, write=True)
+        sv = val if s.dtype is dtype else f"{s.dtype.wgsl}({val})"
+        lines.append(f"    b{sb}[{offset_expr(s.offset, s.strides, prefix)}] = {sv};")
+    return lines
+
+
 class OutputStore:
     """``fn store_out(f: u32, acc: f32)``: stores an archetype's value for the output
     element of flat (row-major, logical) index ``f``, through the kernel's epilogue if it
@@ -230,16 +246,7 @@ class OutputStore:
             val = f"{out.dtype.wgsl}({val})"
         idx = f"{out.offset}u + {dest}" if out.is_contiguous() else offset_expr(out.offset, out.strides, "e")
         self.used = w.used
-        body = lines + w.lines
-        stores = kernel.spec.get("stores", ())   # the same value also stored elsewhere (a concat's slice)
-        if stores:
-            body.append(f"    let stored = {val};")
-            val = "stored"
-        body.append(f"    b{self.ob}[{idx}] = {val};")
-        for s in stores:
-            sb = bind.index(s.buf, s.dtype, write=True)
-            sv = val if s.dtype is out.dtype else f"{s.dtype.wgsl}({val})"
-            body.append(f"    b{sb}[{offset_expr(s.offset, s.strides, 'e')}] = {sv};")
+        body = lines + w.lines + store_lines(bind, self.ob, idx, val, out.dtype, kernel.spec.get("stores", ()), "e")
         acc2 = f", acc2: {self.acc_dtype.wgsl}" if "pair" in kernel.spec else ""
         self.fn = f"fn {name}(f: u32, acc: {self.acc_dtype.wgsl}{acc2}) {{\n" + "\n".join(body) + "\n}"
 

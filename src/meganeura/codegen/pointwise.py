@@ -3,7 +3,7 @@ tree whose leaves are strided (possibly broadcast) views."""
 from __future__ import annotations
 
 from .common import ENTRY, GROUP_INDEX, WG, Bindings, broadcast_view_strides, coords, grid, offset_expr
-from .expr import ExprWriter
+from .expr import ExprWriter, store_lines
 
 
 def _body(kernel, b: Bindings):
@@ -34,15 +34,7 @@ def _body(kernel, b: Bindings):
     val, dt = w.emit(spec["expr"])
     if dt is not out.dtype:
         val = f"{out.dtype.wgsl}({val})"
-    lines += w.lines
-    stores = spec.get("stores", ())     # the same value also stored elsewhere, converted (an f16 copy)
-    if stores:
-        lines.append(f"    let stored = {val};")
-        val = "stored"
-    lines.append(f"    b{ob}[{offset_expr(out.offset, out.strides)}] = {val};")
-    for s in stores:
-        sb = b.index(s.buf, s.dtype, write=True)
-        lines.append(f"    b{sb}[{offset_expr(s.offset, s.strides)}] = {s.dtype.wgsl}({val});")
+    lines += w.lines + store_lines(b, ob, offset_expr(out.offset, out.strides), val, out.dtype, spec.get("stores", ()))
     return w.helpers(b), lines
 
 
