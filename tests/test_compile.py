@@ -109,6 +109,27 @@ def test_pipelines_in_parallel_match_one_by_one(threads):
     assert dev.pipelines(shaders[:1]) == pipes[:1]                # cached
 
 
+def test_a_phase_compiled_on_first_use_holds_the_collector_off(monkeypatch):
+    """compute_grads after mg.compile(eager) compiles its plan then: with the collector held
+    off, as mg.compile does, and switched back on after."""
+    import gc
+
+    from meganeura.runtime import executor as ex
+    g = mg.Graph()
+    x = g.input("x", (4, 8))
+    w = g.parameter("w", (8, 3))
+    s = mg.compile(g, loss=mg.ops.mean((x @ w) ** 2), optimizer=mg.optim.SGD(lr=0.1), backend="gpu")
+    seen = []
+    real = ex.Plan.__init__
+
+    def spy(self, *a, **k):
+        seen.append(gc.isenabled())
+        return real(self, *a, **k)
+    monkeypatch.setattr(ex.Plan, "__init__", spy)
+    s.compute_grads({"x": np.ones((4, 8), np.float32)})
+    assert seen == [False] and gc.isenabled()
+
+
 def test_gc_is_paused_while_compiling_and_restored_after():
     import gc
 
