@@ -8,11 +8,19 @@ import meganeura as mg
 from meganeura.runtime.backends import gpu_device
 from meganeura.compiler import CompileOptions, compile_plan
 
+def _stat(x, stat, center):
+    from meganeura.ops.registry import emit
+    return emit("norm_stat", [x], stat=stat, k=1, center=center, eps=1e-5)
+
+
 ARCHETYPES = {
     "pointwise": lambda g, x, w, ids: [mg.ops.gelu(x) * x + 1.0],
     "reduce": lambda g, x, w, ids: [mg.ops.sum(x, 1), mg.ops.amax(x, 0), mg.ops.mean(x)],
     "rows": lambda g, x, w, ids: [mg.ops.softmax(x, -1), mg.ops.log_softmax(x, 0)],
-    "norm": lambda g, x, w, ids: [mg.ops.layer_norm(x, (x.shape[-1],)), mg.ops.rms_norm(x, (x.shape[-1],))],
+    # with the statistics a backward reads: stored by the norm kernels as further outputs
+    "norm": lambda g, x, w, ids: [mg.ops.layer_norm(x, (x.shape[-1],)), mg.ops.rms_norm(x, (x.shape[-1],), eps=1e-5),
+                                  _stat(x, "mean", True), _stat(x, "rstd", True), _stat(x, "rstd", False)],
+    "norm_stats": lambda g, x, w, ids: [_stat(x, "mean", True), _stat(x, "rstd", True)],   # stats-only kernel
     "matmul": lambda g, x, w, ids: [mg.ops.linear(x, w), mg.ops.matmul(x, mg.ops.transpose(w, 0, 1))],
     "gemv": lambda g, x, w, ids: [mg.ops.linear(mg.ops.slice(x, 0, 0, 2), w)],
     "gather": lambda g, x, w, ids: [mg.ops.embedding(ids, w)],
@@ -35,7 +43,8 @@ def test_archetype_renders_and_matches(arch, dtype):
     kp = compile_plan(outs, options=CompileOptions(max_bindings=32))
     archs = {u.archetype for d in kp.dispatches for u in d.kernel.spec.get("parts", [d.kernel])}
     # attention's kernel is f32 only: f16 attention decomposes into matmuls and a softmax
-    expect = "matmul" if arch == "gemv" or (arch == "attention" and dtype == "f16") else arch
+    expect = "matmul" if arch == "gemv" or (arch == "attention" and dtype == "f16") else \
+        "norm" if arch == "norm_stats" else arch
     assert expect in archs, (arch, kp.names)
     if dtype == "f16":
         assert any("enable f16;" in d.wgsl for d in kp.dispatches)
