@@ -121,13 +121,13 @@ def single_gpu(ctx, cfg, args, k):
 def data_parallel(ctx, cfg, args, k, streams):
     g, _, _, loss = llama.build_training(cfg, args.batch, args.seq)
     with dist.compile(g, loss, mg.optim.AdamW(lr=1e-4), accumulate=k, bucket_mb=args.bucket_mb,
-                      mapped=GRAD_PATHS[args.grad_path], streams=streams) as s:
+                      mapped=GRAD_PATHS[args.grad_path], streams=streams, transport=args.transport) as s:
         samples = time_updates(s.step, batches(cfg, args.batch, args.seq, 1 + ctx.rank), k, args.warmup,
                                args.updates, on_warm=s.reset_timings)
         per_update = {key: v / max(s.updates_timed, 1) for key, v in s.timing_totals.items()}
         alone = allreduce_alone(ctx, s, args.updates)
         n_buckets, grad_mb = len(s.buckets), sum(b.n for b in s.buckets) * 4 / 2 ** 20
-        args.grad_path_taken = s.grad_path
+        args.grad_path_taken, args.transport_taken = s.grad_path, s.transport
     return samples, per_update, alone, n_buckets, grad_mb
 
 
@@ -140,8 +140,8 @@ def allreduce_alone(ctx, s, repeats):
     for _ in range(repeats):
         dist.barrier(ctx)
         t = time.perf_counter()
-        for b in s.buckets:             # on the session's streams, split as it splits them
-            b.start_allreduce(tdist)
+        for k, b in enumerate(s.buckets):   # on the session's streams and transport, split as it splits them
+            b.start_allreduce(tdist, s.shm, k)
         for b in s.buckets:
             for w in b.works:
                 w.wait()
@@ -215,6 +215,9 @@ def main(argv=None):
                     f"${dist.STREAMS_ENV}, else {dist.DEFAULT_STREAMS})")
     ap.add_argument("--gloo-only", action="store_true", help="time Gloo alone: --gloo-mb MiB in --bucket-mb buckets")
     ap.add_argument("--gloo-mb", type=float, default=513.0, help="--gloo-only: MiB all-reduced (SmolLM2: 513)")
+    ap.add_argument("--transport", choices=dist.TRANSPORTS, default=None,
+                    help="how the buckets are all-reduced: shared memory (ranks on one host), Gloo, or auto "
+                         f"(default: ${dist.TRANSPORT_ENV}, else auto: shared memory where it can)")
     ap.add_argument("--grad-path", choices=sorted(GRAD_PATHS), default="auto",
                     help="how gradients reach Gloo: mapped staging memory, or host copies (auto: mapped on Vulkan)")
     ap.add_argument("--staged", action="store_true",
@@ -311,13 +314,15 @@ def report(ctx, args, devices, rows):
                      + f" | {st['total']:.1f} | {r['allreduce_alone_s'] * 1e3:.1f} |")
     lines.append("")
     lines.append(f"gradients: {rows[0]['grad_mb']:.1f} MiB in {rows[0]['buckets']} bucket(s) of at most "
-                 f"{args.bucket_mb:g} MiB, all-reduced {PATH_WORDS[args.grad_path_taken]}; streams: "
+                 f"{args.bucket_mb:g} MiB, all-reduced {PATH_WORDS[args.grad_path_taken]}, through "
+                 f"{'shared memory' if args.transport_taken == 'shm' else 'Gloo'}; streams: "
                  f"concurrent all-reduces, each on a Gloo process group of its own, buckets split over them")
     text = "\n".join(lines)
     print(text)
     import torch
     out = dict(workload="smollm2", size=args.size, runtime=ctx.runtime, world_size=n, devices=devices,
-               batch=args.batch, seq=args.seq, grad_path=args.grad_path_taken, streams=args.stream_counts,
+               batch=args.batch, seq=args.seq, grad_path=args.grad_path_taken, transport=args.transport_taken,
+               streams=args.stream_counts,
                bucket_mb=args.bucket_mb, warmup=args.warmup, updates=args.updates, rows=rows,
                host=dict(python=sys.version.split()[0], platform=platform.platform(), numpy=np.__version__,
                          torch=torch.__version__, backend="gloo"))

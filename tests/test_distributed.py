@@ -78,7 +78,8 @@ def worker(mode, out_dir):
                     g2, _, _, _, loss2 = build_mlp(BATCH, 64, HIDDEN, 10)
                     dist.compile(g2, loss2, _optimizer(), accumulate=k, seed=99)  # the same collectives as rank 1
                 np.savez(os.path.join(out_dir, f"rank{ctx.rank}_k{k}.npz"), losses=np.array(losses),
-                         mean_loss=s.mean_loss, runtime=s.runtime, grad_path=s.grad_path, **state)
+                         mean_loss=s.mean_loss, runtime=s.runtime, grad_path=s.grad_path, transport=s.transport,
+                         **state)
                 s.close()
             # then ranks that build different graphs: refused on every rank, the group still usable
             g, _, _, _, loss = build_mlp(BATCH, 64, HIDDEN + 8 * ctx.rank, 10)
@@ -92,14 +93,16 @@ def worker(mode, out_dir):
             # buckets split over 3 concurrent all-reduce streams give the sums of one stream
             dist.MIN_PIECE_BYTES = 256          # so that these small buckets are split too
             assert ctx.streams == 3 and len(ctx.groups) == 3
-            for streams in (1, 3):
+            # and through shared memory (the ranks share this host) as through Gloo
+            for streams, transport in ((1, "gloo"), (3, "gloo"), (1, "shm"), (3, "shm")):
                 g, _, _, _, loss = build_mlp(BATCH, 64, HIDDEN, 10)
                 s = dist.compile(g, loss, _optimizer(), accumulate=2, seed=10 + ctx.rank, bucket_mb=0.004,
-                                 streams=streams)
+                                 streams=streams, transport=transport)
+                assert s.transport == transport
                 groups = {id(grp) for b in s.buckets for _, _, grp in b.pieces}
                 split = max(len(b.pieces) for b in s.buckets)
                 losses = [s.step(dist.shard({"x": xs[i], "labels": ys[i]})) for i in range(STEPS)]
-                np.savez(os.path.join(out_dir, f"rank{ctx.rank}_s{streams}.npz"), losses=np.array(losses),
+                np.savez(os.path.join(out_dir, f"rank{ctx.rank}_s{streams}_{transport}.npz"), losses=np.array(losses),
                          mean_loss=s.mean_loss, groups=len(groups), split=split, **s.state_dict())
                 s.close()
             g, _, _, _, loss = build_mlp(BATCH, 64, HIDDEN, 10)
@@ -189,6 +192,7 @@ def test_two_ranks_match_one_process_on_the_doubled_batch(trained, k):
     assert str(r0["runtime"]) == str(r1["runtime"]) == runtime       # the ranks ran where asked
     # Gloo reduced the mapped staging memory on Vulkan; wgpu copies through host arrays
     assert str(r0["grad_path"]) == str(r1["grad_path"]) == ("mapped" if runtime == "vulkan" else "host")
+    assert str(r0["transport"]) == str(r1["transport"]) == "shm"     # one host: shared memory, not sockets
     # each rank's loss is the mean over its half: their mean is the doubled batch's loss
     np.testing.assert_allclose((r0["losses"] + r1["losses"]) / 2, ref, rtol=1e-5, atol=0)
     np.testing.assert_allclose(float(r0["mean_loss"]), ref[-k:].mean(), rtol=1e-5)
@@ -206,22 +210,38 @@ def test_checkpoint_written_by_rank_0_only(trained):
 
 def test_concurrent_streams_give_the_sums_of_one(tmp_path):
     """Two ranks (default runtime): buckets split over 3 Gloo groups train bitwise as with
-    the default group alone; ranks asking for different stream counts are refused."""
+    the default group alone, and all-reduced through shared memory bitwise as through Gloo;
+    ranks asking for different stream counts are refused."""
     write_batches(tmp_path)
     torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
     r = subprocess.run([torchrun, "--standalone", "--nproc_per_node", "2", HERE, "streams", str(tmp_path)],
                        env=_env(), capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     for rank in range(2):
-        one, three = (np.load(tmp_path / f"rank{rank}_s{n}.npz") for n in (1, 3))
-        assert int(one["groups"]) == 1 and int(three["groups"]) == 3 and int(three["split"]) > 1
-        np.testing.assert_array_equal(one["losses"], three["losses"])
-        assert float(one["mean_loss"]) == float(three["mean_loss"])
-        for name in one.files:
-            if name not in ("losses", "mean_loss", "groups", "split"):
-                np.testing.assert_array_equal(one[name], three[name], err_msg=name)
+        one = np.load(tmp_path / f"rank{rank}_s1_gloo.npz")
+        for n, transport in ((3, "gloo"), (1, "shm"), (3, "shm")):
+            other = np.load(tmp_path / f"rank{rank}_s{n}_{transport}.npz")
+            assert int(other["groups"]) == n and (n == 1 or int(other["split"]) > 1)
+            np.testing.assert_array_equal(one["losses"], other["losses"])
+            assert float(one["mean_loss"]) == float(other["mean_loss"])
+            for name in one.files:
+                if name not in ("losses", "mean_loss", "groups", "split"):
+                    np.testing.assert_array_equal(one[name], other[name], err_msg=f"{n} {transport} {name}")
         msg = (tmp_path / f"streams_mismatch{rank}.txt").read_text()
         assert msg.startswith("ranks disagree on the number of all-reduce streams") and "rank 1: 3" in msg
+
+
+def test_transport_is_validated(monkeypatch):
+    from meganeura import distributed as dist
+    monkeypatch.delenv(dist.TRANSPORT_ENV, raising=False)
+    assert dist._transport_setting() == "auto" and dist._transport_setting("shm") == "shm"
+    with pytest.raises(ValueError, match=r"transport='tcp': .* auto, shm, gloo"):
+        dist._transport_setting("tcp")
+    monkeypatch.setenv(dist.TRANSPORT_ENV, "nccl")
+    with pytest.raises(ValueError, match=r"\$MEGANEURA_DP_TRANSPORT='nccl'"):
+        dist._transport_setting()
+    monkeypatch.setattr(dist, "SHM_DIR", "/nonexistent-shm-folder")
+    assert not dist._shm_room(1)
 
 
 def test_streams_are_validated(monkeypatch):
