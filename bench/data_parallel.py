@@ -150,9 +150,28 @@ def allreduce_alone(ctx, s, repeats):
     return statistics.median(out)
 
 
+def _shm_reducer(ctx, tdist, sizes):
+    """The session's shared-memory all-reduce over buckets of ``sizes`` (None when the ranks
+    are on several hosts or /dev/shm lacks room)."""
+    import socket
+    every = [None] * ctx.world_size
+    nbytes = 4 * (ctx.world_size + 1) * sum(sizes)
+    tdist.all_gather_object(every, (socket.gethostname(), dist._shm_room(nbytes)))
+    if len({h for h, _ in every}) > 1 or not every[0][1]:
+        return None
+    box = [f"mgbench{os.getpid()}" if ctx.rank == 0 else None]
+    tdist.broadcast_object_list(box, src=0)
+    red = dist._ShmAllReduce(ctx, tdist, sizes, box[0]) if ctx.rank == 0 else None
+    tdist.barrier()
+    red = red or dist._ShmAllReduce(ctx, tdist, sizes, box[0])
+    tdist.barrier()
+    return red
+
+
 def gloo_only(ctx, args, counts):
     """All-reduce ``args.gloo_mb`` MiB of float32 in ``args.bucket_mb`` buckets with each
-    stream count: whole buckets round-robin, and split as the session splits them."""
+    stream count: whole buckets round-robin and split as the session splits them, through
+    Gloo; and split, through the session's shared memory where the ranks share a host."""
     import torch
     import torch.distributed as tdist
     limit = max(1, int(args.bucket_mb * 2 ** 20) // 4)
@@ -166,14 +185,26 @@ def gloo_only(ctx, args, counts):
             plan = [[(0, m, i % n)] for i, m in enumerate(sizes)] if mode == "whole" else dist.split_pieces(sizes, n)
             views = [(bufs[i][a:z], groups[j]) for i, pieces in enumerate(plan) for a, z, j in pieces]
             configs.append((n, mode, views, []))
+    shm = _shm_reducer(ctx, tdist, sizes)
+    if shm is not None:         # the session's shared-memory transport, split as the session splits
+        arrays = [b.numpy() for b in bufs]
+        for n in counts:
+            groups = ctx.stream_groups(n)
+            views = [(k, a, z, groups[j]) for k, pieces in enumerate(dist.split_pieces(sizes, n)) for a, z, j in pieces]
+            configs.append((n, "shm", views, []))
     for _ in range(args.warmup + args.updates):     # interleaved: the settings share any drift in load
         for n, mode, views, samples in configs:
             dist.barrier(ctx)
             t = time.perf_counter()
-            works = [tdist.all_reduce(v, group=g, async_op=True) for v, g in views]
+            if mode == "shm":
+                works = [shm.start(k, arrays[k], a, z, g) for k, a, z, g in views]
+            else:
+                works = [tdist.all_reduce(v, group=g, async_op=True) for v, g in views]
             for w in works:
                 w.wait()
             samples.append(time.perf_counter() - t)
+    if shm is not None:
+        shm.close()
     rows = []
     for n, mode, views, samples in configs:
         med = statistics.median(samples[args.warmup:])
@@ -182,7 +213,7 @@ def gloo_only(ctx, args, counts):
     if ctx.rank == 0:
         head = f"| streams | buckets | all-reduces | ms | GiB/s | vs {counts[0]} stream(s) |"
         base = {r["mode"]: r["median_s"] for r in rows if r["streams"] == counts[0]}
-        lines = [f"Gloo all-reduce of {args.gloo_mb:g} MiB float32 in {len(sizes)} buckets of at most "
+        lines = [f"All-reduce (Gloo; shm: shared memory) of {args.gloo_mb:g} MiB float32 in {len(sizes)} buckets of at most "
                  f"{args.bucket_mb:g} MiB, {ctx.world_size} ranks, median of {args.updates} "
                  f"(GLOO_SOCKET_IFNAME={os.environ.get('GLOO_SOCKET_IFNAME', '')!r})", "", head,
                  "|---|---|---|---|---|---|"]
@@ -213,7 +244,8 @@ def main(argv=None):
     ap.add_argument("--bucket-mb", type=float, help="gradient megabytes per all-reduce (real: 25)")
     ap.add_argument("--streams", help="comma-separated counts of concurrent all-reduce streams (default: "
                     f"${dist.STREAMS_ENV}, else {dist.DEFAULT_STREAMS})")
-    ap.add_argument("--gloo-only", action="store_true", help="time Gloo alone: --gloo-mb MiB in --bucket-mb buckets")
+    ap.add_argument("--gloo-only", action="store_true", help="time the all-reduce alone: --gloo-mb MiB in --bucket-mb buckets through Gloo, and "
+                         "through shared memory where the ranks share a host")
     ap.add_argument("--gloo-mb", type=float, default=513.0, help="--gloo-only: MiB all-reduced (SmolLM2: 513)")
     ap.add_argument("--transport", choices=dist.TRANSPORTS, default=None,
                     help="how the buckets are all-reduced: shared memory (ranks on one host), Gloo, or auto "

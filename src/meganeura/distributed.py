@@ -452,7 +452,7 @@ class _ShmAllReduce:
     stream run in order on that stream's thread, the barriers on its process group, so
     several pieces are reduced at once, as with Gloo's streams."""
 
-    def __init__(self, ctx, tdist, sizes, groups, name):
+    def __init__(self, ctx, tdist, sizes, name):
         from multiprocessing import shared_memory
         self.W, self.rank, self.tdist = ctx.world_size, ctx.rank, tdist
         self.owner = ctx.rank == 0
@@ -464,12 +464,16 @@ class _ShmAllReduce:
         for n in sizes:
             self.rows.append(np.ndarray((self.W + 1, n), np.float32, buffer=self.shm.buf, offset=off))
             off += 4 * (self.W + 1) * n
-        from concurrent.futures import ThreadPoolExecutor
-        # one thread per stream: a stream's pieces, and so its barriers, in the same order on every rank
-        self.threads = {id(g): ThreadPoolExecutor(1, thread_name_prefix="mg-allreduce") for g in groups}
+        # one thread per stream (made on first use): a stream's pieces, and so its barriers,
+        # in the same order on every rank
+        self.threads = {}
 
     def start(self, k, host, a, z, group):
-        return _Future(self.threads[id(group)].submit(self._reduce, self.rows[k], host, a, z, group))
+        from concurrent.futures import ThreadPoolExecutor
+        t = self.threads.get(id(group))
+        if t is None:
+            t = self.threads[id(group)] = ThreadPoolExecutor(1, thread_name_prefix="mg-allreduce")
+        return _Future(t.submit(self._reduce, self.rows[k], host, a, z, group))
 
     def _reduce(self, rows, host, a, z, group):
         W, r = self.W, self.rank
@@ -768,10 +772,10 @@ class DataParallel:
         box = [f"mg{os.getpid()}_{zlib.crc32(os.urandom(8)):08x}" if self.ctx.rank == 0 else None]
         _collective(self.ctx, "sharing the shared-memory name", lambda: self.tdist.broadcast_object_list(box, src=0))
         if self.ctx.rank == 0:
-            self.shm = _ShmAllReduce(self.ctx, self.tdist, sizes, self.groups, box[0])
+            self.shm = _ShmAllReduce(self.ctx, self.tdist, sizes, box[0])
         _collective(self.ctx, "creating the shared memory", self.tdist.barrier)
         if self.ctx.rank != 0:
-            self.shm = _ShmAllReduce(self.ctx, self.tdist, sizes, self.groups, box[0])
+            self.shm = _ShmAllReduce(self.ctx, self.tdist, sizes, box[0])
         _collective(self.ctx, "attaching the shared memory", self.tdist.barrier)
         return "shm"
 
