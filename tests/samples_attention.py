@@ -6,6 +6,34 @@ from .opinfo import F, I, Sample
 S = Sample
 
 
+def inputs_like(g, feeds):
+    """Graph inputs named and shaped as ``feeds`` (int32 for integer masks, else f32)."""
+    import meganeura as mg
+    return {n: g.input(n, a.shape, mg.i32 if a.dtype.kind == "i" else mg.f32) for n, a in feeds.items()}
+
+
+def head_split_block(b, l, h, d, seed, causal=False, weights="input"):
+    """A model-like attention block: q, k and v are head splits (transposed views) of three
+    projections of x (b, l, h * d), the output is transposed back and x added to it.
+    ``weights``: "input" or "parameter" for the projections. Returns (graph, output, the
+    projection weights by name, feeds of x, values of the weights), drawn from ``seed``."""
+    import meganeura as mg
+    g = mg.Graph()
+    x = g.input("x", (b, l, h * d))
+    make = g.input if weights == "input" else g.parameter
+    ws = {n: make(f"w{n}", (h * d, h * d)) for n in "qkv"}
+
+    def heads(t):
+        return mg.ops.transpose(mg.ops.reshape(t, (b, l, h, d)), 1, 2)
+    q, k, v = (heads(mg.ops.linear(x, ws[n])) for n in "qkv")
+    o = mg.ops.scaled_dot_product_attention(q, k, v, is_causal=causal)
+    out = mg.ops.reshape(mg.ops.transpose(o, 1, 2), (b, l, h * d)) + x
+    rng = np.random.default_rng(seed)
+    feeds = {"x": rng.standard_normal((b, l, h * d)).astype(np.float32)}
+    values = {f"w{n}": (rng.standard_normal((h * d, h * d)) / 7).astype(np.float32) for n in "qkv"}
+    return g, out, ws, feeds, values
+
+
 def _sdpa(**kw):
     """The same call on both sides: ours through mg.ops, theirs through torch.nn.functional."""
     def ours(o, q, k, v, *m):

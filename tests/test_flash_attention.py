@@ -10,6 +10,8 @@ import meganeura as mg
 from meganeura.codegen import attention as attn, flash
 from meganeura.compiler import CompileOptions, compile_plan
 
+from .samples_attention import head_split_block, inputs_like
+
 CASES = {
     # name: (q shape, k shape, v width, mask kind, causal, gqa)
     "d64_partial_tiles": ((1, 2, 70, 64), (1, 2, 130, 64), 64, None, False, False),
@@ -52,7 +54,7 @@ def test_flash_matches_reference_and_torch(name, flash_only):
     qs, ks, dv, mask, causal, gqa = CASES[name]
     feeds = _case(name)
     g = mg.Graph()
-    ins = {n: g.input(n, a.shape, mg.i32 if a.dtype.kind == "i" else mg.f32) for n, a in feeds.items()}
+    ins = inputs_like(g, feeds)
     out = mg.ops.scaled_dot_product_attention(ins["q"], ins["k"], ins["v"], ins.get("m"), is_causal=causal,
                                               enable_gqa=gqa)
     kp = compile_plan([out], options=CompileOptions(max_bindings=32))
@@ -77,19 +79,8 @@ def test_flash_reads_strided_views_and_fuses_epilogue(flash_only):
     """q, k, v as head splits of (batch, seq, heads * dim) projections (transposed views)
     are read in place; the output's transpose back and a residual add after it are the
     kernel's store."""
-    rng = np.random.default_rng(3)
-    b, l, h, d = 2, 75, 3, 16
-    g = mg.Graph()
-    x = g.input("x", (b, l, h * d))
-    ws = {n: g.input(f"w{n}", (h * d, h * d)) for n in "qkv"}
-
-    def heads(t):
-        return mg.ops.transpose(mg.ops.reshape(t, (b, l, h, d)), 1, 2)
-    q, k, v = (heads(mg.ops.linear(x, ws[n])) for n in "qkv")
-    o = mg.ops.scaled_dot_product_attention(q, k, v)
-    out = mg.ops.reshape(mg.ops.transpose(o, 1, 2), (b, l, h * d)) + x
-    feeds = {"x": rng.standard_normal((b, l, h * d)).astype(np.float32)}
-    feeds.update({f"w{n}": (rng.standard_normal((h * d, h * d)) / 7).astype(np.float32) for n in "qkv"})
+    g, out, _, feeds, weights = head_split_block(2, 75, 3, 16, seed=3)
+    feeds.update(weights)
     kp = compile_plan([out], options=CompileOptions(max_bindings=32))
     fl = [dp.kernel for dp in kp.dispatches if dp.kernel.archetype == "attention"]
     assert len(fl) == 1 and fl[0].spec.get("flash") and fl[0].epilogue is not None, kp.names

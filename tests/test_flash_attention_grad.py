@@ -12,6 +12,8 @@ from meganeura.codegen import attention as attn, flash, flash_grad
 from meganeura.compiler import CompileOptions, compile_plan
 from meganeura.ops.registry import emit
 
+from .samples_attention import head_split_block, inputs_like
+
 torch = pytest.importorskip("torch")
 
 CASES = {
@@ -68,7 +70,7 @@ def test_flash_backward_matches_torch(name, flash_only):
     qs, ks, dv, mask, causal, gqa = CASES[name]
     feeds = _feeds(name)
     g = mg.Graph()
-    ins = {n: g.input(n, a.shape, mg.i32 if a.dtype.kind == "i" else mg.f32) for n, a in feeds.items()}
+    ins = inputs_like(g, feeds)
     out = mg.ops.scaled_dot_product_attention(ins["q"], ins["k"], ins["v"], ins.get("m"), is_causal=causal,
                                               enable_gqa=gqa)
     grads = mg.grad(mg.ops.sum(out * ins["w"]), [ins[n] for n in "qkv"])
@@ -117,23 +119,11 @@ def test_only_some_gradients_and_model_like_views(flash_only):
     """Head splits of projections (transposed views) in and out, a residual after the
     attention, gradients of the q and k weights only (dV goes to scratch): against the
     NumPy reference."""
-    rng = np.random.default_rng(7)
-    b, l, h, d = 2, 70, 3, 16
-    g = mg.Graph()
-    x = g.input("x", (b, l, h * d))
-    ws = {n: g.parameter(f"w{n}", (h * d, h * d)) for n in "qkv"}
-
-    def heads(t):
-        return mg.ops.transpose(mg.ops.reshape(t, (b, l, h, d)), 1, 2)
-    q, k, v = (heads(mg.ops.linear(x, ws[n])) for n in "qkv")
-    o = mg.ops.reshape(mg.ops.transpose(mg.ops.scaled_dot_product_attention(q, k, v, is_causal=True), 1, 2),
-                       (b, l, h * d)) + x
+    g, o, ws, feeds, vals = head_split_block(2, 70, 3, 16, seed=7, causal=True, weights="parameter")
     loss = mg.ops.mean(o * o)
     grads = mg.grad(loss, [ws["q"], ws["k"]])
     kp = compile_plan([loss] + grads, n_forward=1)
     assert sum("attention" in n for n in kp.names) == 3, kp.names
-    feeds = {"x": rng.standard_normal((b, l, h * d)).astype(np.float32)}
-    vals = {f"w{n}": (rng.standard_normal((h * d, h * d)) / 7).astype(np.float32) for n in "qkv"}
     want = mg.compile(g, outputs=[loss] + grads, backend="numpy")
     got = mg.compile(g, outputs=[loss] + grads, backend="gpu")
     for s in (want, got):

@@ -15,6 +15,7 @@ from meganeura.ops.attention import _scores_ref
 from meganeura.ops.registry import emit
 
 from . import test_flash_attention as fwd
+from .samples_attention import head_split_block, inputs_like
 from . import test_flash_attention_grad as bwd
 
 torch = pytest.importorskip("torch")
@@ -42,7 +43,7 @@ def test_split_forward_and_lse_match_torch(name, split, flash_only, monkeypatch)
     qs, ks, dv, mask, causal, gqa = fwd.CASES[name]
     feeds = fwd._case(name)
     g = mg.Graph()
-    ins = {n: g.input(n, a.shape, mg.i32 if a.dtype.kind == "i" else mg.f32) for n, a in feeds.items()}
+    ins = inputs_like(g, feeds)
     args = [ins["q"], ins["k"], ins["v"]] + ([ins["m"]] if "m" in ins else [])
     out = mg.ops.scaled_dot_product_attention(*args, is_causal=causal, enable_gqa=gqa)
     scale = out.attrs["scale"]
@@ -78,7 +79,7 @@ def test_gradients_through_the_split_forward(name, split, flash_only, monkeypatc
     qs, ks, dv, mask, causal, gqa = bwd.CASES[name]
     feeds = bwd._feeds(name)
     g = mg.Graph()
-    ins = {n: g.input(n, a.shape, mg.i32 if a.dtype.kind == "i" else mg.f32) for n, a in feeds.items()}
+    ins = inputs_like(g, feeds)
     out = mg.ops.scaled_dot_product_attention(ins["q"], ins["k"], ins["v"], ins.get("m"), is_causal=causal,
                                               enable_gqa=gqa)
     grads = mg.grad(mg.ops.sum(out * ins["w"]), [ins[n] for n in "qkv"])
@@ -97,23 +98,13 @@ def test_epilogue_fuses_into_the_combine(flash_only, monkeypatch):
     """Head-split views in, the transpose back and a residual add out: the split kernel
     reads the views in place and the combine's store is the fused epilogue."""
     monkeypatch.setenv("MEGANEURA_FLASH_SPLIT", "2")
-    rng = np.random.default_rng(4)
-    b, l, h, d = 2, 140, 3, 16
-    g = mg.Graph()
-    x = g.input("x", (b, l, h * d))
-    ws = {n: g.input(f"w{n}", (h * d, h * d)) for n in "qkv"}
-
-    def heads(t):
-        return mg.ops.transpose(mg.ops.reshape(t, (b, l, h, d)), 1, 2)
-    q, k, v = (heads(mg.ops.linear(x, ws[n])) for n in "qkv")
-    out = mg.ops.reshape(mg.ops.transpose(mg.ops.scaled_dot_product_attention(q, k, v), 1, 2), (b, l, h * d)) + x
+    g, out, _, feeds, weights = head_split_block(2, 140, 3, 16, seed=4)
+    feeds.update(weights)
     kp = compile_plan([out], options=CompileOptions(max_bindings=32))
     # the transpose back is the combine's store map, the residual add its epilogue
     assert kp.names[1:] == ["flash_attention_split", "flash_attention_combine+reshape+add"], kp.names
     combine = kp.dispatches[-1].kernel
     assert combine.spec.get("combine") == 2 and combine.epilogue is not None and "store_map" in combine.spec
-    feeds = {"x": rng.standard_normal((b, l, h * d)).astype(np.float32)}
-    feeds.update({f"w{n}": (rng.standard_normal((h * d, h * d)) / 7).astype(np.float32) for n in "qkv"})
     want = mg.compile(g, outputs=[out], backend="numpy").run(feeds)[0]
     got = mg.compile(g, outputs=[out], backend="gpu").run(feeds)[0]
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
