@@ -150,24 +150,6 @@ def allreduce_alone(ctx, s, repeats):
     return statistics.median(out)
 
 
-def _shm_reducer(ctx, tdist, sizes):
-    """The session's shared-memory all-reduce over buckets of ``sizes`` (None when the ranks
-    are on several hosts or /dev/shm lacks room)."""
-    import socket
-    every = [None] * ctx.world_size
-    nbytes = 4 * (ctx.world_size + 1) * sum(sizes)
-    tdist.all_gather_object(every, (socket.gethostname(), dist._shm_room(nbytes)))
-    if len({h for h, _ in every}) > 1 or not every[0][1]:
-        return None
-    box = [f"mgbench{os.getpid()}" if ctx.rank == 0 else None]
-    tdist.broadcast_object_list(box, src=0)
-    red = dist._ShmAllReduce(ctx, tdist, sizes, box[0]) if ctx.rank == 0 else None
-    tdist.barrier()
-    red = red or dist._ShmAllReduce(ctx, tdist, sizes, box[0])
-    tdist.barrier()
-    return red
-
-
 def gloo_only(ctx, args, counts):
     """All-reduce ``args.gloo_mb`` MiB of float32 in ``args.bucket_mb`` buckets with each
     stream count: whole buckets round-robin and split as the session splits them, through
@@ -185,7 +167,7 @@ def gloo_only(ctx, args, counts):
             plan = [[(0, m, i % n)] for i, m in enumerate(sizes)] if mode == "whole" else dist.split_pieces(sizes, n)
             views = [(bufs[i][a:z], groups[j]) for i, pieces in enumerate(plan) for a, z, j in pieces]
             configs.append((n, mode, views, []))
-    shm = _shm_reducer(ctx, tdist, sizes)
+    shm = dist.open_shm_allreduce(ctx, tdist, sizes)    # None across hosts or without room
     if shm is not None:         # the session's shared-memory transport, split as the session splits
         arrays = [b.numpy() for b in bufs]
         for n in counts:

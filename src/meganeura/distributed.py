@@ -404,19 +404,20 @@ class _Bucket:
             self.offsets.append(off)
             off += nb // 4
         self.n = off
-        self.staging = dev.create_buffer(4 * max(self.n + extra, 1), "staging", label="grad_bucket")
-        view = _mapped_view(self.staging, 4 * (self.n + extra)) if mapped else None
+        self.size = self.n + extra          # values all-reduced: the gradients and, in the last, the loss
+        self.staging = dev.create_buffer(4 * max(self.size, 1), "staging", label="grad_bucket")
+        view = _mapped_view(self.staging, 4 * self.size) if mapped else None
         self.mapped = view is not None
         if self.mapped:
             self.host_np = view.view(np.float32)
             self.host_np[:] = 0.0
         else:
-            self.host_np = np.zeros(self.n + extra, np.float32)
+            self.host_np = np.zeros(self.size, np.float32)
         self.host = torch.from_numpy(self.host_np) if torch is not None else None   # the same memory
         self.copies = [(buf, off_b, self.staging, 4 * o, nb)
                        for (buf, off_b, nb, _, _), o in zip(self.locs, self.offsets)]
         self.upload_copies = []        # mapped: staging -> the update's gradient inputs
-        self.pieces = [(0, self.n + extra, None)]  # (start, stop, group): one all-reduce each
+        self.pieces = [(0, self.size, None)]    # (start, stop, group): one all-reduce each
         self.piece_tensors = [self.host] if self.host is not None else []
         self.works = []
 
@@ -537,6 +538,34 @@ def _shm_room(nbytes) -> bool:
     return st.f_bavail * st.f_frsize >= 1.1 * nbytes + (64 << 20)
 
 
+def open_shm_allreduce(ctx, tdist, sizes, want="auto"):
+    """The shared-memory all-reduce of buckets of ``sizes`` float32 values where every rank
+    runs on this host and the shared-memory folder has room for them (``want`` "auto" or
+    "shm"), else None (Gloo); the same on every rank. "shm" refuses to fall back. Rank 0
+    makes the segment, the others attach to it."""
+    if ctx.world_size == 1 or want == "gloo":
+        return None
+    import socket
+    nbytes = 4 * (ctx.world_size + 1) * max(1, sum(sizes))
+    mine = (socket.gethostname(), _shm_room(nbytes) if ctx.rank == 0 else None)
+    every = [None] * ctx.world_size
+    _collective(ctx, "comparing hosts", lambda: tdist.all_gather_object(every, mine))
+    hosts = len({h for h, _ in every})
+    if hosts > 1 or not every[0][1]:
+        if want == "shm":
+            why = "the ranks run on several hosts" if hosts > 1 else \
+                f"{SHM_DIR} has no room for {nbytes / 2 ** 20:.0f} MiB"
+            raise DistributedError(f"transport='shm': {why}; use 'auto' or 'gloo'")
+        return None
+    box = [f"mg{os.getpid()}_{zlib.crc32(os.urandom(8)):08x}" if ctx.rank == 0 else None]
+    _collective(ctx, "sharing the shared-memory name", lambda: tdist.broadcast_object_list(box, src=0))
+    red = _ShmAllReduce(ctx, tdist, sizes, box[0]) if ctx.rank == 0 else None
+    _collective(ctx, "creating the shared memory", tdist.barrier)
+    red = red or _ShmAllReduce(ctx, tdist, sizes, box[0])
+    _collective(ctx, "attaching the shared memory", tdist.barrier)
+    return red
+
+
 def split_pieces(sizes, streams, min_piece=None, align=16):
     """How buckets of ``sizes`` float32 values are all-reduced over ``streams`` concurrent
     streams: ``[[(start, stop, stream)] per bucket]``. A bucket is cut into up to ``streams``
@@ -602,7 +631,6 @@ class DataParallel:
                  bucket_mb=DEFAULT_BUCKET_MB, ctx=None, backend=None, mapped=None, streams=None, transport=None):
         if streams is not None:
             check_streams(streams)
-        self.shm = None
         transport = _transport_setting(transport)
         self.ctx = ctx = ctx or _context or init(backend=backend or "gpu")
         if bucket_mb <= 0:
@@ -626,7 +654,8 @@ class DataParallel:
         plan = ex.plan(self.phase)
         ex.plan("update")
         self._build_buckets(plan, bucket_mb, mapped)
-        self.transport = self._choose_transport(transport)
+        self.shm = open_shm_allreduce(ctx, self.tdist, [b.size for b in self.buckets], transport)
+        self.transport = "shm" if self.shm is not None else "gloo"
         self.mean_loss = None
         self._loss_sum = 0.0
         self.reset_timings()
@@ -714,8 +743,7 @@ class DataParallel:
                         for k, g in enumerate(groups)]
         self.grad_path = "mapped" if self.buckets and all(b.mapped for b in self.buckets) else "host"
         if len(self.groups) > 1:
-            split = split_pieces([b.n + (1 if k == len(self.buckets) - 1 else 0) for k, b in enumerate(self.buckets)],
-                                 len(self.groups))
+            split = split_pieces([b.size for b in self.buckets], len(self.groups))
             for b, pieces in zip(self.buckets, split):
                 b.set_pieces([(a, z, self.groups[i]) for a, z, i in pieces])
         for b in self.buckets:
@@ -751,33 +779,6 @@ class DataParallel:
         self.bucket_submission = {k: i for i, sub in enumerate(subs) for k in sub[3]}
         self.submissions = [(ex.recorder.prepare(plan.dispatches[a:b], plan.names[a:b]), copies)
                             for a, b, copies, _ in subs]
-
-    def _choose_transport(self, want) -> str:
-        """"shm" where every rank runs on this host and the shared-memory folder has room for
-        the buckets (``want`` "auto" or "shm"), else "gloo"; the same on every rank."""
-        if self.ctx.world_size == 1 or want == "gloo":
-            return "gloo"
-        import socket
-        sizes = [b.n + (1 if k == len(self.buckets) - 1 else 0) for k, b in enumerate(self.buckets)]
-        nbytes = 4 * (self.ctx.world_size + 1) * max(1, sum(sizes))
-        mine = (socket.gethostname(), want, _shm_room(nbytes) if self.ctx.rank == 0 else None)
-        every = [None] * self.ctx.world_size
-        _collective(self.ctx, "comparing hosts", lambda: self.tdist.all_gather_object(every, mine))
-        if len({h for h, _, _ in every}) > 1 or not every[0][2]:
-            if want == "shm":
-                why = "the ranks run on several hosts" if len({h for h, _, _ in every}) > 1 else \
-                    f"{SHM_DIR} has no room for {nbytes / 2 ** 20:.0f} MiB"
-                raise DistributedError(f"transport='shm': {why}; use 'auto' or 'gloo'")
-            return "gloo"
-        box = [f"mg{os.getpid()}_{zlib.crc32(os.urandom(8)):08x}" if self.ctx.rank == 0 else None]
-        _collective(self.ctx, "sharing the shared-memory name", lambda: self.tdist.broadcast_object_list(box, src=0))
-        if self.ctx.rank == 0:
-            self.shm = _ShmAllReduce(self.ctx, self.tdist, sizes, box[0])
-        _collective(self.ctx, "creating the shared memory", self.tdist.barrier)
-        if self.ctx.rank != 0:
-            self.shm = _ShmAllReduce(self.ctx, self.tdist, sizes, box[0])
-        _collective(self.ctx, "attaching the shared memory", self.tdist.barrier)
-        return "shm"
 
     # ---------------------------------------------------------------------------- stepping
     def reset_timings(self):
