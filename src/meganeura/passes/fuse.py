@@ -463,8 +463,8 @@ def fuse_pointwise_operands(kernels, max_bindings):
 
 def fuse_prologues(kernels, max_bindings):
     """Producers computed inside their consumer's loads: pointwise kernels into the
-    reductions that read them, norms into the GEMVs that read them, im2col into the
-    matmuls that read it."""
+    reductions that read them, norms into the GEMVs that read them, im2col and small
+    pointwise kernels into the tiled matmuls that read them."""
     kernels = fuse_norm_prologue(fuse_reduce_prologue(kernels, max_bindings), max_bindings)
     return fuse_pointwise_operands(fuse_gather_operands(kernels, max_bindings), max_bindings)
 
