@@ -315,7 +315,7 @@ def report(ctx, args, devices, rows):
     n = ctx.world_size
     head = (f"| accumulate | streams | 1 GPU tokens/s | {n} GPUs tokens/s | speedup | ms per update: "
             + " | ".join(STAGES) + " | total | all-reduce alone ms |")
-    lines = [f"SmolLM2 ({args.size}) data-parallel training on {n} x {devices[0]}, {ctx.runtime} runtime; micro-batch "
+    lines = [f"SmolLM2 ({args.size}) data-parallel training on {n} GPUs ({', '.join(devices)}), {ctx.runtime} runtime; micro-batch "
              f"{args.batch} x {args.seq} tokens per GPU, AdamW, strict f32, median of {args.updates} updates; "
              f"stage times: mean over ranks of host ms per update", "", head,
              "|" + "---|" * (head.count("|") - 1)]

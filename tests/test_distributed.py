@@ -192,7 +192,7 @@ def test_two_ranks_match_one_process_on_the_doubled_batch(trained, k):
     assert str(r0["runtime"]) == str(r1["runtime"]) == runtime       # the ranks ran where asked
     # Gloo reduced the mapped staging memory on Vulkan; wgpu copies through host arrays
     assert str(r0["grad_path"]) == str(r1["grad_path"]) == ("mapped" if runtime == "vulkan" else "host")
-    assert str(r0["transport"]) == str(r1["transport"]) == "shm"     # one host: shared memory, not sockets
+    assert str(r0["transport"]) == str(r1["transport"]) == "gloo"    # the default transport (shared memory only when asked)
     # each rank's loss is the mean over its half: their mean is the doubled batch's loss
     np.testing.assert_allclose((r0["losses"] + r1["losses"]) / 2, ref, rtol=1e-5, atol=0)
     np.testing.assert_allclose(float(r0["mean_loss"]), ref[-k:].mean(), rtol=1e-5)
@@ -234,7 +234,7 @@ def test_concurrent_streams_give_the_sums_of_one(tmp_path):
 def test_transport_is_validated(monkeypatch):
     from meganeura import distributed as dist
     monkeypatch.delenv(dist.TRANSPORT_ENV, raising=False)
-    assert dist._transport_setting() == "auto" and dist._transport_setting("shm") == "shm"
+    assert dist._transport_setting() == "gloo" and dist._transport_setting("shm") == "shm"
     with pytest.raises(ValueError, match=r"transport='tcp': .* auto, shm, gloo"):
         dist._transport_setting("tcp")
     monkeypatch.setenv(dist.TRANSPORT_ENV, "nccl")

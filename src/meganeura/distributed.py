@@ -23,8 +23,8 @@ runs the optimizer update (the session's "update" phase) on the sums scaled to t
 On the Vulkan runtime Gloo reduces the mapped staging memory itself and the update copies
 the sums from it in its own command buffer; on wgpu the buckets go through host arrays
 (``DataParallel.grad_path``). Gloo runs on CPU tensors, between processes and machines;
-see docs/distributed.md for why it was chosen. Ranks on one host sum the buckets in shared
-memory instead (``compile(transport=)``: the sockets were the bottleneck).
+see docs/distributed.md for why it was chosen. Ranks on one host can sum the buckets in shared
+memory instead (``compile(transport="auto")``: faster where cores are few).
 
 torch is an optional extra (``pip install 'meganeura[distributed]'``); this module imports
 it only when used, and ``import meganeura`` never does.
@@ -53,6 +53,10 @@ STREAMS_ENV = "MEGANEURA_DP_STREAMS"
 MIN_PIECE_BYTES = 2 ** 20     # a bucket is split over the streams into pieces no smaller than this
 TIMING_KEYS = ("compute", "readback", "allreduce", "upload", "update", "total")
 TRANSPORTS = ("auto", "shm", "gloo")
+# Gloo by default: the maintained library, and on a 32-core host with two H200s its four
+# streams all-reduce SmolLM2's 513 MiB in 73 ms against 113 ms through shared memory
+# (bench/results/h200x2/); "auto" (shared memory on one host) wins only where cores are few
+DEFAULT_TRANSPORT = "gloo"
 TRANSPORT_ENV = "MEGANEURA_DP_TRANSPORT"
 SHM_DIR = "/dev/shm"
 
@@ -521,7 +525,7 @@ def _untrack_shm(shm):
 
 
 def _transport_setting(transport=None) -> str:
-    t = transport if transport is not None else (os.environ.get(TRANSPORT_ENV, "").strip().lower() or "auto")
+    t = transport if transport is not None else (os.environ.get(TRANSPORT_ENV, "").strip().lower() or DEFAULT_TRANSPORT)
     if t not in TRANSPORTS:
         src = "transport" if transport is not None else f"${TRANSPORT_ENV}"
         raise ValueError(f"{src}={t!r}: the gradient all-reduce goes through one of {', '.join(TRANSPORTS)}")
@@ -997,7 +1001,7 @@ def compile(graph: Graph, loss: Tensor, optimizer, accumulate=1, precision="stri
     True refuses a runtime that cannot. streams: concurrent all-reduce streams (None: what
     ``init`` set up, by default 4; another count uses the first of the context's stream
     groups, creating more where needed, on every rank alike). transport: how the buckets are
-    all-reduced: "auto" (default, ``$MEGANEURA_DP_TRANSPORT``): through shared memory where
-    every rank runs on this host and /dev/shm has room, else Gloo; "shm" insists; "gloo"."""
+    all-reduced (``$MEGANEURA_DP_TRANSPORT``): "gloo" (default); "auto": through shared memory
+    where every rank runs on this host and /dev/shm has room, else Gloo; "shm" insists."""
     return DataParallel(graph, loss, optimizer, accumulate, precision, seed, bucket_mb, ctx, backend, mapped,
                         streams, transport)
