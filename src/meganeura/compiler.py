@@ -120,14 +120,33 @@ def f16_weights(forward_targets) -> frozenset:
     return frozenset(names)
 
 
-def accelerated_rewrite(forward_targets, f16_weights=frozenset()):
-    """Accelerated precision: forward matmuls (those the fetched outputs and loss depend on)
-    read f16 operands and accumulate in f32; the backward graph stays f32. A parameter
-    named in ``f16_weights`` is read from its persistent f16 copy (a state of the lowered
-    graph, ``f16_copy_name``) rather than cast on every call."""
-    from .ops import emit
+# A gradient operand of an accelerated backward matmul is scaled so that its largest
+# magnitude is this before it is rounded to f16: gradients are often far below f16's
+# smallest normal (6e-5; a token-mean loss over 512 tokens gives logit gradients near 1e-8),
+# and 2^14 leaves room below f16's largest (65504) while keeping small elements normal.
+GRAD_SCALE_TARGET = 2.0 ** 14
+
+
+def _accelerated_backward(t, forward) -> bool:
+    """``t`` is a backward f32 matmul (one the autodiff added) that accelerated precision
+    gives f16 operands, the gradient ones scaled."""
+    return t.op == "matmul" and t.id not in forward and t.dtype.name == "f32" and not t.attrs.get("out_dtype")
+
+
+def accelerated_rewrite(forward_targets, f16_weights=frozenset(), backward=True):
+    """Accelerated precision: matmuls read f16 operands and accumulate in f32. Forward
+    matmuls (those the fetched outputs and loss depend on) cast theirs; a parameter named in
+    ``f16_weights`` is read from its persistent f16 copy (a state of the lowered graph,
+    ``f16_copy_name``) rather than cast on every call. Backward matmuls (``backward``) cast
+    forward values alike, and scale each gradient operand by GRAD_SCALE_TARGET over its
+    largest magnitude before the cast (one max reduction per gradient, shared by the
+    matmuls that read it), dividing the product by the scales after."""
+    from .ops import cast, emit
+    from .ops.elementwise import maximum
+    from .ops.reduce import amax
     from .reference import needed_nodes
     forward = {t.id for t in needed_nodes(forward_targets)}
+    scaled = {}       # original gradient tensor id -> (f16 operand, 1 / scale)
 
     def operand(x, new):
         p, chain = _viewed_parameter(x)
@@ -139,10 +158,27 @@ def accelerated_rewrite(forward_targets, f16_weights=frozenset()):
             v = emit(view.op, [v], **view.attrs)
         return v
 
+    def gradient_operand(x, new):
+        if x.id not in scaled:
+            peak = maximum(amax(emit("abs", [new])), 1e-30)     # all zeros: any finite scale
+            scaled[x.id] = (cast(new * (GRAD_SCALE_TARGET / peak), "f16"), peak * (1.0 / GRAD_SCALE_TARGET))
+        return scaled[x.id]
+
     def rw(t, ins):
         if _accelerated(t, forward):
             a, b = (operand(x, n) for x, n in zip(t.inputs, ins))
             return codegen.matmul.accelerate(a, b, t.attrs["ta"], t.attrs["tb"])
+        if backward and _accelerated_backward(t, forward):
+            ops, unscale = [], None
+            for x, n in zip(t.inputs, ins):
+                if x.id in forward:
+                    ops.append(cast(operand(x, n), "f16"))
+                else:
+                    v, inv = gradient_operand(x, n)
+                    ops.append(v)
+                    unscale = inv if unscale is None else unscale * inv
+            y = emit("matmul", ops, ta=t.attrs["ta"], tb=t.attrs["tb"], out_dtype="f32")
+            return y if unscale is None else y * unscale
         return None
     return rw
 
