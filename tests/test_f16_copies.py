@@ -117,7 +117,9 @@ def test_training_step_writes_master_and_copy_in_one_kernel(optimizer):
     assert not any("cast" in n for n in plan.names if "parameter" not in n and F16_COPY in n)
     stores = [u for d in plan.kernel_plan.dispatches for u in d.kernel.spec.get("parts", [d.kernel])
               if u.spec.get("stores")]
-    assert sorted(v.buf.name for u in stores for v in u.spec["stores"]) == [w + F16_COPY for w in WEIGHTS]
+    # (activations' f16 copies are second stores of their writers too)
+    assert sorted(v.buf.name for u in stores for v in u.spec["stores"] if v.buf.kind != "temp") == \
+        [w + F16_COPY for w in WEIGHTS]
     assert not s.executor.stale
 
 

@@ -291,6 +291,24 @@ def test_concat_of_an_early_value_is_its_writers_second_store(archetype):
     _assert_gpu_matches_reference(g, [out], feeds, rtol=1e-5, atol=1e-5)
 
 
+def test_cast_of_a_value_read_elsewhere_is_its_writers_second_store():
+    """An activation read both as f16 (an accelerated matmul's operand) and as f32 (the
+    backward pass): the kernel that computes it stores both; no cast launch."""
+    g = mg.Graph()
+    x = g.input("x", (8, 16))
+    h = mg.ops.rms_norm(x, (16,), g.parameter("n", (16,), init="ones"), 1e-5)
+    h16 = mg.ops.cast(h, "f16")
+    y = mg.ops.matmul(h16, mg.ops.cast(g.parameter("w", (16, 12)), "f16"))
+    z = mg.ops.exp(h) * 2.0                 # the f32 value, read on
+    kp = compile_plan([y, z], options=CompileOptions(max_bindings=32, disabled=frozenset({"horizontal"})))
+    assert any(n.startswith("rms_norm") and n.endswith("+cast") for n in kp.names), kp.names
+    off = compile_plan([y, z], options=CompileOptions(max_bindings=32, disabled=frozenset({"horizontal", "stores"})))
+    assert off.n_dispatches == kp.n_dispatches + 1 and off.names.count("cast") == kp.names.count("cast") + 1, \
+        (off.names, kp.names)
+    feeds = {"x": np.random.default_rng(14).standard_normal((8, 16)).astype(np.float32)}
+    _assert_gpu_matches_reference(g, [y, z], feeds, rtol=2e-3, atol=2e-3)
+
+
 @pytest.mark.parametrize("train", [False, True])
 def test_geglu_is_computed_in_the_output_projections_loads(train):
     """GEGLU (gelu of one half of a projection times the other half) is evaluated in the

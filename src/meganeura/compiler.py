@@ -125,12 +125,27 @@ def f16_weights(forward_targets) -> frozenset:
 # smallest normal (6e-5; a token-mean loss over 512 tokens gives logit gradients near 1e-8),
 # and 2^14 leaves room below f16's largest (65504) while keeping small elements normal.
 GRAD_SCALE_TARGET = 2.0 ** 14
+# A backward matmul takes f16 operands from this many multiply-adds on: scaling a gradient
+# costs a max reduction and a cast (three launches, shared by the matmuls reading it), which
+# smaller products do not win back. H200: SmolLM2 (128 tokens) with every backward matmul
+# in f16 launched 1401 -> 1855 kernels per forward+backward and gained only 11.2 -> 10.0 ms.
+BACKWARD_F16_MIN_MACS = 2 ** 28
+
+
+def precision_constants() -> tuple:
+    """The module constants that decide accelerated precision's rewrite: part of the plan
+    cache's key (a test or benchmark that changes one never reads another's plan)."""
+    return GRAD_SCALE_TARGET, BACKWARD_F16_MIN_MACS
 
 
 def _accelerated_backward(t, forward) -> bool:
-    """``t`` is a backward f32 matmul (one the autodiff added) that accelerated precision
-    gives f16 operands, the gradient ones scaled."""
-    return t.op == "matmul" and t.id not in forward and t.dtype.name == "f32" and not t.attrs.get("out_dtype")
+    """``t`` is a backward f32 matmul (one the autodiff added) large enough that
+    accelerated precision gives it f16 operands, the gradient ones scaled."""
+    if t.op != "matmul" or t.id in forward or t.dtype.name != "f32" or t.attrs.get("out_dtype"):
+        return False
+    a = t.inputs[0]
+    k = a.shape[-2] if t.attrs["ta"] else a.shape[-1]
+    return t.size * k >= BACKWARD_F16_MIN_MACS
 
 
 def accelerated_rewrite(forward_targets, f16_weights=frozenset(), backward=True):

@@ -155,7 +155,8 @@ def plan_key(targets, n_forward, options, updates, adapter=None) -> str | None:
                       if k.startswith("MEGANEURA_") and k not in _NOT_PLAN_SWITCHES)
     adapter = adapter or {}
     from .codegen import routing_constants
-    desc = repr((g, n_forward, routing_constants(), sorted((updates or {}).items()),
+    from .compiler import precision_constants
+    desc = repr((g, n_forward, routing_constants(), precision_constants(), sorted((updates or {}).items()),
                  (options.precision, options.max_bindings, sorted(options.disabled), options.workgroup_storage,
                   sorted(options.f16_weights)),
                  sorted((str(k), str(v)) for k, v in adapter.items()),

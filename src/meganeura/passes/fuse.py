@@ -820,15 +820,24 @@ def _overlaps(a, b, exact_up_to=1 << 21) -> bool:
     return np.intersect1d(_elements(a), _elements(b)).size > 0
 
 
+def _copy_or_cast(expr) -> bool:
+    """``expr`` is its one leaf, or that leaf converted to another type (a cast)."""
+    if expr == ("leaf", 0):
+        return True
+    return expr[0] == "op" and getattr(expr[1], "op", None) == "cast" and list(expr[2]) == [("leaf", 0)]
+
+
 def fuse_copy_stores(kernels, max_bindings):
     """A kernel that only copies another kernel's whole output into part of a larger buffer
-    (a concat's slice: a U-Net skip connection, stored long before the decoder reads it)
-    becomes a second store of that writer (``spec["stores"]``): the value is stored twice
-    where it is computed, and the copy's launch goes."""
+    (a concat's slice: a U-Net skip connection, stored long before the decoder reads it), or
+    converts it (the f16 copy of an activation that accelerated matmuls read while the
+    backward pass reads the f32 one), becomes a second store of that writer
+    (``spec["stores"]``, converted as it is stored): the value is stored twice where it is
+    computed, and the copy's launch goes."""
     kernels = list(kernels)
     uses = _Uses(kernels)
     for pi, p in enumerate(kernels):
-        if p is None or p.archetype != "pointwise" or p.epilogue is not None or p.spec["expr"] != ("leaf", 0) \
+        if p is None or p.archetype != "pointwise" or p.epilogue is not None or not _copy_or_cast(p.spec["expr"]) \
                 or len(p.reads) != 1 or p.spec.get("flat_leaf") or p.spec.get("stores") or p.out.buf.kind != "temp":
             continue
         src = p.reads[0]

@@ -1,0 +1,54 @@
+"""Accelerated precision runs large backward matmuls on f16 operands too. Gradients are
+often far below f16's range, so each gradient operand is scaled by its largest magnitude
+before the cast and the product unscaled after; forward values are cast as in the forward
+pass. Checked against the strict session on the device, with gradients scaled down to
+where unscaled f16 would flush them to zero."""
+import numpy as np
+import pytest
+
+import meganeura as mg
+from meganeura import compiler
+
+B, D, H = 16, 32, 64
+
+
+def _session(precision, loss_scale):
+    g = mg.Graph()
+    x = g.input("x", (B, D))
+    h = mg.ops.gelu(mg.ops.linear(x, g.parameter("w1", (H, D)), g.parameter("b1", (H,))))
+    y = mg.ops.linear(h, g.parameter("w2", (D, H)))
+    loss = mg.ops.mean(y * y) * loss_scale
+    return mg.compile(g, loss=loss, precision=precision, seed=3, backend="gpu")
+
+
+def _grads(precision, loss_scale):
+    feeds = {"x": np.random.default_rng(0).standard_normal((B, D)).astype(np.float32)}
+    with _session(precision, loss_scale) as s:
+        s.compute_grads(feeds)
+        names = list(s.executor.plans["grads"].names)
+        return s.grads(), names
+
+
+@pytest.mark.parametrize("loss_scale", [1.0, 1e-9])
+def test_backward_matmuls_on_f16_match_strict(monkeypatch, loss_scale):
+    monkeypatch.setattr(compiler, "BACKWARD_F16_MIN_MACS", 0)      # every backward matmul
+    want, _ = _grads("strict", loss_scale)
+    got, names = _grads("accelerated", loss_scale)
+    # the gradient operands were scaled (a max reduction) and the matmuls read f16
+    assert any("reduce_max" in n for n in names), names
+    for name, w in want.items():
+        assert np.abs(w).max() > 0, name
+        if loss_scale < 1:      # unscaled f16 would hold none of these values
+            assert np.abs(w).max() < 6e-8 * 2 ** 10, name
+        err = np.linalg.norm(got[name] - w) / np.linalg.norm(w)
+        assert err < 2e-3, (name, err)
+
+
+def test_small_backward_matmuls_stay_f32():
+    # below BACKWARD_F16_MIN_MACS a scaled cast costs more launches than it saves
+    want, _ = _grads("strict", 1.0)
+    got, names = _grads("accelerated", 1.0)
+    assert not any("reduce_max" in n for n in names), names
+    for name, w in want.items():
+        # only the forward matmuls round to f16
+        np.testing.assert_allclose(got[name], w, rtol=0, atol=2e-3 * np.abs(w).max(), err_msg=name)
