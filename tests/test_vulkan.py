@@ -93,6 +93,17 @@ def test_offset_allocator_aligns_reuses_and_merges():
         OffsetAllocator(100, 3)
 
 
+def test_offset_allocator_refuses_what_it_refused_until_a_free():
+    al = OffsetAllocator(4096, 256)
+    a = al.alloc(1024)
+    al.alloc(2048)
+    assert al.alloc(2048) is None and al.refused == 2048
+    assert al.alloc(4096) is None and al.refused == 2048      # larger: refused without a walk
+    assert al.alloc(1024) == 3072                              # smaller still fits
+    al.free(a)
+    assert al.refused == float("inf") and al.alloc(1024) == 0
+
+
 # ---------------------------------------------------------------- glslang (no device)
 glslang = pytest.importorskip("meganeura.runtime.vulkan.glslang")
 

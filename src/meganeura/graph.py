@@ -144,6 +144,7 @@ class Graph:
         self.updates: dict[Tensor, Tensor] = {}     # {state: its value after a training step}
         self._names: set[str] = set()
         self._counter = 0
+        self._scalars: dict = {}      # (dtype, repr) -> the constant node of a Python scalar
 
     def __repr__(self):
         return f"Graph({len(self.nodes)} nodes, {len(self.inputs)} inputs, {len(self.parameters)} parameters)"
@@ -233,6 +234,16 @@ class Graph:
         if name is not None:
             self._claim(name, "constant")
         return self._append("constant", (), {"value": arr}, arr.shape, dt, name)
+
+    def scalar_constant(self, value, dtype) -> Tensor:
+        """The constant node of a Python scalar operand (``x * 0.9``), one per value and
+        dtype in the graph: an optimizer's update reads the same few constants for every
+        parameter, and a node each cost compile time for nothing."""
+        key = (dtype_of(dtype).name, type(value).__name__, repr(value))     # -0.0 is not 0.0
+        t = self._scalars.get(key)
+        if t is None:
+            t = self._scalars[key] = self.constant(value, dtype)
+        return t
 
     def __getitem__(self, name) -> Tensor:
         if name in self.inputs:

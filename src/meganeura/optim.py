@@ -70,9 +70,24 @@ class Optimizer:
         """Returns {state or parameter tensor: its new value}."""
         grads = self.clip(grads)
         updates = {}
-        for p, gr in zip(params, grads):
-            updates.update(self.update(p, gr))
+        self._shared = {}       # scalar expressions every parameter's update reads, built once
+        try:
+            for p, gr in zip(params, grads):
+                updates.update(self.update(p, gr))
+        finally:
+            del self._shared
         return updates
+
+    def shared(self, g, key, make):
+        """``make()``, once per ``build``: a scalar expression (such as 1 - lr * weight
+        decay) that every parameter's update reads."""
+        memo = getattr(self, "_shared", None)
+        if memo is None:
+            return make()
+        k = (id(g), key)
+        if k not in memo:
+            memo[k] = make()
+        return memo[k]
 
     def update(self, p, gr) -> dict:
         raise NotImplementedError
@@ -160,7 +175,7 @@ class Adam(Optimizer):
         v2 = v * self.b2 + gr * gr * (1 - self.b2)
         base = p
         if self.weight_decay and self.decoupled:
-            base = p * (1.0 - self.scalar(g, "lr") * self.weight_decay)
+            base = p * self.shared(g, "decay", lambda: 1.0 - self.scalar(g, "lr") * self.weight_decay)
         denom = ops.sqrt(v2) * self.scalar(g, "inv_sqrt_bc2") + self.eps
         out[m], out[v] = m2, v2
         out[p] = base - self.scalar(g, "step_size") * m2 / denom

@@ -66,6 +66,9 @@ def as_tensor(x, like: Tensor) -> Tensor:
     """Python scalars and arrays become constants of ``like``'s graph (and float dtype)."""
     if isinstance(x, Tensor):
         return x
+    if type(x) in (float, int, bool):
+        dt = np.float32 if type(x) is float and not like.dtype.is_float else like.dtype
+        return like.graph.scalar_constant(x, dt)
     arr = np.asarray(x)
     if arr.dtype.kind == "f" and not like.dtype.is_float:
         return like.graph.constant(arr, np.float32)

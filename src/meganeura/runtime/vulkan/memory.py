@@ -26,6 +26,9 @@ class OffsetAllocator:
         self.free_list = [(0, self.capacity)]   # sorted, disjoint, merged (offset, size)
         self.used: dict = {}                    # offset -> size
         self.high_water = 0                     # bytes below it have been handed out before
+        # the smallest size refused since the last free: a device with tens of blocks asks
+        # each in turn, and a full block answers at once instead of walking its free list
+        self.refused = float("inf")
 
     @property
     def bytes_used(self) -> int:
@@ -39,6 +42,8 @@ class OffsetAllocator:
         """The offset of a new range of ``size`` bytes (rounded up to the alignment), or None
         when no free range is large enough."""
         size = align_up(max(int(size), 1), self.alignment)
+        if size >= self.refused:
+            return None
         for i, (off, avail) in enumerate(self.free_list):
             if avail >= size:
                 if avail == size:
@@ -48,12 +53,14 @@ class OffsetAllocator:
                 self.used[off] = size
                 self.high_water = max(self.high_water, off + size)
                 return off
+        self.refused = size
         return None
 
     def free(self, offset: int):
         size = self.used.pop(offset, None)
         if size is None:
             raise ValueError(f"offset {offset} is not an allocated range")
+        self.refused = float("inf")
         i = bisect_left(self.free_list, (offset, 0))
         self.free_list.insert(i, (offset, size))
         # merge with the right, then the left neighbour
