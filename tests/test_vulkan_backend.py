@@ -149,6 +149,36 @@ def test_submissions_waited_for_one_by_one(monkeypatch, staged_device):
         s.close()
 
 
+def test_repeated_steps_in_one_submit_run_in_order(monkeypatch, staged_device):
+    """``run_repeated`` (the benchmarks' back-to-back replay) queues a step n times in one
+    submit: three SGD steps on the same batch end where three steps one by one do."""
+    rt = backend.VulkanRuntime(staged_device)
+    monkeypatch.setattr(backend, "_runtime", rt)
+    rng = np.random.default_rng(3)
+    feeds = {"x": rng.standard_normal((64, 32)).astype(np.float32), "y": rng.integers(0, 5, 64).astype(np.int32)}
+    ends = []
+    for repeated in (False, True):
+        g, loss = _mlp()
+        s = mg.compile(g, loss=loss, optimizer=mg.optim.SGD(lr=0.1), backend="vulkan", seed=4)
+        s.step(feeds)                               # uploads the batch and the learning rate
+        if repeated:
+            s.executor.recorder.run_repeated(s.executor.plan("step").step, 3)
+        else:
+            for _ in range(3):
+                s.executor.recorder.run(s.executor.plan("step").step)
+        ends.append(s.state_dict())
+        s.close()
+    assert not np.allclose(ends[0]["a.weight"], _mlp_start(), atol=0)
+    for name in ends[0]:
+        np.testing.assert_array_equal(ends[1][name], ends[0][name], err_msg=name)
+
+
+def _mlp_start():
+    g, loss = _mlp()
+    with mg.compile(g, loss=loss, optimizer=mg.optim.SGD(lr=0.1), seed=4) as s:
+        return s.state_dict()["a.weight"]
+
+
 @pytest.mark.parametrize("staged", [True, False])
 def test_a_new_buffer_holds_zeros_where_a_freed_one_was(staged_device, staged):
     """Values that start at zero (optimizer moments) are left to new buffers, as on wgpu;

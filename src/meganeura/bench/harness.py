@@ -69,11 +69,14 @@ def measure(fn, warmup: int, samples: int, sync=None) -> dict:
     return stats(ts)
 
 
-def replay_seconds(sess, samples: int, warmup: int, reps: int = 1, phase: str = "run", gpu: bool = True):
+def replay_seconds(sess, samples: int, warmup: int, reps: int = 1, phase: str = "run", gpu: bool = True,
+                   back_to_back: bool = False):
     """(seconds per call for each sample, GPU seconds of one call or None): ``sess``'s compiled
     ``phase`` replayed on the device as it was prepared, no uploads or readbacks; ``reps``
-    replays per sample, then a sync, so launch cost is amortised. The GPU time comes from
-    timestamps around every dispatch (None where the device has none, or ``gpu=False``)."""
+    replays per sample, then a sync, so launch cost is amortised. ``back_to_back``: the
+    ``reps`` replays go in one submit where the runtime can (the direct Vulkan backend), as
+    a CUDA stream queues launches, instead of a submit and a wait each. The GPU time comes
+    from timestamps around every dispatch (None where the device has none, or ``gpu=False``)."""
     ex = sess.executor
     plan, dev = ex.plan(phase), ex.dev
     for _ in range(warmup):
@@ -83,11 +86,19 @@ def replay_seconds(sess, samples: int, warmup: int, reps: int = 1, phase: str = 
     if gpu and dev.has_timestamps:
         ts = ex.recorder.run(plan.step, timestamps=True)
         gpu_s = float((ts[:, 1] - ts[:, 0]).sum()) / 1e9
+    # queued back to back where the runtime can (one submit of ``reps`` steps, as torch
+    # queues its launches), else one submit and wait each
+    repeated = getattr(ex.recorder, "run_repeated", None) if back_to_back and reps > 1 else None
+    if repeated is not None:
+        repeated(plan.step, reps)
     times = []
     for _ in range(samples):
         t0 = time.perf_counter()
-        for _ in range(reps):
-            ex.recorder.run(plan.step)
+        if repeated is not None:
+            repeated(plan.step, reps)
+        else:
+            for _ in range(reps):
+                ex.recorder.run(plan.step)
         dev.sync()
         times.append((time.perf_counter() - t0) / reps)
     return times, gpu_s

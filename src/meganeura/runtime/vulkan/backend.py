@@ -172,6 +172,21 @@ class VulkanRecorder:
         rt.stats["steps"] += 1
         return ns
 
+    def run_repeated(self, step: PreparedProgram, reps: int):
+        """``step`` ``reps`` times back to back in one submit, then wait: a benchmark's view
+        of queued launches, as a CUDA stream runs them (each repetition after the one it
+        depends on, by the same levels as one step). No inputs are copied in."""
+        rt = self.runtime
+        key = ("repeated", int(reps))
+        with rt.queue_lock:
+            entry = step.programs.get(key)
+            if entry is None:
+                ops = [Dispatch(k, bufs, g, name=n) for (k, bufs, g), n in zip(step.dispatches, step.names)]
+                entry = step.programs[key] = (Program(rt.vk, ops * int(reps), levels=rt.use_levels,
+                                                      name=f"step x{reps}"), ([], []))
+            entry[0].run(wait=True)
+        rt.stats["steps"] += int(reps)
+
     # ------------------------------------------------ submissions waited for one by one
     def submit(self, step: PreparedProgram, copies_after=()) -> "Submission":
         """Submit ``step`` (the deferred inputs first, as in ``run``) and the copies after it
