@@ -72,7 +72,9 @@ class Tensor:
 
     def __init__(self, graph, id, op, inputs, attrs, shape, dtype, name):
         self.graph, self.id, self.op, self.inputs, self.attrs = graph, id, op, inputs, attrs
-        self.shape, self.dtype, self.name = tuple(int(s) for s in shape), dtype, name
+        # the graph passes shapes checked by check_dims (a tuple of Python ints) already
+        self.shape = shape if type(shape) is tuple else tuple(int(s) for s in shape)
+        self.dtype, self.name = dtype, name
 
     @property
     def ndim(self):
@@ -125,9 +127,15 @@ class Tensor:
         return _ops().permute(self, tuple(reversed(range(self.ndim))))
 
 
+_ops_module = None
+
+
 def _ops():
-    from . import ops
-    return ops
+    global _ops_module
+    if _ops_module is None:
+        from . import ops
+        _ops_module = ops
+    return _ops_module
 
 
 SOURCE_OPS = ("input", "parameter", "state", "constant")
