@@ -228,3 +228,29 @@ def test_rope_inverse_undoes_rope():
     xv = np.random.default_rng(4).standard_normal((1, 2, 3, 8)).astype(np.float32)
     (bv,) = evaluate(g, [back], {"x": xv})
     np.testing.assert_allclose(bv, xv, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("kind", ["layer_norm", "group_norm", "batch_norm"])
+def test_long_row_norms_on_the_gpu_hold_far_from_zero(kind):
+    """Rows long enough for a workgroup each, with a mean 3000 standard deviations from
+    zero: the one-pass statistics (Welford's, merged across the workgroup) keep the
+    variance where a sum-of-squares formula would lose it to cancellation."""
+    rng = np.random.default_rng(21)
+    xv = (1e3 + rng.standard_normal((2, 8, 24, 20)) * 0.3).astype(np.float32)
+    g = mg.Graph()
+    x = g.input("x", xv.shape)
+    xt = torch.tensor(xv, dtype=torch.float64)
+    if kind == "layer_norm":
+        y = ops.layer_norm(x, (24, 20))
+        want = torch.nn.functional.layer_norm(xt, (24, 20))
+    elif kind == "group_norm":
+        y = ops.group_norm(x, 2)
+        want = torch.nn.functional.group_norm(xt, 2)
+    else:
+        y = ops.batch_norm(x, g.state("rm", (8,)), g.state("rv", (8,), init=1.0), training=True)
+        want = torch.nn.functional.batch_norm(xt, torch.zeros(8, dtype=torch.float64),
+                                              torch.ones(8, dtype=torch.float64), training=True)
+    with mg.compile(g, outputs=[y], backend="gpu") as s:
+        got = s.run({"x": xv})[0]
+    # the inputs' own f32 rounding (1e3 in f32 keeps ~6e-5 absolute) bounds the agreement
+    np.testing.assert_allclose(got, want.numpy(), rtol=0, atol=2e-3)

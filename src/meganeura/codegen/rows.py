@@ -139,7 +139,9 @@ def render_norm(kernel):
                              f"        workgroupBarrier();\n    }}\n    acc = part[0];\n    workgroupBarrier();")
         loop = f"for (var j = lid; j < {r}u; j = j + {WG}u)"
     body = head
-    if center:
+    if center and wg > 1:
+        body += _welford(xv, r)
+    elif center:
         body += "    var mean = 0.0;\n    {\n    " + sums(xv) + f"\n    mean = acc / {float(r)!r};\n    }}\n"
         body += "    var var_ = 0.0;\n    {\n    " + sums(f"({xv} - mean) * ({xv} - mean)") + \
             f"\n    var_ = acc / {float(r)!r};\n    }}\n"
@@ -155,9 +157,46 @@ def render_norm(kernel):
     if not only:
         body += f"    {loop} {{\n        let xj = {xv};\n        store_out(base + j, {y});\n    }}\n"
     body += "}\n"
-    shared = f"\nvar<workgroup> part: array<f32, {WG}>;\n" if wg > 1 else "\n"
+    shared = "\n"
+    if wg > 1:
+        shared = f"\nvar<workgroup> part: array<f32, {WG}>;\n" + \
+            (f"var<workgroup> part_n: array<f32, {WG}>;\nvar<workgroup> part_q: array<f32, {WG}>;\n" if center else "")
     src = b.decls() + "\n" + store.module_text() + "\n" + _index_fn(x, r) + shared + "\n" + ENTRY.format(wg=WG) + body
     return src, b.bufs, grid(n_rows if wg > 1 else -(-n_rows // WG))
+
+
+def _welford(xv, r) -> str:
+    """WGSL for a long row's mean and variance in one pass over it (``mean``, ``var_``):
+    each thread keeps Welford's count, mean and sum of squared deviations over its
+    elements, and the workgroup merges them pairwise (Chan et al.), so the row is read
+    twice in all (statistics, then the normalised write) instead of three times, and the
+    variance needs no second reduction. Stable where sum-of-squares formulas cancel."""
+    return f"""    var cnt = 0.0; var mean = 0.0; var q = 0.0;
+    for (var j = lid; j < {r}u; j = j + {WG}u) {{
+        let xj = {xv};
+        cnt = cnt + 1.0;
+        let d = xj - mean;
+        mean = mean + d / cnt;
+        q = q + d * (xj - mean);
+    }}
+    part_n[lid] = cnt; part[lid] = mean; part_q[lid] = q;
+    workgroupBarrier();
+    for (var s = {WG // 2}u; s > 0u; s = s >> 1u) {{
+        if (lid < s) {{
+            let na = part_n[lid]; let nb = part_n[lid + s]; let n = na + nb;
+            if (nb > 0.0) {{
+                let d = part[lid + s] - part[lid];
+                part[lid] = part[lid] + d * (nb / n);
+                part_q[lid] = part_q[lid] + part_q[lid + s] + d * d * (na * nb / n);
+                part_n[lid] = n;
+            }}
+        }}
+        workgroupBarrier();
+    }}
+    mean = part[0];
+    let var_ = part_q[0] / {float(r)!r};
+    workgroupBarrier();
+"""
 
 
 def _index_fn(x, r) -> str:
