@@ -39,6 +39,14 @@ SAMPLES = [
     S("stop_gradient", lambda o, a: a * o.stop_gradient(a), lambda t, a: a * a.detach(), [F((3, 4))], fd=False),
     S("cast_int", lambda o, a: o.cast(o.cast(a, "i32"), "f32") * 1.0,
       lambda t, a: a.to(t.int32).to(a.dtype) * 1.0, [F((6,), low=-3, high=3)], grad=False),
+    # the optimizers' update ops (torch.optim's arithmetic, spelled out)
+    S("ema", lambda o, m, g: o.ema(m, g, 0.9, 0.1), lambda t, m, g: m * 0.9 + g * 0.1,
+      [F((3, 4)), F((3, 4))], grad=False),
+    S("ema_sq", lambda o, v, g: o.ema_sq(v, g, 0.999, 0.001), lambda t, v, g: v * 0.999 + g * g * 0.001,
+      [F((3, 4), positive=True), F((3, 4))], grad=False),
+    S("adam_step", lambda o, p, m, v, s: o.adam_step(p, m, v, s, 1.5, 1e-8),
+      lambda t, p, m, v, s: p - s * m / (t.sqrt(v) * 1.5 + 1e-8),
+      [F((3, 4)), F((3, 4)), F((3, 4), positive=True), F((), positive=True)], grad=False),
     # reductions
     S("sum_all", lambda o, x: o.sum(x), lambda t, x: x.sum(), [F((3, 4))]),
     S("sum_dim", lambda o, x: o.sum(x, 1), lambda t, x: x.sum(1), [F((2, 3, 4))]),

@@ -171,14 +171,13 @@ class Adam(Optimizer):
             gr = gr + p * self.weight_decay
         m = _state(g, f"{p.name}.exp_avg", p)
         v = _state(g, f"{p.name}.exp_avg_sq", p)
-        m2 = m * self.b1 + gr * (1 - self.b1)
-        v2 = v * self.b2 + gr * gr * (1 - self.b2)
+        m2 = ops.ema(m, gr, self.b1, 1 - self.b1)
+        v2 = ops.ema_sq(v, gr, self.b2, 1 - self.b2)
         base = p
         if self.weight_decay and self.decoupled:
             base = p * self.shared(g, "decay", lambda: 1.0 - self.scalar(g, "lr") * self.weight_decay)
-        denom = ops.sqrt(v2) * self.scalar(g, "inv_sqrt_bc2") + self.eps
         out[m], out[v] = m2, v2
-        out[p] = base - self.scalar(g, "step_size") * m2 / denom
+        out[p] = ops.adam_step(base, m2, v2, self.scalar(g, "step_size"), self.scalar(g, "inv_sqrt_bc2"), self.eps)
         return out
 
 

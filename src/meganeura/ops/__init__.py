@@ -11,6 +11,7 @@ from .reduce import amax, amin, max, mean, min, reduce_sum, std, sum, var  # noq
 from .shape import (broadcast_tensors, broadcast_to, cat, chunk, concat, expand, flatten, gather,  # noqa: F401
                     getitem, index_select, permute, reshape, slice, split, squeeze, stack, transpose, unsqueeze)
 from .linalg import linear, matmul, mm  # noqa: F401
+from .updates import adam_step, ema, ema_sq  # noqa: F401
 from .nn import *  # noqa: F401,F403
 from .attention import *  # noqa: F401,F403
 from .conv import *  # noqa: F401,F403

@@ -27,6 +27,7 @@ import numpy as np
 
 from ..codegen.common import broadcast_view_strides
 from ..schedule import Kernel, View, contiguous_strides, reshape_view
+from ..ops.registry import OPS
 
 # archetypes whose renderers end in ``store_out`` (codegen.expr.OutputStore)
 EPILOGUE_ARCHETYPES = frozenset({"matmul", "reduce", "rows", "norm", "gather", "attention"})
@@ -665,7 +666,11 @@ MAX_INLINE_OPS = 3     # a producer this small is recomputed rather than waited 
 
 
 def _ops(e) -> int:
-    return 0 if e[0] != "op" else 1 + sum(_ops(k) for k in e[2])
+    """Elementwise ops in expression ``e`` (an op that stands for several counts as many)."""
+    if e[0] != "op":
+        return 0
+    od = OPS.get(e[1].op)
+    return (od.extra.get("ops", 1) if od is not None else 1) + sum(_ops(k) for k in e[2])
 
 
 def _inline_cheap_producers(kernels, max_bindings):
