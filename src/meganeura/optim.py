@@ -136,7 +136,7 @@ class SGD(Optimizer):
         if not self.momentum:
             return {p: p - lr * gr}
         buf = _state(g, f"{p.name}.momentum_buffer", p)
-        nb = buf * self.momentum + gr * self.scalar(g, "damp")
+        nb = ops.ema(buf, gr, self.momentum, self.scalar(g, "damp"))
         d = gr + nb * self.momentum if self.nesterov else nb
         return {buf: nb, p: p - lr * d}
 
