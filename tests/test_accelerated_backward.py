@@ -52,3 +52,23 @@ def test_small_backward_matmuls_stay_f32():
     for name, w in want.items():
         # only the forward matmuls round to f16
         np.testing.assert_allclose(got[name], w, rtol=0, atol=2e-3 * np.abs(w).max(), err_msg=name)
+
+
+def test_only_the_autodiffs_matmuls_count_as_backward(monkeypatch):
+    """A matmul that only a state update reads (not on the loss's path, not made by the
+    autodiff) keeps f32 operands, and its operands are not taken for gradients."""
+    from meganeura.compiler import CompileOptions, compile_plan
+    monkeypatch.setattr(compiler, "BACKWARD_F16_MIN_MACS", 0)
+    g = mg.Graph()
+    x = g.input("x", (B, D))
+    h = x @ g.parameter("w", (D, H))
+    loss = mg.ops.mean(h * h)
+    stat = mg.ops.mm(mg.ops.relu(h) * 1e-3, h, ta=True)      # a statistic for a state update
+    (gw,) = mg.autodiff.grad(loss, [g.parameters["w"]])
+    kp = compile_plan([loss, stat, gw], n_forward=1, options=CompileOptions("accelerated"))
+    # one gradient scaled (the weight gradient's dh), not the statistic's operands
+    assert sum(n.count("reduce_max") for n in kp.names) == 1, kp.names
+    for d in kp.dispatches:
+        for u in d.kernel.spec.get("parts", [d.kernel]):
+            if u.archetype == "matmul" and u.out.shape == (H, H):
+                assert [v.dtype.name for v in u.reads[:2]] == ["f32", "f32"], u.name

@@ -164,6 +164,7 @@ def dev():
 
 def _vk():
     from meganeura.runtime import vulkan
+    from meganeura.runtime.vulkan import samples  # noqa: F401  (a submodule: vk.samples, run alone too)
     return vulkan
 
 

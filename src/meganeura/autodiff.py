@@ -18,6 +18,7 @@ def grad(loss: Tensor, wrt, cotangent: Tensor | None = None) -> list[Tensor | No
     from . import ops
     wrt = list(wrt)
     g = loss.graph
+    first = len(g.nodes)      # the nodes from here on are the backward pass's (Graph.backward_ids)
     for w in wrt:
         if not isinstance(w, Tensor) or w.graph is not g:
             raise ValueError(f"grad: {w!r} is not a tensor of the loss's graph")
@@ -67,4 +68,5 @@ def grad(loss: Tensor, wrt, cotangent: Tensor | None = None) -> list[Tensor | No
             out.append(cts[w.id])
         else:
             out.append(ops.broadcast_to(g.constant(0.0, dtype=w.dtype), w.shape) if w.shape else g.constant(0.0, dtype=w.dtype))
+    g.backward_ids.update(range(first, len(g.nodes)))
     return out

@@ -140,8 +140,10 @@ def precision_constants() -> tuple:
 
 def _accelerated_backward(t, forward) -> bool:
     """``t`` is a backward f32 matmul (one the autodiff added) large enough that
-    accelerated precision gives it f16 operands, the gradient ones scaled."""
-    if t.op != "matmul" or t.id in forward or t.dtype.name != "f32" or t.attrs.get("out_dtype"):
+    accelerated precision gives it f16 operands, the gradient ones scaled. Matmuls that
+    only a state update or the optimizer reads stay f32."""
+    if t.op != "matmul" or t.id in forward or t.id not in t.graph.backward_ids or t.dtype.name != "f32" \
+            or t.attrs.get("out_dtype"):
         return False
     a = t.inputs[0]
     k = a.shape[-2] if t.attrs["ta"] else a.shape[-1]
@@ -155,7 +157,9 @@ def accelerated_rewrite(forward_targets, f16_weights=frozenset(), backward=True)
     ``f16_copy_name``) rather than cast on every call. Backward matmuls (``backward``) cast
     forward values alike, and scale each gradient operand by GRAD_SCALE_TARGET over its
     largest magnitude before the cast (one max reduction per gradient, shared by the
-    matmuls that read it), dividing the product by the scales after."""
+    matmuls that read it), dividing the product by the scales after. A gradient holding an
+    inf or NaN makes the whole product NaN (strict poisons only the rows and columns that
+    touch it): either way the step is lost."""
     from .ops import cast, emit
     from .ops.elementwise import maximum
     from .ops.reduce import amax
@@ -184,16 +188,18 @@ def accelerated_rewrite(forward_targets, f16_weights=frozenset(), backward=True)
             a, b = (operand(x, n) for x, n in zip(t.inputs, ins))
             return codegen.matmul.accelerate(a, b, t.attrs["ta"], t.attrs["tb"])
         if backward and _accelerated_backward(t, forward):
-            ops, unscale = [], None
+            ops, unscale = [], []
             for x, n in zip(t.inputs, ins):
                 if x.id in forward:
                     ops.append(cast(operand(x, n), "f16"))
                 else:
                     v, inv = gradient_operand(x, n)
                     ops.append(v)
-                    unscale = inv if unscale is None else unscale * inv
+                    unscale.append(inv)
             y = emit("matmul", ops, ta=t.attrs["ta"], tb=t.attrs["tb"], out_dtype="f32")
-            return y if unscale is None else y * unscale
+            for inv in unscale:      # one factor at a time: their product could underflow
+                y = y * inv
+            return y
         return None
     return rw
 

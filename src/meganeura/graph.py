@@ -153,6 +153,7 @@ class Graph:
         self._names: set[str] = set()
         self._counter = 0
         self._scalars: dict = {}      # (dtype, repr) -> the constant node of a Python scalar
+        self.backward_ids: set[int] = set()   # nodes autodiff added (accelerated precision's backward matmuls)
 
     def __repr__(self):
         return f"Graph({len(self.nodes)} nodes, {len(self.inputs)} inputs, {len(self.parameters)} parameters)"

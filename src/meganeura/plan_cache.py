@@ -126,6 +126,7 @@ def graph_digest(targets) -> str | None:
     nodes = needed_nodes(targets)
     texts = _node_texts.setdefault(targets[0].graph, {})
     pos = {t.id: i for i, t in enumerate(nodes)}
+    backward = targets[0].graph.backward_ids      # accelerated precision treats these apart
     h = hashlib.sha256()
     parts: list = []
     for t in nodes:
@@ -135,7 +136,7 @@ def graph_digest(targets) -> str | None:
         if text is None:
             return None
         parts.append(text)
-        parts.append("|" + ",".join([str(pos[i.id]) for i in t.inputs]) + "\n")
+        parts.append(("|b|" if t.id in backward else "|") + ",".join([str(pos[i.id]) for i in t.inputs]) + "\n")
         if len(parts) > 4096:
             h.update("".join(parts).encode())
             parts.clear()
