@@ -150,12 +150,12 @@ def _accelerated_backward(t, forward) -> bool:
     return t.size * k >= BACKWARD_F16_MIN_MACS
 
 
-def accelerated_rewrite(forward_targets, f16_weights=frozenset(), backward=True):
+def accelerated_rewrite(forward_targets, f16_weights=frozenset()):
     """Accelerated precision: matmuls read f16 operands and accumulate in f32. Forward
     matmuls (those the fetched outputs and loss depend on) cast theirs; a parameter named in
     ``f16_weights`` is read from its persistent f16 copy (a state of the lowered graph,
-    ``f16_copy_name``) rather than cast on every call. Backward matmuls (``backward``) cast
-    forward values alike, and scale each gradient operand by GRAD_SCALE_TARGET over its
+    ``f16_copy_name``) rather than cast on every call. Backward matmuls cast forward values
+    alike, and scale each gradient operand by GRAD_SCALE_TARGET over its
     largest magnitude before the cast (one max reduction per gradient, shared by the
     matmuls that read it), dividing the product by the scales after. A gradient holding an
     inf or NaN makes the whole product NaN (strict poisons only the rows and columns that
@@ -187,16 +187,16 @@ def accelerated_rewrite(forward_targets, f16_weights=frozenset(), backward=True)
         if _accelerated(t, forward):
             a, b = (operand(x, n) for x, n in zip(t.inputs, ins))
             return codegen.matmul.accelerate(a, b, t.attrs["ta"], t.attrs["tb"])
-        if backward and _accelerated_backward(t, forward):
+        if _accelerated_backward(t, forward):
             ops, unscale = [], []
             for x, n in zip(t.inputs, ins):
                 if x.id in forward:
-                    ops.append(cast(operand(x, n), "f16"))
+                    ops.append(operand(x, n))
                 else:
                     v, inv = gradient_operand(x, n)
                     ops.append(v)
                     unscale.append(inv)
-            y = emit("matmul", ops, ta=t.attrs["ta"], tb=t.attrs["tb"], out_dtype="f32")
+            y = codegen.matmul.accelerate(*ops, t.attrs["ta"], t.attrs["tb"])
             for inv in unscale:      # one factor at a time: their product could underflow
                 y = y * inv
             return y

@@ -90,7 +90,7 @@ def replay_seconds(sess, samples: int, warmup: int, reps: int = 1, phase: str = 
     # queues its launches), else one submit and wait each
     repeated = getattr(ex.recorder, "run_repeated", None) if back_to_back and reps > 1 else None
     if repeated is not None:
-        repeated(plan.step, reps)
+        repeated(plan.step, reps)       # records its command buffer before the timing
     times = []
     for _ in range(samples):
         t0 = time.perf_counter()

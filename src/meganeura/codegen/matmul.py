@@ -61,7 +61,8 @@ def _split_k(t, out, temp, mm, split):
 
 
 def accelerate(a, b, ta, tb):
-    """Forward matmul in accelerated precision: f16 operands, f32 accumulation and output."""
+    """A matmul in accelerated precision: f16 operands (cast where they are not), f32
+    accumulation and output."""
     from ..ops import cast, emit
     return emit("matmul", [cast(a, "f16"), cast(b, "f16")], ta=ta, tb=tb, out_dtype="f32")
 

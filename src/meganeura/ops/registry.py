@@ -66,13 +66,11 @@ def as_tensor(x, like: Tensor) -> Tensor:
     """Python scalars and arrays become constants of ``like``'s graph (and float dtype)."""
     if isinstance(x, Tensor):
         return x
-    if type(x) in (float, int, bool):
-        dt = np.float32 if type(x) is float and not like.dtype.is_float else like.dtype
-        return like.graph.scalar_constant(x, dt)
     arr = np.asarray(x)
-    if arr.dtype.kind == "f" and not like.dtype.is_float:
-        return like.graph.constant(arr, np.float32)
-    return like.graph.constant(arr, like.dtype)     # refuses values the dtype cannot hold
+    dt = np.float32 if arr.dtype.kind == "f" and not like.dtype.is_float else like.dtype
+    if type(x) in (float, int, bool):      # one node per value and dtype in the graph
+        return like.graph.scalar_constant(x, dt)
+    return like.graph.constant(arr, dt)     # refuses values the dtype cannot hold
 
 
 def emit(op: str, inputs, name=None, **attrs) -> Tensor:

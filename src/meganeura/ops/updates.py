@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from .registry import broadcast_shapes, emit, register, require_float, same_dtype
+from ..graph import Tensor
+from .registry import as_tensor, broadcast_shapes, emit, register, require_float, same_dtype
 
 
 def _infer(name):
@@ -29,8 +30,7 @@ register("adam_step", _infer("adam_step"), lambda p, m, v, s, i, e: p - s * m / 
 
 
 def _tensors(*xs):
-    from .registry import as_tensor
-    like = next(x for x in xs if not isinstance(x, (int, float)))
+    like = next(x for x in xs if isinstance(x, Tensor))
     return [as_tensor(x, like) for x in xs]
 
 

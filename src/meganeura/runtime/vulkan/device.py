@@ -629,7 +629,7 @@ class VulkanDevice:
         dedicated = nbytes >= self.block_bytes // 4
         with self._lock:
             for blk in ([] if dedicated else self._blocks[kind]):
-                if blk.size != self.block_bytes or nbytes >= blk.allocator.refused:
+                if blk.size != self.block_bytes:
                     continue
                 high_water = blk.allocator.high_water
                 off = blk.allocator.alloc(nbytes)
