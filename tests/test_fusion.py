@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 import meganeura as mg
+from meganeura.codegen import matmul
 from meganeura.compiler import CompileOptions, compile_plan
 from meganeura.models import llama
 
@@ -344,11 +345,16 @@ def test_geglu_is_computed_in_the_output_projections_loads(train):
         np.testing.assert_allclose(got[name], want[name], rtol=1e-4, atol=1e-6)
 
 
-@pytest.mark.parametrize("k", [64, 30, 2048])
-def test_norm_prologue_in_tiled_matmuls_matches_reference(k):
+@pytest.mark.parametrize("k,block", [(64, None), (30, None), (2048, None), (30, "128x64/16x8"), (2048, "128x64/16x8"),
+                                     (100, "64x64/8x8")])
+def test_norm_prologue_in_tiled_matmuls_matches_reference(k, block, monkeypatch):
     """A norm read only by tiled matmuls (a prefill's q/k/v projections): each workgroup
     computes its rows' statistics and normalises A as it loads it; vec4 and scalar loads
-    (K % 4), split K, sibling launches."""
+    (K % 4), split K, sibling launches; blocks with several threads per row (the square
+    tiles of 256 threads) and one (128 threads for 128 rows), with or without a ragged
+    last group of loads."""
+    if block:
+        monkeypatch.setenv("MEGANEURA_MATMUL_BLOCK", block)
     g = mg.Graph()
     x = g.input("x", (40, k))
     ln = mg.ops.layer_norm(x, (k,), g.parameter("lw", (k,), init="normal"), g.parameter("lb", (k,), init="normal"))
@@ -360,6 +366,24 @@ def test_norm_prologue_in_tiled_matmuls_matches_reference(k):
     rng = np.random.default_rng(9)
     feeds = {"x": (rng.standard_normal((40, k)) * 3 + 1).astype(np.float32)}
     _assert_gpu_matches_reference(g, outs, feeds, rtol=2e-4, atol=2e-4)
+
+
+def test_norm_read_by_many_tiled_workgroups_keeps_its_launch():
+    """A norm over many rows before a wide projection (24 column tiles would each recompute
+    the rows' statistics) stays a kernel of its own; the result is the same."""
+    from meganeura.passes.fuse import TILED_PROLOGUE_READS, TILED_PROLOGUE_ROWS
+    g = mg.Graph()
+    x = g.input("x", (TILED_PROLOGUE_ROWS + 64, 96))
+    ln = mg.ops.layer_norm(x, (96,), g.parameter("lw", (96,), init="normal"), g.parameter("lb", (96,), init="normal"))
+    outs = [mg.ops.linear(ln, g.parameter("w", (1536, 96), init="normal"))]
+    kp = compile_plan(outs, options=CompileOptions(max_bindings=32))
+    mm = [d.kernel for d in kp.dispatches if d.kernel.archetype == "matmul"]
+    assert len(mm) == 1 and "prologue" not in mm[0].spec, kp.names
+    assert -(-1536 // matmul.block_of(mm[0].spec)[1]) * mm[0].spec["split"] > TILED_PROLOGUE_READS
+    assert any(d.kernel.archetype == "norm" for d in kp.dispatches), kp.names
+    rng = np.random.default_rng(3)
+    _assert_gpu_matches_reference(g, outs, {"x": (rng.standard_normal(x.shape) * 2 + 1).astype(np.float32)},
+                                  rtol=2e-4, atol=2e-4)
 
 
 @pytest.mark.parametrize("norm", [False, True])

@@ -36,8 +36,11 @@ def lower_matmul(t, ins, out, materialize, temp):
             return [Kernel("gemv", "matmul", {**spec, "gemv": True}, out, [a, b])]
         return _split_k(t, out, temp, Kernel("gemv", "matmul", {**spec, "gemv": True, "split": split},
                                              temp((nb, split, m, n), out.dtype), [a, b]), split)
-    tile, split = plan_tiles(m, n, k, nb)
-    spec.update(tile=tile, split=split, tk=k_step(tile))
+    # f16 operands (accelerated precision) keep square tiles: the cooperative-matrix kernels
+    # that replace them choose their own tile by it and share the K splits
+    f32 = all(v.dtype.name == "f32" for v in t.inputs)
+    tile, block, split = plan_tiles(m, n, k, nb, BLOCKS if f32 else ())
+    spec.update(tile=tile, split=split, tk=k_step(tile), block=block)
     if split == 1:
         return [Kernel("matmul", "matmul", {**spec, "split": 1}, out, [a, b])]
     part = temp((nb, split, m, n), out.dtype)
@@ -74,6 +77,35 @@ def accelerate(a, b, ta, tb):
 K_STEPS = {32: 8, 64: 16, 128: 8}
 
 
+def block_of(spec) -> tuple:
+    """(TM, TN, WY, WX) of a tiled matmul: its TM x TN output tile and its WY x WX threads
+    (rows by columns), each thread holding (TM / WY) x (TN / WX) outputs in 4 x 4 groups.
+    ``spec["block"]`` when set, else square from ``spec["tile"]``: 16 x 16 threads (8 x 8
+    for the 32 tile). MEGANEURA_MATMUL_BLOCK (``TMxTN/WYxWX``) forces one, for sweeps."""
+    forced = os.environ.get("MEGANEURA_MATMUL_BLOCK")
+    if forced:
+        return parse_block(forced)
+    if spec.get("block"):
+        return tuple(spec["block"])
+    t = spec["tile"]
+    w = 8 if t == 32 else 16
+    return (t, t, w, w)
+
+
+def parse_block(text) -> tuple:
+    """``TMxTN/WYxWX`` -> (TM, TN, WY, WX), checked: every thread holds whole 4 x 4 groups."""
+    try:
+        tile, threads = text.split("/")
+        TM, TN = (int(v) for v in tile.split("x"))
+        WY, WX = (int(v) for v in threads.split("x"))
+    except ValueError:
+        raise ValueError(f"matmul block {text!r}: expected TMxTN/WYxWX, e.g. 128x64/16x16") from None
+    if TM % (4 * WY) or TN % (4 * WX) or WY * WX > 1024 or min(TM, TN, WY, WX) <= 0:
+        raise ValueError(f"matmul block {text!r}: TM must be a multiple of 4 x WY and TN of 4 x WX, "
+                         f"with at most 1024 threads")
+    return TM, TN, WY, WX
+
+
 def k_step(tile) -> int:
     """K per step of ``tile``: MEGANEURA_MATMUL_TK (8, 16 or 32) or the tile's default."""
     forced = os.environ.get("MEGANEURA_MATMUL_TK")
@@ -90,25 +122,37 @@ def k_step(tile) -> int:
 TARGET_GROUPS = int(os.environ.get("MEGANEURA_MATMUL_GROUPS", "256"))
 
 
-def plan_tiles(M, N, K, nb):
-    """(tile, K splits): 128-wide tiles where they yield enough workgroups, else 64-wide
+# f32 blocks (TM, TN, WY, WX) of 128 threads with 16 x 8 or 8 x 8 outputs each, the largest
+# that still yields this many workgroups before K splits; smaller products take the square
+# 64 tile of 256 threads (4 x 4 outputs each) with K splits. H200, TFLOP/s of GPU time
+# against the 128 x 128 tile of 256 threads (8 x 8 outputs each): 4096^3 39.7 -> 43.5,
+# 2048^3 38.2 -> 41.8; 128 x 64: Whisper's 1500 x 384 x 1536 20.3 -> 23.8, 1024^3 26.5 -> 28.1
+BLOCKS = (((128, 128, 8, 16), 256), ((128, 64, 16, 8), 128))
+
+
+def plan_tiles(M, N, K, nb, blocks=BLOCKS):
+    """(tile, block, K splits): the first of ``blocks`` with enough workgroups, else 64-wide
     tiles (256 threads each; 32-wide tiles of 64 threads were slower on every measured
-    shape) with K split so that more workgroups share the work."""
-    tiles = lambda t: -(-M // t) * -(-N // t) * nb  # noqa: E731
+    shape) with K split so that more workgroups share the work. ``tile`` (the block's rows)
+    is what the cooperative-matrix kernels choose their own tile by."""
+    groups = lambda tm, tn: -(-M // tm) * -(-N // tn) * nb  # noqa: E731
     forced = os.environ.get("MEGANEURA_MATMUL_TILE")
+    fitting = [blk for blk, least in blocks if groups(*blk[:2]) >= least]
     if forced:
-        tile = int(forced)
-    elif tiles(128) >= TARGET_GROUPS // 2:
-        tile = 128
-    else:
-        tile = 64
+        block = block_of({"tile": int(forced)})
+    elif fitting:
+        block = fitting[0]
+    else:        # the square 128 tile where f16 operands have enough workgroups, else 64
+        block = block_of({"tile": 128 if groups(128, 128) >= TARGET_GROUPS // 2 and not blocks else 64})
+    block = block_of({"block": block})         # MEGANEURA_MATMUL_BLOCK forces one
+    tile = block[0]
     # up to 8 K splits of at least 64 each, toward TARGET_GROUPS workgroups. Splits of at
     # least 128 cut the U-Net's launches 247 -> 219 but cost it 5-10% (H200)
     split = int(os.environ.get("MEGANEURA_MATMUL_SPLIT", "0")) or \
-        max(1, min(-(-TARGET_GROUPS // tiles(tile)), K // 64, 8))
+        max(1, min(-(-TARGET_GROUPS // groups(*block[:2])), K // 64, 8))
     tk = k_step(tile)
     split = max(split, -(-K // (tk * (LOOP_BOUND - 1))))   # each split loops K / split / tk + 1 times
-    return tile, -(-K // split_k(K, split, tk))   # no empty splits
+    return tile, block, -(-K // split_k(K, split, tk))   # no empty splits
 
 
 def split_k(K, split, tk):
@@ -138,7 +182,8 @@ def _ind(lines, n):
 def _operand(name, view, trans_contig_t, dim_t, K, T, V, tile0, binding, off, chk_t, chk_k, reg, allow_vec=True,
              threads=256, transform=None, load=None, *, TK):
     """WGSL that fetches one operand's K-step tile into register ``reg`` and stores it into
-    workgroup memory ``name`` (laid out [k][t] as vec4 over t).
+    workgroup memory ``name`` (laid out [k][t] as vec4 over t) from the element ``{name}0``
+    (the double buffer's half).
 
     ``trans_contig_t``: the operand is contiguous along the tile's T dimension (A stored
     (K, M) or B stored (K, N)); else contiguous along K. ``transform(value, vec)`` rewrites
@@ -177,11 +222,11 @@ def _operand(name, view, trans_contig_t, dim_t, K, T, V, tile0, binding, off, ch
     fetch = [f"for (var l = 0u; l < {per}u; l = l + 1u) {{", f"    let v = tid + l * {threads}u;"]
     fetch += ([f"    if ({guard}) {{"] if guard else []) + [f"    {idx}", f"    {reg}[l] = {read};"] + (["    }"] if guard else []) + ["}"]
     if vec and trans_contig_t:
-        st = [f"    {name}[base + kk * {V}u + tt / 4u] = {reg}[l];"]
+        st = [f"    {name}[{name}0 + kk * {V}u + tt / 4u] = {reg}[l];"]
     elif vec:
-        st = [f"    {name}[base + (kk + {j}u) * {V}u + tt / 4u][tt % 4u] = {reg}[l][{j}];" for j in range(4)]
+        st = [f"    {name}[{name}0 + (kk + {j}u) * {V}u + tt / 4u][tt % 4u] = {reg}[l][{j}];" for j in range(4)]
     else:
-        st = [f"    {name}[base + kk * {V}u + tt / 4u][tt % 4u] = {reg}[l];"]
+        st = [f"    {name}[{name}0 + kk * {V}u + tt / 4u][tt % 4u] = {reg}[l];"]
     store = [f"for (var l = 0u; l < {per}u; l = l + 1u) {{", f"    let v = tid + l * {threads}u;"]
     store += ([f"    if ({guard}) {{"] if guard else []) + [f"    {idx}"] + st + (["    }"] if guard else []) + ["}"]
     return vec, f"array<{ty}, {per}>", fetch, store
@@ -196,21 +241,22 @@ def render(kernel):
     bind = Bindings()
     fns, branches, x0, tks = [], [], 0, set()
     for j, part in enumerate(parts):
-        fn, (gx, gy, gz), T, W, V, TK = _tiled_part(part, bind, j)
-        tks.add((T, TK))
+        fn, (gx, gy, gz), block, TK = _tiled_part(part, bind, j)
+        tks.add((block, TK))
         fns.append(fn)
         branches.append(f"    if (wid.x < {x0 + gx}u) {{ mm{j}(vec3<u32>(wid.x - {x0}u, wid.y, wid.z), lid3); return; }}")
         x0 += gx
     assert len(tks) == 1, f"merged matmuls with different tiles or K steps: {tks}"   # one workgroup memory layout
+    (TM, TN, WY, WX), TK = tks.pop()
     stats = "" if not any("prologue" in p.spec for p in parts) else \
-        f"var<workgroup> pm: array<f32, {4 * V}>;\nvar<workgroup> pinv: array<f32, {4 * V}>;\n" \
-        f"var<workgroup> pred: array<f32, {W * W}>;\n"
+        f"var<workgroup> pm: array<f32, {TM}>;\nvar<workgroup> pinv: array<f32, {TM}>;\n" \
+        f"var<workgroup> pred: array<f32, {WX * WY}>;\n"
     src = f"""{bind.decls()}
-var<workgroup> As: array<vec4<f32>, {2 * TK * V}>;
-var<workgroup> Bs: array<vec4<f32>, {2 * TK * V}>;
+var<workgroup> As: array<vec4<f32>, {2 * TK * TM // 4}>;
+var<workgroup> Bs: array<vec4<f32>, {2 * TK * TN // 4}>;
 {stats}{chr(10).join(fns)}
 
-@compute @workgroup_size({W}, {W})
+@compute @workgroup_size({WX}, {WY})
 fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_id) lid3: vec3<u32>) {{
 {chr(10).join(branches)}
 }}
@@ -295,14 +341,14 @@ def _tiled_part(kernel, bind, j):
     K = a.shape[-2] if ta else a.shape[-1]
     batch = kernel.spec.get("batch", kernel.shape[:-2])   # split-K writes (batch, splits, M, N)
     nb = int(np.prod(batch, dtype=np.int64))
-    T, S = kernel.spec.get("tile") or plan_tiles(M, N, K, nb)[0], kernel.spec.get("split", 1)
-    W = 8 if T == 32 else 16     # threads per side
-    G = T // (4 * W)             # groups of 4 rows (and columns) per thread, 4*W apart
-    V = T // 4                   # vec4s per tile row in workgroup memory
-    TK = kernel.spec.get("tk") or k_step(T)
+    S = kernel.spec.get("split", 1)
+    TM, TN, WY, WX = block_of(kernel.spec if "tile" in kernel.spec else {"block": plan_tiles(M, N, K, nb)[1]})
+    GM, GN = TM // (4 * WY), TN // (4 * WX)   # groups of 4 rows (columns) per thread, 4*WY (4*WX) apart
+    VM, VN = TM // 4, TN // 4                 # vec4s per tile row of A (B) in workgroup memory
+    TK = kernel.spec.get("tk") or k_step(TM)
     KC = split_k(K, S, TK)
     # static shapes: bounds checks only where a dimension is not a multiple of its tile
-    chk_m, chk_n, chk_k = M % T != 0, N % T != 0, K % KC != 0 or KC % TK != 0
+    chk_m, chk_n, chk_k = M % TM != 0, N % TN != 0, K % KC != 0 or KC % TK != 0
     bl, aoff, boff = _batch_offsets(a, bv, batch, f"wid.z / {S}u")
     bl = [f"    let split = wid.z % {S}u;", f"    let kbeg = split * {KC}u; let kend = min(kbeg + {KC}u, {K}u);"] + bl
     # operand bindings: vec4 arrays where the layout allows 16-byte loads; an operand
@@ -316,20 +362,20 @@ def _tiled_part(kernel, bind, j):
         loads[op] = (lambda at, f=fname, o=gs["offset"]: f"{f}(({at}) - {o}u)")
     ab = None if 0 in loads else bind.index(a.buf, a.dtype)
     bb = None if 1 in loads else bind.index(bv.buf, bv.dtype)
-    th = W * W
+    th = WX * WY
     pro_lines, transform = [], None
     if "prologue" in kernel.spec:
         a_vec0 = K % 4 == 0 and a.offset % 4 == 0 and a.dtype.name == "f32" and ab != bb
-        pro_lines, transform = _tiled_norm_prologue(kernel, bind, M, K, T, th, ab, a_vec0)
-    a_vec, a_reg, a_fetch, a_store = _operand("As", a, ta, M, K, T, V, "row0", ab, "aoff", chk_m, chk_k, "ra",
+        pro_lines, transform = _tiled_norm_prologue(kernel, bind, M, K, TM, th, ab, a_vec0)
+    a_vec, a_reg, a_fetch, a_store = _operand("As", a, ta, M, K, TM, VM, "row0", ab, "aoff", chk_m, chk_k, "ra",
                                               threads=th, allow_vec=(transform is None or a_vec0) and ab not in bind.scalar,
                                               transform=transform, load=loads.get(0), TK=TK)
-    b_vec, b_reg, b_fetch, b_store = _operand("Bs", bv, not tb, N, K, T, V, "col0", bb, "boff", chk_n, chk_k, "rb",
+    b_vec, b_reg, b_fetch, b_store = _operand("Bs", bv, not tb, N, K, TN, VN, "col0", bb, "boff", chk_n, chk_k, "rb",
                                               threads=th, allow_vec=bb not in bind.scalar, load=loads.get(1), TK=TK)
     if ab == bb and ab is not None and a_vec != b_vec:   # one buffer, one declared type: scalars
-        a_vec, a_reg, a_fetch, a_store = _operand("As", a, ta, M, K, T, V, "row0", ab, "aoff", chk_m, chk_k, "ra",
+        a_vec, a_reg, a_fetch, a_store = _operand("As", a, ta, M, K, TM, VM, "row0", ab, "aoff", chk_m, chk_k, "ra",
                                                   False, threads=th, transform=transform, TK=TK)
-        b_vec, b_reg, b_fetch, b_store = _operand("Bs", bv, not tb, N, K, T, V, "col0", bb, "boff", chk_n, chk_k,
+        b_vec, b_reg, b_fetch, b_store = _operand("Bs", bv, not tb, N, K, TN, VN, "col0", bb, "boff", chk_n, chk_k,
                                                   "rb", False, threads=th, TK=TK)
     if a_vec:
         bind.types[ab] = "vec4<f32>"
@@ -337,21 +383,22 @@ def _tiled_part(kernel, bind, j):
         bind.types[bb] = "vec4<f32>"
     store = OutputStore(kernel, bind, name=f"store_out{j}")   # after the operand types are fixed
     fma = []
-    for g in range(G):
-        fma.append(f"            let a{g} = As[kk * {V}u + {W * g}u + ty];")
-        fma.append(f"            let b{g} = Bs[kk * {V}u + {W * g}u + tx];")
-    for gr in range(G):
+    for g in range(GM):
+        fma.append(f"            let a{g} = As[As0 + kk * {VM}u + {WY * g}u + ty];")
+    for g in range(GN):
+        fma.append(f"            let b{g} = Bs[Bs0 + kk * {VN}u + {WX * g}u + tx];")
+    for gr in range(GM):
         for r in range(4):
-            for gc in range(G):
-                fma.append(f"            acc[{(gr * 4 + r) * G + gc}] = fma(vec4<f32>(a{gr}[{r}]), b{gc}, "
-                           f"acc[{(gr * 4 + r) * G + gc}]);")
+            for gc in range(GN):
+                fma.append(f"            acc[{(gr * 4 + r) * GN + gc}] = fma(vec4<f32>(a{gr}[{r}]), b{gc}, "
+                           f"acc[{(gr * 4 + r) * GN + gc}]);")
     writes = []
-    for gr in range(G):
+    for gr in range(GM):
         for r in range(4):
-            row = f"row0 + {4 * W * gr + r}u + ty * 4u"
-            for gc in range(G):
-                col = f"col0 + {4 * W * gc}u + tx * 4u"
-                v = f"acc[{(gr * 4 + r) * G + gc}]"
+            row = f"row0 + {4 * WY * gr + r}u + ty * 4u"
+            for gc in range(GN):
+                col = f"col0 + {4 * WX * gc}u + tx * 4u"
+                v = f"acc[{(gr * 4 + r) * GN + gc}]"
                 for c in range(4):
                     cond = " && ".join(x for x, on in ((f"gm < {M}u", chk_m), (f"gn + {c}u < {N}u", chk_n)) if on)
                     st = f"store_out{j}(coff + gm * {N}u + gn + {c}u, {v}[{c}]);"
@@ -360,14 +407,14 @@ def _tiled_part(kernel, bind, j):
     src = f"""{store.module_text()}
 {chr(10).join(fns)}
 fn mm{j}(wid: vec3<u32>, lid3: vec3<u32>) {{
-    let tx = lid3.x; let ty = lid3.y; let tid = ty * {W}u + tx;
-    let row0 = wid.y * {T}u; let col0 = wid.x * {T}u;
+    let tx = lid3.x; let ty = lid3.y; let tid = ty * {WX}u + tx;
+    let row0 = wid.y * {TM}u; let col0 = wid.x * {TN}u;
 {chr(10).join(bl)}
     let aoff = {" + ".join(aoff)};
     let boff = {" + ".join(boff)};
     let coff = wid.z * {M * N}u;
 {chr(10).join(pro_lines)}
-    var acc: array<vec4<f32>, {4 * G * G}>;
+    var acc: array<vec4<f32>, {4 * GM * GN}>;
     var ra: {a_reg};
     var rb: {b_reg};
     // double-buffered tiles: the next K step is fetched into registers while this one
@@ -378,13 +425,13 @@ fn mm{j}(wid: vec3<u32>, lid3: vec3<u32>) {{
 {_ind(a_fetch + b_fetch, 12)}
         }}
         if (t > 0u) {{
-            let base = ((t - 1u) % 2u) * {TK * V}u;
+            let As0 = ((t - 1u) % 2u) * {TK * VM}u; let Bs0 = ((t - 1u) % 2u) * {TK * VN}u;
             for (var kk = 0u; kk < {TK}u; kk = kk + 1u) {{
-{chr(10).join("    " + f.replace("kk * ", "base + kk * ") for f in fma)}
+{chr(10).join("    " + f for f in fma)}
             }}
         }}
         if (t < {nk}u) {{
-            let base = (t % 2u) * {TK * V}u;
+            let As0 = (t % 2u) * {TK * VM}u; let Bs0 = (t % 2u) * {TK * VN}u;
 {_ind(a_store + b_store, 12)}
         }}
         workgroupBarrier();
@@ -392,7 +439,8 @@ fn mm{j}(wid: vec3<u32>, lid3: vec3<u32>) {{
 {chr(10).join(writes)}
 }}
 """
-    return src, (-(-N // T), -(-M // T), nb * S), T, W, V, TK
+    return src, (-(-N // TN), -(-M // TM), nb * S), (TM, TN, WY, WX), TK
+
 
 
 GEMV_MAX_ROWS = 4

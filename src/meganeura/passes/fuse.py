@@ -21,11 +21,13 @@ the memory planner and the runtime need no knowledge of them.
 from __future__ import annotations
 
 import itertools
+import os
 from collections import defaultdict
 
 import numpy as np
 
 from ..codegen.common import broadcast_view_strides
+from ..codegen.matmul import block_of
 from ..schedule import Kernel, View, contiguous_strides, reshape_view
 from ..ops.registry import OPS
 
@@ -292,6 +294,22 @@ def _is_tiled_plain(k):
 
 
 MAX_PROLOGUE_ROW = 16384    # a thread loops over one row for its statistics (loop bound)
+# A norm over more than TILED_PROLOGUE_ROWS rows moves into tiled matmuls only where at
+# most TILED_PROLOGUE_READS workgroups read each row (column tiles x K splits): every one
+# computes its rows' statistics again, and past that the norm keeps its launch. H200, GPU
+# time of inference with no tiled prologue of more than 8 readers: Whisper-tiny 2617 ->
+# 2224 us (1500 rows; the feed-forward input had 24 readers a row: 162 -> 84 us a layer),
+# SmolVLA 1714 -> 1611 and SmolLM2 4080 -> 4019 (50 and 128 rows: a launch more per norm,
+# 61 in SmolLM2, past the compiler's launch budget), U-Net 2084 -> 2115.
+TILED_PROLOGUE_READS = int(os.environ.get("MEGANEURA_TILED_PROLOGUE_READS", "8"))
+TILED_PROLOGUE_ROWS = 256
+
+
+def _tiled_prologue_pays(g) -> bool:
+    """Whether tiled matmul ``g`` computes its A rows' norm statistics itself (above)."""
+    readers = -(-g.shape[-1] // block_of(g.spec)[1]) * g.spec.get("split", 1)
+    rows = int(np.prod(g.reads[0].shape[:-1], dtype=np.int64))
+    return rows <= TILED_PROLOGUE_ROWS or readers <= TILED_PROLOGUE_READS
 
 
 def _stores_f16(k) -> bool:
@@ -324,7 +342,8 @@ def fuse_norm_prologue(kernels, max_bindings):
         row = nk.spec["row"]
         if row > MAX_PROLOGUE_ROW:
             continue
-        if not all((_is_gemv_tb(g) or _is_tiled_plain(g)) and g.reads[0].buf is nk.out.buf
+        if not all((_is_gemv_tb(g) or _is_tiled_plain(g) and _tiled_prologue_pays(g))
+                   and g.reads[0].buf is nk.out.buf
                    and _same_elements(nk, g.reads[0])
                    and g.reads[1].buf is not nk.out.buf and g.reads[0].shape[-1] == row
                    and not any(v.buf is nk.out.buf for v in g.epi_reads) for g in gs):
@@ -449,7 +468,8 @@ def fuse_pointwise_operands(kernels, max_bindings):
 
     def accept(m, op):
         M, N = m.shape[-2:]
-        return -(-(N if op == 0 else M) // m.spec["tile"]) <= MAX_LOAD_RECOMPUTE
+        TM, TN = block_of(m.spec)[:2]
+        return (-(-N // TN) if op == 0 else -(-M // TM)) <= MAX_LOAD_RECOMPUTE
 
     for gi, gk in enumerate(kernels):
         if gk is None or gk.archetype != "pointwise" or gk.epilogue is not None or gk.spec.get("stores") \
@@ -565,9 +585,9 @@ def _group_key(k):
         # each part of a merged tiled launch loads its own operands: any independent
         # matmuls with the same tile and the same y/z workgroup counts can share one
         # (sibling projections, and the backward's input and weight gradients)
-        t, m = k.spec["tile"], k.shape[-2]
+        block, m = block_of(k.spec), k.shape[-2]
         nb = int(np.prod(k.spec.get("batch") or (1,))) * k.spec.get("split", 1)
-        return ("tiled", t, -(-m // t), nb)
+        return ("tiled", block, -(-m // block[0]), nb)
     return None
 
 
@@ -580,8 +600,8 @@ def _groups_of(k):
         return reduce.groups(k)
     if k.spec.get("gemv"):
         return -(-k.shape[-1] // 2)       # at most (codegen.matmul.gemv_columns)
-    t = k.spec["tile"]
-    return -(-k.shape[-1] // t) * -(-k.shape[-2] // t) * int(np.prod(k.spec.get("batch") or (1,))) * k.spec.get("split", 1)
+    TM, TN = block_of(k.spec)[:2]
+    return -(-k.shape[-1] // TN) * -(-k.shape[-2] // TM) * int(np.prod(k.spec.get("batch") or (1,))) * k.spec.get("split", 1)
 
 
 class _Group:

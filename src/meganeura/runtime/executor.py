@@ -171,6 +171,13 @@ def check_environment():
     split = os.environ.get("MEGANEURA_MATMUL_SPLIT", "").strip()
     if split and not split.isdigit():
         raise ValueError(f"MEGANEURA_MATMUL_SPLIT={split!r}: must be a non-negative integer (0 or unset: automatic)")
+    block = os.environ.get("MEGANEURA_MATMUL_BLOCK", "").strip()
+    if block:
+        from ..codegen.matmul import parse_block
+        try:
+            parse_block(block)
+        except ValueError as e:
+            raise ValueError(f"MEGANEURA_MATMUL_BLOCK: {e}") from None
 
 
 def check_device_limits(tensors, dev=None):
