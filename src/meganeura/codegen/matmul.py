@@ -1,8 +1,9 @@
 """The matmul archetype: C[b] = op(A[b]) @ op(B[b]) with batch broadcasting.
 
-A 128x128 (or 64x64) output tile per workgroup of 16x16 threads, 8x8 (or 4x4) outputs per
-thread held as vec4 rows, K in steps of 16 through double-buffered workgroup memory laid out as vec4 so each
-step reads 4 (or 2) vectors for 64 (or 16) FMAs. Shapes are baked in, so bounds checks are
+A TM x TN output tile per workgroup of WY x WX threads (the block, ``BLOCKS``), each thread
+holding (TM / WY) x (TN / WX) outputs as vec4 rows in 4 x 4 groups; K in steps of 8 or 16
+through double-buffered workgroup memory laid out as vec4, so each step of K reads one
+vector per 4 rows or columns a thread owns. Shapes are baked in, so bounds checks are
 emitted only for dimensions that are not tile multiples. Operands are dense (strided views
 are copied first).
 """
@@ -142,8 +143,10 @@ def plan_tiles(M, N, K, nb, blocks=BLOCKS):
         block = block_of({"tile": int(forced)})
     elif fitting:
         block = fitting[0]
-    else:        # the square 128 tile where f16 operands have enough workgroups, else 64
-        block = block_of({"tile": 128 if groups(128, 128) >= TARGET_GROUPS // 2 and not blocks else 64})
+    elif not blocks and groups(128, 128) >= TARGET_GROUPS // 2:
+        block = block_of({"tile": 128})      # f16 operands: the square 128 tile
+    else:
+        block = block_of({"tile": 64})
     block = block_of({"block": block})         # MEGANEURA_MATMUL_BLOCK forces one
     tile = block[0]
     # up to 8 K splits of at least 64 each, toward TARGET_GROUPS workgroups. Splits of at
@@ -333,8 +336,8 @@ def _affine(e, ks, K, weight, bias, ty="f32"):
 
 
 def _tiled_part(kernel, bind, j):
-    """(WGSL function ``mm{j}``, its workgroup counts, tile, threads per side, vec4s per
-    tile row) of one tiled matmul."""
+    """(WGSL function ``mm{j}``, its workgroup counts, block (TM, TN, WY, WX), K step) of
+    one tiled matmul."""
     a, bv = kernel.reads[:2]
     ta, tb = kernel.spec["ta"], kernel.spec["tb"]
     M, N = kernel.shape[-2:]
