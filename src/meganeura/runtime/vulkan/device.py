@@ -628,7 +628,11 @@ class VulkanDevice:
         # a large tensor gets a block of its own, so that freeing it gives the memory back
         dedicated = nbytes >= self.block_bytes // 4
         with self._lock:
-            for blk in ([] if dedicated else self._blocks[kind]):
+            # newest block first: while a session allocates its tensors the older blocks are
+            # full, and asking each of them first made SmolLM2's 1643 allocations 16 times
+            # as many block queries; a hole a free left in an older block is still found
+            # before a new block is made
+            for blk in ([] if dedicated else reversed(self._blocks[kind])):
                 if blk.size != self.block_bytes:
                     continue
                 high_water = blk.allocator.high_water
