@@ -91,6 +91,9 @@ def broadcast_shapes(op, *tensors) -> tuple:
     first = tensors[0].shape
     if all(t.shape == first for t in tensors):
         return first
+    shapes = {t.shape for t in tensors} - {()}     # scalar operands (optimizer constants) broadcast to anything
+    if len(shapes) == 1:
+        return shapes.pop()
     nd = max(t.ndim for t in tensors)
     out = []
     for i in range(nd):
