@@ -81,11 +81,8 @@ K_STEPS = {32: 8, 64: 16, 128: 8}
 def block_of(spec) -> tuple:
     """(TM, TN, WY, WX) of a tiled matmul: its TM x TN output tile and its WY x WX threads
     (rows by columns), each thread holding (TM / WY) x (TN / WX) outputs in 4 x 4 groups.
-    ``spec["block"]`` when set, else square from ``spec["tile"]``: 16 x 16 threads (8 x 8
-    for the 32 tile). MEGANEURA_MATMUL_BLOCK (``TMxTN/WYxWX``) forces one, for sweeps."""
-    forced = os.environ.get("MEGANEURA_MATMUL_BLOCK")
-    if forced:
-        return parse_block(forced)
+    ``spec["block"]`` when set (``plan_tiles`` chose it), else square from ``spec["tile"]``:
+    16 x 16 threads (8 x 8 for the 32 tile)."""
     if spec.get("block"):
         return tuple(spec["block"])
     t = spec["tile"]
@@ -137,17 +134,19 @@ def plan_tiles(M, N, K, nb, blocks=BLOCKS):
     shape) with K split so that more workgroups share the work. ``tile`` (the block's rows)
     is what the cooperative-matrix kernels choose their own tile by."""
     groups = lambda tm, tn: -(-M // tm) * -(-N // tn) * nb  # noqa: E731
-    forced = os.environ.get("MEGANEURA_MATMUL_TILE")
+    forced_block = os.environ.get("MEGANEURA_MATMUL_BLOCK")     # TMxTN/WYxWX, for sweeps
+    forced_tile = os.environ.get("MEGANEURA_MATMUL_TILE")
     fitting = [blk for blk, least in blocks if groups(*blk[:2]) >= least]
-    if forced:
-        block = block_of({"tile": int(forced)})
+    if forced_block:
+        block = parse_block(forced_block)
+    elif forced_tile:
+        block = block_of({"tile": int(forced_tile)})
     elif fitting:
         block = fitting[0]
     elif not blocks and groups(128, 128) >= TARGET_GROUPS // 2:
         block = block_of({"tile": 128})      # f16 operands: the square 128 tile
     else:
         block = block_of({"tile": 64})
-    block = block_of({"block": block})         # MEGANEURA_MATMUL_BLOCK forces one
     tile = block[0]
     # up to 8 K splits of at least 64 each, toward TARGET_GROUPS workgroups. Splits of at
     # least 128 cut the U-Net's launches 247 -> 219 but cost it 5-10% (H200)
