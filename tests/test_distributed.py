@@ -295,11 +295,12 @@ def test_ranks_with_different_graphs_are_refused(trained):
 
 @pytest.fixture
 def staged_vulkan(monkeypatch):
-    """The Vulkan runtime with staged memory, as on a discrete GPU: inputs deferred into the
-    next submit, readbacks through host-visible staging ranges."""
+    """The Vulkan runtime with staged memory, as on a discrete GPU without resizable BAR:
+    inputs deferred into the next submit, readbacks through host-visible staging ranges."""
     from meganeura.runtime.vulkan import backend
     from meganeura.runtime.vulkan.device import VulkanDevice
     dev = VulkanDevice(direct_host_access=False)
+    dev.input_mem_type = None
     monkeypatch.setattr(backend, "_runtime", backend.VulkanRuntime(dev))
     yield
     dev.close()

@@ -25,8 +25,15 @@ def _mlp():
     return g, mg.ops.cross_entropy(mg.ops.linear(h, g.parameter("b.weight", (5, 48))), y)
 
 
-@pytest.mark.parametrize("levels", [True, False])
-def test_staged_memory_and_levels_match_the_reference(monkeypatch, staged_device, levels):
+@pytest.mark.parametrize("levels,mapped_inputs", [(True, False), (False, False), (True, True)])
+def test_staged_memory_and_levels_match_the_reference(monkeypatch, staged_device, levels, mapped_inputs):
+    """``mapped_inputs``: the device has host-mappable device memory on a large heap (a
+    discrete GPU with resizable BAR), so inputs are written there and need no copy; else
+    they are staged and copied in by the step."""
+    if mapped_inputs:
+        assert staged_device.input_mem_type is not None     # lavapipe's one memory type qualifies
+    else:
+        monkeypatch.setattr(staged_device, "input_mem_type", None)
     rt = backend.VulkanRuntime(staged_device, levels=levels)
     monkeypatch.setattr(backend, "_runtime", rt)
     g, loss = _mlp()
@@ -39,8 +46,12 @@ def test_staged_memory_and_levels_match_the_reference(monkeypatch, staged_device
     for name, v in ref.state_dict().items():
         np.testing.assert_allclose(ours.state_dict()[name], v, rtol=1e-4, atol=1e-6, err_msg=name)
     st = ours.executor.plans["step"].step.sync_stats()
-    # the inputs' uploads ride in the step's command buffer, as copies before the dispatches
-    assert st["copies"] >= 2 and st["dispatches"] == ours.executor.plans["step"].n_dispatches
+    inputs, n_after = ours.executor.input_buffers, len(ours.executor.plans["step"].copies_after)
+    # the feeds and the optimizer's per-step scalars
+    assert {"x", "y", "optim.step_size"} <= set(inputs) and all(b.host_visible == mapped_inputs for b in inputs.values())
+    # staged inputs' uploads ride in the step's command buffer, as copies before the dispatches
+    assert st["copies"] == (0 if mapped_inputs else len(inputs)) + n_after and \
+        st["dispatches"] == ours.executor.plans["step"].n_dispatches
     n_ops = st["dispatches"] + st["copies"]
     if levels:
         assert st["barriers"] < n_ops - 1 and st["max_level_width"] > 1
@@ -119,6 +130,7 @@ def test_submissions_waited_for_one_by_one(monkeypatch, staged_device):
     """``VulkanRecorder.submit`` returns before the step has run; each submission has its own
     fence, so one is waited for (and its staging range read) while another is queued; the
     deferred inputs ride in the submit; a step waited for can be submitted again."""
+    monkeypatch.setattr(staged_device, "input_mem_type", None)     # inputs staged, not mapped
     rt = backend.VulkanRuntime(staged_device)
     monkeypatch.setattr(backend, "_runtime", rt)
     sessions = []

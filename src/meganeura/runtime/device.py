@@ -61,6 +61,7 @@ _TYPE_RANK = {"DiscreteGPU": 0, "IntegratedGPU": 1, "VirtualGPU": 2, "Unknown": 
 
 _USAGE = {
     "storage": wgpu.BufferUsage.STORAGE | wgpu.BufferUsage.COPY_SRC | wgpu.BufferUsage.COPY_DST,
+    "input": wgpu.BufferUsage.STORAGE | wgpu.BufferUsage.COPY_SRC | wgpu.BufferUsage.COPY_DST,
     "staging": wgpu.BufferUsage.MAP_READ | wgpu.BufferUsage.COPY_DST,
     "upload": wgpu.BufferUsage.MAP_WRITE | wgpu.BufferUsage.COPY_SRC,
     "query": wgpu.BufferUsage.QUERY_RESOLVE | wgpu.BufferUsage.COPY_SRC,
@@ -297,7 +298,8 @@ class Device:
     def create_buffer(self, nbytes, usage_kind="storage", label=""):
         """A buffer of at least `nbytes` (rounded up to a multiple of 4, min 4).
 
-        usage_kind: 'storage' (STORAGE|COPY_SRC|COPY_DST), 'staging' (MAP_READ|COPY_DST),
+        usage_kind: 'storage' (STORAGE|COPY_SRC|COPY_DST; 'input', a call's input, the same
+        here), 'staging' (MAP_READ|COPY_DST),
         'upload' (MAP_WRITE|COPY_SRC), 'query' (QUERY_RESOLVE|COPY_SRC)."""
         size = _round4(nbytes)
         if size > self.limits["max-buffer-size"]:

@@ -252,7 +252,7 @@ class GpuExecutor:
         pool = self.input_buffers if t is not None and t.op == "input" else self.buffers
         b = pool.get(name)
         if b is None:
-            b = self.dev.create_buffer(nbytes, label=name)
+            b = self.dev.create_buffer(nbytes, "input" if pool is self.input_buffers else "storage", label=name)
             pool[name] = b
         return b
 

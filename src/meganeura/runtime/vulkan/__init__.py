@@ -89,7 +89,9 @@ def describe(device=None) -> str:
         lines.append("  cooperative matrix shapes: " + "; ".join(shapes))
     else:
         lines.append(f"  cooperative matrix: no ({cm['reason']})")
-    lines.append(f"  memory: {'mapped directly' if c['direct_host_access'] else 'staging copies'}; heaps "
+    inputs = "" if c["direct_host_access"] else \
+        "; inputs written into device memory" if c["mapped_inputs"] else "; inputs copied in by each step"
+    lines.append(f"  memory: {'mapped directly' if c['direct_host_access'] else 'staging copies'}{inputs}; heaps "
                  + ", ".join(f"{h['size'] >> 20} MiB{' device-local' if h['device_local'] else ''}"
                              for h in c["memory_heaps"]))
     lines.append(f"  timestamps: {c['timestamp_bits']} bits, {c['limits']['timestampPeriod']} ns per tick")

@@ -331,7 +331,7 @@ class VulkanRuntime:
         # (optimizer moments, accumulators) to them, and a range may be one that a closed
         # session freed
         rng = self.vk.alloc(max((int(nbytes) + 3) & ~3, 4), host=usage_kind == "staging", label=label,
-                            zeroed=usage_kind != "staging")
+                            zeroed=usage_kind != "staging", input=usage_kind == "input")
         return OwnedRange(rng, self.vk, label)
 
     def upload(self, buffer, array, offset=0):
