@@ -281,7 +281,11 @@ def _compile_plan(targets, n_forward, opts, updates) -> KernelPlan:
         g3, new_targets = rematerialize(new_targets, len(fwd))
         g2 = g3 or g2
     clock.lap("lower")
-    sched = build_schedule(g2, new_targets, max_bindings=opts.max_bindings)
+    smem = codegen.flash.ADAPTER_SMEM.set(opts.workgroup_storage)
+    try:
+        sched = build_schedule(g2, new_targets, max_bindings=opts.max_bindings)
+    finally:
+        codegen.flash.ADAPTER_SMEM.reset(smem)
     # kernels that write nothing are dropped before fusion (a merged launch must not be
     # judged by an empty first part)
     kernels = [k for k in sched.kernels if k.out.size > 0]

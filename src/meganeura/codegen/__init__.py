@@ -40,7 +40,8 @@ def routing_constants() -> tuple:
     one (the decomposed attention baseline) never reads a plan compiled under another."""
     from . import flash, flash_split
     return (attention.MAX_ROW_WORK, flash.LOOP_BOUND, matmul.TARGET_GROUPS, matmul.BLOCKS, sorted(matmul.K_STEPS.items()),
-            matmul.GEMV_MAX_ROWS, flash_split.AUTO_SPLIT, flash_split.TARGET_GROUPS)
+            matmul.GEMV_MAX_ROWS, flash_split.AUTO_SPLIT, flash_split.TARGET_GROUPS,
+            flash_split.MAX_SPLIT)
 
 
 def has_kernel(t) -> bool:

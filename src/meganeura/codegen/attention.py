@@ -93,9 +93,10 @@ def lower_attention(t, ins, out, materialize, temp, siblings=()):
     lse = views.get("attention_lse")
     o = views.get("scaled_dot_product_attention") or \
         temp(lse.shape + (v.shape[-1],), q.dtype)             # only the LSE is needed
-    spec["flash"] = bq = flash.rows_per_group(q.shape[-1])    # query rows per workgroup
-    # the split is fixed here (its buffers' sizes depend on it), with the portable tile
-    # size: the adapter's workgroup memory is only known to the later tile sizing
+    spec["flash"] = flash.rows_per_group(q.shape[-1])         # query rows per workgroup (portable)
+    # the split is fixed here (its buffers' sizes depend on it), by the workgroups the
+    # kernel will run on this adapter (the tile sizing later gives it the adapter's rows)
+    bq = flash.rows_per_group(q.shape[-1], flash.ADAPTER_SMEM.get() or None) or spec["flash"]
     nt = -(-k.shape[-2] // flash.BK)
     s = flash_split.splits(int(np.prod(q.shape[:-2])) * -(-q.shape[-2] // bq), nt)
     if s == 1:

@@ -35,6 +35,7 @@ no unmasked key). ``flash_split.py`` combines them.
 """
 from __future__ import annotations
 
+import contextvars
 import os
 
 import numpy as np
@@ -50,6 +51,11 @@ NEG_INF = "bitcast<f32>(0xff800000u)"
 
 
 DEFAULT_SMEM = 32768     # bytes: lavapipe, Apple GPUs and most desktop GPUs offer it
+
+# The adapter's workgroup memory for the compile under way (the compiler sets it around
+# scheduling): lowering fixes the split over keys (its buffers' sizes depend on it) by the
+# query rows per workgroup the kernel will render with, before the tiles are sized.
+ADAPTER_SMEM = contextvars.ContextVar("flash_adapter_smem", default=0)
 
 
 def smem_floats(budget=None) -> int:

@@ -24,12 +24,13 @@ import os
 from .common import ENTRY, GROUP_INDEX, WG, Bindings, grid
 from .expr import OutputStore
 
-# Measured on an H200 (bench/attention.py --split 2,4, GPU timestamps): Whisper-tiny's
-# encoder attention 254 -> 204 (S=2) -> 178 us (S=4); SmolLM2's causal GQA prefill 314 ->
-# 269 -> 256 us. The rule below picks 4 for both.
+# Measured on an H200 (bench/attention.py --split 2,3,4,6,8, GPU timestamps, 64 query rows a
+# workgroup): Whisper-tiny's encoder attention (144 query tiles) 255 us unsplit, 204 (S=2),
+# 186 (3), 178 (4), 174 (6), 190 (8); SmolLM2's causal GQA prefill (288 tiles) 314, 271, 257,
+# 254, 273, 281. The rule below picks 6 and 3.
 AUTO_SPLIT = True
-TARGET_GROUPS = 512      # workgroups to aim for: a few per SM on a 132-SM GPU
-MAX_SPLIT = 4
+TARGET_GROUPS = 768      # workgroups to aim for: a few per SM on a 132-SM GPU
+MAX_SPLIT = 6
 MIN_TILES = 4            # key tiles per split at least: fewer and the combine outweighs the gain
 
 NEG_INF = "bitcast<f32>(0xff800000u)"
