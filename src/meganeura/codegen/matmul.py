@@ -126,6 +126,14 @@ TARGET_GROUPS = int(os.environ.get("MEGANEURA_MATMUL_GROUPS", "256"))
 # against the 128 x 128 tile of 256 threads (8 x 8 outputs each): 4096^3 39.7 -> 43.5,
 # 2048^3 38.2 -> 41.8; 128 x 64: Whisper's 1500 x 384 x 1536 20.3 -> 23.8, 1024^3 26.5 -> 28.1
 BLOCKS = (((128, 128, 8, 16), 256), ((128, 64, 16, 8), 128))
+# Deep products too small for those blocks take 64 x 64 tiles of 128 threads with 4 x 8
+# outputs each (half the workgroup-memory reads per FMA of the 256-thread 64 tile): at least
+# DEEP_MIN_K deep with DEEP_MIN_OUTPUTS outputs. H200: Whisper-tiny's fc2 (1500 x 1536 x 384)
+# 17.5 -> 19.4 TFLOP/s. As the fallback of every smaller product it was slower (SmolVLA's
+# expert, the U-Net, SmolLM2: short or shallow products).
+DEEP_BLOCK = (64, 64, 16, 8)
+DEEP_MIN_K = 1024
+DEEP_MIN_OUTPUTS = 1 << 18
 
 
 def plan_tiles(M, N, K, nb, blocks=BLOCKS):
@@ -145,6 +153,8 @@ def plan_tiles(M, N, K, nb, blocks=BLOCKS):
         block = fitting[0]
     elif not blocks and groups(128, 128) >= TARGET_GROUPS // 2:
         block = block_of({"tile": 128})      # f16 operands: the square 128 tile
+    elif blocks and K >= DEEP_MIN_K and M * N * nb >= DEEP_MIN_OUTPUTS:
+        block = DEEP_BLOCK
     else:
         block = block_of({"tile": 64})
     tile = block[0]
