@@ -34,7 +34,7 @@ FORMAT = 1                    # bump when the pickled layout changes
 MAX_BYTES = 1 << 30           # the oldest entries go once the folder holds more than this
 # switches that never change a plan (they are not part of the key)
 _NOT_PLAN_SWITCHES = {"MEGANEURA_CACHE_DIR", "MEGANEURA_NO_DISK_CACHE", "MEGANEURA_NO_PLAN_CACHE", "MEGANEURA_COMPILE_THREADS",
-                      "MEGANEURA_TRACE", "MEGANEURA_DETECT_ANOMALY", "MEGANEURA_ADAPTER"}
+                      "MEGANEURA_TRACE", "MEGANEURA_DETECT_ANOMALY", "MEGANEURA_ADAPTER", "MEGANEURA_SPIN_MS"}
 
 _source_digest = None
 

@@ -32,6 +32,21 @@ SCOPES = {1: "device", 2: "workgroup", 3: "subgroup", 5: "queue_family"}
 ACCESS = ("read", "write", "rw")
 
 DEFAULT_BLOCK_BYTES = 64 << 20
+# a wait for the GPU polls the fence this long before it blocks (MEGANEURA_SPIN_MS: 0 blocks
+# at once), so a step shorter than that returns as soon as it is done
+SPIN_MS = 20.0
+
+
+def spin_seconds() -> float:
+    raw = os.environ.get("MEGANEURA_SPIN_MS", "").strip()
+    try:
+        ms = float(raw) if raw else SPIN_MS
+    except ValueError:
+        raise ValueError(f"MEGANEURA_SPIN_MS={raw!r}: milliseconds to poll before a blocking wait "
+                         "(0: block at once)") from None
+    return max(0.0, ms) / 1e3
+
+
 # host-mappable device-local memory holds inputs only on a heap this large (resizable BAR;
 # without it the mappable window is 256 MiB, which the driver needs for itself)
 INPUT_HEAP_BYTES = 1 << 30
@@ -584,6 +599,14 @@ class VulkanDevice:
 
     def wait_fence(self, pfence, timeout_s=600.0):
         lib = _vk.lib
+        # poll first, as CUDA's synchronize does: a blocking wait returns tens of
+        # microseconds after the GPU is done, a large part of a millisecond step's overhead
+        spin = spin_seconds()
+        if spin > 0:
+            deadline = time.perf_counter() + spin
+            while lib.vkGetFenceStatus(self.handle, pfence[0]) == _vk.vk.VK_NOT_READY \
+                    and time.perf_counter() < deadline:
+                pass
         res = lib.vkWaitForFences(self.handle, 1, pfence, 1, int(timeout_s * 1e9))
         if res == _vk.vk.VK_TIMEOUT:
             raise VulkanError(f"GPU work did not finish within {timeout_s} s", res)
