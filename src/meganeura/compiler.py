@@ -345,11 +345,12 @@ class _StageClock:
 
 def _size_tiles(kernels, storage):
     """Tiles chosen for the adapter's workgroup memory: the flash kernel's query rows per
-    workgroup (the only kernel whose tile depends on it)."""
+    workgroup, and whether its backward keeps the own rows' operands resident (the only
+    kernels whose tiles depend on it)."""
     from .codegen import flash
     for k in kernels:
-        if k.archetype == "attention" and k.spec.get("flash") \
-                and flash.rows_per_group(k.reads[0].shape[-1], storage) is not None:
+        if k.archetype == "attention" and (k.spec.get("grad") or k.spec.get("flash")
+                                           and flash.rows_per_group(k.reads[0].shape[-1], storage) is not None):
             k.spec["smem"] = storage
 
 
