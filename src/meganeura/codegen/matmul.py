@@ -126,12 +126,13 @@ TARGET_GROUPS = int(os.environ.get("MEGANEURA_MATMUL_GROUPS", "256"))
 # against the 128 x 128 tile of 256 threads (8 x 8 outputs each): 4096^3 39.7 -> 43.5,
 # 2048^3 38.2 -> 41.8; 128 x 64: Whisper's 1500 x 384 x 1536 20.3 -> 23.8, 1024^3 26.5 -> 28.1
 BLOCKS = (((128, 128, 8, 16), 256), ((128, 64, 16, 8), 128))
-# Deep products too small for those blocks take 64 x 64 tiles of 128 threads with 4 x 8
-# outputs each (half the workgroup-memory reads per FMA of the 256-thread 64 tile): at least
-# DEEP_MIN_K deep with DEEP_MIN_OUTPUTS outputs. H200: Whisper-tiny's fc2 (1500 x 1536 x 384)
-# 17.5 -> 19.4 TFLOP/s. As the fallback of every smaller product it was slower (SmolVLA's
-# expert, the U-Net, SmolLM2: short or shallow products).
-DEEP_BLOCK = (64, 64, 16, 8)
+# Deep products too small for those blocks (at least DEEP_MIN_K deep, DEEP_MIN_OUTPUTS
+# outputs) still take the 128 x 64 block, with K splits making up the workgroups, not the
+# 64 tile of 256 threads with 4 x 4 outputs each. H200, GPU us: Whisper-tiny's fc2 (1500 x
+# 1536 x 384) 95 -> 78 with 4 splits, its second convolution (384 x 1152 x 1500) 100 -> 79;
+# 64 x 64 tiles of 128 threads took them to 89 and 98. (128-thread 64 x 64 tiles as the
+# fallback of every smaller product were slower: SmolVLA, the U-Net, SmolLM2.)
+DEEP_BLOCK = (128, 64, 16, 8)
 DEEP_MIN_K = 1024
 DEEP_MIN_OUTPUTS = 1 << 18
 
