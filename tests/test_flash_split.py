@@ -123,23 +123,35 @@ def test_whisper_like_shape_split_four(monkeypatch):
 
 
 def test_automatic_rule():
-    """About 512 workgroups, S in 1..4, at least 4 key tiles per split."""
-    assert flash_split.auto_splits(6 * 24, 24) == 4       # Whisper-tiny, 64-row tiles: 144 -> 576
-    assert flash_split.auto_splits(6 * 47, 24) == 2       # 32-row tiles: 282 -> 564
-    assert flash_split.auto_splits(512, 100) == 1         # enough workgroups already
-    assert flash_split.auto_splits(300, 100) == 2
-    assert flash_split.auto_splits(1, 1000) == 4          # never more than 4
+    """About 768 workgroups, S in 1..6, at least 4 key tiles per split."""
+    assert flash_split.auto_splits(6 * 24, 24) == 6       # Whisper-tiny, 64-row tiles: 144 -> 864
+    assert flash_split.auto_splits(6 * 47, 24) == 3       # 32-row tiles: 282 -> 846
+    assert flash_split.auto_splits(768, 100) == 1         # enough workgroups already
+    assert flash_split.auto_splits(300, 100) == 3
+    assert flash_split.auto_splits(1, 1000) == 6          # never more than 6
     assert flash_split.auto_splits(6, 7) == 1             # fewer than 8 key tiles: no split
     assert flash_split.auto_splits(6, 8) == 2
     assert flash_split.auto_splits(6, 12) == 3
 
 
+def test_split_follows_the_adapters_query_tile(monkeypatch):
+    """The split is counted in the workgroups the kernel runs: with 48 KiB of workgroup
+    memory a workgroup takes 64 query rows, half as many workgroups as with 32 KiB's 32
+    rows, so Whisper-tiny's attention splits 6 ways instead of 3."""
+    monkeypatch.delenv("MEGANEURA_FLASH_SPLIT", raising=False)
+    monkeypatch.delenv("MEGANEURA_FLASH_SMEM", raising=False)
+    g, out = fwd._whisper_like(1500)
+    for storage, want in ((0, 3), (32768, 3), (49152, 6)):
+        kp = compile_plan([out], options=CompileOptions(workgroup_storage=storage))
+        assert [d.kernel.spec.get("split") for d in kp.dispatches][0] == want, storage
+
+
 def test_selection_automatic_unless_forced(monkeypatch):
-    """Unset, the automatic rule chooses (Whisper-tiny's encoder gets 4 splits); the
+    """Unset, the automatic rule chooses (Whisper-tiny's encoder gets 6 splits); the
     variable forces a count; with AUTO_SPLIT off the forward stays whole."""
     monkeypatch.delenv("MEGANEURA_FLASH_SPLIT", raising=False)
     assert flash_split.AUTO_SPLIT
-    assert flash_split.splits(144, 24) == 4
+    assert flash_split.splits(144, 24) == 6
     g, out = fwd._whisper_like(1500)
     assert compile_plan([out]).names == ["flash_attention_split", "flash_attention_combine"]
     monkeypatch.setattr(flash_split, "AUTO_SPLIT", False)

@@ -12,9 +12,12 @@ with dP = dO V^T and dS = P * (dP - D):
   where a fused epilogue runs; dV as ``kernel.outs[0]``).
 
 Both are one template over "own" rows X (queries for dq, keys for dkv) and "walked" rows
-Y of BY = 32 per tile. Threads: 16 x 16; thread (ty, tx) owns the 2 x 2 block of the
-32 x 32 score tile at rows ty + 16r and columns tx + 16c, and the output columns
-4tx..4tx+3 of every 64-column chunk of its two rows. Operands reach workgroup memory in
+Y of BY = 32 per tile. Threads: 8 x 16; thread (ty, tx) owns the 4 x 2 block of the
+32 x 32 score tile at own rows 4ty..4ty+3 and walked rows tx + 16c, and the output columns
+4tx..4tx+3 of every 64-column chunk of its four rows: a walked row's P or dS for those four
+rows is one vec4 (PS holds each walked row's 32 values as 8 vec4s, the thread's swizzled to
+ty ^ (y % 8)), so the accumulation reads 2 vec4s per 16 FMAs. (With 16 x 16 threads of 2 x
+2 it read 3 values per 8, and Whisper-tiny's backward was bound by workgroup memory.) Operands reach workgroup memory in
 chunks of 64 columns as vec4s over 4 columns, column-group-major with a row stride of 33
 vec4s, so the score loop reads 8 different banks per quarter warp and the accumulation
 (over Y rows, lanes along columns) too. With D <= 64 the K (dq) or Q and dO (dkv) chunks
@@ -35,7 +38,9 @@ from .flash import MAX_DIM, NEG_INF, _chunks, _pad4, _stage_trips, shapes_ok, sm
 
 BX = BY = 32         # own rows per workgroup, walked rows per tile
 TX = 16              # lanes per row group
-TH = 256             # threads
+RO = 4               # own rows per thread: 4ty..4ty+3
+TY = BX // RO        # row groups
+TH = TY * TX         # threads (128)
 PAD = 33             # vec4 stride between column groups of a staged chunk
 CHUNK_VEC4 = 16 * PAD
 
@@ -105,20 +110,23 @@ def render(kernel):
         return lines + ["    }"]
 
     def dots(acc, w):
-        """acc[r][c] += XA row (ty + 16r) . YA row (tx + 16c) over a chunk of w columns."""
-        lines = [f"    for (var c4 = 0u; c4 < {w // 4}u; c4 = c4 + 1u) {{",
-                 f"        let xa0 = XA[c4 * {PAD}u + ty]; let xa1 = XA[c4 * {PAD}u + ty + 16u];",
-                 f"        let ya0 = YS[c4 * {PAD}u + tx]; let ya1 = YS[c4 * {PAD}u + tx + 16u];"]
-        lines += [f"        {acc}[{r}][{c}] = {acc}[{r}][{c}] + dot(xa{r}, ya{c});" for r in range(2) for c in range(2)]
+        """acc[r][c] += XA row (4ty + r) . YS row (tx + 16c) over a chunk of w columns."""
+        lines = [f"    for (var c4 = 0u; c4 < {w // 4}u; c4 = c4 + 1u) {{"]
+        lines += [f"        let xa{r} = XA[c4 * {PAD}u + ty * {RO}u + {r}u];" for r in range(RO)]
+        lines += [f"        let ya0 = YS[c4 * {PAD}u + tx]; let ya1 = YS[c4 * {PAD}u + tx + 16u];"]
+        lines += [f"        {acc}[{r}][{c}] = {acc}[{r}][{c}] + dot(xa{r}, ya{c});" for r in range(RO) for c in range(2)]
         return lines + ["    }"]
 
     def accumulate(acc, area, n_chunks, ci):
-        """acc[r * n_chunks + ci] += sum over the tile's Y rows of PS[row r][y] * area[y][4tx..]."""
+        """acc[r * n_chunks + ci] += sum over the tile's Y rows y of P(own row 4ty + r, y) *
+        area[y][4tx..]: PS[y] holds the own rows' values as vec4s over 4 rows, the thread's
+        at ty ^ (y % TY) (swizzled: the writes of 16 lanes spread over the banks)."""
         lines = [f"    for (var y4 = 0u; y4 < {BY // 4}u; y4 = y4 + 1u) {{"]
         for u in range(4):
-            lines.append(f"        let y{u} = y4 * 4u + {u}u; let w{u} = {area}[tx * {PAD}u + y{u}];")
-            lines += [f"        {acc}[{r * n_chunks + ci}] = fma(vec4<f32>(PS[(ty + {16 * r}u) * {BY}u + y{u}]), w{u}, "
-                      f"{acc}[{r * n_chunks + ci}]);" for r in range(2)]
+            lines.append(f"        let y{u} = y4 * 4u + {u}u; let w{u} = {area}[tx * {PAD}u + y{u}];"
+                         f" let p{u} = PS[y{u} * {TY}u + (ty ^ (y{u} & {TY - 1}u))];")
+            lines += [f"        {acc}[{r * n_chunks + ci}] = fma(vec4<f32>(p{u}[{r}]), w{u}, "
+                      f"{acc}[{r * n_chunks + ci}]);" for r in range(RO)]
         return lines + ["    }"]
 
     if dq:      # own: query rows of head h; walked: keys of kv head h / G
@@ -138,18 +146,18 @@ def render(kernel):
     dch, vch = _chunks(d), _chunks(dv)
     resident = len(dch) == len(vch) == 1 and 4 * CHUNK_VEC4 + BX * BY // 4 <= smem_floats(spec.get("smem")) // 4
     if dq:
-        L.append(f"    var aq: array<vec4<f32>, {2 * len(dch)}>;")
-        # this thread's two rows' LSE and D, once
-        for r in range(2):
-            L += [f"    let lse{r} = b{lb}[{base(lse, 'h')} + min(x0 + ty + {16 * r}u, {lq - 1}u) * {lse.strides[-1]}u];",
-                  f"    let dd{r} = b{db}[{base(delta, 'h')} + min(x0 + ty + {16 * r}u, {lq - 1}u) * {delta.strides[-1]}u];"]
+        L.append(f"    var aq: array<vec4<f32>, {RO * len(dch)}>;")
+        # this thread's own rows' LSE and D, once
+        for r in range(RO):
+            L += [f"    let lse{r} = b{lb}[{base(lse, 'h')} + min(x0 + ty * {RO}u + {r}u, {lq - 1}u) * {lse.strides[-1]}u];",
+                  f"    let dd{r} = b{db}[{base(delta, 'h')} + min(x0 + ty * {RO}u + {r}u, {lq - 1}u) * {delta.strides[-1]}u];"]
         if spec["causal"]:
             L.append(f"    let nt = min({-(-lk // BY)}u, (x0 + {BX - 1}u) / {BY}u + 1u);")
         else:
             L.append(f"    let nt = {-(-lk // BY)}u;")
         L += ["    for (var t = 0u; t < nt; t = t + 1u) {", f"    let y0 = t * {BY}u;"]
     else:
-        L += [f"    var ak: array<vec4<f32>, {2 * len(dch)}>;", f"    var av: array<vec4<f32>, {2 * len(vch)}>;"]
+        L += [f"    var ak: array<vec4<f32>, {RO * len(dch)}>;", f"    var av: array<vec4<f32>, {RO * len(vch)}>;"]
         # causal: query rows i >= j only, so the tiles before the key tile's own are skipped
         L.append(f"    let qt0 = {f'min(x0 / {BY}u, {NQT}u)' if spec['causal'] else '0u'};")
         L.append(f"    let nq = {NQT}u - qt0;")
@@ -161,8 +169,8 @@ def render(kernel):
             L += [f"    let lse{c} = b{lb}[{base(lse, 'h')} + min(y0 + tx + {16 * c}u, {lq - 1}u) * {lse.strides[-1]}u];",
                   f"    let dd{c} = b{db}[{base(delta, 'h')} + min(y0 + tx + {16 * c}u, {lq - 1}u) * {delta.strides[-1]}u];"]
     # zeroed here, not by a bare ``var`` (naga hoists that to the function's entry)
-    L += ["    var s = array<vec2<f32>, 2>(vec2<f32>(0.0), vec2<f32>(0.0));",
-          "    var dp = array<vec2<f32>, 2>(vec2<f32>(0.0), vec2<f32>(0.0));"]
+    zeros = ", ".join(["vec2<f32>(0.0)"] * RO)
+    L += [f"    var s = array<vec2<f32>, {RO}>({zeros});", f"    var dp = array<vec2<f32>, {RO}>({zeros});"]
     # (own, walked) operands of the scores and of dP
     xs, ys = ((qb, "qoff", q, lq), (kb, "koff", k, lk)) if dq else ((kb, "koff", k, lk), (qb, "qoff", q, lq))
     xv, yv = ((ob, "dooff", do, lq), (vb, "voff", v, lk)) if dq else ((vb, "voff", v, lk), (ob, "dooff", do, lq))
@@ -194,9 +202,9 @@ def render(kernel):
         terms = [f"{m.offset}u"] + [f"z{n} * {st[n]}u" for n in range(nbd) if st[n]]
         terms += [f"h * {st[nbd]}u"] if st[nbd] else []
         L.append(f"    let moff = {' + '.join(terms)};")
-    for r in range(2):
+    for r in range(RO):
         for c in range(2):
-            i, j = (f"x0 + ty + {16 * r}u", f"y0 + tx + {16 * c}u")
+            i, j = (f"x0 + ty * {RO}u + {r}u", f"y0 + tx + {16 * c}u")
             if not dq:
                 i, j = j, i
             lse_i, d_i = (f"lse{r}", f"dd{r}") if dq else (f"lse{c}", f"dd{c}")
@@ -209,9 +217,9 @@ def render(kernel):
             L += [f"        let p = select(0.0, exp(x - {lse_i}), {' && '.join(keep)});",
                   f"        s[{r}][{c}] = p;",
                   f"        dp[{r}][{c}] = p * (dp[{r}][{c}] - {d_i}); }}"]
-    # s now holds P and dp holds dS; PS[own row][walked row] feeds the accumulation
-    writes = lambda a: [f"    PS[(ty + {16 * r}u) * {BY}u + tx + {16 * c}u] = {a}[{r}][{c}];"  # noqa: E731
-                        for r in range(2) for c in range(2)]
+    # s now holds P and dp holds dS; PS[walked row] (vec4s over own rows) feeds the accumulation
+    writes = lambda a: [f"    PS[(tx + {16 * c}u) * {TY}u + (ty ^ ((tx + {16 * c}u) & {TY - 1}u))] = "  # noqa: E731
+                        f"vec4<f32>({', '.join(f'{a}[{r}][{c}]' for r in range(RO))});" for c in range(2)]
     if dq:
         L += writes("dp") + ["    workgroupBarrier();"]
         for ci, (c0, w) in enumerate(dch):
@@ -230,13 +238,13 @@ def render(kernel):
                 L += stage("YS", "y0", lq, c0, w, qb, "qoff", q, d) + ["    workgroupBarrier();"]
             L += accumulate("ak", "YS", len(dch), ci) + ["    workgroupBarrier();"]
     L.append("    }")
-    # stores: the thread's two own rows, 4 columns per chunk
+    # stores: the thread's own rows, 4 columns per chunk
     n_own = lq if dq else lk
     main, width, chunks = ("aq", d, dch) if dq else ("ak", d, dch)
     heads = hq if dq else hkv
     scale = f(spec["scale"])
-    for r in range(2):
-        L.append(f"    {{ let x = x0 + ty + {16 * r}u; if (x < {n_own}u) {{")
+    for r in range(RO):
+        L.append(f"    {{ let x = x0 + ty * {RO}u + {r}u; if (x < {n_own}u) {{")
         for ci, (c0, w) in enumerate(chunks):
             for e in range(4):
                 col = f"{c0}u + tx * 4u + {e}u"
@@ -257,6 +265,6 @@ def render(kernel):
            f"\nvar<workgroup> YS: array<vec4<f32>, {CHUNK_VEC4}>;"
            f"\nvar<workgroup> YV: array<vec4<f32>, {CHUNK_VEC4}>;"
            + (f"\nvar<workgroup> XV: array<vec4<f32>, {CHUNK_VEC4}>;" if resident else "") +
-           f"\nvar<workgroup> PS: array<f32, {BX * BY}>;\n\n"
+           f"\nvar<workgroup> PS: array<vec4<f32>, {BX * BY // 4}>;\n\n"
            + ENTRY.format(wg=TH) + "\n".join(L) + "\n}\n")
     return src, b.bufs, grid(nb * heads * NX)
