@@ -75,6 +75,21 @@ def test_constant_values_are_part_of_the_key():
     assert plan_cache.graph_digest(graph(3.0)) != plan_cache.graph_digest(graph(4.0))
 
 
+def test_digest_names_the_computation():
+    """The graph digest follows what the targets compute (ops, operand order, input names),
+    not node ids: unrelated nodes added later leave it, a swapped operand changes it."""
+    def graph(swap=False, name="y"):
+        g = mg.Graph()
+        x, y = g.input("x", (4,)), g.input(name, (4,))
+        return g, [mg.ops.relu(y - x if swap else x - y)]
+    g, out = graph()
+    before = plan_cache.graph_digest(out)
+    mg.ops.exp(out[0]) * 2.0                      # more nodes in the same graph
+    assert plan_cache.graph_digest(out) == before == plan_cache.graph_digest(graph()[1])
+    assert before != plan_cache.graph_digest(graph(swap=True)[1])
+    assert before != plan_cache.graph_digest(graph(name="z")[1])
+
+
 def test_corrupt_and_foreign_entries_are_ignored_and_rewritten(cache):
     opts = CompileOptions()
     good = compile_plan(mlp(), options=opts, cache=True, adapter=ADAPTER)
