@@ -229,3 +229,27 @@ def test_device_memory_is_filled_once_per_block_not_per_buffer(staged_device, mo
     np.testing.assert_array_equal(rt.readback(again, 4096, np.float32), np.zeros(1024, np.float32))
     for b in bufs[:3] + bufs[4:] + [again]:
         b.destroy()
+
+
+def test_fence_wait_polls_first_except_on_software_devices(monkeypatch, staged_device):
+    """A wait polls the fence before blocking (default 20 ms, MEGANEURA_SPIN_MS), except on
+    a software device where the poll would take a core from the work unless asked; a bad
+    value names the switch. With polling asked on lavapipe, steps still give the right result."""
+    from meganeura.runtime.vulkan.device import spin_seconds
+    monkeypatch.delenv("MEGANEURA_SPIN_MS", raising=False)
+    assert spin_seconds() == 0.02 and spin_seconds(software=True) == 0.0
+    monkeypatch.setenv("MEGANEURA_SPIN_MS", "5")
+    assert spin_seconds(software=True) == 0.005
+    monkeypatch.setenv("MEGANEURA_SPIN_MS", "soon")
+    with pytest.raises(ValueError, match="MEGANEURA_SPIN_MS='soon'"):
+        spin_seconds()
+    monkeypatch.setenv("MEGANEURA_SPIN_MS", "50")
+    rt = backend.VulkanRuntime(staged_device)
+    monkeypatch.setattr(backend, "_runtime", rt)
+    g = mg.Graph()
+    x = g.input("x", (256,))
+    s = mg.compile(g, outputs=[mg.ops.exp(x) * 2.0], backend="vulkan")
+    v = np.linspace(-2, 2, 256, dtype=np.float32)
+    for _ in range(3):
+        np.testing.assert_allclose(s.run({"x": v})[0], np.exp(v) * 2.0, rtol=1e-6)
+    s.close()

@@ -33,14 +33,15 @@ ACCESS = ("read", "write", "rw")
 
 DEFAULT_BLOCK_BYTES = 64 << 20
 # a wait for the GPU polls the fence this long before it blocks (MEGANEURA_SPIN_MS: 0 blocks
-# at once), so a step shorter than that returns as soon as it is done
+# at once), so a step shorter than that returns as soon as it is done; not on a software
+# device unless asked, where the polling thread would take a core from the one doing the work
 SPIN_MS = 20.0
 
 
-def spin_seconds() -> float:
+def spin_seconds(software=False) -> float:
     raw = os.environ.get("MEGANEURA_SPIN_MS", "").strip()
     try:
-        ms = float(raw) if raw else SPIN_MS
+        ms = float(raw) if raw else 0.0 if software else SPIN_MS
     except ValueError:
         raise ValueError(f"MEGANEURA_SPIN_MS={raw!r}: milliseconds to poll before a blocking wait "
                          "(0: block at once)") from None
@@ -601,7 +602,7 @@ class VulkanDevice:
         lib = _vk.lib
         # poll first, as CUDA's synchronize does: a blocking wait returns tens of
         # microseconds after the GPU is done, a large part of a millisecond step's overhead
-        spin = spin_seconds()
+        spin = spin_seconds(self.is_software)
         if spin > 0:
             deadline = time.perf_counter() + spin
             while lib.vkGetFenceStatus(self.handle, pfence[0]) == _vk.vk.VK_NOT_READY \
