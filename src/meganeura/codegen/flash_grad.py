@@ -17,7 +17,8 @@ Y of BY = 32 per tile. Threads: 8 x 16; thread (ty, tx) owns the 4 x 2 block of 
 4tx..4tx+3 of every 64-column chunk of its four rows: a walked row's P or dS for those four
 rows is one vec4 (PS holds each walked row's 32 values as 8 vec4s, the thread's swizzled to
 ty ^ (y % 8)), so the accumulation reads 2 vec4s per 16 FMAs. (With 16 x 16 threads of 2 x
-2 it read 3 values per 8, and Whisper-tiny's backward was bound by workgroup memory.) Operands reach workgroup memory in
+2 it read 3 values per 8, and Whisper-tiny's backward was bound by workgroup memory.)
+Operands reach workgroup memory in
 chunks of 64 columns as vec4s over 4 columns, column-group-major with a row stride of 33
 vec4s, so the score loop reads 8 different banks per quarter warp and the accumulation
 (over Y rows, lanes along columns) too. With D <= 64 the K (dq) or Q and dO (dkv) chunks
