@@ -253,3 +253,19 @@ def test_fence_wait_polls_first_except_on_software_devices(monkeypatch, staged_d
     for _ in range(3):
         np.testing.assert_allclose(s.run({"x": v})[0], np.exp(v) * 2.0, rtol=1e-6)
     s.close()
+
+
+def test_inputs_take_mappable_device_memory_only_on_a_large_heap():
+    """Inputs go to host-visible device-local memory only where its heap is at least 1 GiB
+    (resizable BAR, as on an H200); a 256 MiB BAR window is left to the driver."""
+    import vulkan as v
+    from meganeura.runtime.vulkan.device import INPUT_HEAP_BYTES
+    DL, HV = v.VK_MEMORY_PROPERTY_DEVICE_LOCAL_BIT, v.VK_MEMORY_PROPERTY_HOST_VISIBLE_BIT
+    HC, HCA = v.VK_MEMORY_PROPERTY_HOST_COHERENT_BIT, v.VK_MEMORY_PROPERTY_HOST_CACHED_BIT
+    dev = VulkanDevice.__new__(VulkanDevice)
+    # the H200's table (driver 580): types 0-4, heap 0 device-local, heap 1 host
+    dev.memory_types = [0, DL, HV | HC, HV | HC | HCA, DL | HV | HC]
+    for bar, want in ((150 << 30, 4), (256 << 20, None)):
+        dev.memory_type_heaps = [1, 0, 1, 1, 2]
+        dev.memory_heaps = [dict(size=150 << 30), dict(size=100 << 30), dict(size=bar)]
+        assert dev._find_type_on_heap(DL | HV | HC, INPUT_HEAP_BYTES) == want
