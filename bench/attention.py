@@ -4,7 +4,7 @@ forward alone and forward + backward (the gradients of q, k and v for a given dO
 
     python bench/attention.py [--size tiny|real] [--phases forward,backward] [--split 2,4] [--out bench/results/attention.json]
 
-Prints a table and writes JSON. ``--split`` (default: MEGANEURA_FLASH_SPLIT where set) adds a
+Prints a table (with each kernel's GPU time where there are several) and writes JSON. ``--split`` (default: MEGANEURA_FLASH_SPLIT where set) adds a
 row per S for the flash forward split over keys into S workgroups per query tile
 (``flash_sS``); the ``flash`` row is always the unsplit kernel. ``real`` is Whisper-tiny's
 encoder self-attention (1 x 6 heads x 1500 x 64, no mask) and SmolLM2's causal grouped-query prefill (9 query and
@@ -78,9 +78,22 @@ def reference_grads(feeds, causal):
     return evaluate(g, outs, {n: a.astype(np.float64) for n, a in feeds.items()}, compute=np.float64)
 
 
+def kernel_seconds(sess, runs=5):
+    """[(dispatch name, median GPU seconds over ``runs`` timestamped runs)] of ``sess``'s
+    inference call, or None where the device has no timestamps."""
+    ex = sess.executor
+    plan = ex.plan("run")
+    if not ex.dev.has_timestamps:
+        return None
+    spans = [ex.recorder.run(plan.step, timestamps=True) for _ in range(runs)]
+    per = np.median(np.stack([(ts[:, 1] - ts[:, 0]) / 1e9 for ts in spans]), axis=0)
+    return [(name, float(s)) for name, s in zip(plan.names, per)]
+
+
 def ours(feeds, causal, decompose, samples, warmup, backward=False, want=None, split=1):
     """(wall-time samples per call, GPU timestamp seconds or None, max relative error,
-    dispatch names). ``split``: key splits of the flash forward (1: none)."""
+    dispatch names, per-dispatch GPU seconds or None). ``split``: key splits of the flash
+    forward (1: none)."""
     saved = attn.MAX_ROW_WORK, flash.LOOP_BOUND, os.environ.get("MEGANEURA_FLASH_SPLIT")
     attn.MAX_ROW_WORK = 0         # the flash kernels also at tiny size (the one-row kernel declines)
     if decompose:                 # both attention kernels decline: matmuls and a softmax
@@ -101,7 +114,7 @@ def ours(feeds, causal, decompose, samples, warmup, backward=False, want=None, s
     times, ts_gpu = replay_seconds(sess, samples, warmup, reps=10)
     want = want if want is not None else [reference(feeds, causal)]
     err = max(float(np.abs(a - w).max() / np.abs(w).max()) for a, w in zip(got, want))
-    return times, ts_gpu, err, names
+    return times, ts_gpu, err, names, kernel_seconds(sess)
 
 
 def theirs(feeds, causal, samples, warmup, backward=False):
@@ -169,18 +182,21 @@ def main(argv=None):
             t_torch = theirs(feeds, causal, args.samples, args.warmup, backward)
             mt = statistics.median(t_torch) if t_torch else None
             for variant, decompose, split in variants:
-                times, ts, err, names = ours(feeds, causal, decompose, args.samples, args.warmup,
-                                             backward, want, split)
+                times, ts, err, names, per_kernel = ours(feeds, causal, decompose, args.samples, args.warmup,
+                                                         backward, want, split)
                 mo = statistics.median(times)
                 row = {"case": name, "phase": phase, "variant": variant, "split": split, "q_shape": qs, "kv_heads": hkv,
                        "causal": causal, "dispatches": len(names), "kernels": names, "median_s": mo,
-                       "samples_s": times, "gpu_timestamp_s": ts, "gflops": flops / mo / 1e9, "max_rel_err": err}
+                       "samples_s": times, "gpu_timestamp_s": ts, "kernel_gpu_s": per_kernel,
+                       "gflops": flops / mo / 1e9, "max_rel_err": err}
                 if mt:
                     row.update(torch_median_s=mt, torch_samples_s=t_torch, ratio_torch_over_ours=mt / mo)
                 rows.append(row)
                 print(f"{name:11} {phase:8} {variant:11} {len(names):>10d} {mo * 1e6:>10.1f} "
                       f"{(ts * 1e6 if ts is not None else float('nan')):>10.1f} {row['gflops']:>9.1f} "
                       f"{row.get('ratio_torch_over_ours', float('nan')):>10.2f} {err:>12.2e}")
+                if per_kernel and len(per_kernel) > 1:
+                    print(" " * 21 + "GPU us: " + "; ".join(f"{n} {s * 1e6:.1f}" for n, s in per_kernel))
             if mt:
                 print(f"{name:11} {phase:8} {'torch sdpa':11} {'':>10} {mt * 1e6:>10.1f}")
     os.makedirs(os.path.dirname(out) or ".", exist_ok=True)

@@ -55,3 +55,17 @@ def test_matmul_shapes_collects_and_times(tmp_path):
     assert (first["m"], first["n"], first["k"]) == (64, 48, 40)
     for t in r["timed"]:
         assert t["max_rel_err"] < 1e-5 and t["ours_tflops"] > 0 and t["torch_tflops"] > 0
+
+
+def test_attention_bench_reports_each_kernels_gpu_time(tmp_path):
+    """bench/attention.py at tiny size: our flash and decomposed forwards checked against
+    float64, with each dispatch's GPU time (lavapipe has timestamps) in the JSON."""
+    out = tmp_path / "a.json"
+    _load("attention").main(["--size", "tiny", "--samples", "1", "--warmup", "0", "--phases", "forward",
+                             "--out", str(out)])
+    rows = json.loads(out.read_text())["rows"]
+    assert {(r["case"], r["variant"]) for r in rows} == {(c, v) for c in ("whisper", "causal_gqa")
+                                                          for v in ("flash", "decomposed")}
+    for r in rows:
+        assert r["max_rel_err"] < 1e-5
+        assert [n for n, _ in r["kernel_gpu_s"]] == r["kernels"] and all(s > 0 for _, s in r["kernel_gpu_s"])
