@@ -145,7 +145,15 @@ def render(kernel):
               f"    let qoff = {base(q, 'h')};", f"    let dooff = {base(do, 'h')};"]
     L += [f"    let koff = {base(k, 'hk')};", f"    let voff = {base(v, 'hk')};"]
     dch, vch = _chunks(d), _chunks(dv)
+    # (own, walked) operands of the scores and of dP
+    xs, ys = ((qb, "qoff", q, lq), (kb, "koff", k, lk)) if dq else ((kb, "koff", k, lk), (qb, "qoff", q, lq))
+    xv, yv = ((ob, "dooff", do, lq), (vb, "voff", v, lk)) if dq else ((vb, "voff", v, lk), (ob, "dooff", do, lq))
+    # the own rows' two operands stay in workgroup memory for the whole walk where they fit:
+    # each tile then stages only the walked rows' two (half the copies, 3 barriers a tile
+    # instead of 5); they are staged before the walk
     resident = len(dch) == len(vch) == 1 and 4 * CHUNK_VEC4 + BX * BY // 4 <= smem_floats(spec.get("smem")) // 4
+    own = (stage("XA", "x0", xs[3], 0, _pad4(d), xs[0], xs[1], xs[2], d)
+           + stage("XV", "x0", xv[3], 0, _pad4(dv), xv[0], xv[1], xv[2], dv)) if resident else []
     if dq:
         L.append(f"    var aq: array<vec4<f32>, {RO * len(dch)}>;")
         # this thread's own rows' LSE and D, once
@@ -156,13 +164,13 @@ def render(kernel):
             L.append(f"    let nt = min({-(-lk // BY)}u, (x0 + {BX - 1}u) / {BY}u + 1u);")
         else:
             L.append(f"    let nt = {-(-lk // BY)}u;")
-        L += ["    for (var t = 0u; t < nt; t = t + 1u) {", f"    let y0 = t * {BY}u;"]
+        L += own + ["    for (var t = 0u; t < nt; t = t + 1u) {", f"    let y0 = t * {BY}u;"]
     else:
         L += [f"    var ak: array<vec4<f32>, {RO * len(dch)}>;", f"    var av: array<vec4<f32>, {RO * len(vch)}>;"]
         # causal: query rows i >= j only, so the tiles before the key tile's own are skipped
         L.append(f"    let qt0 = {f'min(x0 / {BY}u, {NQT}u)' if spec['causal'] else '0u'};")
         L.append(f"    let nq = {NQT}u - qt0;")
-        L += [f"    for (var t = 0u; t < {group}u * nq; t = t + 1u) {{",
+        L += own + [f"    for (var t = 0u; t < {group}u * nq; t = t + 1u) {{",
               "    let h = hk * " + f"{group}u + t / nq;",
               f"    let y0 = (qt0 + t % nq) * {BY}u;",
               f"    let qoff = {base(q, 'h')};", f"    let dooff = {base(do, 'h')};"]
@@ -172,29 +180,22 @@ def render(kernel):
     # zeroed here, not by a bare ``var`` (naga hoists that to the function's entry)
     zeros = ", ".join(["vec2<f32>(0.0)"] * RO)
     L += [f"    var s = array<vec2<f32>, {RO}>({zeros});", f"    var dp = array<vec2<f32>, {RO}>({zeros});"]
-    # (own, walked) operands of the scores and of dP
-    xs, ys = ((qb, "qoff", q, lq), (kb, "koff", k, lk)) if dq else ((kb, "koff", k, lk), (qb, "qoff", q, lq))
-    xv, yv = ((ob, "dooff", do, lq), (vb, "voff", v, lk)) if dq else ((vb, "voff", v, lk), (ob, "dooff", do, lq))
     if resident:
-        # the own rows' two operands stay in workgroup memory for the whole walk: each tile
-        # stages only the walked rows' two (half the copies, 3 barriers a tile instead of 5)
-        loop = next(i for i, ln in enumerate(L) if ln.startswith("    for (var t = 0u;"))
-        L[loop:loop] = (stage("XA", "x0", xs[3], 0, _pad4(d), xs[0], xs[1], xs[2], d)
-                        + stage("XV", "x0", xv[3], 0, _pad4(dv), xv[0], xv[1], xv[2], dv))
         L += stage("YS", "y0", ys[3], 0, _pad4(d), ys[0], ys[1], ys[2], d)
         L += stage("YV", "y0", yv[3], 0, _pad4(dv), yv[0], yv[1], yv[2], dv)
         L += ["    workgroupBarrier();"] + dots("s", _pad4(d))
         L += [ln.replace("XA[", "XV[").replace("YS[", "YV[") for ln in dots("dp", _pad4(dv))]
-    for n, (c0, w) in enumerate(dch if not resident else ()):
-        L += stage("XA", "x0", xs[3], c0, w, xs[0], xs[1], xs[2], d)
-        L += stage("YS", "y0", ys[3], c0, w, ys[0], ys[1], ys[2], d)
-        L += ["    workgroupBarrier();"] + dots("s", w) + ["    workgroupBarrier();"]
-    for n, (c0, w) in enumerate(vch if not resident else ()):
-        L += stage("XA", "x0", xv[3], c0, w, xv[0], xv[1], xv[2], dv)
-        L += stage("YV", "y0", yv[3], c0, w, yv[0], yv[1], yv[2], dv)
-        L += ["    workgroupBarrier();"] + [ln.replace("YS[", "YV[") for ln in dots("dp", w)]
-        if n < len(vch) - 1:
-            L.append("    workgroupBarrier();")
+    else:       # X holds one own chunk at a time, staged again for each
+        for c0, w in dch:
+            L += stage("XA", "x0", xs[3], c0, w, xs[0], xs[1], xs[2], d)
+            L += stage("YS", "y0", ys[3], c0, w, ys[0], ys[1], ys[2], d)
+            L += ["    workgroupBarrier();"] + dots("s", w) + ["    workgroupBarrier();"]
+        for n, (c0, w) in enumerate(vch):
+            L += stage("XA", "x0", xv[3], c0, w, xv[0], xv[1], xv[2], dv)
+            L += stage("YV", "y0", yv[3], c0, w, yv[0], yv[1], yv[2], dv)
+            L += ["    workgroupBarrier();"] + [ln.replace("YS[", "YV[") for ln in dots("dp", w)]
+            if n < len(vch) - 1:
+                L.append("    workgroupBarrier();")
     # probabilities and dS of the thread's block: query i, key j
     if spec["masked"]:
         m = kernel.reads[6]

@@ -455,7 +455,6 @@ fn mm{j}(wid: vec3<u32>, lid3: vec3<u32>) {{
     return src, (-(-N // TN), -(-M // TM), nb * S), (TM, TN, WY, WX), TK
 
 
-
 GEMV_MAX_ROWS = 4
 GEMV_TARGET_GROUPS = 256    # enough workgroups to occupy a large GPU
 
