@@ -59,6 +59,8 @@ def test_tiled_matmul_k_loop_is_bounded():
     g = mg.Graph()
     out = mg.ops.matmul(g.input("a", (64, 1 << 24)), g.input("b", (1 << 24, 64)))
     kp = compile_plan([out])
-    loops = [int(n) for d in kp.dispatches if d.kernel.archetype == "matmul"
-             for n in re.findall(r"var t = 1u; t < (\d+)u", d.wgsl)]
-    assert loops and max(loops) - 1 <= LOOP_BOUND     # the loop runs t = 1..nk-1
+    wgsl = [d.wgsl for d in kp.dispatches if d.kernel.archetype == "matmul"]
+    # steps of the K loop: t = 0..nk (one loop), or t = 1..nk-1 (first and last peeled off)
+    loops = [int(n) + 1 for w in wgsl for n in re.findall(r"t <= (\d+)u", w)]
+    loops += [int(n) - 1 for w in wgsl for n in re.findall(r"var t = 1u; t < (\d+)u", w)]
+    assert loops and max(loops) <= LOOP_BOUND

@@ -247,28 +247,45 @@ def _operand(name, view, trans_contig_t, dim_t, K, T, V, tile0, binding, off, ch
     return vec, f"array<{ty}, {per}>", fetch, store
 
 
-# A is staged transposed ([k][m]) by four scalar stores per vec4 read along K; one vec4 of
-# padding per staged row of A puts the two rows a warp writes at once on different banks.
-# With the K loop's branches peeled off (``_main_loop``), H200 GPU TFLOP/s: 1024^3 30.1 ->
-# 33.7, 4096^3 43.6 -> 44.1, Whisper-tiny's 1500 x 384 x 1536 (B transposed) 22.5 -> 27.3
-PAD_A = 1
+# Products with A read along K from a buffer (not transposed, not gathered) on the blocks of
+# at least PEELED_ROWS rows (128 threads, 16 x 8 or 8 x 8 outputs each) take two changes:
+# - A is staged transposed ([k][m]) by four scalar stores per vec4 read along K; one vec4 of
+#   padding per staged row of A puts the two rows a warp writes at once on different banks;
+# - the K loop's first fetch and last product are peeled off, so its body has no branches.
+# H200, GPU TFLOP/s: 1024^3 30.1 -> 33.7, 4096^3 43.6 -> 44.1, Whisper-tiny's 1500 x 384 x 1536
+# (B transposed) 22.5 -> 27.3. Elsewhere they lost (GPU us a dispatch): the 64 tile of 256
+# threads, SmolVLA's matmuls 14.3 -> 21.5; A transposed, ResNet-50's input gradients 36 -> 58
+# and weight gradients with their bias sums 20 -> 30; im2col gathers, ResNet-50's
+# convolutions 49 -> 52 and Whisper-tiny's 61 -> 80.
+PEELED_ROWS = 128
 
 
-def _main_loop(nk, TK, SA, VN, fetch, store, fma):
-    """The K loop with its first fetch and last product outside it, so the loop body has no
-    branches: double-buffered tiles, the next K step fetched into registers while this one
-    is multiplied, then stored into the other half; one barrier per step."""
-    def product(buf):
-        return [f"{{ let As0 = {buf} * {TK * SA}u; let Bs0 = {buf} * {TK * VN}u;",
-                f"    for (var kk = 0u; kk < {TK}u; kk = kk + 1u) {{"] + fma + ["    }", "}"]
-    lines = ["{ let k0 = kbeg; let As0 = 0u; let Bs0 = 0u;"] + ["    " + x for x in fetch + store] + ["}",
-             "workgroupBarrier();",
-             f"for (var t = 1u; t < {nk}u; t = t + 1u) {{",
-             f"    {{ let k0 = kbeg + t * {TK}u;"] + ["        " + x for x in fetch] + ["    }"]
-    lines += ["    " + x for x in product("((t - 1u) % 2u)")]
-    lines += [f"    {{ let As0 = (t % 2u) * {TK * SA}u; let Bs0 = (t % 2u) * {TK * VN}u;"] + \
-        ["        " + x for x in store] + ["    }", "    workgroupBarrier();", "}"]
-    lines += product(f"{(nk - 1) % 2}u")
+def peeled(TM, ta, gathers) -> bool:
+    return TM >= PEELED_ROWS and not ta and not gathers
+
+
+def _main_loop(nk, TK, SA, VN, fetch, store, fma, peeled):
+    """The K loop over double-buffered tiles: the next K step is fetched into registers
+    while this one is multiplied, then stored into the other half; one barrier per step.
+    ``peeled``: the first fetch and the last product outside the loop (no branches in it);
+    else one loop of nk + 1 steps, each part under its condition."""
+    def product(buf, pad):
+        return [f"{pad}{{ let As0 = {buf} * {TK * SA}u; let Bs0 = {buf} * {TK * VN}u;",
+                f"{pad}    for (var kk = 0u; kk < {TK}u; kk = kk + 1u) {{"] + [pad + f for f in fma] + [f"{pad}    }}", f"{pad}}}"]
+    ind = lambda lines, n: [" " * n + x for x in lines]  # noqa: E731
+    if not peeled:
+        lines = [f"for (var t = 0u; t <= {nk}u; t = t + 1u) {{", f"    if (t < {nk}u) {{",
+                 f"        let k0 = kbeg + t * {TK}u;"] + ind(fetch, 8) + ["    }", "    if (t > 0u) {"]
+        lines += product("((t - 1u) % 2u)", "        ") + ["    }", f"    if (t < {nk}u) {{",
+                                                          f"        let As0 = (t % 2u) * {TK * SA}u; let Bs0 = (t % 2u) * {TK * VN}u;"]
+        lines += ind(store, 8) + ["    }", "    workgroupBarrier();", "}"]
+        return _ind(lines, 4)
+    lines = ["{ let k0 = kbeg; let As0 = 0u; let Bs0 = 0u;"] + ind(fetch + store, 4) + ["}", "workgroupBarrier();",
+                                                                                         f"for (var t = 1u; t < {nk}u; t = t + 1u) {{",
+                                                                                         f"    {{ let k0 = kbeg + t * {TK}u;"]
+    lines += ind(fetch, 8) + ["    }"] + product("((t - 1u) % 2u)", "    ")
+    lines += [f"    {{ let As0 = (t % 2u) * {TK * SA}u; let Bs0 = (t % 2u) * {TK * VN}u;"] + ind(store, 8)
+    lines += ["    }", "    workgroupBarrier();", "}"] + product(f"{(nk - 1) % 2}u", "")
     return _ind(lines, 4)
 
 
@@ -280,19 +297,21 @@ def render(kernel):
     parts = kernel.spec.get("parts", [kernel])
     bind = Bindings()
     fns, branches, x0, tks = [], [], 0, set()
+    # one workgroup memory layout and loop form for the launch: peeled when every part is
+    peel = all(peeled(_block(p)[0], p.spec["ta"], p.spec.get("gathers")) for p in parts)
     for j, part in enumerate(parts):
-        fn, (gx, gy, gz), block, TK = _tiled_part(part, bind, j)
-        tks.add((block, TK))
+        fn, (gx, gy, gz), block, TK, pad = _tiled_part(part, bind, j, peel)
+        tks.add((block, TK, pad))
         fns.append(fn)
         branches.append(f"    if (wid.x < {x0 + gx}u) {{ mm{j}(vec3<u32>(wid.x - {x0}u, wid.y, wid.z), lid3); return; }}")
         x0 += gx
-    assert len(tks) == 1, f"merged matmuls with different tiles or K steps: {tks}"   # one workgroup memory layout
-    (TM, TN, WY, WX), TK = tks.pop()
+    assert len(tks) == 1, f"merged matmuls with different tiles, K steps or padding: {tks}"   # one workgroup memory layout
+    (TM, TN, WY, WX), TK, pad = tks.pop()
     stats = "" if not any("prologue" in p.spec for p in parts) else \
         f"var<workgroup> pm: array<f32, {TM}>;\nvar<workgroup> pinv: array<f32, {TM}>;\n" \
         f"var<workgroup> pred: array<f32, {WX * WY}>;\n"
     src = f"""{bind.decls()}
-var<workgroup> As: array<vec4<f32>, {2 * TK * (TM // 4 + PAD_A)}>;
+var<workgroup> As: array<vec4<f32>, {2 * TK * (TM // 4 + pad)}>;
 var<workgroup> Bs: array<vec4<f32>, {2 * TK * TN // 4}>;
 {stats}{chr(10).join(fns)}
 
@@ -372,9 +391,20 @@ def _affine(e, ks, K, weight, bias, ty="f32"):
     return e
 
 
-def _tiled_part(kernel, bind, j):
-    """(WGSL function ``mm{j}``, its workgroup counts, block (TM, TN, WY, WX), K step) of
-    one tiled matmul."""
+def _block(kernel) -> tuple:
+    """(TM, TN, WY, WX) of one tiled matmul: as lowering chose it, else as ``plan_tiles`` would."""
+    if "tile" in kernel.spec:
+        return block_of(kernel.spec)
+    a = kernel.reads[0]
+    M, N = kernel.shape[-2:]
+    K = a.shape[-2] if kernel.spec["ta"] else a.shape[-1]
+    nb = int(np.prod(kernel.spec.get("batch", kernel.shape[:-2]), dtype=np.int64))
+    return plan_tiles(M, N, K, nb)[1]
+
+
+def _tiled_part(kernel, bind, j, peel=False):
+    """(WGSL function ``mm{j}``, its workgroup counts, block (TM, TN, WY, WX), K step, padding
+    of A's staged rows) of one tiled matmul; ``peel``: the padded, peeled form (``peeled``)."""
     a, bv = kernel.reads[:2]
     ta, tb = kernel.spec["ta"], kernel.spec["tb"]
     M, N = kernel.shape[-2:]
@@ -382,10 +412,10 @@ def _tiled_part(kernel, bind, j):
     batch = kernel.spec.get("batch", kernel.shape[:-2])   # split-K writes (batch, splits, M, N)
     nb = int(np.prod(batch, dtype=np.int64))
     S = kernel.spec.get("split", 1)
-    TM, TN, WY, WX = block_of(kernel.spec if "tile" in kernel.spec else {"block": plan_tiles(M, N, K, nb)[1]})
+    TM, TN, WY, WX = _block(kernel)
     GM, GN = TM // (4 * WY), TN // (4 * WX)   # groups of 4 rows (columns) per thread, 4*WY (4*WX) apart
     VM, VN = TM // 4, TN // 4                 # vec4s per tile row of A (B) in workgroup memory
-    SA = VM + PAD_A
+    SA = VM + peel     # one vec4 of padding per staged row of A
     TK = kernel.spec.get("tk") or k_step(TM)
     KC = split_k(K, S, TK)
     # static shapes: bounds checks only where a dimension is not a multiple of its tile
@@ -458,11 +488,11 @@ fn mm{j}(wid: vec3<u32>, lid3: vec3<u32>) {{
     var acc: array<vec4<f32>, {4 * GM * GN}>;
     var ra: {a_reg};
     var rb: {b_reg};
-{_main_loop(nk, TK, SA, VN, a_fetch + b_fetch, a_store + b_store, fma)}
+{_main_loop(nk, TK, SA, VN, a_fetch + b_fetch, a_store + b_store, fma, peel)}
 {chr(10).join(writes)}
 }}
 """
-    return src, (-(-N // TN), -(-M // TM), nb * S), (TM, TN, WY, WX), TK
+    return src, (-(-N // TN), -(-M // TM), nb * S), (TM, TN, WY, WX), TK, SA - VM
 
 
 GEMV_MAX_ROWS = 4
