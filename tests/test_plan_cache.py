@@ -151,3 +151,81 @@ def test_gpu_sessions_read_the_cache_and_train_the_same(cache, monkeypatch):
     assert "cache" not in s.executor.plans["step"].kernel_plan.stats
     assert s.step(feeds) == losses[0][0]
     assert len(list(cache.glob("*.plan"))) == n
+
+
+def _feeds():
+    rng = np.random.default_rng(0)
+    return {"x": rng.standard_normal((4, 8)).astype(np.float32), "y": np.array([0, 1, 2, 1], np.int32)}
+
+
+def _train(s, feeds):
+    losses = [s.step(feeds) for _ in range(3)]
+    loss = s.compute_grads(feeds)
+    return losses, loss, s.grads(), s.state_dict(include_optimizer=True)
+
+
+def test_a_training_session_compiled_before_does_not_differentiate(cache, monkeypatch):
+    """The second session of a graph stands up from the first one's manifest: no autodiff,
+    no optimizer update built; it trains, reports gradients and keeps optimizer state
+    exactly as the first (its phases' plans loaded by key)."""
+    from meganeura.api import CachedProgram, Program
+    feeds = _feeds()
+    first = _session()
+    assert type(first.program) is Program
+    want = _train(first, feeds)              # compute_grads compiles "grads": noted too
+    first.close()
+    assert len(list(cache.glob("*.session"))) == 1
+
+    def no_autodiff(*a, **k):
+        raise AssertionError("differentiated although the manifest names every phase")
+    monkeypatch.setattr(mg.api, "_grad", no_autodiff)
+    second = _session()
+    assert isinstance(second.program, CachedProgram)
+    assert second.executor.plans["step"].kernel_plan.stats["cache"] == "hit"
+    got = _train(second, feeds)
+    assert got[0] == want[0] and got[1] == want[1]
+    assert sorted(got[2]) == sorted(want[2]) and all(np.array_equal(got[2][n], want[2][n]) for n in want[2])
+    assert sorted(got[3]) == sorted(want[3]) == ["w1", "w1.exp_avg", "w1.exp_avg_sq", "w2", "w2.exp_avg", "w2.exp_avg_sq"]
+    assert all(np.array_equal(got[3][n], want[3][n]) for n in want[3])
+    second.close()
+
+
+def test_a_manifest_whose_plan_is_gone_differentiates_after_all(cache):
+    feeds = _feeds()
+    first = _session()
+    want = [first.step(feeds) for _ in range(2)]
+    first.close()
+    for p in cache.glob("*.plan"):
+        p.unlink()
+    from meganeura.api import CachedProgram
+    s = _session()
+    assert isinstance(s.program, CachedProgram) and s.program._real is not None     # built once the plan was missing
+    assert s.executor.plans["step"].kernel_plan.stats["cache"] == "stored"
+    assert [s.step(feeds) for _ in range(2)] == want
+    s.close()
+
+
+def test_sessions_outside_the_manifest_differentiate(cache):
+    """Gradient accumulation, the plan cache turned off: a plain Program, no manifest."""
+    from meganeura.api import Program
+    _session().close()
+    for kw in ({"accumulate": 2}, {"plan_cache": False}):
+        s = _session(**kw)
+        assert type(s.program) is Program
+        s.close()
+
+
+def test_session_key_follows_forward_parameters_optimizer_and_precision():
+    def key(hidden=16, opt=None, precision="strict", adapter=ADAPTER):
+        outs = mlp(hidden)
+        g = outs[0].graph
+        return plan_cache.session_key(outs, list(g.parameters.values()), opt or mg.optim.AdamW(lr=1e-3),
+                                      precision, adapter)
+    base = key()
+    assert key() == base
+    assert key(opt=mg.optim.AdamW(lr=1e-3, schedule=mg.optim.cosine(100))) == base    # fed per step
+    assert key(opt=mg.optim.AdamW(lr=3e-4)) == base
+    others = [key(hidden=32), key(opt=mg.optim.AdamW(lr=1e-3, weight_decay=0.1)), key(opt=mg.optim.Adam(lr=1e-3)),
+              key(opt=mg.optim.AdamW(lr=1e-3, clip_grad_norm=1.0)), key(precision="accelerated"),
+              key(adapter={**ADAPTER, "description": "driver 2.0"})]
+    assert len({base, *others}) == len(others) + 1

@@ -204,6 +204,10 @@ class Program:
             t for t in graph.states.values()
             if not t.attrs.get("optimizer_state") or t.id in self.used or t.id in updated]
 
+    def cached_phase(self, phase):
+        """What a phase compiles from without tensors (``CachedProgram``); None: nothing."""
+        return None
+
     def targets(self, phase):
         """(fetches, gradient names, [(kept name, new value)], every tensor to compute in
         that order) for ``phase``."""
@@ -213,6 +217,99 @@ class Program:
         fetches = [] if phase == "update" else self.fetches     # no forward pass in an update
         upd = [(t.name, v) for t, v in self.updates.get(phase, {}).items()]
         return fetches, grad_names, upd, fetches + [self.grads[n] for n in grad_names] + [v for _, v in upd]
+
+
+def _build_program(graph, fetches, loss, optimizer, accumulate, separate_update, updates) -> "Program":
+    """The session's Program: gradients of ``loss`` by autodiff, the optimizer's update and
+    the graph's own state updates added to ``updates`` ({phase: {tensor: new value}})."""
+    updates = {ph: dict(u) for ph, u in updates.items()}
+    grads = {}
+    if loss is not None:
+        params = [p for p in graph.parameters.values() if p.dtype.is_float]
+        gs = _grad(loss, params)
+        grads = {p.name: gr for p, gr in zip(params, gs)}
+        if optimizer is not None:
+            if not isinstance(optimizer, Optimizer):
+                raise TypeError(f"optimizer must be an mg.optim optimizer, got {type(optimizer).__name__}")
+            if accumulate > 1:
+                # accumulators hold the running sum; the k-th micro-step updates with the mean
+                accs = [graph.states.get(f"{p.name}.grad_accum") or graph.state(f"{p.name}.grad_accum", p.shape)
+                        for p in params]
+                for a in accs:
+                    a.attrs["optimizer_state"] = True
+                updates["micro"] = {a: a + g_ for a, g_ in zip(accs, gs)}
+                mean = [(a + g_) * (1.0 / accumulate) for a, g_ in zip(accs, gs)]
+                updates["step"] = optimizer.build(params, mean)
+                updates["step"].update({a: a * 0.0 for a in accs})
+            else:
+                updates["step"] = optimizer.build(params, gs)
+            if separate_update:
+                # the "update" phase: gradients summed elsewhere (other processes) come in
+                # as inputs and are scaled by a fed scalar (1 / number of gradients summed)
+                scale = optimizer.scalar(graph, GRAD_SCALE)
+                fed = [graph.inputs.get(GRAD_FEED + p.name) or graph.input(GRAD_FEED + p.name, p.shape, p.dtype)
+                       for p in params]
+                updates["update"] = optimizer.build(params, [f * scale for f in fed])
+                if accumulate > 1:
+                    updates["update"].update({a: a * 0.0 for a in accs})
+            # what the training forward maintains (graph.update: batch norm's running
+            # statistics) moves with every forward of a step, as in torch's train mode
+            for phase in ("micro", "step"):
+                if phase in updates:
+                    clash = [t.name for t in graph.updates if t in updates[phase]]
+                    if clash:
+                        raise ValueError(f"graph.update and the optimizer both update {clash}")
+                    updates[phase].update(graph.updates)
+            if separate_update and graph.updates and "grads" not in updates:
+                # a data-parallel step runs its forward and backward as "grads": that
+                # forward maintains them as well (each rank from its own batch)
+                updates["grads"] = dict(graph.updates)
+    return Program(graph, fetches, grads, updates)
+
+
+class CachedProgram(Program):
+    """A training session's Program stood up from its manifest (``plan_cache.note_phase``)
+    without differentiating: the optimizer's state and scalar inputs are added to the graph
+    under the names the optimizer gives them, and each phase the manifest names is compiled by
+    loading its plan by key (``cached_phase``). ``targets``, a phase the manifest does not
+    name, or a plan gone from the cache build the real Program (``materialize``), which finds
+    that state and those inputs by name and reuses them."""
+
+    def __init__(self, graph: Graph, fetches: list[Tensor], manifest: dict, build):
+        from .graph import DTYPES
+        from .reference import needed_nodes
+        self.graph, self.fetches, self._build, self._real = graph, fetches, build, None
+        self.plan_keys = dict(manifest["phases"])
+        for name, shape, dtype in manifest["states"]:
+            if name not in graph.states:
+                graph.state(name, shape, DTYPES[dtype], init=0.0).attrs["optimizer_state"] = True
+        for name in manifest["scalars"]:
+            if name not in graph.inputs:
+                graph.input(name, ())
+        self.grads = dict.fromkeys(manifest["grads"])           # names; tensors once materialised
+        self.update_names = manifest["updates"]
+        kept = {**graph.parameters, **graph.states}
+        self.kept = [kept[n] for n in manifest["kept"]]
+        self.updates = {ph: {kept[n]: None for n in names} for ph, names in self.update_names.items()}
+        self.used = {t.id for t in needed_nodes(fetches)} | {graph.inputs[n].id for n in manifest["scalars"]}
+
+    def cached_phase(self, phase):
+        """(fetches, gradient names, [(kept name, None)], plan key) of a phase the manifest
+        names (its plan is loaded by key, no tensors needed), or None."""
+        if self._real is not None or phase not in self.plan_keys:
+            return None
+        grad_names = list(self.grads) if phase == "grads" else []
+        return self.fetches, grad_names, [(n, None) for n in self.update_names.get(phase, [])], self.plan_keys[phase]
+
+    def targets(self, phase):
+        return self.materialize().targets(phase)
+
+    def materialize(self) -> Program:
+        """The real Program (autodiff and the optimizer's update), built once."""
+        if self._real is None:
+            self._real = self._build()
+            self.grads, self.updates, self.used = self._real.grads, self._real.updates, self.used | self._real.used
+        return self._real
 
 
 def _locked(method):
@@ -252,49 +349,32 @@ class Session:
                 raise ValueError(f"state_updates: new value of {st.name!r} has shape {fmt_shape(v.shape)} "
                                  f"{v.dtype.name}, expected {fmt_shape(st.shape)} {st.dtype.name}")
             updates["run"][st] = v
-        grads = {}
-        if loss is not None:
-            params = [p for p in graph.parameters.values() if p.dtype.is_float]
-            gs = _grad(loss, params)
-            grads = {p.name: gr for p, gr in zip(params, gs)}
-            if optimizer is not None:
-                if not isinstance(optimizer, Optimizer):
-                    raise TypeError(f"optimizer must be an mg.optim optimizer, got {type(optimizer).__name__}")
-                if self.accumulate > 1:
-                    # accumulators hold the running sum; the k-th micro-step updates with the mean
-                    accs = [graph.states.get(f"{p.name}.grad_accum") or graph.state(f"{p.name}.grad_accum", p.shape)
-                            for p in params]
-                    for a in accs:
-                        a.attrs["optimizer_state"] = True
-                    updates["micro"] = {a: a + g_ for a, g_ in zip(accs, gs)}
-                    mean = [(a + g_) * (1.0 / self.accumulate) for a, g_ in zip(accs, gs)]
-                    updates["step"] = optimizer.build(params, mean)
-                    updates["step"].update({a: a * 0.0 for a in accs})
-                else:
-                    updates["step"] = optimizer.build(params, gs)
-                if separate_update:
-                    # the "update" phase: gradients summed elsewhere (other processes) come in
-                    # as inputs and are scaled by a fed scalar (1 / number of gradients summed)
-                    scale = optimizer.scalar(graph, GRAD_SCALE)
-                    fed = [graph.inputs.get(GRAD_FEED + p.name) or graph.input(GRAD_FEED + p.name, p.shape, p.dtype)
-                           for p in params]
-                    updates["update"] = optimizer.build(params, [f * scale for f in fed])
-                    if self.accumulate > 1:
-                        updates["update"].update({a: a * 0.0 for a in accs})
-                # what the training forward maintains (graph.update: batch norm's running
-                # statistics) moves with every forward of a step, as in torch's train mode
-                for phase in ("micro", "step"):
-                    if phase in updates:
-                        clash = [t.name for t in graph.updates if t in updates[phase]]
-                        if clash:
-                            raise ValueError(f"graph.update and the optimizer both update {clash}")
-                        updates[phase].update(graph.updates)
-                if separate_update and graph.updates and "grads" not in updates:
-                    # a data-parallel step runs its forward and backward as "grads": that
-                    # forward maintains them as well (each rank from its own batch)
-                    updates["grads"] = dict(graph.updates)
         fetches = self.outputs + ([loss] if loss is not None else [])
-        self.program = Program(graph, fetches, grads, updates)
+
+        def build():
+            return _build_program(graph, fetches, loss, optimizer, self.accumulate, separate_update, updates)
+        # a training session compiled before (this process or an earlier one) stands up from
+        # its manifest without differentiating (plan_cache.session_key)
+        self.session_key = None
+        program = None
+        if loss is not None and optimizer is not None and isinstance(optimizer, Optimizer) and self.accumulate == 1 \
+                and not separate_update and not updates["run"] and share_with is None and backend != "numpy":
+            from . import plan_cache as pc
+            from .runtime.backends import get_runtime_device, resolve
+            dev = get_runtime_device(resolve(backend))
+            if pc.enabled(plan_cache) and not getattr(dev, "checked", False):
+                # what the session keeps beside optimizer state: every parameter and state
+                kept = list(graph.parameters.values()) + [t for t in graph.states.values()
+                                                          if not t.attrs.get("optimizer_state")]
+                self.session_key = pc.session_key(fetches + list(graph.updates.values()), kept, optimizer,
+                                                  precision, dev.adapter_info, [t.name for t in graph.updates])
+                manifest = pc.load_manifest(self.session_key) if self.session_key else None
+                if manifest is not None:
+                    try:
+                        program = CachedProgram(graph, fetches, manifest, build)
+                    except KeyError:         # a name the manifest lists is not in this graph
+                        program = None
+        self.program = program if program is not None else build()
         used = self.program.used
         # the names this session keeps, fixed now: later compiles may add states to the graph
         self.parameter_names = list(graph.parameters)
@@ -336,6 +416,7 @@ class Session:
             from .runtime.executor import GpuExecutor
             self.executor = GpuExecutor(self.program, self.values, precision=precision, share_with=shared,
                                         detect_anomaly=detect_anomaly, backend=backend, plan_cache=plan_cache)
+            self.executor.session_key = self.session_key     # phases compiled are noted in its manifest
         self._users[0] += 1
 
     # ------------------------------------------------------------------- lifetime

@@ -16,6 +16,14 @@ rewritten, never an error. ``MEGANEURA_NO_DISK_CACHE=1`` (every disk cache) or
 An entry is a pickle of the plan with each kernel reduced to what the runtime reads once the
 WGSL is rendered (name, archetype, output view, merged parts); the kernel IR itself is not
 kept. Like any pickle it is trusted: it is read only from the user's own cache folder.
+
+A training session also leaves a manifest (``session_key``, ``load_manifest``, ``note_phase``),
+keyed before differentiation: the forward graph (outputs, loss, the graph's own state updates),
+the parameters, the optimizer and its hyperparameters, the precision, the adapter and the
+package. It names each compiled phase's plan key and what the backward pass and the optimizer
+add to the graph (optimizer state, per-step scalars, the kept tensors, the updates). A session
+that finds it builds no backward graph and no optimizer update: it loads the phases' plans by
+key, and differentiates only if a phase is missing (see ``api.CachedProgram``).
 """
 from __future__ import annotations
 
@@ -165,6 +173,67 @@ def plan_key(targets, n_forward, options, updates, adapter=None) -> str | None:
     return hashlib.sha256(desc.encode()).hexdigest()
 
 
+def session_key(targets, params, optimizer, precision, adapter=None, updated=()) -> str | None:
+    """The manifest key of a training session: ``targets`` (the fetched outputs, the loss and
+    the values of the graph's own state updates, whose states ``updated`` names), ``params``
+    (the parameters and the states other than optimizer state),
+    ``optimizer`` (its type and hyperparameters; the learning rate and its schedule are fed per
+    step and left out), the precision, the adapter, the ``MEGANEURA_*`` switches and the package.
+    None when the graph cannot be keyed."""
+    g = graph_digest(targets)
+    if g is None:
+        return None
+    # the learning rate and its schedule are scalar inputs fed each step: no part of the graph
+    hyper = sorted((k, repr(v)) for k, v in vars(optimizer).items() if k not in ("lr", "schedule") and not k.startswith("_"))
+    switches = sorted((k, v) for k, v in os.environ.items()
+                      if k.startswith("MEGANEURA_") and k not in _NOT_PLAN_SWITCHES)
+    desc = repr(("session", g, [(p.name, p.shape, p.dtype.name) for p in params], list(updated),
+                 type(optimizer).__module__, type(optimizer).__qualname__, hyper, precision,
+                 sorted((str(k), str(v)) for k, v in (adapter or {}).items()), switches, package_digest()))
+    return hashlib.sha256(desc.encode()).hexdigest()
+
+
+def _manifest_path(key: str) -> pathlib.Path:
+    return folder() / f"{key}.session"
+
+
+def load_manifest(key: str) -> dict | None:
+    """The manifest stored under ``key`` (``note_phase``), or None."""
+    try:
+        stored_key, manifest = pickle.loads(_manifest_path(key).read_bytes())
+    except Exception:            # missing, corrupt or truncated: the session differentiates
+        return None
+    return manifest if stored_key == key and isinstance(manifest, dict) and manifest.get("phases") else None
+
+
+def manifest_of(program) -> dict:
+    """What a session with ``program`` (an ``api.Program`` built by differentiating) needs
+    to stand up again without differentiating: see ``api.CachedProgram``."""
+    from .optim import SCALAR_PREFIX
+    g = program.graph
+    return {"phases": {},
+            "states": [(t.name, t.shape, t.dtype.name) for t in program.kept
+                       if t.op == "state" and t.attrs.get("optimizer_state")],
+            "scalars": sorted(n for n, t in g.inputs.items() if n.startswith(SCALAR_PREFIX) and t.id in program.used),
+            "kept": [t.name for t in program.kept],
+            "grads": list(program.grads),
+            "updates": {ph: [t.name for t in u] for ph, u in program.updates.items()}}
+
+
+def note_phase(key: str, program, phase: str, plan_key: str) -> None:
+    """Record that ``phase`` of the session ``key`` compiles to the plan ``plan_key``
+    (written atomically; any failure to write is ignored)."""
+    from .runtime.vulkan.cache import write_atomic
+    manifest = load_manifest(key) or manifest_of(program)
+    if manifest["phases"].get(phase) == plan_key:
+        return
+    manifest["phases"][phase] = plan_key
+    try:
+        write_atomic(_manifest_path(key), pickle.dumps((key, manifest), protocol=pickle.HIGHEST_PROTOCOL))
+    except Exception:
+        pass
+
+
 # ----------------------------------------------------------------------------- entries
 def _slim(kernel):
     """What the runtime reads of a kernel once its WGSL is rendered (traces, anomaly checks,
@@ -235,8 +304,13 @@ def _prune(root: pathlib.Path, max_bytes: int = MAX_BYTES) -> None:
 
 
 def clear() -> int:
-    """Delete every cached plan; returns how many there were."""
+    """Delete every cached plan and session manifest; returns how many plans there were."""
     n = 0
+    for p in folder().glob("*.session"):
+        try:
+            p.unlink()
+        except OSError:
+            pass
     for p in folder().glob("*.plan"):
         try:
             p.unlink()

@@ -24,18 +24,30 @@ def _round4(n):
     return max(4, (int(n) + 3) // 4 * 4)
 
 
+class PlanMissing(LookupError):
+    """A plan named by a session's manifest is not in the plan cache (any more)."""
+
+
 class Plan:
     """A compiled KernelPlan bound to device buffers, pipelines and bind groups."""
 
-    def __init__(self, ex, targets, n_fetch, grad_names, updates):
+    def __init__(self, ex, targets, n_fetch, grad_names, updates, key=None):
+        """``targets`` None: the plan is loaded from the plan cache by ``key`` (a session stood
+        up from its manifest), and ``PlanMissing`` raised if it is not there."""
         dev = ex.dev
         t0 = time.perf_counter()
         opts = CompileOptions.from_env(ex.precision, dev.limits)
         opts.f16_weights = ex.f16_weights
         base = n_fetch + len(grad_names)
-        kp = compile_plan(targets, n_forward=n_fetch, options=opts,
-                          updates={base + j: name for j, (name, _) in enumerate(updates)},
-                          cache=plan_cache.enabled(ex.plan_cache) and not dev.checked, adapter=dev.adapter_info)
+        if targets is None:
+            kp = plan_cache.load(key) if key is not None and plan_cache.enabled(ex.plan_cache) else None
+            if kp is None:
+                raise PlanMissing(key)
+            kp.stats["key"] = key
+        else:
+            kp = compile_plan(targets, n_forward=n_fetch, options=opts,
+                              updates={base + j: name for j, (name, _) in enumerate(updates)},
+                              cache=plan_cache.enabled(ex.plan_cache) and not dev.checked, adapter=dev.adapter_info)
         self.kernel_plan, self.memory = kp, kp.memory
         # persistent f16 copies of weights (accelerated precision): those this plan reads,
         # and those it writes beside their master weights (targets after the given ones)
@@ -211,6 +223,7 @@ class GpuExecutor:
         self.trace_id = next(_trace_ids)     # this session's track in a MEGANEURA_TRACE file
         self.recorder = make_recorder(self.dev)
         self.program, self.values, self.precision = program, values, precision
+        self.session_key = None     # a training session's manifest key (api.Session sets it)
         if precision == "accelerated" and not self.dev.has_f16:
             import warnings
             warnings.warn(f"{self.dev.name} has no shader-f16: accelerated precision runs as strict")
@@ -333,8 +346,21 @@ class GpuExecutor:
             # mg.compile does: the collector is held off as there (its scans of a process
             # full of graphs took 0.15 s of a 0.34 s SmolLM2 training compile)
             with gc_paused():
-                fetches, grad_names, upd, targets = p.targets(phase)
-                self.plans[phase] = Plan(self, targets, len(fetches), grad_names, upd)
+                plan = None
+                cached = p.cached_phase(phase)
+                if cached is not None:        # a session stood up from its manifest (api.CachedProgram)
+                    fetches, grad_names, upd, key = cached
+                    try:
+                        plan = Plan(self, None, len(fetches), grad_names, upd, key=key)
+                    except PlanMissing:      # evicted from the cache: differentiate after all
+                        pass
+                if plan is None:
+                    fetches, grad_names, upd, targets = p.targets(phase)
+                    plan = Plan(self, targets, len(fetches), grad_names, upd)
+                    key = plan.kernel_plan.stats.get("key")
+                    if self.session_key and key:
+                        plan_cache.note_phase(self.session_key, p, phase, key)
+                self.plans[phase] = plan
         return self.plans[phase]
 
     def profile(self, feeds: dict, phase: str, path=None):
