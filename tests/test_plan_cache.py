@@ -215,17 +215,24 @@ def test_sessions_outside_the_manifest_differentiate(cache):
         s.close()
 
 
-def test_session_key_follows_forward_parameters_optimizer_and_precision():
-    def key(hidden=16, opt=None, precision="strict", adapter=ADAPTER):
+def test_session_key_follows_forward_parameters_optimizer_and_options(monkeypatch):
+    def key(hidden=16, opt=None, precision="strict", adapter=ADAPTER, opts=None):
         outs = mlp(hidden)
         g = outs[0].graph
         return plan_cache.session_key(outs, list(g.parameters.values()), opt or mg.optim.AdamW(lr=1e-3),
-                                      precision, adapter)
+                                      opts or CompileOptions(precision=precision), adapter)
     base = key()
     assert key() == base
     assert key(opt=mg.optim.AdamW(lr=1e-3, schedule=mg.optim.cosine(100))) == base    # fed per step
     assert key(opt=mg.optim.AdamW(lr=3e-4)) == base
     others = [key(hidden=32), key(opt=mg.optim.AdamW(lr=1e-3, weight_decay=0.1)), key(opt=mg.optim.Adam(lr=1e-3)),
               key(opt=mg.optim.AdamW(lr=1e-3, clip_grad_norm=1.0)), key(precision="accelerated"),
-              key(adapter={**ADAPTER, "description": "driver 2.0"})]
+              key(adapter={**ADAPTER, "description": "driver 2.0"}), key(opts=CompileOptions(max_bindings=16))]
     assert len({base, *others}) == len(others) + 1
+    from meganeura.codegen import attention
+    monkeypatch.setattr(attention, "MAX_ROW_WORK", 0)          # a routing constant of the code generators
+    assert key() != base
+
+    class Custom(mg.optim.SGD):      # a user's optimizer may bake anything into its update: never keyed
+        pass
+    assert key(opt=Custom(lr=0.1)) is None

@@ -291,7 +291,8 @@ class CachedProgram(Program):
         kept = {**graph.parameters, **graph.states}
         self.kept = [kept[n] for n in manifest["kept"]]
         self.updates = {ph: {kept[n]: None for n in names} for ph, names in self.update_names.items()}
-        self.used = {t.id for t in needed_nodes(fetches)} | {graph.inputs[n].id for n in manifest["scalars"]}
+        self.used = {t.id for t in needed_nodes(fetches + list(graph.updates.values()))} | \
+            {graph.inputs[n].id for n in manifest["scalars"]}
 
     def cached_phase(self, phase):
         """(fetches, gradient names, [(kept name, None)], plan key) of a phase the manifest
@@ -366,8 +367,11 @@ class Session:
                 # what the session keeps beside optimizer state: every parameter and state
                 kept = list(graph.parameters.values()) + [t for t in graph.states.values()
                                                           if not t.attrs.get("optimizer_state")]
+                from .compiler import CompileOptions
+                eff = precision if precision == "strict" or dev.has_f16 else "strict"     # as the executor runs it
                 self.session_key = pc.session_key(fetches + list(graph.updates.values()), kept, optimizer,
-                                                  precision, dev.adapter_info, [t.name for t in graph.updates])
+                                                  CompileOptions.from_env(eff, dev.limits), dev.adapter_info,
+                                                  [t.name for t in graph.updates])
                 manifest = pc.load_manifest(self.session_key) if self.session_key else None
                 if manifest is not None:
                     try:

@@ -153,6 +153,19 @@ def graph_digest(targets) -> str | None:
     return h.hexdigest()
 
 
+def _context(options, adapter) -> tuple:
+    """What every key holds besides the graph: the code generators' routing and precision
+    constants, the compile options, the adapter, the ``MEGANEURA_*`` switches, the package."""
+    from .codegen import routing_constants
+    from .compiler import precision_constants
+    switches = sorted((k, v) for k, v in os.environ.items()
+                      if k.startswith("MEGANEURA_") and k not in _NOT_PLAN_SWITCHES)
+    return (routing_constants(), precision_constants(),
+            (options.precision, options.max_bindings, sorted(options.disabled), options.workgroup_storage,
+             sorted(options.f16_weights)),
+            sorted((str(k), str(v)) for k, v in (adapter or {}).items()), switches, package_digest())
+
+
 def plan_key(targets, n_forward, options, updates, adapter=None) -> str | None:
     """The cache key of ``compile_plan(targets, n_forward, options, updates)`` on ``adapter``
     (the device's ``adapter_info``: name, vendor, driver description, backend, ids), or None
@@ -160,36 +173,29 @@ def plan_key(targets, n_forward, options, updates, adapter=None) -> str | None:
     g = graph_digest(targets)
     if g is None:
         return None
-    switches = sorted((k, v) for k, v in os.environ.items()
-                      if k.startswith("MEGANEURA_") and k not in _NOT_PLAN_SWITCHES)
-    adapter = adapter or {}
-    from .codegen import routing_constants
-    from .compiler import precision_constants
-    desc = repr((g, n_forward, routing_constants(), precision_constants(), sorted((updates or {}).items()),
-                 (options.precision, options.max_bindings, sorted(options.disabled), options.workgroup_storage,
-                  sorted(options.f16_weights)),
-                 sorted((str(k), str(v)) for k, v in adapter.items()),
-                 switches, package_digest()))
+    desc = repr((g, n_forward, sorted((updates or {}).items()), _context(options, adapter)))
     return hashlib.sha256(desc.encode()).hexdigest()
 
 
-def session_key(targets, params, optimizer, precision, adapter=None, updated=()) -> str | None:
+def session_key(targets, params, optimizer, options, adapter=None, updated=()) -> str | None:
     """The manifest key of a training session: ``targets`` (the fetched outputs, the loss and
     the values of the graph's own state updates, whose states ``updated`` names), ``params``
-    (the parameters and the states other than optimizer state),
-    ``optimizer`` (its type and hyperparameters; the learning rate and its schedule are fed per
-    step and left out), the precision, the adapter, the ``MEGANEURA_*`` switches and the package.
-    None when the graph cannot be keyed."""
+    (the parameters and the states other than optimizer state), ``optimizer`` (one of
+    ``meganeura.optim``'s, its type and hyperparameters; the learning rate and its schedule are
+    fed per step and left out), the compile options (``CompileOptions.from_env`` for the
+    device) and what every plan key holds (``_context``). None when the graph or the optimizer
+    cannot be keyed: a user's optimizer class may build its update from anything."""
+    if type(optimizer).__module__ != "meganeura.optim":
+        return None
     g = graph_digest(targets)
     if g is None:
         return None
-    # the learning rate and its schedule are scalar inputs fed each step: no part of the graph
-    hyper = sorted((k, repr(v)) for k, v in vars(optimizer).items() if k not in ("lr", "schedule") and not k.startswith("_"))
-    switches = sorted((k, v) for k, v in os.environ.items()
-                      if k.startswith("MEGANEURA_") and k not in _NOT_PLAN_SWITCHES)
-    desc = repr(("session", g, [(p.name, p.shape, p.dtype.name) for p in params], list(updated),
-                 type(optimizer).__module__, type(optimizer).__qualname__, hyper, precision,
-                 sorted((str(k), str(v)) for k, v in (adapter or {}).items()), switches, package_digest()))
+    hyper = [type(optimizer).__qualname__]
+    state = {k: v for k, v in vars(optimizer).items() if k not in ("lr", "schedule") and not k.startswith("_")}
+    if not _attr_text(state, hyper):
+        return None
+    desc = repr(("session", g, [(p.name, p.shape, p.dtype.name) for p in params], list(updated), "".join(hyper),
+                 _context(options, adapter)))
     return hashlib.sha256(desc.encode()).hexdigest()
 
 
@@ -222,7 +228,8 @@ def manifest_of(program) -> dict:
 
 def note_phase(key: str, program, phase: str, plan_key: str) -> None:
     """Record that ``phase`` of the session ``key`` compiles to the plan ``plan_key``
-    (written atomically; any failure to write is ignored)."""
+    (written atomically; any failure to write is ignored; a phase another process noted
+    meanwhile may be lost, which costs that phase a differentiation later)."""
     from .runtime.vulkan.cache import write_atomic
     manifest = load_manifest(key) or manifest_of(program)
     if manifest["phases"].get(phase) == plan_key:
@@ -286,7 +293,7 @@ def store(key: str, plan) -> None:
 def _prune(root: pathlib.Path, max_bytes: int = MAX_BYTES) -> None:
     """Delete the least recently written entries while the folder holds more than ``max_bytes``."""
     entries = []
-    for p in root.glob("*.plan"):
+    for p in [*root.glob("*.plan"), *root.glob("*.session")]:
         try:
             st = p.stat()
         except OSError:

@@ -41,7 +41,7 @@ def routing_constants() -> tuple:
     from . import flash, flash_split
     return (attention.MAX_ROW_WORK, flash.LOOP_BOUND, matmul.TARGET_GROUPS, matmul.BLOCKS,
             matmul.DEEP_BLOCK, matmul.DEEP_MIN_K, matmul.DEEP_MIN_OUTPUTS, sorted(matmul.K_STEPS.items()),
-            matmul.GEMV_MAX_ROWS, flash_split.AUTO_SPLIT, flash_split.TARGET_GROUPS,
+            matmul.PEELED_ROWS, matmul.GEMV_MAX_ROWS, flash_split.AUTO_SPLIT, flash_split.TARGET_GROUPS,
             flash_split.MAX_SPLIT)
 
 

@@ -41,8 +41,8 @@ class Plan:
         base = n_fetch + len(grad_names)
         if targets is None:
             kp = plan_cache.load(key) if key is not None and plan_cache.enabled(ex.plan_cache) else None
-            if kp is None:
-                raise PlanMissing(key)
+            if kp is None or len(kp.target_locs) != base + len(updates) + len(kp.copy_updates):
+                raise PlanMissing(key)      # gone, or not the plan of these targets
             kp.stats["key"] = key
         else:
             kp = compile_plan(targets, n_forward=n_fetch, options=opts,
