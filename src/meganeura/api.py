@@ -287,10 +287,9 @@ class CachedProgram(Program):
             if name not in graph.inputs:
                 graph.input(name, ())
         self.grads = dict.fromkeys(manifest["grads"])           # names; tensors once materialised
-        self.update_names = manifest["updates"]
         kept = {**graph.parameters, **graph.states}
         self.kept = [kept[n] for n in manifest["kept"]]
-        self.updates = {ph: {kept[n]: None for n in names} for ph, names in self.update_names.items()}
+        self.updates = {ph: dict.fromkeys(kept[n] for n in names) for ph, names in manifest["updates"].items()}
         self.used = {t.id for t in needed_nodes(fetches + list(graph.updates.values()))} | \
             {graph.inputs[n].id for n in manifest["scalars"]}
 
@@ -300,7 +299,7 @@ class CachedProgram(Program):
         if self._real is not None or phase not in self.plan_keys:
             return None
         grad_names = list(self.grads) if phase == "grads" else []
-        return self.fetches, grad_names, [(n, None) for n in self.update_names.get(phase, [])], self.plan_keys[phase]
+        return self.fetches, grad_names, [(t.name, None) for t in self.updates.get(phase, {})], self.plan_keys[phase]
 
     def targets(self, phase):
         return self.materialize().targets(phase)
@@ -311,6 +310,30 @@ class CachedProgram(Program):
             self._real = self._build()
             self.grads, self.updates, self.used = self._real.grads, self._real.updates, self.used | self._real.used
         return self._real
+
+
+def _from_manifest(graph, fetches, optimizer, backend, precision, plan_cache, build):
+    """(manifest key, ``CachedProgram`` or None) of a training session (``fetches`` end with
+    its loss): no key where the plan cache is off, on a checked device or for an optimizer
+    the key cannot cover (``plan_cache.session_key``)."""
+    from . import plan_cache as pc
+    from .compiler import CompileOptions
+    from .runtime.backends import get_runtime_device, resolve
+    dev = get_runtime_device(resolve(backend))
+    if not isinstance(optimizer, Optimizer) or not pc.enabled(plan_cache) or getattr(dev, "checked", False):
+        return None, None
+    # what the session keeps beside optimizer state: every parameter and state
+    kept = list(graph.parameters.values()) + [t for t in graph.states.values() if not t.attrs.get("optimizer_state")]
+    run_as = precision if precision == "strict" or dev.has_f16 else "strict"     # as the executor runs it
+    key = pc.session_key(fetches + list(graph.updates.values()), kept, optimizer,
+                         CompileOptions.from_env(run_as, dev.limits), dev.adapter_info, [t.name for t in graph.updates])
+    manifest = pc.load_manifest(key) if key else None
+    if manifest is None:
+        return key, None
+    try:
+        return key, CachedProgram(graph, fetches, manifest, build)
+    except KeyError:         # a name the manifest lists is not in this graph
+        return key, None
 
 
 def _locked(method):
@@ -355,30 +378,12 @@ class Session:
         def build():
             return _build_program(graph, fetches, loss, optimizer, self.accumulate, separate_update, updates)
         # a training session compiled before (this process or an earlier one) stands up from
-        # its manifest without differentiating (plan_cache.session_key)
-        self.session_key = None
-        program = None
-        if loss is not None and optimizer is not None and isinstance(optimizer, Optimizer) and self.accumulate == 1 \
-                and not separate_update and not updates["run"] and share_with is None and backend != "numpy":
-            from . import plan_cache as pc
-            from .runtime.backends import get_runtime_device, resolve
-            dev = get_runtime_device(resolve(backend))
-            if pc.enabled(plan_cache) and not getattr(dev, "checked", False):
-                # what the session keeps beside optimizer state: every parameter and state
-                kept = list(graph.parameters.values()) + [t for t in graph.states.values()
-                                                          if not t.attrs.get("optimizer_state")]
-                from .compiler import CompileOptions
-                eff = precision if precision == "strict" or dev.has_f16 else "strict"     # as the executor runs it
-                self.session_key = pc.session_key(fetches + list(graph.updates.values()), kept, optimizer,
-                                                  CompileOptions.from_env(eff, dev.limits), dev.adapter_info,
-                                                  [t.name for t in graph.updates])
-                manifest = pc.load_manifest(self.session_key) if self.session_key else None
-                if manifest is not None:
-                    try:
-                        program = CachedProgram(graph, fetches, manifest, build)
-                    except KeyError:         # a name the manifest lists is not in this graph
-                        program = None
-        self.program = program if program is not None else build()
+        # its manifest without differentiating
+        self.session_key, program = None, None
+        if loss is not None and optimizer is not None and self.accumulate == 1 and not separate_update \
+                and not updates["run"] and share_with is None and backend != "numpy":
+            self.session_key, program = _from_manifest(graph, fetches, optimizer, backend, precision, plan_cache, build)
+        self.program = program or build()
         used = self.program.used
         # the names this session keeps, fixed now: later compiles may add states to the graph
         self.parameter_names = list(graph.parameters)
@@ -419,8 +424,8 @@ class Session:
         else:
             from .runtime.executor import GpuExecutor
             self.executor = GpuExecutor(self.program, self.values, precision=precision, share_with=shared,
-                                        detect_anomaly=detect_anomaly, backend=backend, plan_cache=plan_cache)
-            self.executor.session_key = self.session_key     # phases compiled are noted in its manifest
+                                        detect_anomaly=detect_anomaly, backend=backend, plan_cache=plan_cache,
+                                        session_key=self.session_key)
         self._users[0] += 1
 
     # ------------------------------------------------------------------- lifetime

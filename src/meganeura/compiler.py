@@ -260,7 +260,6 @@ def compile_plan(targets, n_forward=None, options: CompileOptions | None = None,
             key = plan_cache.plan_key(targets, n_forward, opts, updates, adapter)
             plan = plan_cache.load(key) if key is not None else None
             if plan is not None:
-                plan.stats["key"] = key
                 return plan
         plan = _compile_plan(targets, n_forward, opts, updates)
         if key is not None:

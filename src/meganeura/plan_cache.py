@@ -269,7 +269,7 @@ def load(key: str):
     if stored_key != key or not isinstance(plan, KernelPlan):
         return None
     plan.compile_seconds = time.perf_counter() - t0
-    plan.stats = {**plan.stats, "cache": "hit", "seconds": {"load": plan.compile_seconds}}
+    plan.stats = {**plan.stats, "cache": "hit", "key": key, "seconds": {"load": plan.compile_seconds}}
     return plan
 
 

@@ -264,25 +264,29 @@ def peeled(TM, ta, gathers) -> bool:
     return TM >= PEELED_ROWS and not ta and not gathers
 
 
-def _main_loop(nk, TK, SA, VN, fetch, store, fma, peeled):
+def a_padding(peel) -> int:
+    """vec4s of padding per staged row of A: one in the peeled form."""
+    return 1 if peel else 0
+
+
+def _main_loop(nk, TK, SA, VN, fetch, store, fma, peel):
     """The K loop over double-buffered tiles: the next K step is fetched into registers
     while this one is multiplied, then stored into the other half; one barrier per step.
-    ``peeled``: the first fetch and the last product outside the loop (no branches in it);
+    ``peel``: the first fetch and the last product outside the loop (no branches in it);
     else one loop of nk + 1 steps, each part under its condition."""
     def product(buf, pad):
         return [f"{pad}{{ let As0 = {buf} * {TK * SA}u; let Bs0 = {buf} * {TK * VN}u;",
                 f"{pad}    for (var kk = 0u; kk < {TK}u; kk = kk + 1u) {{"] + [pad + f for f in fma] + [f"{pad}    }}", f"{pad}}}"]
     ind = lambda lines, n: [" " * n + x for x in lines]  # noqa: E731
-    if not peeled:
+    if not peel:
         lines = [f"for (var t = 0u; t <= {nk}u; t = t + 1u) {{", f"    if (t < {nk}u) {{",
                  f"        let k0 = kbeg + t * {TK}u;"] + ind(fetch, 8) + ["    }", "    if (t > 0u) {"]
         lines += product("((t - 1u) % 2u)", "        ") + ["    }", f"    if (t < {nk}u) {{",
                                                           f"        let As0 = (t % 2u) * {TK * SA}u; let Bs0 = (t % 2u) * {TK * VN}u;"]
         lines += ind(store, 8) + ["    }", "    workgroupBarrier();", "}"]
         return _ind(lines, 4)
-    lines = ["{ let k0 = kbeg; let As0 = 0u; let Bs0 = 0u;"] + ind(fetch + store, 4) + ["}", "workgroupBarrier();",
-                                                                                         f"for (var t = 1u; t < {nk}u; t = t + 1u) {{",
-                                                                                         f"    {{ let k0 = kbeg + t * {TK}u;"]
+    lines = ["{ let k0 = kbeg; let As0 = 0u; let Bs0 = 0u;"] + ind(fetch + store, 4) + ["}", "workgroupBarrier();"]
+    lines += [f"for (var t = 1u; t < {nk}u; t = t + 1u) {{", f"    {{ let k0 = kbeg + t * {TK}u;"]
     lines += ind(fetch, 8) + ["    }"] + product("((t - 1u) % 2u)", "    ")
     lines += [f"    {{ let As0 = (t % 2u) * {TK * SA}u; let Bs0 = (t % 2u) * {TK * VN}u;"] + ind(store, 8)
     lines += ["    }", "    workgroupBarrier();", "}"] + product(f"{(nk - 1) % 2}u", "")
@@ -297,21 +301,22 @@ def render(kernel):
     parts = kernel.spec.get("parts", [kernel])
     bind = Bindings()
     fns, branches, x0, tks = [], [], 0, set()
+    blocks = [_block(p) for p in parts]
     # one workgroup memory layout and loop form for the launch: peeled when every part is
-    peel = all(peeled(_block(p)[0], p.spec["ta"], p.spec.get("gathers")) for p in parts)
-    for j, part in enumerate(parts):
-        fn, (gx, gy, gz), block, TK, pad = _tiled_part(part, bind, j, peel)
-        tks.add((block, TK, pad))
+    peel = all(peeled(blk[0], p.spec["ta"], p.spec.get("gathers")) for blk, p in zip(blocks, parts))
+    for j, (part, block) in enumerate(zip(parts, blocks)):
+        fn, (gx, gy, gz), TK = _tiled_part(part, bind, j, block, peel)
+        tks.add((block, TK))
         fns.append(fn)
         branches.append(f"    if (wid.x < {x0 + gx}u) {{ mm{j}(vec3<u32>(wid.x - {x0}u, wid.y, wid.z), lid3); return; }}")
         x0 += gx
-    assert len(tks) == 1, f"merged matmuls with different tiles, K steps or padding: {tks}"   # one workgroup memory layout
-    (TM, TN, WY, WX), TK, pad = tks.pop()
+    assert len(tks) == 1, f"merged matmuls with different tiles or K steps: {tks}"   # one workgroup memory layout
+    (TM, TN, WY, WX), TK = tks.pop()
     stats = "" if not any("prologue" in p.spec for p in parts) else \
         f"var<workgroup> pm: array<f32, {TM}>;\nvar<workgroup> pinv: array<f32, {TM}>;\n" \
         f"var<workgroup> pred: array<f32, {WX * WY}>;\n"
     src = f"""{bind.decls()}
-var<workgroup> As: array<vec4<f32>, {2 * TK * (TM // 4 + pad)}>;
+var<workgroup> As: array<vec4<f32>, {2 * TK * (TM // 4 + a_padding(peel))}>;
 var<workgroup> Bs: array<vec4<f32>, {2 * TK * TN // 4}>;
 {stats}{chr(10).join(fns)}
 
@@ -402,9 +407,9 @@ def _block(kernel) -> tuple:
     return plan_tiles(M, N, K, nb)[1]
 
 
-def _tiled_part(kernel, bind, j, peel=False):
-    """(WGSL function ``mm{j}``, its workgroup counts, block (TM, TN, WY, WX), K step, padding
-    of A's staged rows) of one tiled matmul; ``peel``: the padded, peeled form (``peeled``)."""
+def _tiled_part(kernel, bind, j, block, peel):
+    """(WGSL function ``mm{j}``, its workgroup counts, K step) of one tiled matmul on
+    ``block`` (TM, TN, WY, WX); ``peel``: the padded, peeled form (``peeled``)."""
     a, bv = kernel.reads[:2]
     ta, tb = kernel.spec["ta"], kernel.spec["tb"]
     M, N = kernel.shape[-2:]
@@ -412,10 +417,10 @@ def _tiled_part(kernel, bind, j, peel=False):
     batch = kernel.spec.get("batch", kernel.shape[:-2])   # split-K writes (batch, splits, M, N)
     nb = int(np.prod(batch, dtype=np.int64))
     S = kernel.spec.get("split", 1)
-    TM, TN, WY, WX = _block(kernel)
+    TM, TN, WY, WX = block
     GM, GN = TM // (4 * WY), TN // (4 * WX)   # groups of 4 rows (columns) per thread, 4*WY (4*WX) apart
     VM, VN = TM // 4, TN // 4                 # vec4s per tile row of A (B) in workgroup memory
-    SA = VM + peel     # one vec4 of padding per staged row of A
+    SA = VM + a_padding(peel)                # vec4s per staged row of A
     TK = kernel.spec.get("tk") or k_step(TM)
     KC = split_k(K, S, TK)
     # static shapes: bounds checks only where a dimension is not a multiple of its tile
@@ -492,7 +497,7 @@ fn mm{j}(wid: vec3<u32>, lid3: vec3<u32>) {{
 {chr(10).join(writes)}
 }}
 """
-    return src, (-(-N // TN), -(-M // TM), nb * S), (TM, TN, WY, WX), TK, SA - VM
+    return src, (-(-N // TN), -(-M // TM), nb * S), TK
 
 
 GEMV_MAX_ROWS = 4

@@ -36,15 +36,14 @@ class Plan:
         up from its manifest), and ``PlanMissing`` raised if it is not there."""
         dev = ex.dev
         t0 = time.perf_counter()
-        opts = CompileOptions.from_env(ex.precision, dev.limits)
-        opts.f16_weights = ex.f16_weights
         base = n_fetch + len(grad_names)
         if targets is None:
             kp = plan_cache.load(key) if key is not None and plan_cache.enabled(ex.plan_cache) else None
             if kp is None or len(kp.target_locs) != base + len(updates) + len(kp.copy_updates):
                 raise PlanMissing(key)      # gone, or not the plan of these targets
-            kp.stats["key"] = key
         else:
+            opts = CompileOptions.from_env(ex.precision, dev.limits)
+            opts.f16_weights = ex.f16_weights
             kp = compile_plan(targets, n_forward=n_fetch, options=opts,
                               updates={base + j: name for j, (name, _) in enumerate(updates)},
                               cache=plan_cache.enabled(ex.plan_cache) and not dev.checked, adapter=dev.adapter_info)
@@ -213,7 +212,7 @@ class GpuExecutor:
     """Runs a Program on the GPU. Not thread-safe by itself: the Session serialises calls."""
 
     def __init__(self, program, values: dict, precision="strict", share_with=None, detect_anomaly=None,
-                 backend="gpu", plan_cache=None):
+                 backend="gpu", plan_cache=None, session_key=None):
         check_environment()
         self.plan_cache = plan_cache             # None: on unless MEGANEURA_NO_DISK_CACHE / _NO_PLAN_CACHE
         self.detect_anomaly = detect_anomaly     # None: $MEGANEURA_DETECT_ANOMALY at each call
@@ -223,7 +222,7 @@ class GpuExecutor:
         self.trace_id = next(_trace_ids)     # this session's track in a MEGANEURA_TRACE file
         self.recorder = make_recorder(self.dev)
         self.program, self.values, self.precision = program, values, precision
-        self.session_key = None     # a training session's manifest key (api.Session sets it)
+        self.session_key = session_key     # a training session's manifest key: compiled phases are noted there
         if precision == "accelerated" and not self.dev.has_f16:
             import warnings
             warnings.warn(f"{self.dev.name} has no shader-f16: accelerated precision runs as strict")
