@@ -97,13 +97,19 @@ def store_cached(cache, made, size, stats, found):
         stats["pipelines_evicted"] += 1
 
 
+def compile_threads(threads=None, jobs=None) -> int:
+    """Threads for creating pipelines: ``threads``, else ``MEGANEURA_COMPILE_THREADS``, else
+    one per CPU up to 16 (the shader compilers run with the GIL released); at most ``jobs``."""
+    n = threads or int(os.environ.get("MEGANEURA_COMPILE_THREADS", "0") or 0) or min(16, os.cpu_count() or 1)
+    return max(1, min(n, jobs)) if jobs is not None else max(1, n)
+
+
 def parallel_map(make, jobs, threads=None) -> list:
-    """``[make(j) for j in jobs]`` on ``threads`` threads (default
-    ``MEGANEURA_COMPILE_THREADS``, else up to 8): pipeline creation releases the GIL while
-    the shader compilers run."""
-    n = threads or int(os.environ.get("MEGANEURA_COMPILE_THREADS", "0") or 0) or min(8, os.cpu_count() or 1)
-    if n > 1 and len(jobs) > 1:
+    """``[make(j) for j in jobs]`` on ``compile_threads(threads)`` threads: pipeline creation
+    releases the GIL while the shader compilers run."""
+    n = compile_threads(threads, len(jobs))
+    if n > 1:
         from concurrent.futures import ThreadPoolExecutor
-        with ThreadPoolExecutor(min(n, len(jobs))) as pool:
+        with ThreadPoolExecutor(n) as pool:
             return list(pool.map(make, jobs))
     return [make(j) for j in jobs]

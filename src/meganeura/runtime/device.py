@@ -453,7 +453,7 @@ class Device:
     def pipelines(self, shaders, threads=None):
         """Pipelines for many ``(wgsl, label)`` at once (group-0 layouts parsed from the
         WGSL), in order. The ones not cached yet are created on ``threads`` threads
-        (default ``MEGANEURA_COMPILE_THREADS``, else up to 8): wgpu releases the GIL while
+        (default ``backends.compile_threads``): wgpu releases the GIL while
         naga and the driver compile, and on a hardware driver each pipeline takes tens of
         milliseconds of CPU."""
         layouts: dict = {}

@@ -519,15 +519,15 @@ class VulkanRuntime:
 
         A kernel text whose SPIR-V an earlier process stored (``cache.CompiledKernel``, keyed
         by the text) is read back with its reflection: no GLSL translation, no glslang, no
-        SPIR-V parsing. The others are translated to GLSL here (Python: one thread), then
-        compiled by glslang on ``threads`` threads (default ``MEGANEURA_COMPILE_THREADS``,
-        else up to 8). The pipelines are created on those threads too, the ones read from
-        disk in batches of ``device.PIPELINE_BATCH`` per ``vkCreateComputePipelines``, the
-        new ones one per call (their driver compiles take longer)."""
-        from ...codegen.glsl import to_glsl
-        from ..backends import lookup_cached, parallel_map, store_cached
+        SPIR-V parsing; those pipelines are created in batches of ``device.PIPELINE_BATCH``
+        per ``vkCreateComputePipelines``. The others stream: this thread translates each to
+        GLSL (Python), longest text first, and hands it at once to a pool of ``threads``
+        threads (``backends.compile_threads``) that compile it with glslang and create its
+        pipeline, so the driver compiles while the rest are translated and the longest
+        compiles do not come last. A failure raises once every job has ended and leaves no
+        pipeline behind."""
+        from ..backends import lookup_cached, store_cached
         from .cache import disk_cache_enabled, load_kernel
-        from .device import PIPELINE_BATCH
         t0 = time.perf_counter()
         with self._lock:
             found, missing = lookup_cached(self._pipelines, shaders, self.stats)
@@ -542,29 +542,69 @@ class VulkanRuntime:
                 else:
                     misses.append((text, label or "kernel", key))
             self.stats["kernel_cache_hits"] += len(hits)
-            # GLSL here, on one thread: Python threads translating beside threads in glslang
-            # or the driver would make each of those wait for the GIL after every C call
-            t1 = time.perf_counter()
-            glsl = [text if text.startswith("#version") else to_glsl(text, label, unroll=self.unroll_loops)
-                    for text, label, _ in misses]
-            glsl_s = time.perf_counter() - t1
-            compiled = parallel_map(lambda job: self._compile(*job, disk),
-                                    [(g, label, key) for g, (_, label, key) in zip(glsl, misses)], threads)
-            todo = [(text, label, ck) for (text, label, _), ck in zip(misses, compiled)] + hits
-            t2 = time.perf_counter()
-            made = self.vk.kernels([dict(spirv=ck.spirv, name=label, access=access, info=ck.info,
-                                         required_subgroup_size=self._pin(ck)) for _, label, ck in todo],
-                                   threads=threads, batch=[1] * len(misses) + [PIPELINE_BATCH])
+            made, glsl_s, cpu_s = self._make_kernels(hits, misses, threads, access, disk)
             with self._lock:
                 self.stats["glsl_seconds"] += glsl_s
-                self.stats["compile_seconds"] += (t2 - t1) + sum(k.create_seconds for k in made)
+                self.stats["compile_seconds"] += cpu_s
                 self.stats["pipelines_compiled"] += len(made)
                 # evicted kernels stay alive while a plan holds them (the driver's pipeline
                 # cache makes a later rebuild cheap)
-                store_cached(self._pipelines, [(text, k) for (text, _, _), k in zip(todo, made)],
-                             self.pipeline_cache_size, self.stats, found)
+                store_cached(self._pipelines, made, self.pipeline_cache_size, self.stats, found)
         self.stats["pipeline_wall_seconds"] += time.perf_counter() - t0
         return [found[text] for text, _ in shaders]
+
+    def _make_kernels(self, hits, misses, threads, access, disk):
+        """([(text, Kernel)], seconds translating to GLSL, CPU seconds in all) for ``hits``
+        [(text, label, CompiledKernel)] and ``misses`` [(text, label, kernel key)]."""
+        from concurrent.futures import ThreadPoolExecutor
+        from ...codegen.glsl import to_glsl
+        from ..backends import compile_threads
+        from .device import PIPELINE_BATCH
+
+        def spec(label, ck):
+            return dict(spirv=ck.spirv, name=label, access=access, info=ck.info, required_subgroup_size=self._pin(ck))
+
+        def from_disk(batch):
+            return self.vk.kernels([spec(label, ck) for _, label, ck in batch], threads=1, batch=PIPELINE_BATCH), 0.0
+
+        def compile_and_create(glsl, label, key):
+            t = time.perf_counter()
+            ck = self._compile(glsl, label, key, disk)
+            t = time.perf_counter() - t
+            return self.vk.kernels([spec(label, ck)], threads=1), t
+
+        jobs, texts, error = [], [], None
+        glsl_s = 0.0
+        with ThreadPoolExecutor(compile_threads(threads, len(misses) + len(hits) // PIPELINE_BATCH + 1)) as pool:
+            try:
+                for i in range(0, len(hits), PIPELINE_BATCH):
+                    batch = hits[i:i + PIPELINE_BATCH]
+                    jobs.append(pool.submit(from_disk, batch))
+                    texts.append([text for text, _, _ in batch])
+                # the driver's compile time grows with the kernel: the longest start first
+                for text, label, key in sorted(misses, key=lambda m: -len(m[0])):
+                    t = time.perf_counter()
+                    glsl = text if text.startswith("#version") else to_glsl(text, label, unroll=self.unroll_loops)
+                    glsl_s += time.perf_counter() - t
+                    jobs.append(pool.submit(compile_and_create, glsl, label, key))
+                    texts.append([text])
+            except BaseException as e:      # a translation failed: let the submitted jobs end
+                error = e
+            results = []
+            for job in jobs:
+                try:
+                    results.append(job.result())
+                except BaseException as e:
+                    error = error or e
+                    results.append(([], 0.0))
+        if error is not None:
+            for kernels, _ in results:
+                for k in kernels:
+                    k.destroy()
+            raise error
+        made = [(text, k) for ts, (kernels, _) in zip(texts, results) for text, k in zip(ts, kernels)]
+        cpu_s = glsl_s + sum(t for _, t in results) + sum(k.create_seconds for _, k in made)
+        return made, glsl_s, cpu_s
 
     def clear_caches(self):
         """Drop the cached kernels (plans that are alive keep their own)."""
