@@ -368,18 +368,22 @@ def test_norm_prologue_in_tiled_matmuls_matches_reference(k, block, monkeypatch)
     _assert_gpu_matches_reference(g, outs, feeds, rtol=2e-4, atol=2e-4)
 
 
-def test_norm_read_by_many_tiled_workgroups_keeps_its_launch():
-    """A norm over many rows before a wide projection (24 column tiles would each recompute
-    the rows' statistics) stays a kernel of its own; the result is the same."""
-    from meganeura.passes.fuse import TILED_PROLOGUE_READS, TILED_PROLOGUE_ROWS
+def test_norm_read_by_many_tiled_workgroups_keeps_its_launch(monkeypatch):
+    """A norm before a wide projection whose column tiles would each recompute the rows'
+    statistics (more elements read than the limit, lowered here to keep the test small)
+    stays a kernel of its own; the result is the same."""
+    from meganeura.passes import fuse
+    monkeypatch.setattr(fuse, "TILED_PROLOGUE_READ_ELEMENTS", 320 * 96 * 8)
+    TILED_PROLOGUE_READ_ELEMENTS = fuse.TILED_PROLOGUE_READ_ELEMENTS
     g = mg.Graph()
-    x = g.input("x", (TILED_PROLOGUE_ROWS + 64, 96))
+    x = g.input("x", (320, 96))
     ln = mg.ops.layer_norm(x, (96,), g.parameter("lw", (96,), init="normal"), g.parameter("lb", (96,), init="normal"))
     outs = [mg.ops.linear(ln, g.parameter("w", (1536, 96), init="normal"))]
     kp = compile_plan(outs, options=CompileOptions(max_bindings=32))
     mm = [d.kernel for d in kp.dispatches if d.kernel.archetype == "matmul"]
     assert len(mm) == 1 and "prologue" not in mm[0].spec, kp.names
-    assert -(-1536 // matmul.block_of(mm[0].spec)[1]) * mm[0].spec["split"] > TILED_PROLOGUE_READS
+    readers = -(-1536 // matmul.block_of(mm[0].spec)[1]) * mm[0].spec["split"]
+    assert readers * x.shape[0] * 96 > TILED_PROLOGUE_READ_ELEMENTS
     assert any(d.kernel.archetype == "norm" for d in kp.dispatches), kp.names
     rng = np.random.default_rng(3)
     _assert_gpu_matches_reference(g, outs, {"x": (rng.standard_normal(x.shape) * 2 + 1).astype(np.float32)},

@@ -328,6 +328,9 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_id) lid
     return src, bind.bufs, (x0, gy, gz)
 
 
+NORM_LOADS_IN_FLIGHT = 4
+
+
 def _tiled_norm_prologue(kernel, bind, M, K, T, th, ab, a_vec):
     """A norm fused into the tiled matmul that reads it as A (rows of K): each workgroup
     computes its T rows' statistics into workgroup memory, and A values are normalised as
@@ -340,25 +343,31 @@ def _tiled_norm_prologue(kernel, bind, M, K, T, th, ab, a_vec):
     bbi = bind.index(bb_.buf, bb_.dtype) if bb_ is not None else None
     center = pro["kind"] == "layer_norm"
     if a_vec:
-        load, n, total, sq = f"b{ab}[(aoff + gr * {K}u) / 4u + k]", K // 4, "dot(q, vec4<f32>(1.0))", "dot(d, d)"
+        load, n, total, sq = f"b{ab}[(aoff + gr * {K}u) / 4u + k + {{}}u]", K // 4, "dot(q, vec4<f32>(1.0))", "dot(d, d)"
         dev = "let d = q - vec4<f32>(mean);"
     else:
-        load, n, total, sq = f"f32(b{ab}[aoff + gr * {K}u + k])", K, "q", "d * d"
+        load, n, total, sq = f"f32(b{ab}[aoff + gr * {K}u + k + {{}}u])", K, "q", "d * d"
         dev = "let d = q - mean;"
     # P threads share each of the T rows, each summing every P-th element (a thread walking
     # a whole row alone made the tile wait for K / 4 dependent loads); the P partial sums
     # meet in workgroup memory
     P = max(1, th // T)
     rows = -(-T // (th // P))          # rows each thread group takes (1 when th >= T)
+    # each thread's loads go U at a time into U sums, so that U are in flight at once
+    U = NORM_LOADS_IN_FLIGHT
 
     def pass_(acc_line, fin, centred):
+        step = [" ".join(f"{{ let q = {load.format(j * P)}; {acc_line.replace('acc', f'acc{j}')} }}" for j in range(U))]
         body = [f"    for (var r = 0u; r < {rows}u; r = r + 1u) {{",
                 f"        let rr = r * {th // P}u + tid / {P}u; let gr = row0 + rr;",
-                "        var acc = 0.0;",
+                "        " + " ".join(f"var acc{j} = 0.0;" for j in range(U)),
                 f"        if (rr < {T}u && gr < {M}u) {{",
                 f"            let mean = {'pm[rr]' if centred else '0.0'};",
-                f"            for (var k = tid % {P}u; k < {n}u; k = k + {P}u) {{ let q = {load}; {acc_line} }}",
+                f"            var k = tid % {P}u;",
+                f"            for (; k + {(U - 1) * P}u < {n}u; k = k + {U * P}u) {{ {step[0]} }}",
+                f"            for (; k < {n}u; k = k + {P}u) {{ let q = {load.format(0)}; {acc_line.replace('acc', 'acc0')} }}",
                 "        }",
+                "        let acc = " + " + ".join(f"acc{j}" for j in range(U)) + ";",
                 "        pred[tid] = acc;",
                 "        workgroupBarrier();",
                 f"        if (tid % {P}u == 0u && rr < {T}u) {{",

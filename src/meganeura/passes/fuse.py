@@ -294,22 +294,21 @@ def _is_tiled_plain(k):
 
 
 MAX_PROLOGUE_ROW = 16384    # a thread loops over one row for its statistics (loop bound)
-# A norm over more than TILED_PROLOGUE_ROWS rows moves into tiled matmuls only where at
-# most TILED_PROLOGUE_READS workgroups read each row (column tiles x K splits): every one
-# computes its rows' statistics again, and past that the norm keeps its launch. H200, GPU
-# time of inference with no tiled prologue of more than 8 readers: Whisper-tiny 2617 ->
-# 2224 us (1500 rows; the feed-forward input had 24 readers a row: 162 -> 84 us a layer),
-# SmolVLA 1714 -> 1611 and SmolLM2 4080 -> 4019 (50 and 128 rows: a launch more per norm,
-# 61 in SmolLM2, past the compiler's launch budget), U-Net 2084 -> 2115.
-TILED_PROLOGUE_READS = int(os.environ.get("MEGANEURA_TILED_PROLOGUE_READS", "8"))
-TILED_PROLOGUE_ROWS = 256
+# Each workgroup of a tiled matmul that reads a norm computes its rows' statistics again:
+# (column tiles x K splits) x rows x row length elements read in all. Past
+# TILED_PROLOGUE_READ_ELEMENTS the norm keeps its launch. H200 GPU time per launch:
+# Whisper's feed-forward input (1500 rows of 384, 24 readers: 13.8M) 162 us fused -> 84
+# with the norm apart; SmolVLA's gate/up (50 rows of 720, 256 readers: 9.2M) 30.2 -> 16.6
+# + 5.4; SmolLM2's (128 of 576, 144 readers: 10.6M) 40.8 -> 26.9 + 5.4 (inference 4.0 ->
+# 3.6 ms wall). SmolLM2's q/k/v (5.3M) broke even apart, and U-Net's (at most 1.2M) lost 4%.
+TILED_PROLOGUE_READ_ELEMENTS = int(os.environ.get("MEGANEURA_TILED_PROLOGUE_READ_ELEMENTS", str(6 << 20)))
 
 
 def _tiled_prologue_pays(g) -> bool:
     """Whether tiled matmul ``g`` computes its A rows' norm statistics itself (above)."""
     readers = -(-g.shape[-1] // block_of(g.spec)[1]) * g.spec.get("split", 1)
     rows = int(np.prod(g.reads[0].shape[:-1], dtype=np.int64))
-    return rows <= TILED_PROLOGUE_ROWS or readers <= TILED_PROLOGUE_READS
+    return readers * rows * g.reads[0].shape[-1] <= TILED_PROLOGUE_READ_ELEMENTS
 
 
 def _stores_f16(k) -> bool:
