@@ -519,8 +519,8 @@ class VulkanRuntime:
 
         A kernel text whose SPIR-V an earlier process stored (``cache.CompiledKernel``, keyed
         by the text) is read back with its reflection: no GLSL translation, no glslang, no
-        SPIR-V parsing; those pipelines are created in batches of ``device.PIPELINE_BATCH``
-        per ``vkCreateComputePipelines``. The others stream: this thread translates each to
+        SPIR-V parsing; those pipelines are created in batches (one ``vkCreateComputePipelines``
+        each, at most ``device.PIPELINE_BATCH`` pipelines) spread over the threads. The others stream: this thread translates each to
         GLSL (Python), longest text first, and hands it at once to a pool of ``threads``
         threads (``backends.compile_threads``) that compile it with glslang and create its
         pipeline, so the driver compiles while the rest are translated and the longest
@@ -565,7 +565,7 @@ class VulkanRuntime:
             return dict(spirv=ck.spirv, name=label, access=access, info=ck.info, required_subgroup_size=self._pin(ck))
 
         def from_disk(batch):
-            return self.vk.kernels([spec(label, ck) for _, label, ck in batch], threads=1, batch=PIPELINE_BATCH), 0.0
+            return self.vk.kernels([spec(label, ck) for _, label, ck in batch], threads=1, batch=len(batch)), 0.0
 
         def compile_and_create(glsl, label, key):
             t = time.perf_counter()
@@ -575,10 +575,13 @@ class VulkanRuntime:
 
         jobs, texts, error = [], [], None
         glsl_s = 0.0
-        with ThreadPoolExecutor(compile_threads(threads, len(misses) + len(hits) // PIPELINE_BATCH + 1)) as pool:
+        n = compile_threads(threads)
+        # kernels from disk: batches of at most PIPELINE_BATCH, enough of them for every thread
+        per = max(1, min(PIPELINE_BATCH, -(-len(hits) // n)))
+        with ThreadPoolExecutor(max(1, min(n, len(misses) + -(-len(hits) // per)))) as pool:
             try:
-                for i in range(0, len(hits), PIPELINE_BATCH):
-                    batch = hits[i:i + PIPELINE_BATCH]
+                for i in range(0, len(hits), per):
+                    batch = hits[i:i + per]
                     jobs.append(pool.submit(from_disk, batch))
                     texts.append([text for text, _, _ in batch])
                 # the driver's compile time grows with the kernel: the longest start first
