@@ -163,8 +163,12 @@ def test_routing_of_the_gradient():
     """Where the forward takes the flash kernel (long rows) the gradient takes the flash
     backward; short rows keep the one-row forward and the decomposed gradient."""
     long = _train_names(400)
-    assert [n for n in long if "attention" in n] == ["flash_attention+lse", "flash_attention_dq",
-                                                     "flash_attention_dkv"], long
+    assert [n for n in long if "attention" in n and ".sum" not in n] == ["flash_attention+lse", "flash_attention_dq",
+                                                                         "flash_attention_dkv"], long
+    # 2 heads x 13 own tiles: the backward splits its 13 walked tiles three ways, and the
+    # partial gradients' three sums share one launch
+    assert flash_grad.splits("dq", (1, 2, 400, 64), (1, 2, 400, 64)) == 3
+    assert "flash_attention_dq.sum|flash_attention_dk.sum|flash_attention_dv.sum" in long, long
     short = _train_names(40)
     assert "attention" in short and not any("flash" in n for n in short), short
     assert any("matmul" in n for n in short)

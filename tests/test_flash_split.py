@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import meganeura as mg
-from meganeura.codegen import flash, flash_split
+from meganeura.codegen import flash, flash_grad, flash_split
 from meganeura.compiler import CompileOptions, compile_plan
 from meganeura.ops.attention import _scores_ref
 from meganeura.ops.registry import emit
@@ -84,9 +84,13 @@ def test_gradients_through_the_split_forward(name, split, flash_only, monkeypatc
                                               enable_gqa=gqa)
     grads = mg.grad(mg.ops.sum(out * ins["w"]), [ins[n] for n in "qkv"])
     kp = compile_plan([out] + grads, n_forward=1, options=CompileOptions(max_bindings=32))
-    attention = [n for n in kp.names if "attention" in n]
+    attention = [n for n in kp.names if "attention" in n and ".sum" not in n]
     assert attention == ["flash_attention_split", "flash_attention_combine+lse", "flash_attention_dq",
                          "flash_attention_dkv"], kp.names
+    # the switch splits the backward too, up to its walked tiles: partial gradients, summed
+    split_bwd = [flash_grad.splits(kind, qs, ks) for kind in ("dq", "dkv")]
+    assert [d.kernel.spec.get("split", 1) for d in kp.dispatches if d.kernel.spec.get("grad")] == split_bwd
+    assert any(".sum" in n for n in kp.names) == (max(split_bwd) > 1), kp.names
     got = mg.compile(g, outputs=[out] + grads, backend="gpu").run(feeds)
     for x, want, what in zip(got, bwd._torch_grads(feeds, mask, causal, gqa), ("out", "dq", "dk", "dv")):
         bwd._close(x, want, what)

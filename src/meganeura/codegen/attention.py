@@ -18,9 +18,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..schedule import Kernel
+from ..schedule import Kernel, View, contiguous_strides
 from .common import ENTRY, GROUP_INDEX, WG, Bindings, broadcast_view_strides, coords, grid, literal
-from .expr import OutputStore
+from .expr import Node, OutputStore
 from . import flash, flash_grad, flash_split
 
 MAX_KEYS = 2048          # scores of one row in workgroup memory (8 KiB)
@@ -111,14 +111,39 @@ def lower_attention(t, ins, out, materialize, temp, siblings=()):
 
 def lower_attention_grad(t, ins, out, materialize, temp, siblings=()):
     """``attention_grad`` nodes: dq alone, or dk and dv (siblings) in one kernel of two
-    outputs; a gradient nobody reads goes to a scratch buffer."""
+    outputs; a gradient nobody reads goes to a scratch buffer. Split over the walked tiles
+    (``flash_grad.splits``), the kernel writes S partial gradients side by side and a
+    pointwise kernel per gradient sums them (where epilogues fuse, as after split-K)."""
     spec = {**_mask_spec(t, 6)}
+    q, k = t.inputs[:2]
     if t.attrs["wrt"] == "q":
-        return [Kernel("flash_attention_dq", "attention", {**spec, "grad": "dq"}, out, list(ins))]
+        s = flash_grad.splits("dq", q.shape, k.shape)
+        if s == 1:
+            return [Kernel("flash_attention_dq", "attention", {**spec, "grad": "dq"}, out, list(ins))]
+        part = temp((s,) + tuple(t.shape), t.dtype)
+        return [Kernel("flash_attention_dq", "attention", {**spec, "grad": "dq", "split": s}, part, list(ins)),
+                _sum_splits("flash_attention_dq.sum", part, out, s)]
     views = {t.attrs["wrt"]: out, **{s.attrs["wrt"]: v for s, v in siblings}}
     dk = views.get("k") or temp(t.inputs[1].shape, t.dtype)
     dv = views.get("v") or temp(t.inputs[2].shape, t.dtype)
-    return [Kernel("flash_attention_dkv", "attention", {**spec, "grad": "dkv"}, dk, list(ins), outs=[dv])]
+    s = flash_grad.splits("dkv", q.shape, k.shape)
+    if s == 1:
+        return [Kernel("flash_attention_dkv", "attention", {**spec, "grad": "dkv"}, dk, list(ins), outs=[dv])]
+    dk_s, dv_s = temp((s,) + tuple(dk.shape), t.dtype), temp((s,) + tuple(dv.shape), t.dtype)
+    return [Kernel("flash_attention_dkv", "attention", {**spec, "grad": "dkv", "split": s}, dk_s, list(ins),
+                   outs=[dv_s]),
+            _sum_splits("flash_attention_dk.sum", dk_s, dk, s), _sum_splits("flash_attention_dv.sum", dv_s, dv, s)]
+
+
+def _sum_splits(name, part, out, s):
+    """A pointwise kernel writing ``out`` = the sum of the ``s`` contiguous partials in ``part``."""
+    shape = tuple(part.shape[1:])
+    size = int(np.prod(shape, dtype=np.int64))
+    leaves = [View(part.buf, shape, contiguous_strides(shape), part.offset + j * size, part.dtype) for j in range(s)]
+    total = ("leaf", 0)
+    for j in range(1, s):
+        total = ("op", Node("add", out.dtype), [total, ("leaf", j)])
+    return Kernel(name, "pointwise", {"expr": total, "dtype": out.dtype}, out, leaves)
 
 
 def render(kernel):

@@ -35,6 +35,7 @@ import numpy as np
 
 from .common import ENTRY, GROUP_INDEX, LOOP_BOUND, Bindings, broadcast_view_strides, coords, grid, literal
 from .expr import OutputStore
+from . import flash_split
 from .flash import MAX_DIM, NEG_INF, _chunks, _pad4, _stage_trips, shapes_ok, smem_floats
 
 BX = BY = 32         # own rows per workgroup, walked rows per tile
@@ -69,6 +70,21 @@ def supported(t) -> bool:
     lq, lk, d, dv = q.shape[-2], k.shape[-2], q.shape[-1], v.shape[-1]
     group = q.shape[-3] // k.shape[-3]
     return max(loop_trips(kind, lq, lk, d, dv, group) for kind in ("dq", "dkv")) <= LOOP_BOUND
+
+
+def splits(kind, q_shape, k_shape) -> int:
+    """S workgroups per own tile, each walking 1/S of the walked tiles into a partial
+    gradient (``flash_split.splits``'s rule: about its TARGET_GROUPS workgroups, at least
+    MIN_TILES tiles each; MEGANEURA_FLASH_SPLIT forces it). Whisper-tiny's encoder has
+    6 heads x 47 tiles of 32 rows: 282 workgroups of 128 threads, two an SM of an H200."""
+    *batch, hq, lq, _ = q_shape
+    hkv, lk = k_shape[-3], k_shape[-2]
+    nb = int(np.prod(batch, dtype=np.int64))
+    if kind == "dq":
+        groups, walked = nb * hq * -(-lq // BX), -(-lk // BY)
+    else:
+        groups, walked = nb * hkv * -(-lk // BX), (hq // hkv) * -(-lq // BY)
+    return max(1, min(flash_split.splits(groups, walked), walked))
 
 
 def render(kernel):
@@ -130,14 +146,14 @@ def render(kernel):
                       f"{acc}[{r * n_chunks + ci}]);" for r in range(RO)]
         return lines + ["    }"]
 
+    S = spec.get("split", 1)       # workgroup sp walks tiles [sp * per, (sp + 1) * per)
+    G0 = nb * (hq if dq else hkv) * NX
+    L = [f"    let gs = {GROUP_INDEX};", f"    if (gs >= {S * G0}u) {{ return; }}",
+         f"    let sp = gs / {G0}u; let gi = gs % {G0}u;"]
     if dq:      # own: query rows of head h; walked: keys of kv head h / G
-        L = [f"    let gi = {GROUP_INDEX};",
-             f"    if (gi >= {nb * hq * NX}u) {{ return; }}",
-             f"    let xt = gi % {NX}u; let bh = gi / {NX}u; let h = bh % {hq}u; let bz = bh / {hq}u;"]
+        L += [f"    let xt = gi % {NX}u; let bh = gi / {NX}u; let h = bh % {hq}u; let bz = bh / {hq}u;"]
     else:       # own: keys of kv head hk; walked: query rows of its group's heads
-        L = [f"    let gi = {GROUP_INDEX};",
-             f"    if (gi >= {nb * hkv * NX}u) {{ return; }}",
-             f"    let xt = gi % {NX}u; let bh = gi / {NX}u; let hk = bh % {hkv}u; let bz = bh / {hkv}u;"]
+        L += [f"    let xt = gi % {NX}u; let bh = gi / {NX}u; let hk = bh % {hkv}u; let bz = bh / {hkv}u;"]
     L += coords("bz", batch, prefix="z") if batch else []
     L += [f"    let x0 = xt * {BX}u;", f"    let ty = lid / {TX}u; let tx = lid % {TX}u;"]
     if dq:
@@ -164,13 +180,16 @@ def render(kernel):
             L.append(f"    let nt = min({-(-lk // BY)}u, (x0 + {BX - 1}u) / {BY}u + 1u);")
         else:
             L.append(f"    let nt = {-(-lk // BY)}u;")
-        L += own + ["    for (var t = 0u; t < nt; t = t + 1u) {", f"    let y0 = t * {BY}u;"]
+        per = -(-(-(-lk // BY)) // S)
+        L += own + [f"    for (var t = sp * {per}u; t < min(nt, sp * {per}u + {per}u); t = t + 1u) {{",
+                    f"    let y0 = t * {BY}u;"]
     else:
         L += [f"    var ak: array<vec4<f32>, {RO * len(dch)}>;", f"    var av: array<vec4<f32>, {RO * len(vch)}>;"]
         # causal: query rows i >= j only, so the tiles before the key tile's own are skipped
         L.append(f"    let qt0 = {f'min(x0 / {BY}u, {NQT}u)' if spec['causal'] else '0u'};")
         L.append(f"    let nq = {NQT}u - qt0;")
-        L += own + [f"    for (var t = 0u; t < {group}u * nq; t = t + 1u) {{",
+        per = -(-(group * NQT) // S)
+        L += own + [f"    for (var t = sp * {per}u; t < min({group}u * nq, sp * {per}u + {per}u); t = t + 1u) {{",
               "    let h = hk * " + f"{group}u + t / nq;",
               f"    let y0 = (qt0 + t % nq) * {BY}u;",
               f"    let qoff = {base(q, 'h')};", f"    let dooff = {base(do, 'h')};"]
@@ -245,21 +264,22 @@ def render(kernel):
     main, width, chunks = ("aq", d, dch) if dq else ("ak", d, dch)
     heads = hq if dq else hkv
     scale = f(spec["scale"])
+    own_size = nb * heads * n_own      # rows of one split's partial gradient
     for r in range(RO):
         L.append(f"    {{ let x = x0 + ty * {RO}u + {r}u; if (x < {n_own}u) {{")
         for ci, (c0, w) in enumerate(chunks):
             for e in range(4):
                 col = f"{c0}u + tx * 4u + {e}u"
-                L.append(f"        if ({col} < {width}u) {{ store_out((bh * {n_own}u + x) * {width}u + {col}, "
+                L.append(f"        if ({col} < {width}u) {{ store_out((sp * {own_size}u + bh * {n_own}u + x) * {width}u + {col}, "
                          f"{main}[{r * len(chunks) + ci}][{e}] * {scale}); }}")
         if not dq:
             dvv = kernel.outs[0]
-            assert dvv.is_contiguous() and dvv.shape == tuple(batch) + (heads, lk, dv), dvv.shape
+            assert dvv.is_contiguous() and dvv.shape == (() if S == 1 else (S,)) + tuple(batch) + (heads, lk, dv), dvv.shape
             vo = b.index(dvv.buf, dvv.dtype, write=True)
             for ci, (c0, w) in enumerate(vch):
                 for e in range(4):
                     col = f"{c0}u + tx * 4u + {e}u"
-                    L.append(f"        if ({col} < {dv}u) {{ b{vo}[{dvv.offset}u + (bh * {lk}u + x) * {dv}u + {col}] = "
+                    L.append(f"        if ({col} < {dv}u) {{ b{vo}[{dvv.offset}u + (sp * {own_size}u + bh * {lk}u + x) * {dv}u + {col}] = "
                              f"av[{r * len(vch) + ci}][{e}]; }}")
         L.append("    } }")
     src = (b.decls() + "\n" + store.module_text() +
@@ -269,4 +289,4 @@ def render(kernel):
            + (f"\nvar<workgroup> XV: array<vec4<f32>, {CHUNK_VEC4}>;" if resident else "") +
            f"\nvar<workgroup> PS: array<vec4<f32>, {BX * BY // 4}>;\n\n"
            + ENTRY.format(wg=TH) + "\n".join(L) + "\n}\n")
-    return src, b.bufs, grid(nb * heads * NX)
+    return src, b.bufs, grid(S * G0)
