@@ -192,11 +192,24 @@ def _text(ffi, p):
 
 
 def _version():
-    from importlib import metadata
-    try:
-        return f"{GLSLANG_PACKAGE} {metadata.version(GLSLANG_PACKAGE)}"
-    except metadata.PackageNotFoundError:
-        return f"glslang from {_lib_dir()}"
+    v = _installed_version(GLSLANG_PACKAGE)
+    return f"{GLSLANG_PACKAGE} {v}" if v else f"glslang from {_lib_dir()}"
+
+
+def _installed_version(package: str) -> str | None:
+    """The version in ``package``'s ``.dist-info`` folder name on ``sys.path``: a warm
+    process needs it for its kernel keys, and importing ``importlib.metadata`` took 40 ms."""
+    import sys
+    prefix = package.replace("-", "_").lower() + "-"
+    for entry in sys.path:
+        try:
+            names = os.listdir(entry or ".")
+        except OSError:
+            continue
+        for n in names:
+            if n.lower().startswith(prefix) and n.endswith(".dist-info"):
+                return n[len(prefix):-len(".dist-info")]
+    return None
 
 
 _instance = None
