@@ -109,6 +109,32 @@ def test_step_keeps_no_gradients(backend):
         assert not s.executor.plans["step"].grad_locs
 
 
+def test_grads_and_step_share_their_slots():
+    """compute_grads and step run one after the other and share one set of slot buffers:
+    gradients and losses in any order of calls match the NumPy reference."""
+    g, loss = _tiny_attention_loss()
+    s = mg.compile(g, loss=loss, optimizer=mg.optim.AdamW(lr=1e-2), backend="gpu", seed=3)
+    ref = mg.compile(g, loss=loss, optimizer=mg.optim.AdamW(lr=1e-2), backend="numpy", seed=3)
+    ref.load_state_dict(s.state_dict())
+    rng = np.random.default_rng(5)
+    feeds = [{"x": rng.standard_normal((2, 8, 32)).astype(np.float32)} for _ in range(3)]
+    for f in feeds:
+        for sess in (s, ref):
+            sess.compute_grads(f)
+        for k, v in ref.grads().items():
+            np.testing.assert_allclose(s.grads()[k], v, rtol=1e-4, atol=1e-5, err_msg=k)
+        np.testing.assert_allclose(s.step(f), ref.step(f), rtol=1e-5)
+    grads, step = (s.executor.plans[p] for p in ("grads", "step"))
+    pool = {id(b) for b in s.executor.slot_pool}
+    # step compiles with the session, grads on the first compute_grads: the later plan's
+    # slots are all in the pool (the earlier one keeps any it outgrew)
+    assert {id(b) for b in grads.slots} <= pool
+    # the gradient plan's slots are the step's (largest to largest) wherever those are big enough
+    big_enough = sum(a >= b for a, b in zip(sorted(step.memory.slot_sizes, reverse=True),
+                                            sorted(grads.memory.slot_sizes, reverse=True)))
+    assert len({id(b) for b in grads.slots} & {id(b) for b in step.slots}) >= big_enough > 0
+
+
 def _steps(g, loss, opt, backend, monkeypatch, disabled, n=3):
     monkeypatch.setenv("MEGANEURA_NO_FUSE", disabled)
     s = mg.compile(g, loss=loss, optimizer=opt(), backend=backend, seed=4)

@@ -31,9 +31,10 @@ class PlanMissing(LookupError):
 class Plan:
     """A compiled KernelPlan bound to device buffers, pipelines and bind groups."""
 
-    def __init__(self, ex, targets, n_fetch, grad_names, updates, key=None):
+    def __init__(self, ex, targets, n_fetch, grad_names, updates, key=None, slot_pool=None):
         """``targets`` None: the plan is loaded from the plan cache by ``key`` (a session stood
-        up from its manifest), and ``PlanMissing`` raised if it is not there."""
+        up from its manifest), and ``PlanMissing`` raised if it is not there. ``slot_pool``:
+        slot buffers shared with the session's other plans that take it (``_pooled_slots``)."""
         dev = ex.dev
         t0 = time.perf_counter()
         base = n_fetch + len(grad_names)
@@ -54,7 +55,7 @@ class Plan:
         updates = list(updates) + [(name, None) for name in kp.copy_updates]
         for name in self.copies_read | {n[:-len(F16_COPY)] for n in kp.copy_updates}:
             ex.track_copy(name)
-        slots = [dev.create_buffer(n, label=f"slot{i}") for i, n in enumerate(self.memory.slot_sizes)]
+        self.slots = slots = _pooled_slots(dev, self.memory.slot_sizes, slot_pool)
         phys = {}
         for b in kp.bufs:
             if b.kind in ("input", "parameter", "state"):
@@ -208,6 +209,35 @@ def check_device_limits(tensors, dev=None):
                                f"{dev.name!r} ({which}): {desc}{more}")
 
 
+# Phases of one session that share their intermediates' slot buffers: they run one after
+# another (each call waits for its step), never pass values to each other through slots
+# (parameters, state and gradients' accumulators are named buffers), and what a caller may
+# read afterwards is the last call's outputs or the gradients of a ``grads`` call that no
+# other call followed (a step makes them stale). A session that compiles both
+# compute_grads and step held two copies of nearly the same slots (SmolLM2: 2 x 801 MiB).
+SHARED_SLOT_PHASES = frozenset({"grads", "step", "micro"})
+
+
+def _pooled_slots(dev, sizes, pool):
+    """Buffers for slots of ``sizes`` bytes: new ones, or with ``pool`` (a list kept by the
+    session) the pool's, largest to largest, where big enough; a slot the pool cannot hold
+    gets a new buffer that joins it (a plan made earlier keeps the smaller one it holds)."""
+    if pool is None:
+        return [dev.create_buffer(n, label=f"slot{i}") for i, n in enumerate(sizes)]
+    pool.sort(key=lambda b: -b.size)
+    slots = [None] * len(sizes)
+    for rank, i in enumerate(sorted(range(len(sizes)), key=lambda i: -sizes[i])):
+        if rank < len(pool) and pool[rank].size >= sizes[i]:
+            slots[i] = pool[rank]
+        else:
+            slots[i] = dev.create_buffer(sizes[i], label=f"slot{i}")
+            if rank < len(pool):
+                pool[rank] = slots[i]
+            else:
+                pool.append(slots[i])
+    return slots
+
+
 class GpuExecutor:
     """Runs a Program on the GPU. Not thread-safe by itself: the Session serialises calls."""
 
@@ -231,6 +261,7 @@ class GpuExecutor:
         self.f16_weights = f16_weights(program.fetches) if self.precision == "accelerated" and program.fetches \
             else frozenset()
         self.plans: dict = {}
+        self.slot_pool: list = []        # the SHARED_SLOT_PHASES plans' slot buffers
         self.last_plan = None
         self._dtypes = {t.name: t for t in program.graph.nodes if t.op in ("input", "parameter", "state")}
         self.input_buffers: dict = {}    # inputs are never shared: shapes differ per program
@@ -344,18 +375,19 @@ class GpuExecutor:
             # a phase compiled on first use (compute_grads after step) allocates as much as
             # mg.compile does: the collector is held off as there (its scans of a process
             # full of graphs took 0.15 s of a 0.34 s SmolLM2 training compile)
+            pool = self.slot_pool if phase in SHARED_SLOT_PHASES else None
             with gc_paused():
                 plan = None
                 cached = p.cached_phase(phase)
                 if cached is not None:        # a session stood up from its manifest (api.CachedProgram)
                     fetches, grad_names, upd, key = cached
                     try:
-                        plan = Plan(self, None, len(fetches), grad_names, upd, key=key)
+                        plan = Plan(self, None, len(fetches), grad_names, upd, key=key, slot_pool=pool)
                     except PlanMissing:      # evicted from the cache: differentiate after all
                         pass
                 if plan is None:
                     fetches, grad_names, upd, targets = p.targets(phase)
-                    plan = Plan(self, targets, len(fetches), grad_names, upd)
+                    plan = Plan(self, targets, len(fetches), grad_names, upd, slot_pool=pool)
                     key = plan.kernel_plan.stats.get("key")
                     if self.session_key and key:
                         plan_cache.note_phase(self.session_key, p, phase, key)
@@ -392,6 +424,7 @@ class GpuExecutor:
                 close()
         # slots, constants and targets live only in the plans' bind groups and copies
         self.plans.clear()
+        self.slot_pool.clear()
         self.input_buffers.clear()
         self.last_plan = self.last_fetch_plan = None
         self.recorder = None
