@@ -197,3 +197,25 @@ def test_a_kernel_that_fails_to_translate_names_itself_and_stores_nothing(cache_
         rt.pipelines(good + [("fn main( {", "broken")])
     assert sorted((cache_dir / "kernels").glob("*.bin")) == before
     assert rt.pipelines(good)[0].pipeline is not None
+
+
+def test_new_kernels_stream_to_the_threads_and_a_failure_leaves_no_pipeline(cache_dir, monkeypatch):
+    """New kernels are translated longest first and compiled on the pool while the rest are
+    translated: the same kernels as one at a time; a kernel that fails to translate after
+    others were handed to the pool raises once they end, and none of them stays alive."""
+    from meganeura.codegen.glsl import GlslTranslationError
+    from meganeura.runtime.vulkan.device import get_vulkan_device
+    dev = get_vulkan_device()
+    texts = _texts(backend.VulkanRuntime(dev), monkeypatch)
+    monkeypatch.setenv("MEGANEURA_NO_DISK_CACHE", "1")        # every kernel new: translated and compiled
+    one = [backend.VulkanRuntime(dev).pipelines([t], threads=1)[0] for t in texts]
+    rt = backend.VulkanRuntime(dev)
+    many = rt.pipelines(texts, threads=4)
+    assert [(k.name, k.access, k.local_size) for k in many] == [(k.name, k.access, k.local_size) for k in one]
+    assert rt.stats["pipelines_compiled"] == len(texts) and rt.stats["glsl_seconds"] > 0
+    alive = len([k for k in dev._kernels if k.pipeline is not None])
+    rt = backend.VulkanRuntime(dev)
+    broken = ("fn main( {", "broken")          # the shortest: translated after the others went to the pool
+    with pytest.raises(GlslTranslationError, match="broken"):
+        rt.pipelines(texts + [broken], threads=4)
+    assert not rt._pipelines and len([k for k in dev._kernels if k.pipeline is not None]) <= alive
