@@ -58,6 +58,16 @@ def test_outside_the_subset_names_the_construct_and_line():
         to_glsl(main("    loop { break; }"), "k")
     with pytest.raises(GlslTranslationError, match="unknown identifier 'nope'"):
         to_glsl(main("    b0[lid] = nope;"))
+    # ">>" closing two templates is split into two tokens, in signatures read before the
+    # bodies and in the bodies: the line of an error still counts the source's tokens
+    body = "\n".join(f"    var v{i}: array<vec2<vec4<f32>>, 2>;" for i in range(13))
+    src = ("@group(0) @binding(0) var<storage, read_write> o: array<f32>;\n"
+           f"fn a() {{\n{body}\n    let z = 1.0\n}}\nfn b(p: array<vec4<f32>>) {{\n}}\n"
+           "@compute @workgroup_size(1)\nfn main() {\n}\n")
+    with pytest.raises(GlslTranslationError, match=r"k: line 17: expected ;"):
+        to_glsl(src, "k")
+    with pytest.raises(GlslTranslationError, match=r"line 2: unexpected character '\$'"):
+        to_glsl("fn f() {\n  $\n}\n")
 
 
 def test_every_workload_kernel_compiles_to_spirv():

@@ -135,6 +135,36 @@ def test_grads_and_step_share_their_slots():
     assert len({id(b) for b in grads.slots} & {id(b) for b in step.slots}) >= big_enough > 0
 
 
+def test_a_call_that_overwrites_shared_slots_forgets_what_they_held():
+    """grads() and read_outputs() raise, rather than return what a later call left in the
+    slots the plans share: after a profiled step, and after a step that failed."""
+    g, loss = _tiny_attention_loss()
+    s = mg.compile(g, loss=loss, optimizer=mg.optim.AdamW(lr=1e-2), backend="gpu", seed=3)
+    f = {"x": np.ones((2, 8, 32), np.float32)}
+    s.compute_grads(f)
+    s.grads()
+    s.executor.profile(f, "step")
+    with pytest.raises(RuntimeError, match="compute_grads"):
+        s.grads()
+    with pytest.raises(RuntimeError, match="overwrote"):
+        s.read_outputs()
+    s.compute_grads(f)
+    want = s.grads()
+
+    def fail(*a, **k):
+        raise FloatingPointError("the step failed after it ran")
+    plan = s.executor.plans["step"]
+    plan.check_indices = fail
+    with pytest.raises(FloatingPointError):
+        s.step(f)
+    with pytest.raises(RuntimeError, match="compute_grads"):
+        s.grads()
+    del plan.check_indices
+    s.compute_grads(f)                 # readable again (the failed step did update the weights)
+    got = s.grads()
+    assert set(got) == set(want) and all(np.isfinite(v).all() for v in got.values())
+
+
 def _steps(g, loss, opt, backend, monkeypatch, disabled, n=3):
     monkeypatch.setenv("MEGANEURA_NO_FUSE", disabled)
     s = mg.compile(g, loss=loss, optimizer=opt(), backend=backend, seed=4)

@@ -848,6 +848,7 @@ class DataParallel:
             ex.send_initial_values()
             ex.refresh_copies(plan)
             ex.upload(feeds)
+            ex.overwriting(plan)
             submit_until(ahead - 1)
             tm["compute"] += time.perf_counter() - t
             loss = None

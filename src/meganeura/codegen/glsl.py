@@ -311,7 +311,8 @@ class _Translator:
     def eat_close_angle(self):
         if self.tok.text == ">>":     # array<vec4<f32>> closes two templates at once
             self.toks[self.i:self.i + 1] = [CLOSE_ANGLE, CLOSE_ANGLE]
-            self.splits.append(self.i)
+            # splits recorded further on (during the signature scan) moved with the insertion
+            self.splits = [k + 1 if k > self.i else k for k in self.splits] + [self.i]
         self.eat(">")
 
     # ----------------------------------------------------------------- scopes

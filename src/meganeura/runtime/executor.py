@@ -55,6 +55,7 @@ class Plan:
         updates = list(updates) + [(name, None) for name in kp.copy_updates]
         for name in self.copies_read | {n[:-len(F16_COPY)] for n in kp.copy_updates}:
             ex.track_copy(name)
+        self.shares_slots = slot_pool is not None
         self.slots = slots = _pooled_slots(dev, self.memory.slot_sizes, slot_pool)
         phys = {}
         for b in kp.bufs:
@@ -262,7 +263,7 @@ class GpuExecutor:
             else frozenset()
         self.plans: dict = {}
         self.slot_pool: list = []        # the SHARED_SLOT_PHASES plans' slot buffers
-        self.last_plan = None
+        self.last_plan = self.last_fetch_plan = None    # whose gradients / outputs may be read back
         self._dtypes = {t.name: t for t in program.graph.nodes if t.op in ("input", "parameter", "state")}
         self.input_buffers: dict = {}    # inputs are never shared: shapes differ per program
         if share_with is not None:       # parameters and state shared with another session
@@ -354,15 +355,16 @@ class GpuExecutor:
 
     def read_outputs(self):
         """The outputs of the last call, read from the device."""
-        plan = getattr(self, "last_fetch_plan", None)
+        plan = self.last_fetch_plan
         if plan is None:
-            raise RuntimeError("read_outputs: nothing has run yet")
+            raise RuntimeError("read_outputs: no call's outputs are on the device (nothing has run yet, or a "
+                               "later call that shares their memory, or a failed one, overwrote them)")
         return [self.dev.readback(buf, nb, dt, shape, offset=off) for buf, off, nb, dt, shape in plan.fetch_locs]
 
     def last_grads(self):
         if self.last_plan is None or not self.last_plan.grad_locs:
             raise RuntimeError("grads: call compute_grads() first (step() applies its gradients without "
-                               "keeping them)")
+                               "keeping them, and a later step, or a failed call, overwrites them)")
         return {n: self.dev.readback(buf, nb, dt, shape, offset=off)
                 for n, (buf, off, nb, dt, shape) in self.last_plan.grad_locs.items()}
 
@@ -402,10 +404,22 @@ class GpuExecutor:
         self.send_initial_values()
         self.refresh_copies(plan)
         self.upload(feeds)
+        self.overwriting(plan)
         ts = self.recorder.run(plan.step, timestamps=True)
         if path:
             write_chrome_trace(path, plan.names, ts)
         return kernel_table(plan.names, ts)
+
+    def overwriting(self, plan):
+        """Before ``plan`` runs: forget the outputs and gradients it is about to overwrite (its
+        own last call's, and with shared slots every sharing plan's), so that ``read_outputs``
+        and ``grads`` raise instead of returning what the run (or a run that failed) left."""
+        def hit(p):
+            return p is not None and (p is plan or (p.shares_slots and plan.shares_slots))
+        if hit(self.last_plan):
+            self.last_plan = None
+        if hit(self.last_fetch_plan):
+            self.last_fetch_plan = None
 
     def close(self, free_shared=True):
         """Free this session's device buffers; parameters and state too when
@@ -447,6 +461,7 @@ class GpuExecutor:
         self.upload(feeds)
         copies = plan.copies_after if fetch else plan.update_copies
         anomaly = anomaly_from_env() if self.detect_anomaly is None else self.detect_anomaly
+        self.overwriting(plan)
         if anomaly:
             if copies_before:
                 self.recorder.run([], copies_after=copies_before, wait=True)

@@ -63,6 +63,26 @@ class OwnedRange(BufferRange):
                 pass
 
 
+class _InlineJobs:
+    """``ThreadPoolExecutor``'s ``submit`` run on the calling thread (one kernel, or one
+    compile thread: no pool to start)."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def submit(self, fn, *args):
+        from concurrent.futures import Future
+        f = Future()
+        try:
+            f.set_result(fn(*args))
+        except BaseException as e:
+            f.set_exception(e)
+        return f
+
+
 class PreparedProgram:
     """A plan's dispatch list: (kernel, ranges, groups) and names; the Programs recorded
     from it, one per set of copies after it (outputs fetched or not) and timing mode."""
@@ -564,9 +584,22 @@ class VulkanRuntime:
         def spec(label, ck):
             return dict(spirv=ck.spirv, name=label, access=access, info=ck.info, required_subgroup_size=self._pin(ck))
 
+        failed = threading.Event()      # a job raised: translate and hand out no more
+
+        def job(make):
+            def run(*args):
+                try:
+                    return make(*args)
+                except BaseException:
+                    failed.set()
+                    raise
+            return run
+
+        @job
         def from_disk(batch):
             return self.vk.kernels([spec(label, ck) for _, label, ck in batch], threads=1, batch=len(batch)), 0.0
 
+        @job
         def compile_and_create(glsl, label, key):
             t = time.perf_counter()
             ck = self._compile(glsl, label, key, disk)
@@ -578,7 +611,8 @@ class VulkanRuntime:
         n = compile_threads(threads)
         # kernels from disk: batches of at most PIPELINE_BATCH, enough of them for every thread
         per = max(1, min(PIPELINE_BATCH, -(-len(hits) // n)))
-        with ThreadPoolExecutor(max(1, min(n, len(misses) + -(-len(hits) // per)))) as pool:
+        workers = min(n, len(misses) + -(-len(hits) // per))
+        with (ThreadPoolExecutor(workers) if workers > 1 else _InlineJobs()) as pool:
             try:
                 for i in range(0, len(hits), per):
                     batch = hits[i:i + per]
@@ -586,6 +620,8 @@ class VulkanRuntime:
                     texts.append([text for text, _, _ in batch])
                 # the driver's compile time grows with the kernel: the longest start first
                 for text, label, key in sorted(misses, key=lambda m: -len(m[0])):
+                    if failed.is_set():
+                        break
                     t = time.perf_counter()
                     glsl = text if text.startswith("#version") else to_glsl(text, label, unroll=self.unroll_loops)
                     glsl_s += time.perf_counter() - t
