@@ -313,15 +313,10 @@ def _prune(root: pathlib.Path, max_bytes: int = MAX_BYTES) -> None:
 def clear() -> int:
     """Delete every cached plan and session manifest; returns how many plans there were."""
     n = 0
-    for p in folder().glob("*.session"):
+    for p in [*folder().glob("*.session"), *folder().glob("*.plan")]:
         try:
             p.unlink()
-        except OSError:
-            pass
-    for p in folder().glob("*.plan"):
-        try:
-            p.unlink()
-            n += 1
+            n += p.suffix == ".plan"
         except OSError:
             pass
     return n

@@ -13,8 +13,8 @@ are the H200's (bindings and workgroup memory), so the plans are the ones it run
 ``--gpu``: what a user waits for on the current device, ``mg.compile`` with its plans
 built (pipelines included): ``cold`` in a fresh process with empty caches (ours, and the
 driver's shader caches pointed at the same empty folder), ``warm`` in a fresh process
-with those caches filled (the median of three such processes), and ``again`` the same graph compiled a second time in the warm
-process. Each also counts the pipelines created and the seconds spent creating them.
+with those caches filled (the median of three such processes), and ``again`` the same
+graph compiled a second time in the warm process. Each also counts the pipelines created and the seconds spent creating them.
 The package's modules are compiled to bytecode first, as an install has them.
 ``--threads N`` sets MEGANEURA_COMPILE_THREADS for the child processes.
 """

@@ -20,7 +20,8 @@ import numpy as np
 
 from ..schedule import Kernel, View, contiguous_strides
 from .common import ENTRY, GROUP_INDEX, WG, Bindings, broadcast_view_strides, coords, grid, literal
-from .expr import Node, OutputStore
+from .expr import OutputStore
+from .pointwise import sum_kernel
 from . import flash, flash_grad, flash_split
 
 MAX_KEYS = 2048          # scores of one row in workgroup memory (8 KiB)
@@ -136,14 +137,11 @@ def lower_attention_grad(t, ins, out, materialize, temp, siblings=()):
 
 
 def _sum_splits(name, part, out, s):
-    """A pointwise kernel writing ``out`` = the sum of the ``s`` contiguous partials in ``part``."""
+    """``out`` = the sum of the ``s`` contiguous partials side by side in ``part``."""
     shape = tuple(part.shape[1:])
     size = int(np.prod(shape, dtype=np.int64))
-    leaves = [View(part.buf, shape, contiguous_strides(shape), part.offset + j * size, part.dtype) for j in range(s)]
-    total = ("leaf", 0)
-    for j in range(1, s):
-        total = ("op", Node("add", out.dtype), [total, ("leaf", j)])
-    return Kernel(name, "pointwise", {"expr": total, "dtype": out.dtype}, out, leaves)
+    return sum_kernel(name, [View(part.buf, shape, contiguous_strides(shape), part.offset + j * size, part.dtype)
+                             for j in range(s)], out)
 
 
 def render(kernel):

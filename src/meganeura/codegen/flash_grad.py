@@ -270,16 +270,19 @@ def render(kernel):
         for ci, (c0, w) in enumerate(chunks):
             for e in range(4):
                 col = f"{c0}u + tx * 4u + {e}u"
-                L.append(f"        if ({col} < {width}u) {{ store_out((sp * {own_size}u + bh * {n_own}u + x) * {width}u + {col}, "
+                L.append(f"        if ({col} < {width}u) {{ "
+                         f"store_out((sp * {own_size}u + bh * {n_own}u + x) * {width}u + {col}, "
                          f"{main}[{r * len(chunks) + ci}][{e}] * {scale}); }}")
         if not dq:
             dvv = kernel.outs[0]
-            assert dvv.is_contiguous() and dvv.shape == (() if S == 1 else (S,)) + tuple(batch) + (heads, lk, dv), dvv.shape
+            split_dims = () if S == 1 else (S,)
+            assert dvv.is_contiguous() and dvv.shape == split_dims + tuple(batch) + (heads, lk, dv), dvv.shape
             vo = b.index(dvv.buf, dvv.dtype, write=True)
             for ci, (c0, w) in enumerate(vch):
                 for e in range(4):
                     col = f"{c0}u + tx * 4u + {e}u"
-                    L.append(f"        if ({col} < {dv}u) {{ b{vo}[{dvv.offset}u + (sp * {own_size}u + bh * {lk}u + x) * {dv}u + {col}] = "
+                    L.append(f"        if ({col} < {dv}u) {{ "
+                             f"b{vo}[{dvv.offset}u + (sp * {own_size}u + bh * {lk}u + x) * {dv}u + {col}] = "
                              f"av[{r * len(vch) + ci}][{e}]; }}")
         L.append("    } }")
     src = (b.decls() + "\n" + store.module_text() +

@@ -14,8 +14,8 @@ kernel does (the backward reads that LSE). The combine ends in ``store_out``, so
 output's epilogues (transposed stores, residual adds) fuse into it as into the unsplit
 kernel.
 
-``MEGANEURA_FLASH_SPLIT`` = S forces S splits (1: off), in the backward too (``flash_grad.splits``,
-at most its walked tiles); unset, ``auto_splits`` chooses
+``MEGANEURA_FLASH_SPLIT`` = S forces S splits (1: off), in the backward too
+(``flash_grad.splits``, at most its walked tiles); unset, ``auto_splits`` chooses
 (``AUTO_SPLIT``).
 """
 from __future__ import annotations

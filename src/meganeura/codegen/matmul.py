@@ -14,10 +14,10 @@ import os
 import numpy as np
 
 from ..schedule import Kernel, View, contiguous_strides
-from .expr import Node, OutputStore
+from .expr import OutputStore
 from .common import LOOP_BOUND, Bindings, contiguous_batch_strides
 from .gather import as_function as gather_function
-from .pointwise import as_function as pointwise_function
+from .pointwise import as_function as pointwise_function, sum_kernel
 
 
 def lower_matmul(t, ins, out, materialize, temp):
@@ -57,11 +57,7 @@ def _split_k(t, out, temp, mm, split):
     batch = tuple(t.shape[:-2])
     bst = tuple(s * split for s in contiguous_strides(batch + (m, n))[:len(batch)])
     leaves = [View(part.buf, t.shape, bst + (n, 1), part.offset + s * m * n, out.dtype) for s in range(split)]
-    total = ("leaf", 0)
-    for s in range(1, split):
-        total = ("op", Node("add", out.dtype), [total, ("leaf", s)])
-    red = Kernel("matmul.splitk_sum", "pointwise", {"expr": total, "dtype": out.dtype}, out, leaves)
-    return [mm, red]
+    return [mm, sum_kernel("matmul.splitk_sum", leaves, out)]
 
 
 def accelerate(a, b, ta, tb):

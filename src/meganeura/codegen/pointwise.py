@@ -3,7 +3,18 @@ tree whose leaves are strided (possibly broadcast) views."""
 from __future__ import annotations
 
 from .common import ENTRY, GROUP_INDEX, WG, Bindings, broadcast_view_strides, coords, grid, offset_expr
-from .expr import ExprWriter, store_lines
+from .expr import ExprWriter, Node, store_lines
+
+
+def sum_kernel(name, leaves, out):
+    """A pointwise kernel writing ``out`` = the sum of the views ``leaves`` (the partial
+    results of a kernel split over its reduction: split-K, the flash backward's splits),
+    which fusion treats like any other: epilogues, merging."""
+    from ..schedule import Kernel
+    total = ("leaf", 0)
+    for j in range(1, len(leaves)):
+        total = ("op", Node("add", out.dtype), [total, ("leaf", j)])
+    return Kernel(name, "pointwise", {"expr": total, "dtype": out.dtype}, out, list(leaves))
 
 
 def _body(kernel, b: Bindings):

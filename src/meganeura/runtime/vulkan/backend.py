@@ -540,8 +540,9 @@ class VulkanRuntime:
         A kernel text whose SPIR-V an earlier process stored (``cache.CompiledKernel``, keyed
         by the text) is read back with its reflection: no GLSL translation, no glslang, no
         SPIR-V parsing; those pipelines are created in batches (one ``vkCreateComputePipelines``
-        each, at most ``device.PIPELINE_BATCH`` pipelines) spread over the threads. The others stream: this thread translates each to
-        GLSL (Python), longest text first, and hands it at once to a pool of ``threads``
+        each, at most ``device.PIPELINE_BATCH`` pipelines) spread over the threads. The others
+        stream: this thread translates each to GLSL (Python), longest text first, and hands it
+        at once to a pool of ``threads``
         threads (``backends.compile_threads``) that compile it with glslang and create its
         pipeline, so the driver compiles while the rest are translated and the longest
         compiles do not come last. A failure raises once every job has ended and leaves no
@@ -586,7 +587,7 @@ class VulkanRuntime:
 
         failed = threading.Event()      # a job raised: translate and hand out no more
 
-        def job(make):
+        def flags_failure(make):
             def run(*args):
                 try:
                     return make(*args)
@@ -595,11 +596,11 @@ class VulkanRuntime:
                     raise
             return run
 
-        @job
+        @flags_failure
         def from_disk(batch):
             return self.vk.kernels([spec(label, ck) for _, label, ck in batch], threads=1, batch=len(batch)), 0.0
 
-        @job
+        @flags_failure
         def compile_and_create(glsl, label, key):
             t = time.perf_counter()
             ck = self._compile(glsl, label, key, disk)
@@ -630,9 +631,9 @@ class VulkanRuntime:
             except BaseException as e:      # a translation failed: let the submitted jobs end
                 error = e
             results = []
-            for job in jobs:
+            for future in jobs:
                 try:
-                    results.append(job.result())
+                    results.append(future.result())
                 except BaseException as e:
                     error = error or e
                     results.append(([], 0.0))
