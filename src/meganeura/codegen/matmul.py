@@ -114,6 +114,12 @@ def k_step(tile) -> int:
 # enough workgroups to occupy a large GPU (an H200 has 132 SMs); MEGANEURA_MATMUL_GROUPS
 # overrides it for sweeps (the 128-wide tile needs half as many of its own)
 TARGET_GROUPS = int(os.environ.get("MEGANEURA_MATMUL_GROUPS", "256"))
+# K splits at most (MEGANEURA_MATMUL_MAX_SPLIT for sweeps). 32 instead of 8 gives the few
+# output tiles of batch-1 convolutions more workgroups; H200, ms of a call: U-Net inference
+# 1.87 -> 1.63, ResNet-50 batch-1 1.40 -> 1.20 (its im2col matmuls 23 -> 20 us), ResNet-50
+# forward+loss+backward 10.2 -> 9.9, SmolVLA 1.49 -> 1.45. Extra workgroups (a target of 512
+# instead of 256) lost on ResNet-50's batch-8 inference 2.99 -> 3.21.
+MAX_SPLIT = int(os.environ.get("MEGANEURA_MATMUL_MAX_SPLIT", "32"))
 
 
 # f32 blocks (TM, TN, WY, WX) of 128 threads with 16 x 8 or 8 x 8 outputs each, the largest
@@ -155,10 +161,10 @@ def plan_tiles(M, N, K, nb, blocks=BLOCKS):
     else:
         block = block_of({"tile": 64})
     tile = block[0]
-    # up to 8 K splits of at least 64 each, toward TARGET_GROUPS workgroups. Splits of at
+    # up to MAX_SPLIT K splits of at least 64 each, toward TARGET_GROUPS workgroups. Splits of at
     # least 128 cut the U-Net's launches 247 -> 219 but cost it 5-10% (H200)
     split = int(os.environ.get("MEGANEURA_MATMUL_SPLIT", "0")) or \
-        max(1, min(-(-TARGET_GROUPS // groups(*block[:2])), K // 64, 8))
+        max(1, min(-(-TARGET_GROUPS // groups(*block[:2])), K // 64, MAX_SPLIT))
     tk = k_step(tile)
     split = max(split, -(-K // (tk * (LOOP_BOUND - 1))))   # each split loops K / split / tk + 1 times
     return tile, block, -(-K // split_k(K, split, tk))   # no empty splits
