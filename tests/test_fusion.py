@@ -194,6 +194,29 @@ def test_sibling_tiled_matmuls_and_split_k_sums_share_launches():
     _assert_gpu_matches_reference(g, outs, feeds, rtol=1e-4, atol=1e-5)
 
 
+def test_projections_of_an_input_in_every_layer_share_one_launch_at_the_front():
+    """Cross-attention keys and values of the same context, projected in every layer of a
+    chain: hoisted to the front, their matmuls are one launch and their split-K sums one
+    more, whatever the chain between them; results still match the reference."""
+    g = mg.Graph()
+    x, ctx = g.input("x", (20, 64)), g.input("ctx", (12, 256))
+    h = x
+    for i in range(3):
+        k = mg.ops.linear(ctx, g.parameter(f"k{i}", (64, 256), init="normal"))
+        v = mg.ops.linear(ctx, g.parameter(f"v{i}", (64, 256), init="normal"))
+        a = mg.ops.softmax(mg.ops.mm(h, k, tb=True) * 0.125, -1)
+        h = mg.ops.tanh(mg.ops.mm(a, v) + h)
+    kp = compile_plan([h], options=CompileOptions(max_bindings=64))
+    off = compile_plan([h], options=CompileOptions(max_bindings=64, disabled=frozenset({"hoist"})))
+    first = kp.dispatches[0].kernel
+    assert first.name.count("matmul") == 6 and first.archetype == "matmul", kp.names
+    assert kp.n_dispatches <= off.n_dispatches - 4, (kp.names, off.names)
+    rng = np.random.default_rng(11)
+    feeds = {"x": rng.standard_normal((20, 64)).astype(np.float32),
+             "ctx": rng.standard_normal((12, 256)).astype(np.float32)}
+    _assert_gpu_matches_reference(g, [h], feeds, rtol=1e-4, atol=1e-5)
+
+
 def test_common_subexpressions_are_computed_once():
     """Equal nodes (same op, inputs and attributes; equal constants) after lowering are one
     node: a quantity that a backward rule rebuilds is not computed twice."""

@@ -16,6 +16,8 @@ the memory planner and the runtime need no knowledge of them.
   over the same rows.
 - ``stores``: a copy of a kernel's whole output into a slice of another buffer (a
   concat) becomes a second store of that kernel.
+- ``hoist``: kernels that read only inputs and parameters move to the front, so that
+  ``horizontal`` can merge the same work of every layer.
 - ``horizontal``: independent pointwise kernels close together run as one launch.
 """
 from __future__ import annotations
@@ -891,8 +893,47 @@ def fuse_copy_stores(kernels, max_bindings):
     return [k for k in kernels if k is not None]
 
 
+HOIST_MAX_BYTES = 16 << 20     # what hoisted kernels write lives from the start of the call
+
+
+def hoist_independent(kernels, max_bindings):
+    """Kernels that read only inputs, parameters, state and constants and write only
+    intermediates move to the front, in order, then the kernels that read only what those
+    write (a split-K sum), while what they write stays under HOIST_MAX_BYTES. Every
+    cross-attention layer of SmolVLA's expert projects keys and values of the same VLM
+    features, and every cross-attention block of the U-Net those of the text context: at
+    the front, ``horizontal`` makes each of those one launch instead of one (and one sum)
+    per layer, off the critical path. Two levels only: the whole network depends on its
+    inputs alone."""
+    levels, rest = ([], []), []
+    level_of = {}                  # buffer id -> level of the hoisted kernel that writes it
+    rest_writes, written, read = set(), set(), set()      # buffer ids
+    budget = HOIST_MAX_BYTES
+    for k in kernels:
+        views, outs = k.read_views(), k.written_bufs()
+        nbytes = sum(b.nbytes for b in outs)
+        level = 0
+        for v in views:
+            if id(v.buf) in rest_writes or v.buf.kind == "temp" and id(v.buf) not in level_of:
+                level = len(levels)
+                break
+            level = max(level, level_of.get(id(v.buf), -1) + 1)
+        if level < len(levels) and nbytes <= budget \
+                and all(b.kind == "temp" and id(b) not in written and id(b) not in read for b in outs):
+            levels[level].append(k)
+            level_of.update((id(b), level) for b in outs)
+            budget -= nbytes
+        else:
+            rest.append(k)
+            rest_writes |= {id(b) for b in outs}
+        written |= {id(b) for b in outs}
+        read |= {id(v.buf) for v in views}
+    return levels[0] + levels[1] + rest
+
+
 FUSION_PASSES = {"epilogue": fuse_epilogues, "prologue": fuse_prologues, "rows": fuse_rows,
-                 "normstats": fuse_norm_stats, "stores": fuse_copy_stores, "horizontal": merge_horizontal}
+                 "normstats": fuse_norm_stats, "stores": fuse_copy_stores, "hoist": hoist_independent,
+                 "horizontal": merge_horizontal}
 
 
 def run_fusion(kernels, disabled=frozenset(), max_bindings=8):
