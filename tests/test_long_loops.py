@@ -3,7 +3,7 @@
 import numpy as np
 
 import meganeura as mg
-from meganeura.compiler import compile_plan
+from meganeura.compiler import CompileOptions, compile_plan
 
 
 def _run(build, shapes):
@@ -64,3 +64,25 @@ def test_tiled_matmul_k_loop_is_bounded():
     loops = [int(n) + 1 for w in wgsl for n in re.findall(r"t <= (\d+)u", w)]
     loops += [int(n) - 1 for w in wgsl for n in re.findall(r"var t = 1u; t < (\d+)u", w)]
     assert loops and max(loops) <= LOOP_BOUND
+
+
+def test_short_rows_with_few_outputs_take_several_lanes_each():
+    """Rows of 8-63 elements with few outputs (a global average pool at batch 1) reduce
+    with 32 threads per row, 8 rows a workgroup (a ragged last one here): sums, means and
+    maxima (a NaN in a row gives NaN) equal NumPy's; long and short rows keep their forms."""
+    from meganeura.codegen import reduce
+    g = mg.Graph()
+    x = g.input("x", (1, 37, 7, 7))
+    outs = [mg.ops.mean(mg.ops.relu(x), (2, 3)), mg.ops.sum(x, (3,)), mg.ops.amax(x, 2)]
+    kp = compile_plan(outs, options=CompileOptions(disabled=frozenset({"horizontal"})))
+    groups = {d.kernel.name: d.groups[0] for d in kp.dispatches}
+    assert groups == {"relu>reduce_mean": -(-37 // (256 // reduce.LANES)), "reduce_sum": 2, "reduce_max": 2}, groups
+    rng = np.random.default_rng(3)
+    xv = rng.standard_normal((1, 37, 7, 7)).astype(np.float32)
+    xv[0, 5, 3, 2] = np.nan
+    mean, total, mx = mg.compile(g, outputs=outs, backend="gpu").run({"x": xv})
+    x64 = xv.astype(np.float64)
+    np.testing.assert_allclose(mean, np.maximum(x64, 0).mean((2, 3)), rtol=1e-5)
+    np.testing.assert_allclose(total, x64.sum(3), rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(np.isnan(mx), np.isnan(x64).any(2))
+    np.testing.assert_allclose(mx[~np.isnan(mx)], x64.max(2)[~np.isnan(mx)], rtol=0)

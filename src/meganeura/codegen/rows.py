@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..graph import f32
 from ..schedule import Kernel, contiguous_strides
 from .expr import OutputStore
 from .common import ENTRY, GROUP_INDEX, WG, Bindings, coords, grid
@@ -98,21 +99,42 @@ def lower_norm_stat(t, ins, out, materialize, temp):
 def render_norm(kernel):
     """A norm's rows (or, ``spec["stats_only"]``, one statistic per row through the
     epilogue); statistics in ``kernel.outs`` (``spec["out_stats"]``: "mean" or "rstd"
-    each) are stored beside, one value per row."""
+    each) are stored beside, one value per row. ``spec["prologue"]``: the input is a
+    pointwise kernel's value, computed here (``fuse.fuse_norm_producer``), stored as the
+    ``outs`` marked "x" and kept in workgroup memory for the normalised write."""
     spec, out = kernel.spec, kernel.out
-    x = kernel.reads[0]
+    pro = spec.get("prologue")
+    x = pro["view"] if pro else kernel.reads[0]
     r = spec["row"]
     only = spec.get("stats_only")
     n_rows = out.size if only else out.size // r
     b = Bindings()
     store = OutputStore(kernel, b)
     stat_vars = {"mean": "mean", "rstd": "inv"}
-    extra_stats = [(b.index(v.buf, v.dtype, write=True), v, st) for v, st in zip(kernel.outs, spec.get("out_stats", ()))]
-    xb = b.index(x.buf, x.dtype)
-    extra = kernel.reads[1:]
+    outs = list(zip(kernel.outs, spec.get("out_stats", ())))
+    extra_stats = [(b.index(v.buf, v.dtype, write=True), v, st) for v, st in outs if st != "x"]
+    extra = kernel.reads[:pro["first"]] if pro else kernel.reads[1:]
+    module = ""
+    if pro:
+        from .reduce import _prologue_load
+        module, load_at = _prologue_load(pro, kernel.reads[pro["first"]:pro["first"] + pro["n"]], b, f32)
+        # the first pass evaluates (and stores, for other readers) each element and keeps
+        # it for the second
+        keep = f"    b{b.index(x.buf, x.dtype, write=True)}[i] = v;\n" if any(st == "x" for _, st in outs) else ""
+        module += f"""
+fn x_first(row: u32, j: u32) -> f32 {{
+    let i = x_at(row, j);
+    let v = {load_at("i")};
+{keep}    xrow[j] = v;
+    return v;
+}}
+"""
+        xv, xv2 = "x_first(row, j)", "xrow[j]"
+    else:
+        xb = b.index(x.buf, x.dtype)
+        xv = xv2 = f"f32(b{xb}[x_at(row, j)])"
     wb = b.index(extra[0].buf, extra[0].dtype) if spec["weight"] else None
     bb = b.index(extra[-1].buf, extra[-1].dtype) if spec["bias"] else None
-    xv = f"f32(b{xb}[x_at(row, j)])"
     y = "(xj - mean) * inv" if spec["kind"] == "layer_norm" else "xj * inv"
     if wb is not None:
         y = f"{y} * f32(b{wb}[{extra[0].offset}u + j])"
@@ -120,6 +142,7 @@ def render_norm(kernel):
         y = f"{y} + f32(b{bb}[{extra[-1].offset}u + j])"
     center = spec["kind"] == "layer_norm"
     wg = WG if r >= 64 else 1
+    assert wg > 1 or not pro, "a norm computing its input needs a workgroup per row"
     if wg == 1:   # short rows: one thread each
         head = f"""    let row = ({GROUP_INDEX}) * {WG}u + lid;
     if (row >= {n_rows}u) {{ return; }}
@@ -132,7 +155,7 @@ def render_norm(kernel):
     if (row >= {n_rows}u) {{ return; }}
     let base = row * {r}u;
 """
-        sums = lambda expr: (f"var acc = 0.0;\n    for (var j = lid; j < {r}u; j = j + {WG}u) {{ acc = acc + {expr}; }}\n"  # noqa: E731
+        sums = lambda expr: (f"var acc = 0.0;\n    for (var j = lid; j < {r}u; j = j + {WG}u) {{ let xj = {xv}; acc = acc + {expr}; }}\n"  # noqa: E731
                              f"    part[lid] = acc;\n    workgroupBarrier();\n"
                              f"    for (var s = {WG // 2}u; s > 0u; s = s >> 1u) {{\n"
                              f"        if (lid < s) {{ part[lid] = part[lid] + part[lid + s]; }}\n"
@@ -145,6 +168,8 @@ def render_norm(kernel):
         body += "    var mean = 0.0;\n    {\n    " + sums(xv) + f"\n    mean = acc / {float(r)!r};\n    }}\n"
         body += "    var var_ = 0.0;\n    {\n    " + sums(f"({xv} - mean) * ({xv} - mean)") + \
             f"\n    var_ = acc / {float(r)!r};\n    }}\n"
+    elif wg > 1:
+        body += "    var var_ = 0.0;\n    {\n    " + sums("xj * xj") + f"\n    var_ = acc / {float(r)!r};\n    }}\n"
     else:
         body += "    var var_ = 0.0;\n    {\n    " + sums(f"{xv} * {xv}") + f"\n    var_ = acc / {float(r)!r};\n    }}\n"
     body += f"    let inv = inverseSqrt(var_ + {spec['eps']!r});\n"
@@ -155,13 +180,15 @@ def render_norm(kernel):
     if stores:
         body += f"    if ({first}) {{ " + " ".join(stores) + " }\n"
     if not only:
-        body += f"    {loop} {{\n        let xj = {xv};\n        store_out(base + j, {y});\n    }}\n"
+        body += f"    {loop} {{\n        let xj = {xv2};\n        store_out(base + j, {y});\n    }}\n"
     body += "}\n"
     shared = "\n"
     if wg > 1:
         shared = f"\nvar<workgroup> part: array<f32, {WG}>;\n" + \
-            (f"var<workgroup> part_n: array<f32, {WG}>;\nvar<workgroup> part_q: array<f32, {WG}>;\n" if center else "")
-    src = b.decls() + "\n" + store.module_text() + "\n" + _index_fn(x, r) + shared + "\n" + ENTRY.format(wg=WG) + body
+            (f"var<workgroup> part_n: array<f32, {WG}>;\nvar<workgroup> part_q: array<f32, {WG}>;\n" if center else "") + \
+            (f"var<workgroup> xrow: array<f32, {r}>;\n" if pro else "")
+    src = b.decls() + "\n" + store.module_text() + "\n" + _index_fn(x, r) + shared + module + "\n" + \
+        ENTRY.format(wg=WG) + body
     return src, b.bufs, grid(n_rows if wg > 1 else -(-n_rows // WG))
 
 

@@ -332,7 +332,7 @@ def fuse_norm_prologue(kernels, max_bindings):
     for ni, nk in enumerate(kernels):
         if nk is None or nk.archetype != "norm" or (nk.epilogue is not None and not _stores_f16(nk)) \
                 or nk.out.buf.kind != "temp" or not nk.reads[0].is_contiguous() \
-                or "stats_only" in nk.spec or nk.outs:
+                or "stats_only" in nk.spec or "prologue" in nk.spec or nk.outs:
             continue
         readers = sorted(set(uses.readers[id(nk.out.buf)]))
         if not readers or len(uses.writers[id(nk.out.buf)]) != 1:
@@ -364,6 +364,61 @@ def fuse_norm_prologue(kernels, max_bindings):
             uses.add(i, g)
         uses.remove(ni, nk)
         kernels[ni] = None
+    return [k for k in kernels if k is not None]
+
+
+NORM_STASH_ROW = 4096       # elements of a row a norm keeps in workgroup memory (16 KiB)
+
+
+def norm_input(k):
+    """The view a norm kernel normalises: its first read, or the output of the pointwise
+    kernel it computes in its loads (``fuse_norm_producer``)."""
+    return k.spec["prologue"]["view"] if "prologue" in k.spec else k.reads[0]
+
+
+def fuse_norm_producer(kernels, max_bindings):
+    """A norm (one workgroup per row) computes the pointwise kernel that writes its input
+    (a residual add after a split-K sum) in its loads and stores that value itself, for
+    the input's other readers (the residual stream): one launch instead of two. The row
+    is kept in workgroup memory between the statistics and the normalised write, so the
+    producer's expression is evaluated once per element."""
+    kernels = list(kernels)
+    uses = _Uses(kernels)
+    for ni, nk in enumerate(kernels):
+        if nk is None or nk.archetype != "norm" or "stats_only" in nk.spec or "prologue" in nk.spec or nk.outs:
+            continue
+        x = nk.reads[0]     # the row is read once, stored (when others read it) and kept
+        if not 64 <= nk.spec["row"] <= NORM_STASH_ROW or not x.is_contiguous() or x.dtype.name != "f32" \
+                or sum(v.buf is x.buf for v in nk.read_views()) != 1:
+            continue
+        pi = uses.producer(x.buf, ni)
+        if pi is None:
+            continue
+        p = kernels[pi]
+        if p.archetype != "pointwise" or p.epilogue is not None or p.spec.get("flat_leaf") or p.spec.get("stores") \
+                or _has_rleaf(p.spec["expr"]) or p.out.buf.kind != "temp" or p.out.buf is not x.buf \
+                or not p.out.is_contiguous() or p.out.offset != x.offset or p.out.size != x.size \
+                or p.out.dtype.name != "f32":
+            continue
+        if uses.touched_between(x.buf, pi + 1, ni) \
+                or any(uses.touched_between(v.buf, pi, ni, writes_only=True) for v in p.reads):
+            continue
+        if len({id(v.buf) for v in nk.read_views()[1:] + list(p.reads)} | {id(b) for b in nk.written_bufs()}
+               | {id(x.buf)}) > max_bindings:
+            continue
+        kept = set(uses.readers[id(x.buf)]) != {ni}     # others read it: stored as well
+        uses.remove(ni, nk)
+        uses.remove(pi, p)
+        rest = list(nk.reads[1:])
+        nk.spec = {**nk.spec, "prologue": {"expr": p.spec["expr"], "out": p.out, "view": x,
+                                           "first": len(rest), "n": len(p.reads)}}
+        if kept:
+            nk.spec["out_stats"] = ["x"]
+            nk.outs = [p.out]
+        nk.reads = rest + list(p.reads)
+        nk.name = f"{p.name}>{nk.name}"
+        kernels[pi] = None
+        uses.add(ni, nk)
     return [k for k in kernels if k is not None]
 
 
@@ -485,9 +540,12 @@ def fuse_pointwise_operands(kernels, max_bindings):
 
 def fuse_prologues(kernels, max_bindings):
     """Producers computed inside their consumer's loads: pointwise kernels into the
-    reductions that read them, norms into the GEMVs that read them, im2col and small
-    pointwise kernels into the tiled matmuls that read them."""
-    kernels = fuse_norm_prologue(fuse_reduce_prologue(kernels, max_bindings), max_bindings)
+    reductions and norms that read them, norms into the matmuls that read them, im2col
+    and small pointwise kernels into the tiled matmuls that read them."""
+    # a norm that absorbs its producer keeps its launch and stores its rows: its readers
+    # no longer recompute the statistics (fuse_norm_prologue leaves it alone)
+    kernels = fuse_norm_producer(fuse_reduce_prologue(kernels, max_bindings), max_bindings)
+    kernels = fuse_norm_prologue(kernels, max_bindings)
     return fuse_pointwise_operands(fuse_gather_operands(kernels, max_bindings), max_bindings)
 
 
@@ -776,7 +834,7 @@ def merge_horizontal(kernels, max_bindings):
 
 def _norm_rows_key(k):
     """What decides a norm kernel's row statistics: the rows it reads and how it reduces them."""
-    x = k.reads[0]
+    x = norm_input(k)
     return (id(x.buf), x.offset, tuple(x.shape), tuple(x.strides), x.dtype.name, k.spec["kind"], k.spec["eps"],
             k.spec["row"])
 
@@ -799,7 +857,7 @@ def fuse_norm_stats(kernels, max_bindings):
             norms.setdefault(key, i)
             continue
         n = kernels[j]
-        if any(uses.touched_between(v.buf, j, i, writes_only=True) for v in n.reads[:1]) \
+        if uses.touched_between(norm_input(n).buf, j + 1, i, writes_only=True) \
                 or uses.touched_between(k.out.buf, j, i) \
                 or len({id(v.buf) for v in n.read_views()} | {id(b) for b in n.written_bufs()} | {id(k.out.buf)}) \
                 > max_bindings:
