@@ -219,3 +219,45 @@ def test_new_kernels_stream_to_the_threads_and_a_failure_leaves_no_pipeline(cach
     with pytest.raises(GlslTranslationError, match="broken"):
         rt.pipelines(texts + [broken], threads=4)
     assert not rt._pipelines and len([k for k in dev._kernels if k.pipeline is not None]) <= alive
+
+
+def test_a_plan_allocates_while_its_pipelines_are_created(cache_dir, monkeypatch):
+    """The Vulkan backend creates a plan's pipelines on another thread while the plan
+    allocates its memory: both happen (the session runs and matches NumPy), and an
+    allocation that fails raises its own error after the pipelines have ended."""
+    from meganeura.runtime import executor
+    assert backend.get_vulkan_runtime().concurrent_pipelines
+    threads = {}
+    real = backend.VulkanRuntime.pipelines
+
+    def pipelines(self, shaders, **kw):
+        threads["pipelines"] = threading.current_thread()
+        return real(self, shaders, **kw)
+    monkeypatch.setattr(backend.VulkanRuntime, "pipelines", pipelines)
+    g = mg.Graph()
+    x = g.input("x", (8, 24))
+    y = mg.ops.tanh(mg.ops.linear(x, g.parameter("w", (16, 24), init="normal")))
+    ref = mg.compile(g, outputs=[y], backend="numpy")
+    sess = mg.compile(g, outputs=[y], backend="vulkan")
+    sess.load_state_dict(ref.state_dict())
+    feeds = {"x": np.random.default_rng(2).standard_normal((8, 24)).astype(np.float32)}
+    np.testing.assert_allclose(sess.run(feeds)[0], ref.run(feeds)[0], rtol=1e-5, atol=1e-6)
+    assert threads["pipelines"] is not threading.main_thread()
+
+    ended = []
+
+    class Runtime:
+        concurrent_pipelines = True
+
+        def pipelines(self, shaders):
+            threading.Event().wait(0.05)
+            ended.append(True)
+            return ["made"]
+
+    def allocate():
+        raise MemoryError("no device memory for the plan")
+    with pytest.raises(MemoryError, match="no device memory"):
+        executor._pipelines_while(Runtime(), [("text", "k")], allocate)
+    assert ended == [True]
+    done = []
+    assert executor._pipelines_while(Runtime(), [("text", "k")], lambda: done.append(1)) == ["made"] and done

@@ -56,26 +56,15 @@ class Plan:
         for name in self.copies_read | {n[:-len(F16_COPY)] for n in kp.copy_updates}:
             ex.track_copy(name)
         self.shares_slots = slot_pool is not None
-        self.slots = slots = _pooled_slots(dev, self.memory.slot_sizes, slot_pool)
-        phys = {}
-        for b in kp.bufs:
-            if b.kind in ("input", "parameter", "state"):
-                phys[b] = ex.named_buffer(b.name, b.nbytes)
-            elif b.kind == "constant":
-                phys[b] = dev.create_buffer(b.nbytes, label=b.name)
-                dev.upload(phys[b], b.value)
-            elif b in self.memory.slot_of:      # intermediates and targets
-                phys[b] = slots[self.memory.slot_of[b]]
         # checked mode: kernels that index with data (embedding ids, labels) report bad
         # indices into one error buffer, read after each step (see check_indices)
-        self.checks, self.error_buf = [], None
+        self.checks, self.error_buf, err = [], None, None
         checked = [d for d in kp.dispatches if d.kernel.spec.get("checks")] if dev.checked else []
         if checked:
             from ..codegen import render
             from ..schedule import Buf
             n = sum(len(d.kernel.spec["checks"]) for d in checked)
             err = Buf(8 * n, "temp", "index_errors")
-            phys[err] = self.error_buf = dev.create_buffer(8 * n, label="index_errors")
             self.error_zeros = np.zeros(2 * n, np.uint32)
         shaders = []
         for d in kp.dispatches:
@@ -89,9 +78,24 @@ class Plan:
         variant = getattr(dev, "kernel_variant", None)
         if variant is not None:
             shaders = [variant(d.kernel, *sh, precision=ex.precision) or sh for d, sh in zip(kp.dispatches, shaders)]
+        phys = {}
+
+        def allocate():
+            self.slots = slots = _pooled_slots(dev, self.memory.slot_sizes, slot_pool)
+            for b in kp.bufs:
+                if b.kind in ("input", "parameter", "state"):
+                    phys[b] = ex.named_buffer(b.name, b.nbytes)
+                elif b.kind == "constant":
+                    phys[b] = dev.create_buffer(b.nbytes, label=b.name)
+                    dev.upload(phys[b], b.value)
+                elif b in self.memory.slot_of:      # intermediates and targets
+                    phys[b] = slots[self.memory.slot_of[b]]
+            if err is not None:
+                phys[err] = self.error_buf = dev.create_buffer(err.nbytes, label="index_errors")
         # every pipeline now (identical kernel text once, the new ones on several threads),
-        # so that compiling compiles and the first call only runs
-        pipes = dev.pipelines([(text, name) for text, name, _, _ in shaders])
+        # so that compiling compiles and the first call only runs; where the runtime allows
+        # it, while this thread allocates the plan's memory
+        pipes = _pipelines_while(dev, [(text, name) for text, name, _, _ in shaders], allocate)
         dispatches, self.writes = [], []
         for pipe, (_, _, bufs, groups) in zip(pipes, shaders):
             bound = [phys[b] for b in bufs]
@@ -217,6 +221,25 @@ def check_device_limits(tensors, dev=None):
 # other call followed (a step makes them stale). A session that compiles both
 # compute_grads and step held two copies of nearly the same slots (SmolLM2: 2 x 801 MiB).
 SHARED_SLOT_PHASES = frozenset({"grads", "step", "micro"})
+
+
+def _pipelines_while(dev, shaders, work):
+    """``dev.pipelines(shaders)``, running ``work()`` meanwhile on this thread where the
+    runtime creates pipelines and allocates memory concurrently (``concurrent_pipelines``:
+    the Vulkan backend, whose driver calls release the GIL); else one after the other.
+    ``work``'s error wins over the pipelines', and both have ended when this returns."""
+    if not getattr(dev, "concurrent_pipelines", False):
+        work()
+        return dev.pipelines(shaders)
+    from concurrent.futures import ThreadPoolExecutor
+    with ThreadPoolExecutor(1, thread_name_prefix="pipelines") as pool:
+        made = pool.submit(dev.pipelines, shaders)
+        try:
+            work()
+        except BaseException:
+            made.exception()        # wait for it, then report the allocation's error
+            raise
+        return made.result()
 
 
 def _pooled_slots(dev, sizes, pool):

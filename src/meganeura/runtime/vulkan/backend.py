@@ -295,6 +295,9 @@ class VulkanRuntime:
         self.checked = env if checked is None else bool(checked)
         self.use_levels = levels
         self.backend = "vulkan"
+        # a plan's pipelines may be created on another thread while it allocates memory:
+        # Vulkan lets both run at once on one device, and cffi releases the GIL in them
+        self.concurrent_pipelines = True
         f = self.vk.features
         self.has_f16 = bool(f.get("shaderFloat16") and f.get("storageBuffer16BitAccess"))
         self.has_timestamps = self.vk.timestamp_bits > 0
