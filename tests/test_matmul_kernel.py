@@ -47,3 +47,16 @@ def test_merged_matmuls_one_reading_a_buffer_in_its_epilogue_the_other_as_its_op
     y1, y2 = s.run(feeds)
     np.testing.assert_allclose(y1, feeds["x"] @ wv.T + feeds["z"], rtol=1e-5, atol=1e-4)
     np.testing.assert_allclose(y2, feeds["x"] @ feeds["z"].T, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("name", ["MEGANEURA_MATMUL_MAX_SPLIT", "MEGANEURA_MATMUL_GROUPS"])
+def test_bad_matmul_sweep_switches_name_themselves(name):
+    """A sweep switch that is not a positive integer stops the import of the matmul code
+    generator with its name and value, not with int()'s message."""
+    import os
+    import subprocess
+    import sys
+    env = dict(os.environ, **{name: "0x10"})
+    r = subprocess.run([sys.executable, "-c", "import meganeura.codegen.matmul"], env=env,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0 and f"{name}='0x10': expected a positive integer" in r.stderr, r.stderr

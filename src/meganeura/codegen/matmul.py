@@ -111,15 +111,25 @@ def k_step(tile) -> int:
     return tk
 
 
+def _env_count(name, default) -> int:
+    """A positive integer from the environment (a sweep's switch), else ``default``."""
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return default
+    if not raw.isdigit() or int(raw) < 1:
+        raise ValueError(f"{name}={raw!r}: expected a positive integer (unset: {default})")
+    return int(raw)
+
+
 # enough workgroups to occupy a large GPU (an H200 has 132 SMs); MEGANEURA_MATMUL_GROUPS
 # overrides it for sweeps (the 128-wide tile needs half as many of its own)
-TARGET_GROUPS = int(os.environ.get("MEGANEURA_MATMUL_GROUPS", "256"))
+TARGET_GROUPS = _env_count("MEGANEURA_MATMUL_GROUPS", 256)
 # K splits at most (MEGANEURA_MATMUL_MAX_SPLIT for sweeps). 32 instead of 8 gives the few
 # output tiles of batch-1 convolutions more workgroups; H200, ms of a call: U-Net inference
 # 1.87 -> 1.63, ResNet-50 batch-1 1.40 -> 1.20 (its im2col matmuls 23 -> 20 us), ResNet-50
 # forward+loss+backward 10.2 -> 9.9, SmolVLA 1.49 -> 1.45. Extra workgroups (a target of 512
 # instead of 256) lost on ResNet-50's batch-8 inference 2.99 -> 3.21.
-MAX_SPLIT = int(os.environ.get("MEGANEURA_MATMUL_MAX_SPLIT", "32"))
+MAX_SPLIT = _env_count("MEGANEURA_MATMUL_MAX_SPLIT", 32)
 
 
 # f32 blocks (TM, TN, WY, WX) of 128 threads with 16 x 8 or 8 x 8 outputs each, the largest
