@@ -77,6 +77,10 @@ def test_short_rows_with_few_outputs_take_several_lanes_each():
     kp = compile_plan(outs, options=CompileOptions(disabled=frozenset({"horizontal"})))
     groups = {d.kernel.name: d.groups[0] for d in kp.dispatches}
     assert groups == {"relu>reduce_mean": -(-37 // (256 // reduce.LANES)), "reduce_sum": 2, "reduce_max": 2}, groups
+    for shape, want in (((8192, 128), 32), ((8192, 40), 32), ((100, 128), 100)):   # the other forms keep theirs
+        g2 = mg.Graph()
+        only = compile_plan([mg.ops.sum(g2.input("y", shape), (1,))])
+        assert [d.groups[0] for d in only.dispatches] == [want], (shape, only.names)
     rng = np.random.default_rng(3)
     xv = rng.standard_normal((1, 37, 7, 7)).astype(np.float32)
     xv[0, 5, 3, 2] = np.nan

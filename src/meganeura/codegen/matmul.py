@@ -116,9 +116,13 @@ def _env_count(name, default) -> int:
     raw = os.environ.get(name, "").strip()
     if not raw:
         return default
-    if not raw.isdigit() or int(raw) < 1:
+    try:
+        value = int(raw, 10)
+    except ValueError:
+        value = 0
+    if value < 1 or not raw.isascii():
         raise ValueError(f"{name}={raw!r}: expected a positive integer (unset: {default})")
-    return int(raw)
+    return value
 
 
 # enough workgroups to occupy a large GPU (an H200 has 132 SMs); MEGANEURA_MATMUL_GROUPS

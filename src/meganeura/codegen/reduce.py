@@ -86,9 +86,9 @@ def groups(kernel) -> int:
     n_out, r = _sizes(kernel)
     if kernel.spec.get("chunks"):
         return n_out * kernel.spec["chunks"]
-    if r < 8 or n_out >= MANY_OUTPUTS and r < 64:
-        return -(-n_out // WG)
-    return -(-n_out // (WG // LANES)) if r < 64 else n_out
+    if 8 <= r < 64 and n_out < MANY_OUTPUTS:         # the forms as ``part`` chooses them
+        return -(-n_out // (WG // LANES))
+    return -(-n_out // WG) if r < 64 or n_out >= MANY_OUTPUTS else n_out
 
 
 def render(kernel):

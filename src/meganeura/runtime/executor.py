@@ -107,8 +107,8 @@ class Plan:
         self.step = ex.recorder.prepare(dispatches, self.names)
         self.dispatches = dispatches
         # anomaly mode: per dispatch, the float values it writes (buffer, view)
-        self.written = [[(phys[p.out.buf], p.out) for p in d.kernel.spec.get("parts", [d.kernel])
-                         if p.out.dtype.is_float and p.out.buf in phys] for d in kp.dispatches]
+        self.written = [[(phys[v.buf], v) for p in d.kernel.spec.get("parts", [d.kernel]) for v in [p.out, *p.outs]
+                         if v.dtype.is_float and v.buf in phys] for d in kp.dispatches]
         # where each target's value lives: (buffer, byte offset, nbytes, dtype, shape)
         locs = [(phys[b], off, nb, dt, shape) for b, off, nb, dt, shape in kp.target_locs]
         self.fetch_locs = locs[:n_fetch]
