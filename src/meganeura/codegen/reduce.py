@@ -80,15 +80,22 @@ def _sizes(kernel):
     return v.size // max(r, 1) if v.size else 0, r
 
 
+def _form(n_out, r) -> str:
+    """How a reduction of ``n_out`` rows of ``r`` elements runs: "lanes" (LANES threads per
+    row), "threads" (one thread per row) or "workgroup" (one workgroup per row)."""
+    if 8 <= r < 64 and n_out < MANY_OUTPUTS:
+        return "lanes"
+    return "threads" if r < 64 or n_out >= MANY_OUTPUTS else "workgroup"
+
+
 def groups(kernel) -> int:
     """Workgroups of a reduction (without rendering it): a chunk each in a chunked first
     stage, a thread per output for short rows or many outputs, else a workgroup per output."""
     n_out, r = _sizes(kernel)
     if kernel.spec.get("chunks"):
         return n_out * kernel.spec["chunks"]
-    if 8 <= r < 64 and n_out < MANY_OUTPUTS:         # the forms as ``part`` chooses them
-        return -(-n_out // (WG // LANES))
-    return -(-n_out // WG) if r < 64 or n_out >= MANY_OUTPUTS else n_out
+    form = _form(n_out, r)
+    return -(-n_out // (WG // LANES)) if form == "lanes" else -(-n_out // WG) if form == "threads" else n_out
 
 
 def render(kernel):
@@ -145,7 +152,8 @@ def part(kernel, b, suffix):
     if spec.get("chunks"):
         return module, head + _chunked_body(kernel, load_at, v, kept, kshape, dims, rshape, r,
                                                       INIT_T[kind], comb, st), groups(kernel)
-    if 8 <= r < 64 and n_out < MANY_OUTPUTS:
+    form = _form(n_out, r)
+    if form == "lanes":
         per = WG // LANES
         fn = head + f"    let o = g * {per}u + lid / {LANES}u; let lane = lid % {LANES}u;\n" + \
             f"    var acc = {INIT_T[kind]};\n    if (o < {n_out}u) {{\n" + \
@@ -158,7 +166,7 @@ def part(kernel, b, suffix):
             "        workgroupBarrier();\n    }\n" + \
             f"    if (lane == 0u && o < {n_out}u) {{ let acc2 = part[lid]; {st}(o, {fin.replace('acc', 'acc2')}); }}\n}}\n"
         return module, fn, groups(kernel)
-    if r < 64 or n_out >= MANY_OUTPUTS:
+    if form == "threads":
         fn = head + f"    let o = g * {WG}u + lid;\n    if (o >= {n_out}u) {{ return; }}\n" + \
             "\n".join(rows) + f"\n    let base = {base};\n    var acc = {INIT_T[kind]};\n" + \
             f"    for (var j = 0u; j < {r}u; j = j + 1u) {{\n{body_read}\n    }}\n" + \

@@ -148,7 +148,7 @@ fn x_first(row: u32, j: u32) -> f32 {{
     if (row >= {n_rows}u) {{ return; }}
     let base = row * {r}u;
 """
-        sums = lambda expr: f"var acc = 0.0;\n    for (var j = 0u; j < {r}u; j = j + 1u) {{ acc = acc + {expr}; }}"  # noqa: E731
+        sums = lambda expr: f"var acc = 0.0;\n    for (var j = 0u; j < {r}u; j = j + 1u) {{ let xj = {xv}; acc = acc + {expr}; }}"  # noqa: E731
         loop = f"for (var j = 0u; j < {r}u; j = j + 1u)"
     else:
         head = f"""    let row = {GROUP_INDEX};
@@ -165,13 +165,11 @@ fn x_first(row: u32, j: u32) -> f32 {{
     if center and wg > 1:
         body += _welford(xv, r)
     elif center:
-        body += "    var mean = 0.0;\n    {\n    " + sums(xv) + f"\n    mean = acc / {float(r)!r};\n    }}\n"
-        body += "    var var_ = 0.0;\n    {\n    " + sums(f"({xv} - mean) * ({xv} - mean)") + \
+        body += "    var mean = 0.0;\n    {\n    " + sums("xj") + f"\n    mean = acc / {float(r)!r};\n    }}\n"
+        body += "    var var_ = 0.0;\n    {\n    " + sums("(xj - mean) * (xj - mean)") + \
             f"\n    var_ = acc / {float(r)!r};\n    }}\n"
-    elif wg > 1:
-        body += "    var var_ = 0.0;\n    {\n    " + sums("xj * xj") + f"\n    var_ = acc / {float(r)!r};\n    }}\n"
     else:
-        body += "    var var_ = 0.0;\n    {\n    " + sums(f"{xv} * {xv}") + f"\n    var_ = acc / {float(r)!r};\n    }}\n"
+        body += "    var var_ = 0.0;\n    {\n    " + sums("xj * xj") + f"\n    var_ = acc / {float(r)!r};\n    }}\n"
     body += f"    let inv = inverseSqrt(var_ + {spec['eps']!r});\n"
     first = "lid == 0u" if wg > 1 else "true"
     stores = [f"b{bi}[{v.offset}u + row] = {v.dtype.wgsl}({stat_vars[st]});" for bi, v, st in extra_stats]
