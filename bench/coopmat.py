@@ -20,7 +20,7 @@ how often each runs per call. Per case:
 
 ``err``: max |ours - ref| / max |ref| on 16 sampled rows, ref in float64 from the f16-rounded
 operands. ``--sweep`` (on by default) times the largest square GEMM under each tile
-configuration of ``SWEEP`` (``MEGANEURA_COOPMAT_CONFIG``: workgroup tile, subgroups, K chunk).
+configuration of ``SWEEP`` (``MEGANEURA_COOPMAT_CONFIG``: workgroup tile, subgroups, K chunk, chunks ahead).
 Prints tables and writes JSON. On the H200:
 
     python bench/coopmat.py --out bench/results/h200/coopmat.json
@@ -41,9 +41,9 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "src"))
 sys.path.insert(0, HERE)
 
-# tile configurations for the 128 tile (T:BMxBNxSG_MxSG_NxBK); the first is the default
-SWEEP = ["128:128x128x2x4x32", "128:128x128x2x2x32", "128:128x128x4x2x32", "128:128x128x2x4x16",
-         "128:128x256x2x4x16", "128:256x128x4x2x16", "128:128x256x4x4x16"]
+# tile configurations for the 128 tile (T:BMxBNxSG_MxSG_NxBKxDEPTH); the second is the default
+SWEEP = ["128:128x128x2x4x16x1", "128:128x128x2x4x16x2", "128:128x128x2x4x16x3", "128:128x128x4x2x16x2",
+         "128:128x128x2x2x16x2", "128:128x128x2x4x32x2", "128:128x256x2x4x16x2", "128:128x256x2x4x16x3"]
 
 
 def square_cases(sizes):

@@ -65,8 +65,11 @@ def test_render_keeps_the_wgsl_kernels_bindings_and_grid():
 def test_configs_and_mode_switches(monkeypatch):
     from meganeura.runtime.vulkan.backend import coopmat_mode
     monkeypatch.setenv("MEGANEURA_COOPMAT_CONFIG", "128:128x256x2x4x16")
-    assert coopmat.configs()[128] == (128, 256, 2, 4, 16) and coopmat.configs()[64] == coopmat.CONFIGS[64]
-    for bad in ("128:128x128x3x4x32", "96:96x96x2x2x32", "128:128x128x2x2", "128:128x128x2x2x8", "x"):
+    assert coopmat.configs()[128] == (128, 256, 2, 4, 16, 1) and coopmat.configs()[64] == coopmat.CONFIGS[64]
+    monkeypatch.setenv("MEGANEURA_COOPMAT_CONFIG", "64:64x64x2x2x16x3")
+    assert coopmat.configs()[64] == (64, 64, 2, 2, 16, 3)
+    for bad in ("128:128x128x3x4x32", "96:96x96x2x2x32", "128:128x128x2x2", "128:128x128x2x2x8", "x",
+                "128:128x128x2x4x16x5", "128:128x128x2x4x16x0", "128:128x128x2x4x16x2x2"):
         monkeypatch.setenv("MEGANEURA_COOPMAT_CONFIG", bad)
         with pytest.raises(ValueError, match="MEGANEURA_COOPMAT_CONFIG"):
             coopmat.configs()
@@ -209,10 +212,16 @@ def _case(name):
         env.update(MEGANEURA_MATMUL_TILE="64", MEGANEURA_COOPMAT_CONFIG="64:32x128x1x4x32")
         y = mg.ops.mm(g.input("a", A.shape), g.input("b", B.shape), tb=True)
         return g, [y], {"a": A, "b": B}, [_f16(A) @ np.swapaxes(_f16(B), -1, -2)], env
+    if name in ("depth2", "depth3"):  # K chunks ahead in registers; 3 leaves a partial last round
+        A, B = r(40, 200), r(200, 36)
+        env.update(MEGANEURA_MATMUL_TILE="64", MEGANEURA_MATMUL_SPLIT="1",
+                   MEGANEURA_COOPMAT_CONFIG=f"64:64x64x2x2x16x{name[-1]}")
+        return g, [mg.ops.mm(g.input("a", A.shape), g.input("b", B.shape))], {"a": A, "b": B}, [_f16(A) @ _f16(B)], env
     raise KeyError(name)
 
 
-CASES = ["plain", "tb_batch_epilogue", "ta_broadcast", "odd_split_k", "merged_parts", "tile64", "tile128", "rect_tile"]
+CASES = ["plain", "tb_batch_epilogue", "ta_broadcast", "odd_split_k", "merged_parts", "tile64", "tile128", "rect_tile",
+         "depth2", "depth3"]
 
 
 def _run_case(runtime, name, mode, monkeypatch):
@@ -223,7 +232,7 @@ def _run_case(runtime, name, mode, monkeypatch):
         monkeypatch.setenv("MEGANEURA_COOPMAT_CONFIG", "128:128x128x2x4x16")
     for k, v in env.items():
         monkeypatch.setenv(k, v)
-    if "MEGANEURA_COOPMAT_CONFIG" in env:        # the grid is the variant's, not the WGSL kernel's
+    if name == "rect_tile":        # the grid is the variant's, not the WGSL kernel's
         (d,) = [d for d in compile_plan(outs, n_forward=1, options=ACCEL).dispatches if d.kernel.archetype == "matmul"]
         assert coopmat.render(d.kernel, emulate=True)[2] != tuple(d.groups)
     before = runtime.stats["coopmat_kernels"]

@@ -37,10 +37,12 @@ from .matmul import k_step, split_k
 FRAG = 16          # the fragment shape: 16x16x16
 SUBGROUP = 32      # lanes per subgroup the kernel is written for
 # per tile T of the WGSL kernel (chosen by ``matmul.plan_tiles``): the BM x BN output tile of a
-# workgroup, its SG_M x SG_N subgroups and the K chunk BK. On the H200 (bench/coopmat.py, 4096^3)
-# a K chunk of 16 beat 32 on the 128 tile: 204 against 178 TFLOP/s (B plain), 190 against 162
-# (B transposed); wider tiles did not pay
-CONFIGS = {128: (128, 128, 2, 4, 16), 64: (64, 64, 2, 2, 32), 32: (32, 32, 2, 2, 32)}
+# workgroup, its SG_M x SG_N subgroups, the K chunk BK and DEPTH, the chunks fetched into
+# registers ahead of the one being multiplied. On the H200 (bench/coopmat.py, 4096^3) a K chunk
+# of 16 beat 32 on the 128 tile: 204 against 178 TFLOP/s (B plain), 190 against 162 (B
+# transposed); two chunks ahead instead of one: 223 and 194 (three: 209 and 188); wider tiles
+# and 4 subgroups of 64 x 64 did not pay (128 x 256 three ahead: 217-227 and 203-207)
+CONFIGS = {128: (128, 128, 2, 4, 16, 2), 64: (64, 64, 2, 2, 32, 1), 32: (32, 32, 2, 2, 32, 1)}
 HEADER = """#version 450
 #extension GL_KHR_cooperative_matrix : require
 #extension GL_KHR_memory_scope_semantics : require
@@ -124,22 +126,26 @@ float frag_b(uint at, uint stride, bool row_major, uint r, uint c) {
 
 
 def configs() -> dict:
-    """The tile configurations, with ``MEGANEURA_COOPMAT_CONFIG`` (``T:BMxBNxSG_MxSG_NxBK,...``,
+    """The tile configurations, with ``MEGANEURA_COOPMAT_CONFIG`` (``T:BMxBNxSG_MxSG_NxBK[xDEPTH],...``,
     e.g. ``128:128x256x2x4x16``) replacing some: the benchmark's sweep."""
     out = dict(CONFIGS)
     raw = os.environ.get("MEGANEURA_COOPMAT_CONFIG", "").strip()
     for item in filter(None, (s.strip() for s in raw.split(","))):
         try:
             t, rest = item.split(":")
-            bm, bn, sm, sn, bk = (int(x) for x in rest.lower().split("x"))
-            t = int(t)
+            bm, bn, sm, sn, bk, *depth = (int(x) for x in rest.lower().split("x"))
+            t, depth = int(t), (depth or [1])
+            if len(depth) != 1:
+                raise ValueError
+            depth = depth[0]
         except ValueError:
             raise ValueError(f"MEGANEURA_COOPMAT_CONFIG: {item!r} is not T:BMxBNxSG_MxSG_NxBK "
-                             "(e.g. 128:128x128x2x4x32)") from None
-        if t not in CONFIGS or min(bm, bn, sm, sn, bk) <= 0 or bm % (FRAG * sm) or bn % (FRAG * sn) or bk % FRAG:
+                             "(e.g. 128:128x128x2x4x32, or 128:128x128x2x4x16x2 with DEPTH)") from None
+        if t not in CONFIGS or min(bm, bn, sm, sn, bk) <= 0 or bm % (FRAG * sm) or bn % (FRAG * sn) or bk % FRAG \
+                or not 1 <= depth <= 4:
             raise ValueError(f"MEGANEURA_COOPMAT_CONFIG: {item!r}: T must be one of {sorted(CONFIGS)}, BM and BN "
-                             f"split into 16-wide fragments by SG_M and SG_N, BK a multiple of 16")
-        out[t] = (bm, bn, sm, sn, bk)
+                             f"split into 16-wide fragments by SG_M and SG_N, BK a multiple of 16, DEPTH 1-4")
+        out[t] = (bm, bn, sm, sn, bk, depth)
     return out
 
 
@@ -300,7 +306,7 @@ def render(kernel, workgroup_storage=49152, emulate=False):
     from .glsl import to_glsl_library
     ops = EmulatedOps() if emulate else CoopOps()
     parts_ir = kernel.spec.get("parts", [kernel])
-    BM, BN, SG_M, SG_N, BK = configs()[parts_ir[0].spec["tile"]]
+    BM, BN, SG_M, SG_N, BK, DEPTH = configs()[parts_ir[0].spec["tile"]]
     bind = Bindings()
     parts = [_Part(p, bind, j, BM, BN) for j, p in enumerate(parts_ir)]
     # uvec4 bindings where every operand use allows it and no store reads the buffer
@@ -327,7 +333,7 @@ def render(kernel, workgroup_storage=49152, emulate=False):
                          f"(the device allows {workgroup_storage})")
     wgsl = bind.decls() + "\n" + "\n".join(p.store.module_text() for p in parts) + "\n"
     lib = to_glsl_library(wgsl, kernel.name)
-    geo = dict(BM=BM, BN=BN, BK=BK, SG_M=SG_M, SG_N=SG_N, WM=BM // (FRAG * SG_M), WN=BN // (FRAG * SG_N),
+    geo = dict(BM=BM, BN=BN, BK=BK, SG_M=SG_M, SG_N=SG_N, DEPTH=DEPTH, WM=BM // (FRAG * SG_M), WN=BN // (FRAG * SG_N),
                NT=SUBGROUP * nsg, size_a=size_a, size_b=size_b)
     fns, branches, x0 = [], [], 0
     for p in parts:
@@ -346,10 +352,14 @@ def render(kernel, workgroup_storage=49152, emulate=False):
     return src, bind.bufs, (x0, gy, gz)
 
 
-def _part_function(p: _Part, ops, BM, BN, BK, SG_M, SG_N, WM, WN, NT, size_a, size_b) -> str:
+def _part_function(p: _Part, ops, BM, BN, BK, SG_M, SG_N, DEPTH, WM, WN, NT, size_a, size_b) -> str:
     """GLSL ``void mm{j}(uvec3 wid)``: one part's output tile of the workgroup ``wid``."""
-    a_fetch, a_store, pa = _fetch_store(p.A, BK, NT, "ra", "aoff", "As")
-    b_fetch, b_store, pb = _fetch_store(p.B, BK, NT, "rb", "boff", "Bs")
+    # register set r holds the chunks c with c % DEPTH == r (names, since a register array
+    # indexed by a variable would live in memory)
+    sets = [(_fetch_store(p.A, BK, NT, f"ra{r}", "aoff", "As"), _fetch_store(p.B, BK, NT, f"rb{r}", "boff", "Bs"))
+            for r in range(DEPTH)]
+    pa, pb = sets[0][0][2], sets[0][1][2]
+    fetch = lambda r: sets[r][0][0] + sets[r][1][0]  # noqa: E731
     bl, aoff, boff = _batch_offsets(p.A.view, p.B.view, p.batch, f"wid.z / {p.S}u")
     nch = -(-p.KC // BK)
     sa, sb = p.A.stride(BK), p.B.stride(BK)
@@ -371,6 +381,45 @@ def _part_function(p: _Part, ops, BM, BN, BK, SG_M, SG_N, WM, WN, NT, size_a, si
             f"    uint e = lane + q * {SUBGROUP}u;",
             f"    uint gm = gm0 + e / {FRAG}u, gn = gn0 + e % {FRAG}u;",
             f"    {'if (' + edge + ') ' if edge else ''}{st}", "}"] + ops.sync
+    # per K step of 16 the fragments of the side with fewer (WM of A or WN of B) are held
+    # while those of the other are loaded one at a time: fewer registers than holding WM
+    load_a = ops.load("fa[i]", "As", "abuf + " + a_at, sa, a_row)
+    load_b = ops.load("fb[jn]", "Bs", "bbuf + " + b_at, sb, b_row)
+    mma = ops.mma("fa[i]", (sa, a_row), "fb[jn]", (sb, b_row), "acc[i][jn]")
+    if WN < WM:
+        held = [ops.frag_decl("B", f"fb[{WN}]"), f"[[unroll]] for (uint jn = 0u; jn < {WN}u; ++jn)", "    " + load_b,
+                f"[[unroll]] for (uint i = 0u; i < {WM}u; ++i) {{", "    " + ops.frag_decl("A", "fa[1]"),
+                "    " + load_a.replace("fa[i]", "fa[0]"),
+                f"    [[unroll]] for (uint jn = 0u; jn < {WN}u; ++jn)", "        " + mma.replace("fa[i]", "fa[0]"), "}"]
+    else:
+        held = [ops.frag_decl("A", f"fa[{WM}]"), f"[[unroll]] for (uint i = 0u; i < {WM}u; ++i)", "    " + load_a,
+                f"[[unroll]] for (uint jn = 0u; jn < {WN}u; ++jn) {{", "    " + ops.frag_decl("B", "fb[1]"),
+                "    " + load_b.replace("fb[jn]", "fb[0]"),
+                f"    [[unroll]] for (uint i = 0u; i < {WM}u; ++i)", "        " + mma.replace("fb[jn]", "fb[0]"), "}"]
+    # chunk c: fetch chunk c + DEPTH into the set chunk c left (stored at the step before),
+    # multiply chunk c out of workgroup memory, store chunk c + 1 into the other half, barrier.
+    # Unrolled by DEPTH, and by 2 when DEPTH > 1, so that each step names its register sets
+    # (and its halves of workgroup memory) by constants. H200, 4096^3 TFLOP/s (B plain / B
+    # transposed): DEPTH 1 202 / 188, unrolled by 2 191 / 174; DEPTH 2 223 / 194; DEPTH 3
+    # 209 / 188 (193 / 193 with the halves indexed by c % 2)
+    unroll = 1 if DEPTH == 1 else DEPTH * 2 // np.gcd(DEPTH, 2)
+    half = (lambda r, size: f"(((c + {r}u) % 2u) * {size}u)") if unroll == 1 else \
+        (lambda r, size: f"{(r % 2) * size}u")
+    steps = []
+    for r in range(unroll):
+        steps += [f"{{ uint c = c0 + {r}u;", f"if (c < {nch}u) {{",
+                  f"    if (c + {DEPTH}u < {nch}u) {{", f"        uint k0 = kbeg + (c + {DEPTH}u) * {BK}u;"]
+        steps += ["        " + x for x in fetch(r % DEPTH)] + ["    }"]
+        cur, nxt = (0, 1) if unroll == 1 else (r, r + 1)
+        steps += [f"    uint abuf = {half(cur, size_a)}, bbuf = {half(cur, size_b)};",
+                  f"    [[unroll]] for (uint kk = 0u; kk < {BK // FRAG}u; ++kk) {{"] + ["        " + x for x in held] + ["    }"]
+        steps += [f"    if (c + 1u < {nch}u) {{", f"        uint base = {half(nxt, size_a)};"]
+        steps += ["        " + x for x in sets[(r + 1) % DEPTH][0][1]] + [f"        base = {half(nxt, size_b)};"]
+        steps += ["        " + x for x in sets[(r + 1) % DEPTH][1][1]] + ["    }", "    barrier();", "}}"]
+    ahead = []
+    for r in range(1, DEPTH):
+        ahead += [f"if ({r}u < {nch}u) {{", f"    uint k0 = kbeg + {r * BK}u;"] + ["    " + x for x in fetch(r)] + ["}"]
+    regs = "\n    ".join(f"uvec4 ra{r}[{pa}];\n    uvec4 rb{r}[{pb}];" for r in range(DEPTH))
     return f"""void mm{p.j}(uvec3 wid) {{
     uint t = gl_LocalInvocationIndex;
     {ops.ids}
@@ -383,39 +432,19 @@ def _part_function(p: _Part, ops, BM, BN, BK, SG_M, SG_N, WM, WN, NT, size_a, si
     uint boff = {boff};
     uint coff = wid.z * {M * N}u;
 {_ind(ops.acc_decl(WM, WN), 4)}
-    uvec4 ra[{pa}];
-    uvec4 rb[{pb}];
+    {regs}
     {{
         uint k0 = kbeg, base = 0u;
-{_ind(a_fetch + b_fetch + a_store + b_store, 8)}
+{_ind(fetch(0) + sets[0][0][1], 8)}
+        base = 0u;
+{_ind(sets[0][1][1], 8)}
+{_ind(ahead, 8)}
     }}
     barrier();
-    // double-buffered chunks: the next one is fetched into registers while this one is
-    // multiplied, then stored into the other half; one barrier per chunk
-    for (uint c = 0u; c < {nch}u; ++c) {{
-        if (c + 1u < {nch}u) {{
-            uint k0 = kbeg + (c + 1u) * {BK}u;
-{_ind(a_fetch + b_fetch, 12)}
-        }}
-        uint abuf = (c % 2u) * {size_a}u, bbuf = (c % 2u) * {size_b}u;
-        [[unroll]] for (uint kk = 0u; kk < {BK // FRAG}u; ++kk) {{
-            {ops.frag_decl("A", f"fa[{WM}]")}
-            [[unroll]] for (uint i = 0u; i < {WM}u; ++i)
-                {ops.load("fa[i]", "As", "abuf + " + a_at, sa, a_row)}
-            [[unroll]] for (uint jn = 0u; jn < {WN}u; ++jn) {{
-                {ops.frag_decl("B", "fb")}
-                {ops.load("fb", "Bs", "bbuf + " + b_at, sb, b_row)}
-                [[unroll]] for (uint i = 0u; i < {WM}u; ++i)
-                    {ops.mma("fa[i]", (sa, a_row), "fb", (sb, b_row), "acc[i][jn]")}
-            }}
-        }}
-        if (c + 1u < {nch}u) {{
-            uint base = ((c + 1u) % 2u) * {size_a}u;
-{_ind(a_store, 12)}
-            base = ((c + 1u) % 2u) * {size_b}u;
-{_ind(b_store, 12)}
-        }}
-        barrier();
+    // double-buffered chunks in workgroup memory, DEPTH chunks ahead in registers: one
+    // barrier per chunk
+    for (uint c0 = 0u; c0 < {nch}u; c0 += {unroll}u) {{
+{_ind(steps, 8)}
     }}
     uint cs = sg * {FRAG * FRAG}u;
     [[unroll]] for (uint i = 0u; i < {WM}u; ++i) {{
