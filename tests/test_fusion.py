@@ -135,7 +135,7 @@ def test_horizontal_merge_of_independent_pointwise_kernels():
 def test_optimizer_and_cache_updates_are_written_in_place():
     """AdamW's parameter and moment updates, and a decoder's KV-cache blend, write into
     the tensors' own buffers: no copies after the step, and training still matches the
-    NumPy reference."""
+    NumPy reference. Each parameter's update is one kernel that stores its moments too."""
     g = mg.Graph()
     x = g.input("x", (4, 6))
     y = g.input("y", (4, 3))
@@ -152,6 +152,12 @@ def test_optimizer_and_cache_updates_are_written_in_place():
     n_state = len(g.parameters) + len(g.states)
     assert plan.kernel_plan.stats["in_place"] == n_state
     assert len(plan.copies_after) == len(plan.fetch_locs)     # only the loss is copied out
+    # one pass per parameter: its update computes both moments and stores them (in place)
+    units = [u for d in plan.kernel_plan.dispatches for u in d.kernel.spec.get("parts", [d.kernel])]
+    updates = [u for u in units if "adam_step" in u.name]
+    assert len(updates) == len(g.parameters) and not [u for u in units if u.name in ("ema", "ema_sq")]
+    assert sorted(v.buf.name for u in updates for v in u.outs) == \
+        sorted(f"{p}.{m}" for p in g.parameters for m in ("exp_avg", "exp_avg_sq"))
     for name, want in ref.state_dict(include_optimizer=True).items():
         np.testing.assert_allclose(gpu.state_dict(include_optimizer=True)[name], want, rtol=1e-4, atol=1e-6)
     cfg = llama.LlamaConfig.tiny()

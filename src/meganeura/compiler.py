@@ -372,7 +372,7 @@ def update_in_place(kernels, sched, targets, updates) -> int:
         if v is None or dst is None or v.buf.kind != "target" or v.offset or not v.is_contiguous() \
                 or v.buf.nbytes != dst.nbytes or v.dtype is not dst.dtype:
             continue
-        writers = [(i, u) for i, u in touching.get(id(v.buf), []) if u.out.buf is v.buf]
+        writers = [(i, u) for i, u in touching.get(id(v.buf), []) if any(o.buf is v.buf for o in [u.out, *u.outs])]
         if len(writers) != 1:
             continue
         wi, w = writers[0]

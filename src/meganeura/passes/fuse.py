@@ -16,6 +16,8 @@ the memory planner and the runtime need no knowledge of them.
   over the same rows.
 - ``stores``: a copy of a kernel's whole output into a slice of another buffer (a
   concat) becomes a second store of that kernel.
+- ``outputs``: a pointwise kernel computes the pointwise kernels that write its operands
+  and stores their values too (AdamW's moments with its parameter update).
 - ``hoist``: kernels that read only inputs and parameters move to the front, so that
   ``horizontal`` can merge the same work of every layer.
 - ``horizontal``: independent pointwise kernels close together run as one launch.
@@ -762,7 +764,7 @@ def _inline_cheap_producers(kernels, max_bindings):
     uses = _Uses(kernels)
     for ki in range(len(kernels) - 1):
         k, p = kernels[ki], kernels[ki + 1]
-        if k.archetype != "pointwise" or p.archetype != "pointwise" or p.epilogue is not None \
+        if k.archetype != "pointwise" or p.archetype != "pointwise" or p.epilogue is not None or p.outs \
                 or k.spec.get("flat_leaf") or p.spec.get("flat_leaf") or _has_rleaf(k.spec["expr"]) \
                 or _has_rleaf(p.spec["expr"]) or _ops(k.spec["expr"]) > MAX_INLINE_OPS \
                 or k.out.shape != p.out.shape or k.out.dtype.name != "f32":   # f16 stores round
@@ -953,6 +955,63 @@ def fuse_copy_stores(kernels, max_bindings):
     return [k for k in kernels if k is not None]
 
 
+def _plain_pointwise(k) -> bool:
+    """A pointwise kernel whose expression reads each leaf at its own output element."""
+    return k is not None and k.archetype == "pointwise" and k.epilogue is None and not k.spec.get("flat_leaf") \
+        and not _has_rleaf(k.spec["expr"]) and k.out.is_contiguous()
+
+
+def fuse_producer_outputs(kernels, max_bindings):
+    """A pointwise kernel computes the pointwise kernels that write what it reads (same
+    shape, element for element) and whose values are results of the call (a state's update,
+    an output), and stores those values as further outputs (``outs``, each with its
+    expression in ``spec["out_exprs"]``):
+    AdamW's parameter update computes both moment updates and stores the new moments, so
+    an optimizer step is one pass over parameters, gradients and moments (7 accesses per
+    element instead of 10) and one level of launches instead of two. The values are stored
+    where the reader runs: nothing else may read them in between, nor write what the
+    producer reads."""
+    kernels = list(kernels)
+    uses = _Uses(kernels)
+    for pi in range(len(kernels) - 1, -1, -1):     # the last reader takes a chain of producers
+        p = kernels[pi]
+        # (a copy or cast of one value is a second store of its writer: ``stores``, and the
+        # f16 copies of updated weights after fusion)
+        if not _plain_pointwise(p) or p.spec.get("stores") or _copy_or_cast(p.spec["expr"]):
+            continue
+        li = 0
+        while li < len(p.reads):
+            leaf = p.reads[li]
+            ki = uses.producer(leaf.buf, pi)
+            k = kernels[ki] if ki is not None else None
+            if not _plain_pointwise(k) or k.out.buf.kind == "temp" or k.outs or k.spec.get("stores") \
+                    or k.out.shape != p.out.shape or k.out.dtype is not p.out.dtype \
+                    or k.dtype is not leaf.dtype or not _same_elements(k, leaf) \
+                    or sum(v.buf is leaf.buf for v in p.reads) != 1 \
+                    or any(ki < j < pi for j in uses.readers[id(leaf.buf)]) \
+                    or any(uses.touched_between(v.buf, ki + 1, pi, writes_only=True) for v in k.reads) \
+                    or any(v.buf is p.out.buf for v in k.reads):
+                li += 1
+                continue
+            others = [v for j, v in enumerate(p.reads) if j != li]
+            bufs = {id(v.buf) for v in list(k.reads) + others} | {id(b) for b in p.written_bufs()} | {id(k.out.buf)}
+            if len(bufs) > max_bindings:
+                li += 1
+                continue
+            uses.remove(ki, k)
+            uses.remove(pi, p)
+            leaf_map = _splice(len(p.reads), li, k.spec["expr"], len(k.reads))
+            p.spec = {**p.spec, "expr": _relabel(p.spec["expr"], leaf_map),
+                      "out_exprs": [_relabel(e, leaf_map) for e in p.spec.get("out_exprs", [])] + [k.spec["expr"]]}
+            p.reads = list(k.reads) + others
+            p.outs = list(p.outs) + [k.out]
+            p.name = f"{k.name}&{p.name}"
+            kernels[ki] = None
+            uses.add(pi, p)
+            li = 0              # the producer's own reads may come from kernels to compute too
+    return [k for k in kernels if k is not None]
+
+
 HOIST_MAX_BYTES = 16 << 20     # what hoisted kernels write lives from the start of the call
 
 
@@ -992,8 +1051,8 @@ def hoist_independent(kernels, max_bindings):
 
 
 FUSION_PASSES = {"epilogue": fuse_epilogues, "prologue": fuse_prologues, "rows": fuse_rows,
-                 "normstats": fuse_norm_stats, "stores": fuse_copy_stores, "hoist": hoist_independent,
-                 "horizontal": merge_horizontal}
+                 "normstats": fuse_norm_stats, "stores": fuse_copy_stores, "outputs": fuse_producer_outputs,
+                 "hoist": hoist_independent, "horizontal": merge_horizontal}
 
 
 def run_fusion(kernels, disabled=frozenset(), max_bindings=8):
