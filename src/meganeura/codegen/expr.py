@@ -124,6 +124,9 @@ class ExprWriter:
     def __init__(self, leaf, prefix="t", last_coord=None):
         self.leaf, self.prefix, self.last_coord = leaf, prefix, last_coord
         self.lines, self.used, self.n = [], set(), 0
+        # (node, its arguments' values) -> value: a subexpression that appears twice (a
+        # producer's value both stored and used by its reader) is computed once
+        self.done = {}
 
     def emit(self, e):
         if e[0] in ("leaf", "acc", "rleaf", "acc2", "red"):
@@ -135,6 +138,9 @@ class ExprWriter:
             return literal(c.attrs["value"].reshape(-1)[0], c.dtype), c.dtype
         _, t, kids = e
         args = [self.emit(k) for k in kids]
+        key = (id(t), tuple(a for a, _ in args))
+        if key in self.done:
+            return self.done[key]
         if t.op == "rotate_half":
             # the operand was read at (j + h) mod 2h; the first half is negated
             a = args[0][0]
@@ -150,7 +156,8 @@ class ExprWriter:
             text = op_text(t, [a for a, _ in args], [d for _, d in args], self.used)
         self.n += 1
         self.lines.append(f"    let {self.prefix}{self.n} = {text};")
-        return f"{self.prefix}{self.n}", t.dtype
+        self.done[key] = f"{self.prefix}{self.n}", t.dtype
+        return self.done[key]
 
     def helpers(self, bind=None) -> list[str]:
         """The helper functions the emitted lines call; with ``bind``, only those not yet

@@ -73,12 +73,15 @@ class _Uses:
         return set(self.readers[id(buf)]) == {pos} and sum(v.buf is buf for v in views) == 1
 
 
-def _relabel(e, leaf_map):
-    """``e`` with ("leaf", i) replaced by ``leaf_map[i]`` (an expression)."""
+def _relabel(e, leaf_map, rleaf_map=None):
+    """``e`` with ("leaf", i) replaced by ``leaf_map[i]`` (an expression), and ("rleaf", i)
+    by ``rleaf_map[i]`` when given."""
     if e[0] == "leaf":
         return leaf_map[e[1]]
+    if e[0] == "rleaf" and rleaf_map is not None:
+        return rleaf_map[e[1]]
     if e[0] == "op":
-        return ("op", e[1], [_relabel(k, leaf_map) for k in e[2]])
+        return ("op", e[1], [_relabel(k, leaf_map, rleaf_map) for k in e[2]])
     return e
 
 
@@ -961,51 +964,106 @@ def _plain_pointwise(k) -> bool:
         and not _has_rleaf(k.spec["expr"]) and k.out.is_contiguous()
 
 
+def _view_through(leaf, k, r):
+    """The view of ``r`` (an operand of pointwise kernel ``k``, broadcast to its contiguous
+    output) that gives, at each coordinate of ``leaf`` (a view of ``k``'s output: a
+    transpose, a split of heads), what ``k`` read for the element ``leaf`` reads there; None
+    unless each of ``leaf``'s strides is a multiple of one of the output's within its range."""
+    o = k.out
+    C, R = contiguous_strides(o.shape), broadcast_view_strides(r, o.shape)
+    rel = leaf.offset - o.offset
+    if rel < 0 or any(s < 0 for s in leaf.strides):
+        return None
+    top = []                            # the output coordinates of leaf's first element
+    for c in C:
+        q, rel = divmod(rel, c)
+        top.append(q)
+    strides = []
+    for n, s in zip(leaf.shape, leaf.strides):
+        if n == 1 or s == 0:
+            strides.append(0)
+            continue
+        i = next((i for i, (c, m) in enumerate(zip(C, o.shape)) if s % c == 0 and s // c < m), None)
+        if i is None:
+            return None
+        top[i] += (n - 1) * (s // C[i])
+        strides.append(s // C[i] * R[i])
+    if any(t >= m for t, m in zip(top, o.shape)):
+        return None                     # the coordinates would carry into another dimension
+    first = leaf.offset - o.offset
+    offset = r.offset
+    for c, st in zip(C, R):
+        q, first = divmod(first, c)
+        offset += q * st
+    return View(r.buf, tuple(leaf.shape), tuple(strides), offset, r.dtype)
+
+
+def _as_rleaves(e):
+    """``e`` with every ("leaf", i) read at the rotated coordinate instead (("rleaf", i))."""
+    if e[0] == "leaf":
+        return ("rleaf", e[1])
+    if e[0] == "op":
+        return ("op", e[1], [_as_rleaves(k) for k in e[2]])
+    return e
+
+
 def fuse_producer_outputs(kernels, max_bindings):
-    """A pointwise kernel computes the pointwise kernels that write what it reads (same
-    shape, element for element) and whose values are results of the call (a state's update,
-    an output), and stores those values as further outputs (``outs``, each with its
-    expression in ``spec["out_exprs"]``):
-    AdamW's parameter update computes both moment updates and stores the new moments, so
-    an optimizer step is one pass over parameters, gradients and moments (7 accesses per
-    element instead of 10) and one level of launches instead of two. The values are stored
-    where the reader runs: nothing else may read them in between, nor write what the
-    producer reads."""
+    """A pointwise kernel computes the pointwise kernels that write what it reads (the
+    same elements, or a transpose or split of them) and stores their values as further
+    outputs (``outs``, each with its expression in ``spec["out_exprs"]``) where something
+    else reads them later: AdamW's parameter update computes both moment updates and stores
+    the new moments, so an optimizer step is one pass over parameters, gradients and moments
+    (7 accesses per element instead of 10) and one level of launches instead of two;
+    SwiGLU's product sums the split-K partials of gate and up itself and stores them for the
+    backward; RoPE sums those of q and k, read by heads. The values are stored where the
+    reader runs: nothing else may read them in between, nor write what the producer reads.
+    The last reader of a chain takes it."""
     kernels = list(kernels)
     uses = _Uses(kernels)
-    for pi in range(len(kernels) - 1, -1, -1):     # the last reader takes a chain of producers
+    for pi in range(len(kernels) - 1, -1, -1):
         p = kernels[pi]
         # (a copy or cast of one value is a second store of its writer: ``stores``, and the
         # f16 copies of updated weights after fusion)
-        if not _plain_pointwise(p) or p.spec.get("stores") or _copy_or_cast(p.spec["expr"]):
+        if p is None or p.archetype != "pointwise" or p.epilogue is not None or p.spec.get("flat_leaf") \
+                or not p.out.is_contiguous() or p.spec.get("stores") or _copy_or_cast(p.spec["expr"]):
             continue
         li = 0
         while li < len(p.reads):
             leaf = p.reads[li]
             ki = uses.producer(leaf.buf, pi)
             k = kernels[ki] if ki is not None else None
-            if not _plain_pointwise(k) or k.out.buf.kind == "temp" or k.outs or k.spec.get("stores") \
-                    or k.out.shape != p.out.shape or k.out.dtype is not p.out.dtype \
-                    or k.dtype is not leaf.dtype or not _same_elements(k, leaf) \
-                    or sum(v.buf is leaf.buf for v in p.reads) != 1 \
+            if not _plain_pointwise(k) or k.outs or k.spec.get("stores") or leaf.shape != p.out.shape \
+                    or k.dtype is not leaf.dtype or sum(v.buf is leaf.buf for v in p.reads) != 1 \
                     or any(ki < j < pi for j in uses.readers[id(leaf.buf)]) \
                     or any(uses.touched_between(v.buf, ki + 1, pi, writes_only=True) for v in k.reads) \
                     or any(v.buf is p.out.buf for v in k.reads):
                 li += 1
                 continue
+            # an intermediate that only this reader reads (now) is not stored at all; a stored
+            # one is written through ``leaf`` at this kernel's coordinates: every element once
+            store = k.out.buf.kind != "temp" or not uses.read_only_by(leaf.buf, pi, p.reads)
+            k_reads = [_view_through(leaf, k, r) for r in k.reads]
+            if any(v is None for v in k_reads) or store and (k.out.dtype is not p.out.dtype or not _permutes(k, leaf)):
+                li += 1
+                continue
             others = [v for j, v in enumerate(p.reads) if j != li]
-            bufs = {id(v.buf) for v in list(k.reads) + others} | {id(b) for b in p.written_bufs()} | {id(k.out.buf)}
+            bufs = {id(v.buf) for v in k_reads + others} | {id(b) for b in p.written_bufs()} \
+                | ({id(k.out.buf)} if store else set())
             if len(bufs) > max_bindings:
                 li += 1
                 continue
             uses.remove(ki, k)
             uses.remove(pi, p)
             leaf_map = _splice(len(p.reads), li, k.spec["expr"], len(k.reads))
-            p.spec = {**p.spec, "expr": _relabel(p.spec["expr"], leaf_map),
-                      "out_exprs": [_relabel(e, leaf_map) for e in p.spec.get("out_exprs", [])] + [k.spec["expr"]]}
-            p.reads = list(k.reads) + others
-            p.outs = list(p.outs) + [k.out]
-            p.name = f"{k.name}&{p.name}"
+            rleaf_map = {j: ("rleaf", v[1]) for j, v in leaf_map.items() if j != li}
+            rleaf_map[li] = _as_rleaves(k.spec["expr"])
+            p.spec = {**p.spec, "expr": _relabel(p.spec["expr"], leaf_map, rleaf_map),
+                      "out_exprs": [_relabel(e, leaf_map) for e in p.spec.get("out_exprs", [])]
+                      + ([k.spec["expr"]] if store else [])}
+            p.reads = k_reads + others
+            p.outs = list(p.outs) + ([View(k.out.buf, leaf.shape, leaf.strides, leaf.offset, k.out.dtype)]
+                                     if store else [])
+            p.name = f"{k.name}{'&' if store else '+'}{p.name}"
             kernels[ki] = None
             uses.add(pi, p)
             li = 0              # the producer's own reads may come from kernels to compute too
