@@ -125,6 +125,14 @@ def test_spirv_reflection_reads_bindings_access_and_push_constants():
     assert info["bindings"] == {0: "read", 1: "rw"} and info["push_constant_size"] == 8
     with pytest.raises(spirv.SpirvError, match="not a SPIR-V module"):
         spirv.reflect(b"\0" * 24)
+    assert spirv.reflect(glslang.compile_glsl(_shared_kernel(1000), name="shared"))["workgroup_memory"] == 4016
+
+
+def _shared_kernel(n):
+    """A kernel with ``n`` floats and one vec4 of workgroup memory."""
+    return (f"#version 450\nlayout(local_size_x = 64) in;\nshared float big[{n}];\nshared vec4 v;\n"
+            "layout(set = 0, binding = 0) buffer B { float x[]; };\n"
+            "void main() { big[gl_LocalInvocationIndex] = x[0]; v = vec4(1.0); barrier(); x[gl_LocalInvocationIndex] = big[63] + v.x; }\n")
 
 
 def test_cooperative_matrix_kernel_compiles():
@@ -358,3 +366,14 @@ def test_dispatch_benchmark_runs_small(dev, tmp_path):
     assert gemm["sgemm_f32"]["max_rel_err"] < 1e-4 and gemm["sgemm_f32"]["tflops"] > 0
     assert "hgemm_coop_f16" in gemm
     assert "dependent chain" in r.stdout
+
+
+def test_kernel_past_the_workgroup_memory_limit_is_refused(dev):
+    """A driver may accept a pipeline with more workgroup memory than it has and lose the
+    device when it runs: the runtime refuses it, naming the kernel and the sizes."""
+    limit = dev.limits["maxComputeSharedMemorySize"]
+    fits = dev.kernel(glslang.compile_glsl(_shared_kernel((limit - 16) // 4), name="fits"), name="fits")
+    fits.destroy()
+    too_big = glslang.compile_glsl(_shared_kernel(limit // 4), name="too_big")
+    with pytest.raises(ValueError, match=f"'too_big': {limit + 16} B of workgroup memory, the device allows {limit}"):
+        dev.kernel(too_big, name="too_big")

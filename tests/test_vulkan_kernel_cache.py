@@ -16,7 +16,7 @@ from meganeura.runtime.vulkan import cache
 
 def _entry():
     spirv = b"\x03\x02\x23\x07" + bytes(range(4, 40))
-    info = dict(bindings={0: "read", 1: "rw"}, local_size=(64, 1, 1), push_constant_size=8,
+    info = dict(bindings={0: "read", 1: "rw"}, local_size=(64, 1, 1), push_constant_size=8, workgroup_memory=256,
                 capabilities=["Shader"], extensions=[])
     return cache.CompiledKernel(spirv, info, True)
 

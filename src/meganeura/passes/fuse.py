@@ -1042,8 +1042,12 @@ def fuse_producer_outputs(kernels, max_bindings):
             # an intermediate that only this reader reads (now) is not stored at all; a stored
             # one is written through ``leaf`` at this kernel's coordinates: every element once
             store = k.out.buf.kind != "temp" or not uses.read_only_by(leaf.buf, pi, p.reads)
-            k_reads = [_view_through(leaf, k, r) for r in k.reads]
-            if any(v is None for v in k_reads) or store and (k.out.dtype is not p.out.dtype or not _permutes(k, leaf)):
+            if store and (k.out.dtype is not p.out.dtype or not _permutes(k, leaf)):
+                li += 1
+                continue
+            same = k.out.shape == leaf.shape and _same_elements(k, leaf)
+            k_reads = list(k.reads) if same else [_view_through(leaf, k, r) for r in k.reads]
+            if any(v is None for v in k_reads):
                 li += 1
                 continue
             others = [v for j, v in enumerate(p.reads) if j != li]

@@ -100,8 +100,9 @@ def encode_kernel(key: str, ck: CompiledKernel) -> bytes:
     head = json.dumps({
         "key": key, "bindings": [[int(b), a] for b, a in info["bindings"].items()],
         "local_size": list(info["local_size"]) if info["local_size"] is not None else None,
-        "push_constant_size": int(info["push_constant_size"]), "capabilities": list(info["capabilities"]),
-        "extensions": list(info["extensions"]), "subgroup32": bool(ck.subgroup32),
+        "push_constant_size": int(info["push_constant_size"]), "workgroup_memory": int(info["workgroup_memory"]),
+        "capabilities": list(info["capabilities"]), "extensions": list(info["extensions"]),
+        "subgroup32": bool(ck.subgroup32),
         "spirv_bytes": len(ck.spirv), "crc32": zlib.crc32(ck.spirv),
     }, separators=(",", ":")).encode()
     return _KERNEL_MAGIC + struct.pack("<I", len(head)) + head + ck.spirv
@@ -122,6 +123,7 @@ def decode_kernel(key: str, data: bytes) -> CompiledKernel | None:
         info = dict(bindings={int(b): str(a) for b, a in head["bindings"]},
                     local_size=tuple(head["local_size"]) if head["local_size"] is not None else None,
                     push_constant_size=int(head["push_constant_size"]),
+                    workgroup_memory=int(head["workgroup_memory"]),
                     capabilities=list(head["capabilities"]), extensions=list(head["extensions"]))
         return CompiledKernel(spirv, info, bool(head["subgroup32"]))
     except (ValueError, KeyError, TypeError, struct.error):

@@ -136,6 +136,12 @@ class Kernel:
         if self.push_size % 4 or self.push_size > dev.limits["maxPushConstantsSize"]:
             raise ValueError(f"kernel {name!r}: {self.push_size} B of push constants (multiple of 4, "
                              f"at most {dev.limits['maxPushConstantsSize']})")
+        shared = info["workgroup_memory"]
+        if shared > dev.limits["maxComputeSharedMemorySize"]:
+            # past the limit a driver may accept the pipeline and lose the device when it runs
+            raise ValueError(f"kernel {name!r}: {shared} B of workgroup memory, the device allows "
+                             f"{dev.limits['maxComputeSharedMemorySize']} (a smaller tile or K step: "
+                             "MEGANEURA_MATMUL_BLOCK, MEGANEURA_MATMUL_TK)")
         self.capabilities = info["capabilities"]
         self.required_subgroup_size = int(required_subgroup_size) if required_subgroup_size else None
         if self.required_subgroup_size and not dev.features.get("subgroupSizeControl"):

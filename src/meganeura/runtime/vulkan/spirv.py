@@ -1,6 +1,7 @@
 """A small SPIR-V reader: what the runtime needs to know about a compute module without
 being told — its storage-buffer bindings and how each is accessed, its workgroup size,
-its push-constant block size, the capabilities and extensions it declares.
+its push-constant block size, its workgroup memory, the capabilities and extensions it
+declares.
 
 Storage buffers declared ``readonly`` in GLSL carry ``NonWritable`` on every member of
 their block (``writeonly``: ``NonReadable``), so access comes from the member decorations
@@ -18,7 +19,7 @@ _OP_TYPE_STRUCT, _OP_TYPE_POINTER, _OP_CONSTANT, _OP_VARIABLE = 30, 32, 43, 59
 _OP_DECORATE, _OP_MEMBER_DECORATE, _OP_FUNCTION = 71, 72, 54
 # decorations, storage classes, execution modes
 _DEC_NON_WRITABLE, _DEC_NON_READABLE, _DEC_BINDING, _DEC_SET, _DEC_OFFSET = 24, 25, 33, 34, 35
-_SC_UNIFORM, _SC_PUSH_CONSTANT, _SC_STORAGE_BUFFER = 2, 9, 12
+_SC_UNIFORM, _SC_WORKGROUP, _SC_PUSH_CONSTANT, _SC_STORAGE_BUFFER = 2, 4, 9, 12
 _DEC_BUFFER_BLOCK = 3
 _EM_LOCAL_SIZE = 17
 CAPABILITY_NAMES = {
@@ -35,7 +36,8 @@ class SpirvError(ValueError):
 
 def reflect(code: bytes) -> dict:
     """{bindings: {binding: 'read' | 'write' | 'rw'} (descriptor set 0), local_size: (x, y, z),
-    push_constant_size: bytes, capabilities: [names], extensions: [names]}."""
+    push_constant_size: bytes, workgroup_memory: bytes of its workgroup (shared) variables,
+    capabilities: [names], extensions: [names]}."""
     if len(code) < 20 or len(code) % 4:
         raise SpirvError(f"not a SPIR-V module: {len(code)} bytes")
     words = struct.unpack(f"<{len(code) // 4}I", code)
@@ -89,11 +91,14 @@ def reflect(code: bytes) -> dict:
             return max((offs.get(m, {}).get(_DEC_OFFSET, 0) + size_of(t) for m, t in enumerate(a)), default=0)
         return 0
 
-    bindings, push = {}, 0
+    bindings, push, shared = {}, 0, 0
     for ptr, vid, sc in variables:
         pointee = types.get(ptr, (None, (0, 0)))[1][1]
         if sc == _SC_PUSH_CONSTANT:
             push = max(push, size_of(pointee))
+            continue
+        if sc == _SC_WORKGROUP:
+            shared += size_of(pointee)
             continue
         storage = sc == _SC_STORAGE_BUFFER or (sc == _SC_UNIFORM and _DEC_BUFFER_BLOCK in decor.get(pointee, {}))
         if not storage or _DEC_BINDING not in decor.get(vid, {}):
@@ -109,4 +114,4 @@ def reflect(code: bytes) -> dict:
         wo = wo or _DEC_NON_READABLE in decor[vid]
         bindings[decor[vid][_DEC_BINDING]] = "read" if ro else "write" if wo else "rw"
     return dict(bindings=dict(sorted(bindings.items())), local_size=local_size, push_constant_size=push,
-                capabilities=caps, extensions=exts)
+                workgroup_memory=shared, capabilities=caps, extensions=exts)
