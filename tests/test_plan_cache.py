@@ -42,6 +42,23 @@ def test_second_compile_is_a_hit_with_the_same_plan(cache):
     assert "cache" not in compile_plan(mlp(), options=opts).stats
 
 
+def test_cached_kernels_keep_their_further_outputs(cache):
+    """A kernel that writes several values (an AdamW update storing its moments) keeps
+    them all in the cached plan: anomaly mode checks every value a kernel writes."""
+    g = mg.Graph()
+    w = g.parameter("w", (6,))
+    m, v = g.state("w.m", (6,)), g.state("w.v", (6,))
+    m2, v2 = mg.ops.ema(m, w, 0.9, 0.1), mg.ops.ema_sq(v, w, 0.99, 0.01)
+    new_w = mg.ops.adam_step(w, m2, v2, 0.1, 1.0, 1e-8)
+    targets, updates = [new_w, m2, v2], {0: "w", 1: "w.m", 2: "w.v"}
+
+    def outs(kp):
+        return [[o.buf.name for o in u.outs] for d in kp.dispatches for u in d.kernel.spec.get("parts", [d.kernel])]
+    first = compile_plan(targets, options=CompileOptions(), updates=updates, cache=True, adapter=ADAPTER)
+    second = compile_plan(targets, options=CompileOptions(), updates=updates, cache=True, adapter=ADAPTER)
+    assert second.stats["cache"] == "hit" and outs(second) == outs(first) == [["w.m", "w.v"]]
+
+
 def test_key_follows_graph_options_adapter_and_switches(monkeypatch):
     def key(targets=None, opts=CompileOptions(), adapter=ADAPTER, n_forward=None, updates=None):
         return plan_cache.plan_key(targets or mlp(), n_forward, opts, updates, adapter)

@@ -244,10 +244,11 @@ def note_phase(key: str, program, phase: str, plan_key: str) -> None:
 # ----------------------------------------------------------------------------- entries
 def _slim(kernel):
     """What the runtime reads of a kernel once its WGSL is rendered (traces, anomaly checks,
-    memory planning): name, archetype, output view and merged parts."""
+    memory planning): name, archetype, output views and merged parts."""
     from .schedule import Kernel
     parts = kernel.spec.get("parts")
-    return Kernel(kernel.name, kernel.archetype, {"parts": [_slim(p) for p in parts]} if parts else {}, kernel.out)
+    return Kernel(kernel.name, kernel.archetype, {"parts": [_slim(p) for p in parts]} if parts else {}, kernel.out,
+                  outs=list(kernel.outs))
 
 
 def _path(key: str) -> pathlib.Path:
