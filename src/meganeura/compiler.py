@@ -376,9 +376,11 @@ def update_in_place(kernels, sched, targets, updates) -> int:
         if len(writers) != 1:
             continue
         wi, w = writers[0]
-        # the writer reads the old value only at the element it writes, and nothing else
+        # the writer reads the old value only at the element it writes (through the view it
+        # writes this value by: a further output may be a transpose), and nothing else
         # touches the old value from the writer's launch on
-        if not reads_only_own_element(w, dst) \
+        written = next(o for o in [w.out, *w.outs] if o.buf is v.buf)
+        if not reads_only_own_element(w, dst, written) \
                 or any(i >= wi and u is not w for i, u in touching.get(id(dst), [])):
             continue
         move_value(touching, v.buf, dst)

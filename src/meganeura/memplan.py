@@ -159,18 +159,20 @@ def _same_view(a, b) -> bool:
         all(s == t for s, t, n in zip(a.strides, b.strides, a.shape) if n != 1)
 
 
-def reads_only_own_element(u, buf) -> bool:
-    """Unit ``u`` reads ``buf`` only at the element it writes, in the thread that writes
-    it, so its output may replace ``buf``'s value in place."""
+def reads_only_own_element(u, buf, written=None) -> bool:
+    """Unit ``u`` reads ``buf`` only at the element it writes through ``written`` (its
+    output, or one of its further outputs), in the thread that writes it, so that output
+    may replace ``buf``'s value in place."""
+    out = u.out if written is None else written
     if u.spec.get("store_map") or u.spec.get("chunks") or u.spec.get("flat_leaf"):
         return False
     if u.archetype in ELEMENT_LOCAL:
         indexed = _indexed_leaves(u.spec.get("expr"))
         return not any(v.buf is buf for v in u.epi_reads) and \
-            all(_same_view(v, u.out) and k not in indexed for k, v in enumerate(u.reads) if v.buf is buf)
+            all(_same_view(v, out) and k not in indexed for k, v in enumerate(u.reads) if v.buf is buf)
     if u.archetype in EPILOGUE_LOCAL:
         return not any(v.buf is buf for v in u.reads) and \
-            all(_same_view(v, u.out) for v in u.epi_reads if v.buf is buf)
+            all(_same_view(v, out) for v in u.epi_reads if v.buf is buf)
     return False
 
 

@@ -38,7 +38,7 @@ import numpy as np
 
 from .graph import DType
 
-FORMAT = 1                    # bump when the pickled layout changes
+FORMAT = 2                    # bump when the pickled layout changes
 MAX_BYTES = 1 << 30           # the oldest entries go once the folder holds more than this
 # switches that never change a plan (they are not part of the key)
 _NOT_PLAN_SWITCHES = {"MEGANEURA_CACHE_DIR", "MEGANEURA_NO_DISK_CACHE", "MEGANEURA_NO_PLAN_CACHE", "MEGANEURA_COMPILE_THREADS",

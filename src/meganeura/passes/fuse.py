@@ -1039,10 +1039,11 @@ def fuse_producer_outputs(kernels, max_bindings):
                     or any(v.buf is p.out.buf for v in k.reads):
                 li += 1
                 continue
-            # an intermediate that only this reader reads (now) is not stored at all; a stored
-            # one is written through ``leaf`` at this kernel's coordinates: every element once
+            # ``leaf`` reads every element of k's output once (so nothing is computed twice,
+            # and a stored value is written through ``leaf`` at this kernel's coordinates); an
+            # intermediate that only this reader reads (now) is not stored at all
             store = k.out.buf.kind != "temp" or not uses.read_only_by(leaf.buf, pi, p.reads)
-            if store and (k.out.dtype is not p.out.dtype or not _permutes(k, leaf)):
+            if not _permutes(k, leaf) or store and k.out.dtype is not p.out.dtype:
                 li += 1
                 continue
             same = k.out.shape == leaf.shape and _same_elements(k, leaf)
