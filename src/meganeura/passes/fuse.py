@@ -1025,7 +1025,7 @@ def fuse_producer_outputs(kernels, max_bindings):
         # (a copy or cast of one value is a second store of its writer: ``stores``, and the
         # f16 copies of updated weights after fusion)
         if p is None or p.archetype != "pointwise" or p.epilogue is not None or p.spec.get("flat_leaf") \
-                or not p.out.is_contiguous() or p.spec.get("stores") or _copy_or_cast(p.spec["expr"]):
+                or not p.out.is_contiguous() or _copy_or_cast(p.spec["expr"]):
             continue
         li = 0
         while li < len(p.reads):
