@@ -1040,10 +1040,12 @@ def fuse_producer_outputs(kernels, max_bindings):
                 li += 1
                 continue
             # ``leaf`` reads every element of k's output once (so nothing is computed twice,
-            # and a stored value is written through ``leaf`` at this kernel's coordinates); an
-            # intermediate that only this reader reads (now) is not stored at all
+            # and a stored value is written through ``leaf`` at this kernel's coordinates), or
+            # k is a few ops read through a broadcast (a scale); an intermediate that only this
+            # reader reads (now) is not stored at all
             store = k.out.buf.kind != "temp" or not uses.read_only_by(leaf.buf, pi, p.reads)
-            if not _permutes(k, leaf) or store and k.out.dtype is not p.out.dtype:
+            cheap = not store and _ops(k.spec["expr"]) <= MAX_INLINE_OPS
+            if not (_permutes(k, leaf) or cheap) or store and k.out.dtype is not p.out.dtype:
                 li += 1
                 continue
             same = k.out.shape == leaf.shape and _same_elements(k, leaf)
