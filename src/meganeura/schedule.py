@@ -118,16 +118,26 @@ class Kernel:
         return self.spec.get("out_dtype", self.out.dtype)
 
     def written_bufs(self):
-        if "parts" in self.spec:        # a horizontal fusion of independent kernels
-            return [b for p in self.spec["parts"] for b in p.written_bufs()]
+        spec = self.spec
+        if "parts" in spec:        # a horizontal fusion of independent kernels
+            return [b for p in spec["parts"] for b in p.written_bufs()]
         # extra outputs: a multi-output kernel's (outs) and second stores of its value (stores)
-        return [self.out.buf] + [v.buf for v in self.outs] + [v.buf for v in self.spec.get("stores", ())]
+        bufs = [self.out.buf]
+        if self.outs:
+            bufs += [v.buf for v in self.outs]
+        if "stores" in spec:
+            bufs += [v.buf for v in spec["stores"]]
+        return bufs
 
     def read_views(self):
-        if "parts" in self.spec:
-            return [v for p in self.spec["parts"] for v in p.read_views()]
-        virtual = self.spec.get("gathers", {})    # operands computed in the loads, never stored
-        return [v for i, v in enumerate(self.reads) if i not in virtual] + list(self.epi_reads)
+        spec = self.spec
+        if "parts" in spec:
+            return [v for p in spec["parts"] for v in p.read_views()]
+        virtual = spec.get("gathers")    # operands computed in the loads, never stored
+        reads = [v for i, v in enumerate(self.reads) if i not in virtual] if virtual else list(self.reads)
+        if self.epi_reads:
+            reads += self.epi_reads
+        return reads
 
 
 # ------------------------------------------------------------------------ view algebra

@@ -43,9 +43,12 @@ class _Uses:
     """Which kernels (by position) write and read each logical buffer."""
 
     def __init__(self, kernels):
-        self.writers, self.readers = defaultdict(list), defaultdict(list)
-        for i, k in enumerate(kernels):
-            self.add(i, k)
+        self.writers, self.readers = writers, readers = defaultdict(list), defaultdict(list)
+        for i, k in enumerate(kernels):      # add() inlined: every pass builds one
+            for b in k.written_bufs():
+                writers[id(b)].append(i)
+            for v in k.read_views():
+                readers[id(v.buf)].append(i)
 
     def add(self, i, k):
         for b in k.written_bufs():
