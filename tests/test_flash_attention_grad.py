@@ -75,8 +75,10 @@ def test_flash_backward_matches_torch(name, flash_only):
 def test_backward_keeps_the_own_operands_resident_with_48k(monkeypatch, name, flash_only):
     """With 48 KiB of workgroup memory (an H200's) and heads of at most 64 columns, the
     backward stages the own rows' two operands once and only the walked rows' per tile.
-    (lavapipe reports 32 KiB but runs larger workgroup arrays; the switch forces the size.)"""
+    (lavapipe reports 32 KiB but runs larger workgroup arrays; the switches force the size
+    and let the runtime make such kernels.)"""
     monkeypatch.setenv("MEGANEURA_FLASH_SMEM", "49152")
+    monkeypatch.setenv("MEGANEURA_VK_WORKGROUP_MEMORY", "49152")
     kp = _check_backward(name)
     grads = [d.wgsl for d in kp.dispatches if d.kernel.spec.get("grad")]
     assert len(grads) == 2 and all("var<workgroup> XV" in src for src in grads)

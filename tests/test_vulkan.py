@@ -377,3 +377,8 @@ def test_kernel_past_the_workgroup_memory_limit_is_refused(dev):
     too_big = glslang.compile_glsl(_shared_kernel(limit // 4), name="too_big")
     with pytest.raises(ValueError, match=f"'too_big': {limit + 16} B of workgroup memory, the device allows {limit}"):
         dev.kernel(too_big, name="too_big")
+    import os
+    from unittest import mock
+    with mock.patch.dict(os.environ, {"MEGANEURA_VK_WORKGROUP_MEMORY": "1e5"}):
+        with pytest.raises(ValueError, match="MEGANEURA_VK_WORKGROUP_MEMORY='1e5'"):
+            dev.kernel(too_big, name="too_big")
