@@ -372,14 +372,14 @@ def update_in_place(kernels, sched, targets, updates) -> int:
         if v is None or dst is None or v.buf.kind != "target" or v.offset or not v.is_contiguous() \
                 or v.buf.nbytes != dst.nbytes or v.dtype is not dst.dtype:
             continue
-        writers = [(i, u) for i, u in touching.get(id(v.buf), []) if any(o.buf is v.buf for o in [u.out, *u.outs])]
+        # each writer with the view it writes this value by (a further output may be a transpose)
+        writers = [(i, u, wv) for i, u in touching.get(id(v.buf), [])
+                   if (wv := next((o for o in [u.out, *u.outs] if o.buf is v.buf), None)) is not None]
         if len(writers) != 1:
             continue
-        wi, w = writers[0]
-        # the writer reads the old value only at the element it writes (through the view it
-        # writes this value by: a further output may be a transpose), and nothing else
+        wi, w, written = writers[0]
+        # the writer reads the old value only at the element it writes, and nothing else
         # touches the old value from the writer's launch on
-        written = next(o for o in [w.out, *w.outs] if o.buf is v.buf)
         if not reads_only_own_element(w, dst, written) \
                 or any(i >= wi and u is not w for i, u in touching.get(id(dst), [])):
             continue

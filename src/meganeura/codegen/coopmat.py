@@ -402,7 +402,7 @@ def _part_function(p: _Part, ops, BM, BN, BK, SG_M, SG_N, DEPTH, WM, WN, NT, siz
     # (and its halves of workgroup memory) by constants. H200, 4096^3 TFLOP/s (B plain / B
     # transposed): DEPTH 1 202 / 188, unrolled by 2 191 / 174; DEPTH 2 223 / 194; DEPTH 3
     # 209 / 188 (193 / 193 with the halves indexed by c % 2)
-    unroll = 1 if DEPTH == 1 else DEPTH * 2 // np.gcd(DEPTH, 2)
+    unroll = 1 if DEPTH == 1 else int(np.lcm(DEPTH, 2))
     half = (lambda r, size: f"(((c + {r}u) % 2u) * {size}u)") if unroll == 1 else \
         (lambda r, size: f"{(r % 2) * size}u")
     steps = []
@@ -410,11 +410,10 @@ def _part_function(p: _Part, ops, BM, BN, BK, SG_M, SG_N, DEPTH, WM, WN, NT, siz
         steps += [f"{{ uint c = c0 + {r}u;", f"if (c < {nch}u) {{",
                   f"    if (c + {DEPTH}u < {nch}u) {{", f"        uint k0 = kbeg + (c + {DEPTH}u) * {BK}u;"]
         steps += ["        " + x for x in fetch(r % DEPTH)] + ["    }"]
-        cur, nxt = (0, 1) if unroll == 1 else (r, r + 1)
-        steps += [f"    uint abuf = {half(cur, size_a)}, bbuf = {half(cur, size_b)};",
+        steps += [f"    uint abuf = {half(r, size_a)}, bbuf = {half(r, size_b)};",
                   f"    [[unroll]] for (uint kk = 0u; kk < {BK // FRAG}u; ++kk) {{"] + ["        " + x for x in held] + ["    }"]
-        steps += [f"    if (c + 1u < {nch}u) {{", f"        uint base = {half(nxt, size_a)};"]
-        steps += ["        " + x for x in sets[(r + 1) % DEPTH][0][1]] + [f"        base = {half(nxt, size_b)};"]
+        steps += [f"    if (c + 1u < {nch}u) {{", f"        uint base = {half(r + 1, size_a)};"]
+        steps += ["        " + x for x in sets[(r + 1) % DEPTH][0][1]] + [f"        base = {half(r + 1, size_b)};"]
         steps += ["        " + x for x in sets[(r + 1) % DEPTH][1][1]] + ["    }", "    barrier();", "}}"]
     ahead = []
     for r in range(1, DEPTH):

@@ -45,16 +45,15 @@ def _body(kernel, b: Bindings):
     val, dt = w.emit(spec["expr"])
     if dt is not out.dtype:
         val = f"{out.dtype.wgsl}({val})"
-    lines += w.lines + store_lines(b, ob, offset_expr(out.offset, out.strides), val, out.dtype, spec.get("stores", ()))
+    stores = store_lines(b, ob, offset_expr(out.offset, out.strides), val, out.dtype, spec.get("stores", ()))
     # further outputs (``fuse.fuse_producer_outputs``): each the value of its own expression
     # over the same leaves, stored at the same coordinates
     for view, e in zip(kernel.outs, spec.get("out_exprs", ())):
-        n = len(w.lines)
         v, dt = w.emit(e)
         if dt is not view.dtype:
             v = f"{view.dtype.wgsl}({v})"
-        lines += w.lines[n:] + [f"    b{b.index(view.buf, view.dtype, write=True)}[{offset_expr(view.offset, view.strides)}] = {v};"]
-    return w.helpers(b), lines
+        stores.append(f"    b{b.index(view.buf, view.dtype, write=True)}[{offset_expr(view.offset, view.strides)}] = {v};")
+    return w.helpers(b), lines + w.lines + stores
 
 
 def as_function(operand_spec, reads, bind: Bindings, name) -> str:

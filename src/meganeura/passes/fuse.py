@@ -43,12 +43,9 @@ class _Uses:
     """Which kernels (by position) write and read each logical buffer."""
 
     def __init__(self, kernels):
-        self.writers, self.readers = writers, readers = defaultdict(list), defaultdict(list)
-        for i, k in enumerate(kernels):      # add() inlined: every pass builds one
-            for b in k.written_bufs():
-                writers[id(b)].append(i)
-            for v in k.read_views():
-                readers[id(v.buf)].append(i)
+        self.writers, self.readers = defaultdict(list), defaultdict(list)
+        for i, k in enumerate(kernels):
+            self.add(i, k)
 
     def add(self, i, k):
         for b in k.written_bufs():
@@ -981,6 +978,7 @@ def _view_through(leaf, k, r):
     for c in C:
         q, rel = divmod(rel, c)
         top.append(q)
+    offset = r.offset + sum(q * st for q, st in zip(top, R))
     strides = []
     for n, s in zip(leaf.shape, leaf.strides):
         if n == 1 or s == 0:
@@ -993,11 +991,6 @@ def _view_through(leaf, k, r):
         strides.append(s // C[i] * R[i])
     if any(t >= m for t, m in zip(top, o.shape)):
         return None                     # the coordinates would carry into another dimension
-    first = leaf.offset - o.offset
-    offset = r.offset
-    for c, st in zip(C, R):
-        q, first = divmod(first, c)
-        offset += q * st
     return View(r.buf, tuple(leaf.shape), tuple(strides), offset, r.dtype)
 
 
