@@ -261,3 +261,35 @@ def test_a_plan_allocates_while_its_pipelines_are_created(cache_dir, monkeypatch
     assert ended == [True]
     done = []
     assert executor._pipelines_while(Runtime(), [("text", "k")], lambda: done.append(1)) == ["made"] and done
+
+
+def test_threads_making_pipelines_get_the_gil_promptly_and_the_interval_comes_back(cache_dir, monkeypatch):
+    """While a pool of threads makes pipelines the GIL switch interval is short (their calls
+    return often to a process whose other thread runs Python); it is restored afterwards,
+    after a failure too, and only by the last of overlapping users."""
+    import sys
+    from meganeura.codegen.glsl import GlslTranslationError
+    from meganeura.runtime.vulkan.device import get_vulkan_device
+    before = sys.getswitchinterval()
+    seen = []
+    real = backend.VulkanRuntime._compile
+
+    def compile_(self, *a):
+        seen.append(sys.getswitchinterval())
+        return real(self, *a)
+    monkeypatch.setattr(backend.VulkanRuntime, "_compile", compile_)
+    monkeypatch.setenv("MEGANEURA_NO_DISK_CACHE", "1")
+    dev = get_vulkan_device()
+    texts = _texts(backend.VulkanRuntime(dev), monkeypatch)
+    seen.clear()
+    backend.VulkanRuntime(dev).pipelines(texts, threads=3)
+    assert backend.GIL_SWITCH_S < before and seen == pytest.approx([backend.GIL_SWITCH_S] * len(texts), rel=1e-3)
+    assert sys.getswitchinterval() == before
+    with pytest.raises(GlslTranslationError):
+        backend.VulkanRuntime(dev).pipelines([("fn main( {", "broken")] + texts[:1], threads=3)
+    assert sys.getswitchinterval() == before
+    with backend._prompt_gil_handoff():
+        with backend._prompt_gil_handoff():
+            pass
+        assert sys.getswitchinterval() == pytest.approx(backend.GIL_SWITCH_S, rel=1e-3)
+    assert sys.getswitchinterval() == before
