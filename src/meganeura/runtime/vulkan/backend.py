@@ -646,7 +646,8 @@ class VulkanRuntime:
         # kernels from disk: batches of at most PIPELINE_BATCH, enough of them for every thread
         per = max(1, min(PIPELINE_BATCH, -(-len(hits) // n)))
         workers = min(n, len(misses) + -(-len(hits) // per))
-        with _prompt_gil_handoff() if workers > 1 else contextlib.nullcontext(), \
+        # (where kernels compile, as measured; kernels read from disk keep the default)
+        with _prompt_gil_handoff() if workers > 1 and misses else contextlib.nullcontext(), \
                 (ThreadPoolExecutor(workers) if workers > 1 else _InlineJobs()) as pool:
             try:
                 for i in range(0, len(hits), per):
