@@ -293,3 +293,54 @@ def test_threads_making_pipelines_get_the_gil_promptly_and_the_interval_comes_ba
             pass
         assert sys.getswitchinterval() == pytest.approx(backend.GIL_SWITCH_S, rel=1e-3)
     assert sys.getswitchinterval() == before
+
+
+def _tiered_runtime(dev, monkeypatch, tiered=True):
+    """A runtime whose kernels unroll their short loops (as on a hardware driver), first
+    compiled without the hints when ``tiered``."""
+    monkeypatch.setenv("MEGANEURA_GLSL_UNROLL", "1")
+    monkeypatch.setenv("MEGANEURA_TIERED_COMPILE", "1" if tiered else "0")
+    rt = backend.VulkanRuntime(dev)
+    assert rt.unroll_loops and rt.tiered == tiered
+    monkeypatch.setattr(backend, "_runtime", rt)
+    return rt
+
+
+def _train_losses(steps_before, steps_after, rt):
+    g = mg.Graph()
+    x, y = g.input("x", (16, 8)), g.input("y", (16,), mg.i32)
+    h = mg.ops.relu(mg.ops.linear(x, g.parameter("a.weight", (12, 8)), g.parameter("a.bias", (12,))))
+    loss = mg.ops.cross_entropy(mg.ops.linear(h, g.parameter("b.weight", (3, 12))), y)
+    rng = np.random.default_rng(0)
+    feed = {"x": rng.standard_normal((16, 8)).astype(np.float32), "y": rng.integers(0, 3, 16).astype(np.int32)}
+    with mg.compile(g, loss=loss, optimizer=mg.optim.SGD(lr=0.1), backend="vulkan", plan_cache=False, seed=1) as s:
+        first = [float(s.step(feed)) for _ in range(steps_before)]
+        kernels = {t: k for t, k in rt._pipelines.items()}
+        rt.finish_compiles()
+        records = sum(p.record_count for p in rt.vk._programs)
+        then = [float(s.step(feed)) for _ in range(steps_after)]
+        rerecorded = sum(p.record_count for p in rt.vk._programs) - records
+    return first + then, kernels, rerecorded
+
+
+def test_tiered_compile_swaps_unrolled_pipelines_in_and_the_cache_keeps_them(cache_dir, monkeypatch):
+    """On a driver that unrolls, new kernels run first without the hints; the unrolled
+    pipelines made in the background replace theirs (programs re-record), the step's results
+    match unrolled-at-once kernels', and the disk cache holds only the unrolled ones: a later
+    runtime reads every kernel back and compiles nothing in the background."""
+    from meganeura.runtime.vulkan.device import get_vulkan_device
+    dev = get_vulkan_device()
+    rt = _tiered_runtime(dev, monkeypatch)
+    generation = dev.pipeline_generation
+    losses, kernels, rerecorded = _train_losses(2, 2, rt)
+    n = len(kernels)
+    assert 0 < rt.stats["pipelines_optimized"] <= n and dev.pipeline_generation > generation
+    assert rerecorded > 0 and not rt._retired and not rt._tier_jobs
+    assert len(list((cache_dir / "kernels").glob("*.bin"))) == n
+    direct = _tiered_runtime(dev, monkeypatch, tiered=False)
+    monkeypatch.setenv("MEGANEURA_NO_DISK_CACHE", "1")
+    np.testing.assert_allclose(losses, _train_losses(2, 2, direct)[0], rtol=1e-6)
+    monkeypatch.delenv("MEGANEURA_NO_DISK_CACHE")
+    warm = _tiered_runtime(dev, monkeypatch)
+    _train_losses(1, 0, warm)
+    assert warm.stats["kernel_cache_hits"] == n and warm.stats["pipelines_optimized"] == 0 and not warm._tier_pool
