@@ -93,16 +93,6 @@ def _prompt_gil_handoff():
                 sys.setswitchinterval(_switch_users[1])
 
 
-_UNROLL_HINTS = ("[[unroll]]", "#extension GL_EXT_control_flow_attributes : require")
-
-
-def _without_unroll_hints(glsl: str) -> str:
-    """``glsl`` as ``to_glsl(unroll=False)`` renders it; the same object where it has no hint."""
-    if "[[unroll]]" not in glsl:
-        return glsl
-    return "\n".join(ln for ln in glsl.split("\n") if ln.strip() not in _UNROLL_HINTS)
-
-
 class _InlineJobs:
     """``ThreadPoolExecutor``'s ``submit`` run on the calling thread (one kernel, or one
     compile thread: no pool to start)."""
@@ -356,8 +346,6 @@ class VulkanRuntime:
         self.tiered = self.unroll_loops and tiered
         self._tier_pool = None          # the background compiles' threads (started on first use)
         self._tier_jobs: list = []      # their futures
-        self._foreground = 0            # pipelines() calls under way (background jobs wait for none)
-        self._foreground_idle = threading.Condition(threading.Lock())
         self._retired: list = []        # kernels holding replaced pipelines, destroyed when idle
         self.features = {k for k, on in f.items() if on}
         lim = self.vk.limits
@@ -601,21 +589,10 @@ class VulkanRuntime:
         threads (``backends.compile_threads``) that compile it with glslang and create its
         pipeline, so the driver compiles while the rest are translated and the longest
         compiles do not come last. A failure raises once every job has ended and leaves no
-        pipeline behind. With ``tiered``, the new pipelines' loops are rolled and their
-        unrolled pipelines follow in the background (``_optimize_later``)."""
-        t0 = time.perf_counter()
-        with self._foreground_idle:
-            self._foreground += 1
-        try:
-            return self._pipelines_now(shaders, threads, access, t0)
-        finally:
-            with self._foreground_idle:
-                self._foreground -= 1
-                self._foreground_idle.notify_all()
-
-    def _pipelines_now(self, shaders, threads, access, t0):
+        pipeline behind."""
         from ..backends import lookup_cached, store_cached
         from .cache import disk_cache_enabled, load_kernel
+        t0 = time.perf_counter()
         with self._lock:
             found, missing = lookup_cached(self._pipelines, shaders, self.stats)
         if missing:
@@ -667,14 +644,14 @@ class VulkanRuntime:
             return self.vk.kernels([spec(label, ck) for _, label, ck in batch], threads=1, batch=len(batch)), 0.0
 
         @flags_failure
-        def compile_and_create(glsl, label, key):
+        def compile_and_create(glsl, label, key, text):
             t = time.perf_counter()
-            rolled = _without_unroll_hints(glsl) if self.tiered else glsl
-            ck = self._compile(rolled, label, key, disk and rolled is glsl)     # the cache keeps the final one
+            first_tier = self.tiered and not text.startswith("#version")
+            ck = self._compile(glsl, label, key, disk and not first_tier)     # the cache keeps the final one
             t = time.perf_counter() - t
             kernels = self.vk.kernels([spec(label, ck)], threads=1)
-            if rolled is not glsl:
-                self._optimize_later(kernels[0], label, key, glsl, spec, disk)
+            if first_tier:
+                self._optimize_later(kernels[0], text, label, key, glsl, ck, spec, disk)
             return kernels, t
 
         jobs, texts, error = [], [], None
@@ -696,9 +673,10 @@ class VulkanRuntime:
                     if failed.is_set():
                         break
                     t = time.perf_counter()
-                    glsl = text if text.startswith("#version") else to_glsl(text, label, unroll=self.unroll_loops)
+                    glsl = text if text.startswith("#version") else \
+                        to_glsl(text, label, unroll=self.unroll_loops and not self.tiered)
                     glsl_s += time.perf_counter() - t
-                    jobs.append(pool.submit(compile_and_create, glsl, label, key))
+                    jobs.append(pool.submit(compile_and_create, glsl, label, key, text))
                     texts.append([text])
             except BaseException as e:      # a translation failed: let the submitted jobs end
                 error = e
@@ -718,19 +696,23 @@ class VulkanRuntime:
         cpu_s = glsl_s + sum(t for _, t in results) + sum(k.create_seconds for _, k in made)
         return made, glsl_s, cpu_s
 
-    def _optimize_later(self, kernel, label, key, glsl, spec, disk):
-        """Make ``kernel``'s pipeline from ``glsl`` (its loops unrolled) on the background
-        threads once no ``pipelines`` call is under way, and swap it in: ``kernel`` (held by
-        plans and the pipeline cache) takes the new pipeline, programs re-record before their
-        next submit (``pipeline_generation``) and the first pipeline is destroyed once the
-        device is idle (``finish_compiles``)."""
+    def _optimize_later(self, kernel, text, label, key, rolled_glsl, rolled, spec, disk):
+        """Make ``kernel``'s pipeline from its text with loops unrolled on the background
+        threads and swap it in: ``kernel`` (held by plans and the pipeline cache) takes the
+        new pipeline, programs re-record before their next submit (``pipeline_generation``)
+        and the first pipeline is destroyed once the device is idle (``finish_compiles``)."""
         from concurrent.futures import ThreadPoolExecutor
+        from ...codegen.glsl import to_glsl
         from ..backends import compile_threads
+        from .cache import store_kernel
 
         def optimize():
-            with self._foreground_idle:
-                self._foreground_idle.wait_for(lambda: self._foreground == 0)
-            if self.vk.handle is None or kernel.pipeline is None:
+            if self.vk.handle is None:
+                return
+            glsl = to_glsl(text, label, unroll=True)
+            if glsl == rolled_glsl:             # no loop to unroll: the first one is final
+                if disk:
+                    store_kernel(key, rolled)
                 return
             new = self.vk.kernels([spec(label, self._compile(glsl, label, key, disk))], threads=1)[0]
             with self._lock:
