@@ -11,10 +11,9 @@ in-place, render, memory), then the same plan again from the on-disk plan cache.
 are the H200's (bindings and workgroup memory), so the plans are the ones it runs.
 
 ``--gpu``: what a user waits for on the current device, ``mg.compile`` with its plans
-built (pipelines included; ``unrolled_in_s``: until the pipelines with unrolled loops,
-compiled in the background on hardware drivers, have replaced the first ones): ``cold``
-in a fresh process with empty caches (ours, and the driver's shader caches pointed at the
-same empty folder), ``warm`` in a fresh process with those caches filled (the median of three such processes), and ``again`` the same
+built (pipelines included): ``cold`` in a fresh process with empty caches (ours, and the
+driver's shader caches pointed at the same empty folder), ``warm`` in a fresh process
+with those caches filled (the median of three such processes), and ``again`` the same
 graph compiled a second time in the warm process. Each also counts the pipelines created and the seconds spent creating them.
 The package's modules are compiled to bytecode first, as an install has them.
 ``--threads N`` sets MEGANEURA_COMPILE_THREADS for the child processes.
@@ -173,13 +172,6 @@ def on_device(name, size, graph, mode="strict") -> dict:
                     "kernels_from_disk": dev.stats.get("kernel_cache_hits", 0) - st0.get("kernel_cache_hits", 0),
                     "glsl_s": dev.stats.get("glsl_seconds", 0.0) - st0.get("glsl_seconds", 0.0),
                     "pipeline_wall_s": dev.stats.get("pipeline_wall_seconds", 0.0) - st0.get("pipeline_wall_seconds", 0.0)}
-        # Vulkan on hardware: the pipelines with unrolled loops, compiled in the background after
-        # the first ones, are in (``VulkanRuntime.tiered``)
-        finish = getattr(dev, "finish_compiles", None)
-        if finish is not None:
-            finish()
-        out[run]["unrolled_in_s"] = time.perf_counter() - t0
-        out[run]["pipelines_unrolled_later"] = dev.stats.get("pipelines_optimized", 0) - st0.get("pipelines_optimized", 0)
         s.close()
         del b, s
     return out
@@ -230,16 +222,15 @@ def _pipe(run):
 
 
 def print_gpu(rows):
-    print(f"{'workload':9} {'graph':9} {'cold':>6} {'warm':>6} {'again':>6} {'unrolled':>8} {'pipelines':>9} "
+    print(f"{'workload':9} {'graph':9} {'cold':>6} {'warm':>6} {'again':>6} {'pipelines':>9} "
           f"{'cold pipe s':>11} {'warm pipe s':>11} {'plan cache':>10} {'from disk':>9}   "
-          "(unrolled: cold until the unrolled pipelines are in; pipe s: waited / summed over threads;"
-          " from disk: warm kernels read compiled)")
+          "(pipe s: waited / summed over threads; from disk: warm kernels read compiled)")
     for r in rows:
         if "error" in r:
             print(f"{r['workload']:9} {r['graph']:9} error: {r['error']}")
             continue
         print(f"{r['workload']:9} {r['graph']:9} {r['cold_s']:6.2f} {r['warm_s']:6.2f} {r['again_s']:6.2f} "
-              f"{r['cold'].get('unrolled_in_s', float('nan')):8.2f} {r['cold']['unique_pipelines']:9d} {_pipe(r['cold']):>11} {_pipe(r['warm']):>11} "
+              f"{r['cold']['unique_pipelines']:9d} {_pipe(r['cold']):>11} {_pipe(r['warm']):>11} "
               f"{','.join(str(v) for v in r['warm']['plan_cache'].values()):>10} "
               f"{str(r['warm'].get('kernels_from_disk', '-')):>9}")
 

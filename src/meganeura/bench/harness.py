@@ -224,11 +224,6 @@ class Runner:
                                 cold_pipeline_s=cw["cold"]["pipeline_wall_s"], warm_pipeline_s=cw["warm"]["pipeline_wall_s"],
                                 processes=cw)
             gc.collect()
-        for sess, _ in sessions.values():
-            # pipelines compiled first with rolled loops: the unrolled ones in before timing
-            finish = getattr(sess.executor.dev, "finish_compiles", None)
-            if finish is not None:
-                finish()
         return sessions
 
     # ------------------------------------------------------------------ torch side

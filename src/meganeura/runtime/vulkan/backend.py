@@ -337,16 +337,6 @@ class VulkanRuntime:
         from ...codegen.glsl import unroll_switch
         forced = unroll_switch()
         self.unroll_loops = (not self.is_software) if forced is None else forced
-        # new kernels first without the hints, their unrolled pipelines made in the background
-        # and swapped in (``_optimize_later``): the driver compiles rolled loops in about half
-        # the time (H200, one thread: ResNet-50's training kernels 18.3 -> 9.8 s, SmolLM2's
-        # inference 1.71 -> 1.05 s) and they ran 0-3% slower there (ResNet-50 3%); unrolled, the
-        # tiled matmul's 4096^3 runs 31.3 -> 37.8 TFLOP/s. MEGANEURA_TIERED_COMPILE=0: unrolled at once
-        tiered = os.environ.get("MEGANEURA_TIERED_COMPILE", "").strip().lower() not in ("0", "false", "no", "off")
-        self.tiered = self.unroll_loops and tiered
-        self._tier_pool = None          # the background compiles' threads (started on first use)
-        self._tier_jobs: list = []      # their futures
-        self._retired: list = []        # kernels holding replaced pipelines, destroyed when idle
         self.features = {k for k, on in f.items() if on}
         lim = self.vk.limits
         # the limits the compiler and the executor read, under wgpu's names
@@ -371,7 +361,7 @@ class VulkanRuntime:
         self.stats = {"pipelines_compiled": 0, "pipeline_cache_hits": 0, "compile_seconds": 0.0,
                       "glsl_seconds": 0.0, "steps": 0, "pipelines_evicted": 0,
                       "pipeline_wall_seconds": 0.0, "coopmat_kernels": 0,
-                      "kernel_cache_hits": 0, "pipelines_optimized": 0}
+                      "kernel_cache_hits": 0}
         self.coopmat_reason = coopmat_unavailable(self.vk)
         self._variants: dict = {}         # (kernel text, emulate, configs) -> (GLSL, groups) or None
 
@@ -644,15 +634,11 @@ class VulkanRuntime:
             return self.vk.kernels([spec(label, ck) for _, label, ck in batch], threads=1, batch=len(batch)), 0.0
 
         @flags_failure
-        def compile_and_create(glsl, label, key, text):
+        def compile_and_create(glsl, label, key):
             t = time.perf_counter()
-            first_tier = self.tiered and not text.startswith("#version")
-            ck = self._compile(glsl, label, key, disk and not first_tier)     # the cache keeps the final one
+            ck = self._compile(glsl, label, key, disk)
             t = time.perf_counter() - t
-            kernels = self.vk.kernels([spec(label, ck)], threads=1)
-            if first_tier:
-                self._optimize_later(kernels[0], text, label, key, glsl, ck, spec, disk)
-            return kernels, t
+            return self.vk.kernels([spec(label, ck)], threads=1), t
 
         jobs, texts, error = [], [], None
         glsl_s = 0.0
@@ -673,10 +659,9 @@ class VulkanRuntime:
                     if failed.is_set():
                         break
                     t = time.perf_counter()
-                    glsl = text if text.startswith("#version") else \
-                        to_glsl(text, label, unroll=self.unroll_loops and not self.tiered)
+                    glsl = text if text.startswith("#version") else to_glsl(text, label, unroll=self.unroll_loops)
                     glsl_s += time.perf_counter() - t
-                    jobs.append(pool.submit(compile_and_create, glsl, label, key, text))
+                    jobs.append(pool.submit(compile_and_create, glsl, label, key))
                     texts.append([text])
             except BaseException as e:      # a translation failed: let the submitted jobs end
                 error = e
@@ -695,63 +680,6 @@ class VulkanRuntime:
         made = [(text, k) for ts, (kernels, _) in zip(texts, results) for text, k in zip(ts, kernels)]
         cpu_s = glsl_s + sum(t for _, t in results) + sum(k.create_seconds for _, k in made)
         return made, glsl_s, cpu_s
-
-    def _optimize_later(self, kernel, text, label, key, rolled_glsl, rolled, spec, disk):
-        """Make ``kernel``'s pipeline from its text with loops unrolled on the background
-        threads and swap it in: ``kernel`` (held by plans and the pipeline cache) takes the
-        new pipeline, programs re-record before their next submit (``pipeline_generation``)
-        and the first pipeline is destroyed once the device is idle (``finish_compiles``)."""
-        from concurrent.futures import ThreadPoolExecutor
-        from ...codegen.glsl import to_glsl
-        from ..backends import compile_threads
-        from .cache import store_kernel
-
-        def optimize():
-            if self.vk.handle is None:
-                return
-            glsl = to_glsl(text, label, unroll=True)
-            if glsl == rolled_glsl:             # no loop to unroll: the first one is final
-                if disk:
-                    store_kernel(key, rolled)
-                return
-            new = self.vk.kernels([spec(label, self._compile(glsl, label, key, disk))], threads=1)[0]
-            with self._lock:
-                if kernel.pipeline is None or self.vk.handle is None:       # destroyed meanwhile
-                    new.destroy()
-                    return
-                kernel.swap_pipeline(new)
-                self._retired.append(new)
-                self.vk.pipeline_generation += 1
-                self.stats["pipelines_optimized"] += 1
-
-        with self._lock:
-            if self._tier_pool is None:
-                self._tier_pool = ThreadPoolExecutor(compile_threads(), thread_name_prefix="unroll")
-            self._tier_jobs.append(self._tier_pool.submit(optimize))
-
-    def finish_compiles(self):
-        """Wait for the background compiles (``tiered``), then for the device, and destroy
-        the pipelines they replaced; a failed background compile raises here (the rolled
-        pipeline stays in use)."""
-        with self._lock:
-            jobs, self._tier_jobs = self._tier_jobs, []
-        error = None
-        for job in jobs:
-            try:
-                job.result()
-            except Exception as e:      # noqa: PERF203  (each job's error is its own)
-                error = error or e
-        with self._lock:
-            retired, self._retired = self._retired, []
-        if retired:
-            from . import _vk
-            with self.vk._lock:         # (submits hold it)
-                if self.vk.handle is not None:
-                    _vk.lib.vkQueueWaitIdle(self.vk.queue)
-            for k in retired:
-                k.destroy()
-        if error is not None:
-            raise error
 
     def clear_caches(self):
         """Drop the cached kernels (plans that are alive keep their own)."""

@@ -184,16 +184,6 @@ class Kernel:
         # when it is collected, not only when the device closes (its layouts are the device's)
         self._release = weakref.finalize(self, _destroy_kernel, dev, pipeline)
 
-    def swap_pipeline(self, other: "Kernel"):
-        """Exchange pipelines with ``other`` (a kernel of the same bindings and push constants),
-        each then destroyed with the kernel that holds it."""
-        dev = self.device
-        for k in (self, other):
-            k._release.detach()
-        self.pipeline, other.pipeline = other.pipeline, self.pipeline
-        for k in (self, other):
-            k._release = weakref.finalize(k, _destroy_kernel, dev, k.pipeline)
-
     def destroy(self):
         if self.pipeline is None:
             return
@@ -384,7 +374,6 @@ class VulkanDevice:
         self._programs = weakref.WeakSet()
         self._layout_cache = {}       # (bindings, push-constant bytes) -> shared layouts
         self._blocks = {"device": [], "staging": [], "input": []}
-        self.pipeline_generation = 0      # bumped when a kernel's pipeline is replaced: re-record
         self._lock = threading.RLock()
         self.block_bytes = int(block_bytes)
         self._create_instance()

@@ -100,7 +100,6 @@ class Program:
         self.timestamps = self.ts_mode is not None
         self.record_count = 0
         self._dirty = True
-        self._generation = None           # the device's pipeline generation when recorded
         self._cmd = device.allocate_command_buffer()
         device._programs.add(self)
         self._fence = device.create_fence()
@@ -238,7 +237,6 @@ class Program:
     def _record(self):
         ffi, lib, vk = _vk.ffi, _vk.lib, _vk.vk
         cmd = self._cmd[0]
-        self._generation = self.device.pipeline_generation     # read first: a swap while recording re-records
         check(lib.vkResetCommandBuffer(cmd, 0), "vkResetCommandBuffer")
         bi = new("VkCommandBufferBeginInfo", sType=vk.VK_STRUCTURE_TYPE_COMMAND_BUFFER_BEGIN_INFO)
         check(lib.vkBeginCommandBuffer(cmd, bi), "vkBeginCommandBuffer")
@@ -309,7 +307,7 @@ class Program:
         """Submit the step (re-recording first if an op changed)."""
         if self.device.handle is None:
             raise RuntimeError(f"{self.name}: the device is closed")
-        if self._dirty or self._generation != self.device.pipeline_generation:
+        if self._dirty:
             self.record()
         self.device.submit(self._cmd, self._fence, wait=wait)
 
