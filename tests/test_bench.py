@@ -111,6 +111,10 @@ def test_compile_time_cold_and_warm_processes():
     assert warm["dispatches"] == cold["dispatches"] and cold["unique_pipelines"] > 0
     assert cold["pipelines_created"] == cold["unique_pipelines"] and cold["pipeline_s"] > 0 < cold["pipeline_wall_s"]
     assert r["again"]["pipelines_created"] == 0          # the same process keeps its pipelines
+    slow = cold["slowest_kernels"]                       # where a cold compile's driver time went
+    assert 0 < len(slow) <= min(5, cold["unique_pipelines"]) and all(k["spirv_bytes"] > 0 for k in slow)
+    assert sum(k["spirv_bytes"] for k in slow) <= cold["spirv_bytes"]
+    assert [k["create_s"] for k in slow] == sorted((k["create_s"] for k in slow), reverse=True)
     md = report.bench_markdown({"options": {"size": "tiny", "workloads": ["whisper"], "modes": ["strict"],
                                             "phases": ["compile"], "warmup": 1, "samples": 2},
                                 "environment": {"adapter": {}, "versions": {}}, "workloads": {},

@@ -172,9 +172,24 @@ def on_device(name, size, graph, mode="strict") -> dict:
                     "kernels_from_disk": dev.stats.get("kernel_cache_hits", 0) - st0.get("kernel_cache_hits", 0),
                     "glsl_s": dev.stats.get("glsl_seconds", 0.0) - st0.get("glsl_seconds", 0.0),
                     "pipeline_wall_s": dev.stats.get("pipeline_wall_seconds", 0.0) - st0.get("pipeline_wall_seconds", 0.0)}
+        out[run].update(_kernel_sizes(dev, plans.values()))
         s.close()
         del b, s
     return out
+
+
+def _kernel_sizes(dev, plans, top=5) -> dict:
+    """SPIR-V bytes of the plans' kernels, and the ``top`` slowest to create (Vulkan: the
+    driver's compile time grows with a kernel's size); empty on other backends."""
+    made = getattr(dev, "_pipelines", {})
+    kernels = [made[t] for t in {d.wgsl for p in plans for d in p.kernel_plan.dispatches} if t in made]
+    kernels = [k for k in kernels if hasattr(k, "spirv_bytes")]
+    if not kernels:
+        return {}
+    slow = sorted(kernels, key=lambda k: -getattr(k, "create_seconds", 0.0))[:top]
+    return {"spirv_bytes": sum(k.spirv_bytes for k in kernels),
+            "slowest_kernels": [{"name": k.name[:80], "create_s": getattr(k, "create_seconds", 0.0),
+                                 "spirv_bytes": k.spirv_bytes} for k in slow]}
 
 
 def in_fresh_process(name, size, graph, mode, cache_dir, threads=None, timeout=1800) -> dict:
@@ -233,6 +248,12 @@ def print_gpu(rows):
               f"{r['cold']['unique_pipelines']:9d} {_pipe(r['cold']):>11} {_pipe(r['warm']):>11} "
               f"{','.join(str(v) for v in r['warm']['plan_cache'].values()):>10} "
               f"{str(r['warm'].get('kernels_from_disk', '-')):>9}")
+    for r in rows:
+        slow = r.get("cold", {}).get("slowest_kernels")
+        if slow:
+            print(f"{r['workload']:9} {r['graph']:9} cold, {r['cold']['spirv_bytes'] >> 10} KiB of SPIR-V; slowest "
+                  "to create: " + ", ".join(f"{k['name'][:40]} {k['create_s'] * 1e3:.0f} ms "
+                                            f"({k['spirv_bytes'] >> 10} KiB)" for k in slow[:3]))
 
 
 def main(argv=None):

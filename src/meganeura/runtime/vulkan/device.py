@@ -166,6 +166,7 @@ class Kernel:
         pm = ffi.new("VkShaderModule*")
         check(lib.vkCreateShaderModule(dev.handle, si, ffi.NULL, pm), f"vkCreateShaderModule({name})")
         self._module = pm[0]
+        self.spirv_bytes = len(spirv)
 
     def _drop_module(self):
         if self._module is not None:
