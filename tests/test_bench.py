@@ -127,6 +127,15 @@ def test_compile_time_cold_and_warm_processes():
     assert f"{r['cold_s']:.2f} / {r['warm_s']:.2f} / 0.50 first, 0.10 again" in md
 
 
+def test_compile_time_records_the_hosts_speed_at_a_fixed_job(monkeypatch):
+    """The GPU compile table's host reference: the same kernel compiled on one thread, then
+    on every thread at once (runs on hosts of other speeds are compared through it)."""
+    from meganeura.bench import compile_time
+    monkeypatch.setattr(compile_time, "REFERENCE_COMPILES", 3)
+    host = compile_time.host_reference(threads=2)
+    assert host["compiles"] == 3 and host["threads"] == 2 and host["one_thread_s"] > 0 < host["all_threads_s"]
+
+
 def test_cached_decoder_keeps_the_cache_on_device():
     """The minimal SmolLM2 graph reads and writes its cache as state: only small position
     inputs are fed per token."""

@@ -15,7 +15,8 @@ built (pipelines included): ``cold`` in a fresh process with empty caches (ours,
 driver's shader caches pointed at the same empty folder), ``warm`` in a fresh process
 with those caches filled (the median of three such processes), and ``again`` the same
 graph compiled a second time in the warm process. Each also counts the pipelines created and the seconds spent creating them.
-The package's modules are compiled to bytecode first, as an install has them.
+The package's modules are compiled to bytecode first, as an install has them, and the host's
+speed at a fixed compile job is recorded beside the rows (``host_reference``).
 ``--threads N`` sets MEGANEURA_COMPILE_THREADS for the child processes.
 """
 from __future__ import annotations
@@ -256,6 +257,45 @@ def print_gpu(rows):
                                             f"({k['spirv_bytes'] >> 10} KiB)" for k in slow[:3]))
 
 
+REFERENCE_COMPILES = 32
+
+
+def host_reference(threads=None) -> dict:
+    """The host's speed at a fixed compile job, so that runs on hosts of other speeds (cold
+    times move by up to 2x between runs of the same code on one machine type) can be set side
+    by side: seconds to translate a 256^3 matmul kernel to GLSL and compile it with glslang
+    ``REFERENCE_COMPILES`` times on one thread, and as many times on each of ``threads``
+    (``backends.compile_threads``) threads at once. Empty without glslang."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import meganeura as mg
+    from ..codegen.glsl import to_glsl
+    from ..compiler import CompileOptions, compile_plan
+    from ..runtime.backends import compile_threads
+    from ..runtime.vulkan.glslang import GlslangUnavailable, compile_glsl
+    g = mg.Graph()
+    y = mg.ops.matmul(g.input("a", (256, 256)), g.input("b", (256, 256)))
+    wgsl = compile_plan([y], n_forward=1, options=CompileOptions(workgroup_storage=H200_WORKGROUP_STORAGE)) \
+        .dispatches[0].wgsl
+    n = compile_threads(threads)
+
+    def job(i):
+        # the trailing comment makes each source new to glslang's in-memory cache
+        compile_glsl(to_glsl(wgsl, "reference", unroll=True) + f"\n// {i}\n", name="reference", disk_cache=False)
+    try:
+        job(-1)                 # glslang's process set-up
+    except GlslangUnavailable:
+        return {}
+    t0 = time.perf_counter()
+    for i in range(REFERENCE_COMPILES):
+        job(i)
+    one = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(n) as pool:
+        list(pool.map(job, range(REFERENCE_COMPILES, REFERENCE_COMPILES * (n + 1))))
+    return {"compiles": REFERENCE_COMPILES, "one_thread_s": one, "threads": n, "all_threads_s": time.perf_counter() - t0}
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--workloads", default=",".join(WORKLOADS))
@@ -288,6 +328,10 @@ def main(argv=None):
         # PYTHONDONTWRITEBYTECODE compiles its modules in every child process (30 ms warm)
         import compileall
         compileall.compile_dir(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), quiet=1)
+        host = host_reference(args.threads)
+        if host:
+            print(f"host: {host['compiles']} reference compiles {host['one_thread_s']:.2f} s on one thread, "
+                  f"{host['compiles']} on each of {host['threads']} threads {host['all_threads_s']:.2f} s")
         for name in names:
             for g in graphs:
                 r = {"workload": name, "graph": g, **cold_and_warm(name, args.size, g, args.mode, args.threads)}
@@ -306,6 +350,8 @@ def main(argv=None):
         print_device_free(rows, baseline)
         out = args.out or "bench/results/compile_time.json"
     res = {"size": args.size, "gpu": args.gpu, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "rows": rows}
+    if args.gpu and host:
+        res["host_reference"] = host
     if args.baseline:
         res["baseline"] = {"file": os.path.basename(args.baseline), "rows": baseline}
     with open(out, "w") as f:
