@@ -386,16 +386,14 @@ def _part_function(p: _Part, ops, BM, BN, BK, SG_M, SG_N, DEPTH, WM, WN, NT, siz
     load_a = ops.load("fa[i]", "As", "abuf + " + a_at, sa, a_row)
     load_b = ops.load("fb[jn]", "Bs", "bbuf + " + b_at, sb, b_row)
     mma = ops.mma("fa[i]", (sa, a_row), "fb[jn]", (sb, b_row), "acc[i][jn]")
-    if WN < WM:
-        held = [ops.frag_decl("B", f"fb[{WN}]"), f"[[unroll]] for (uint jn = 0u; jn < {WN}u; ++jn)", "    " + load_b,
-                f"[[unroll]] for (uint i = 0u; i < {WM}u; ++i) {{", "    " + ops.frag_decl("A", "fa[1]"),
-                "    " + load_a.replace("fa[i]", "fa[0]"),
-                f"    [[unroll]] for (uint jn = 0u; jn < {WN}u; ++jn)", "        " + mma.replace("fa[i]", "fa[0]"), "}"]
-    else:
-        held = [ops.frag_decl("A", f"fa[{WM}]"), f"[[unroll]] for (uint i = 0u; i < {WM}u; ++i)", "    " + load_a,
-                f"[[unroll]] for (uint jn = 0u; jn < {WN}u; ++jn) {{", "    " + ops.frag_decl("B", "fb[1]"),
-                "    " + load_b.replace("fb[jn]", "fb[0]"),
-                f"    [[unroll]] for (uint i = 0u; i < {WM}u; ++i)", "        " + mma.replace("fb[jn]", "fb[0]"), "}"]
+    sides = {"A": ("fa", "i", WM, load_a), "B": ("fb", "jn", WN, load_b)}
+    hold, other = ("B", "A") if WN < WM else ("A", "B")
+    (hf, hv, hn, hload), (of, ov, on, oload) = sides[hold], sides[other]
+    one = (f"{of}[{ov}]", f"{of}[0]")           # the other side's fragment, one at a time
+    held = [ops.frag_decl(hold, f"{hf}[{hn}]"), f"[[unroll]] for (uint {hv} = 0u; {hv} < {hn}u; ++{hv})",
+            "    " + hload, f"[[unroll]] for (uint {ov} = 0u; {ov} < {on}u; ++{ov}) {{",
+            "    " + ops.frag_decl(other, f"{of}[1]"), "    " + oload.replace(*one),
+            f"    [[unroll]] for (uint {hv} = 0u; {hv} < {hn}u; ++{hv})", "        " + mma.replace(*one), "}"]
     # chunk c: fetch chunk c + DEPTH into the set chunk c left (stored at the step before),
     # multiply chunk c out of workgroup memory, store chunk c + 1 into the other half, barrier.
     # Unrolled by DEPTH, and by 2 when DEPTH > 1, so that each step names its register sets

@@ -994,15 +994,6 @@ def _view_through(leaf, k, r):
     return View(r.buf, tuple(leaf.shape), tuple(strides), offset, r.dtype)
 
 
-def _as_rleaves(e):
-    """``e`` with every ("leaf", i) read at the rotated coordinate instead (("rleaf", i))."""
-    if e[0] == "leaf":
-        return ("rleaf", e[1])
-    if e[0] == "op":
-        return ("op", e[1], [_as_rleaves(k) for k in e[2]])
-    return e
-
-
 def fuse_producer_outputs(kernels, max_bindings):
     """A pointwise kernel computes the pointwise kernels that write what it reads (the
     same elements, or a transpose or split of them) and stores their values as further
@@ -1059,7 +1050,8 @@ def fuse_producer_outputs(kernels, max_bindings):
             uses.remove(pi, p)
             leaf_map = _splice(len(p.reads), li, k.spec["expr"], len(k.reads))
             rleaf_map = {j: ("rleaf", v[1]) for j, v in leaf_map.items() if j != li}
-            rleaf_map[li] = _as_rleaves(k.spec["expr"])
+            # (k's leaves keep their indices: its reads come first)
+            rleaf_map[li] = _relabel(k.spec["expr"], {j: ("rleaf", j) for j in range(len(k.reads))})
             p.spec = {**p.spec, "expr": _relabel(p.spec["expr"], leaf_map, rleaf_map),
                       "out_exprs": [_relabel(e, leaf_map) for e in p.spec.get("out_exprs", [])]
                       + ([k.spec["expr"]] if store else [])}
