@@ -11,8 +11,8 @@ how often each runs per call. Per case:
 - ``ours``: a session of one matmul in accelerated precision (f32 inputs: the f16 casts, the
   matmul and, with K splits, the sum of the partials). Its time is the GPU time of the matmul
   kernels alone (a timestamp around each dispatch; the casts left out; median of
-  ``--samples`` after ``--warmup``); ``kernel`` says ``coop`` when it ran on cooperative
-  matrices, else why not;
+  ``--samples`` after ``--warmup`` and ``WARM_S`` of back-to-back steps); ``kernel`` says
+  ``coop`` when it ran on cooperative matrices, else why not;
 - ``fma``: the same session with ``MEGANEURA_COOPMAT=off`` (f32 FMA tiles on f16 loads, what
   accelerated precision ran before); ``--no-fma`` skips it;
 - ``torch.matmul`` with TF32 on (f32 operands) and with f16 operands, CUDA events around
@@ -41,9 +41,14 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "src"))
 sys.path.insert(0, HERE)
 
-# tile configurations for the 128 tile (T:BMxBNxSG_MxSG_NxBKxDEPTH); the second is the default
-SWEEP = ["128:128x128x2x4x16x1", "128:128x128x2x4x16x2", "128:128x128x2x4x16x3", "128:128x128x4x2x16x2",
-         "128:128x128x2x2x16x2", "128:128x128x2x4x32x2", "128:128x256x2x4x16x2", "128:128x256x2x4x16x3"]
+# tile configurations for the 128 tile (T:BMxBNxSG_MxSG_NxBKxDEPTH); the first is the default,
+# the second the default's wide tile (coopmat.WIDE) for grids of at least WIDE_MIN_GROUPS
+SWEEP = ["128:128x128x2x4x16x2", "128:128x256x2x4x16x4", "128:128x128x2x4x16x1", "128:128x128x2x4x16x3",
+         "128:128x256x2x4x16x2", "128:128x256x2x4x16x3", "128:256x128x4x2x16x4", "128:128x256x4x4x16x2"]
+# seconds of back-to-back steps before the timed samples: the GPU's clocks fall in the gaps
+# between sessions (an H200 went 1980 -> 345 MHz from the fourth session of one process on,
+# and five warm-up steps of 0.7 ms did not bring them back)
+WARM_S = 0.3
 
 
 def square_cases(sizes):
@@ -125,8 +130,15 @@ def time_ours(r, samples, warmup, coopmat):
         rows = np.random.default_rng(1).choice(r["m"], size=min(r["m"], 16), replace=False)
         want = reference_rows(A, B, r, rows)
         err = float(np.abs(got[..., rows, :] - want).max() / max(np.abs(want).max(), 1e-30))
+        ns = ex.recorder.run(plan.step, timestamps=True)
         for _ in range(warmup):
-            ex.recorder.run(plan.step, timestamps=True)
+            ns = ex.recorder.run(plan.step, timestamps=True)
+        repeated = getattr(ex.recorder, "run_repeated", None)
+        if repeated is not None:
+            reps = int(min(max(0.05 / max(int(ns[-1, 1] - ns[0, 0]) * 1e-9, 1e-7), 1), 2000))
+            t0 = time.perf_counter()
+            while time.perf_counter() - t0 < WARM_S:
+                repeated(plan.step, reps)
         gemm, step = [], []
         for _ in range(samples):
             ns = ex.recorder.run(plan.step, timestamps=True)

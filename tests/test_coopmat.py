@@ -62,6 +62,25 @@ def test_render_keeps_the_wgsl_kernels_bindings_and_grid():
         coopmat.render(d.kernel, workgroup_storage=4096)
 
 
+def test_wide_tile_only_where_it_pays(monkeypatch):
+    """The 128 x 256 tile needs a large grid, a long K and no more padding of N than 128 x 128."""
+    monkeypatch.setenv("MEGANEURA_MATMUL_TILE", "128")
+    monkeypatch.setenv("MEGANEURA_MATMUL_SPLIT", "1")
+    monkeypatch.setattr(coopmat, "WIDE_MIN_GROUPS", 6)
+
+    def grid(m, k, n):
+        g = mg.Graph()
+        y = mg.ops.mm(g.input("a", (m, k)), g.input("b", (k, n)))
+        (d,) = _matmuls([y])
+        return coopmat.render(d.kernel, emulate=True)[2][:2], tuple(d.groups[:2])
+
+    assert grid(272, 512, 400) == ((2, 3), (4, 3))       # wide: N 400 pads to 512 either way
+    assert grid(272, 496, 400) == ((4, 3), (4, 3))       # 31 K chunks: narrow
+    assert grid(272, 512, 300) == ((3, 3), (3, 3))       # N 300 would pad to 512 instead of 384
+    monkeypatch.setattr(coopmat, "WIDE_MIN_GROUPS", 7)
+    assert grid(272, 512, 400) == ((4, 3), (4, 3))       # 6 wide workgroups: too few
+
+
 def test_configs_and_mode_switches(monkeypatch):
     from meganeura.runtime.vulkan.backend import coopmat_mode
     monkeypatch.setenv("MEGANEURA_COOPMAT_CONFIG", "128:128x256x2x4x16")
@@ -217,24 +236,34 @@ def _case(name):
         env.update(MEGANEURA_MATMUL_TILE="64", MEGANEURA_MATMUL_SPLIT="1",
                    MEGANEURA_COOPMAT_CONFIG=f"64:64x64x2x2x16x{name[-1]}")
         return g, [mg.ops.mm(g.input("a", A.shape), g.input("b", B.shape))], {"a": A, "b": B}, [_f16(A) @ _f16(B)], env
+    if name == "wide":                # the 128 x 256 tile of a large grid, four chunks ahead of a short K
+        A, B = r(272, 72), r(72, 400)
+        env.update(MEGANEURA_MATMUL_TILE="128", MEGANEURA_MATMUL_SPLIT="1")
+        return g, [mg.ops.mm(g.input("a", A.shape), g.input("b", B.shape))], {"a": A, "b": B}, [_f16(A) @ _f16(B)], env
     raise KeyError(name)
 
 
 CASES = ["plain", "tb_batch_epilogue", "ta_broadcast", "odd_split_k", "merged_parts", "tile64", "tile128", "rect_tile",
-         "depth2", "depth3"]
+         "depth2", "depth3", "wide"]
 
 
 def _run_case(runtime, name, mode, monkeypatch):
     g, outs, feeds, want, env = _case(name)
     monkeypatch.setenv("MEGANEURA_COOPMAT", mode)
-    if mode == "emulate" and runtime.limits["max-compute-workgroup-storage-size"] < 49152:
+    if name == "wide":             # a grid of 6 workgroups counts as large, and 5 K chunks as long
+        monkeypatch.setattr(coopmat, "WIDE_MIN_GROUPS", 6)
+        monkeypatch.setattr(coopmat, "WIDE_MIN_CHUNKS", 1)
+    elif mode == "emulate" and runtime.limits["max-compute-workgroup-storage-size"] < 49152:
         # lavapipe has 32 KiB of workgroup memory: the 128 tile with K chunks of 16 fits
         monkeypatch.setenv("MEGANEURA_COOPMAT_CONFIG", "128:128x128x2x4x16")
     for k, v in env.items():
         monkeypatch.setenv(k, v)
-    if name == "rect_tile":        # the grid is the variant's, not the WGSL kernel's
+    if name in ("rect_tile", "wide"):        # the grid is the variant's, not the WGSL kernel's
         (d,) = [d for d in compile_plan(outs, n_forward=1, options=ACCEL).dispatches if d.kernel.archetype == "matmul"]
-        assert coopmat.render(d.kernel, emulate=True)[2] != tuple(d.groups)
+        groups = coopmat.render(d.kernel, runtime.limits["max-compute-workgroup-storage-size"], emulate=True)[2]
+        assert groups != tuple(d.groups)
+        if name == "wide":
+            assert groups[:2] == (2, 3) and tuple(d.groups[:2]) == (4, 3)
     before = runtime.stats["coopmat_kernels"]
     s = mg.compile(g, outputs=outs, backend="vulkan", precision="accelerated")
     try:

@@ -13,10 +13,11 @@ from the fragments instead). The output tile of a workgroup, and so the grid, ma
 comes from ``CONFIGS`` by the WGSL kernel's tile (square and the same by default).
 
 Inside a workgroup: SG_M x SG_N subgroups of 32 lanes, each owning WM x WN accumulator
-fragments of 16x16 of the BM x BN tile. K advances in chunks of BK. Each thread fetches its
-share of the next A (BM x BK) and B (BK x BN) chunks into registers as uvec4 (8 halves) while
-the subgroups multiply the current chunk out of workgroup memory, then stores them into the
-other half of a double buffer: one barrier per chunk. Operands are staged in their stored
+fragments of 16x16 of the BM x BN tile (128 x 256 instead of 128 x 128 where the grid stays
+large: ``WIDE``). K advances in chunks of BK. Each thread fetches its share of A (BM x BK) and
+B (BK x BN) chunks DEPTH chunks ahead into registers as uvec4 (8 halves); each step stores the
+next chunk into the other half of a double buffer in workgroup memory, fetches another and
+multiplies the current one out of workgroup memory: one barrier per chunk. Operands are staged in their stored
 layout (rows along the dimension that is not contiguous), each row padded by 16 bytes against
 bank conflicts, and loaded as fragments row- or column-major to match. An operand whose
 contiguous dimension is not a multiple of 8, or that does not start on 16 bytes, is fetched
@@ -40,9 +41,16 @@ SUBGROUP = 32      # lanes per subgroup the kernel is written for
 # workgroup, its SG_M x SG_N subgroups, the K chunk BK and DEPTH, the chunks fetched into
 # registers ahead of the one being multiplied. On the H200 (bench/coopmat.py, 4096^3) a K chunk
 # of 16 beat 32 on the 128 tile: 204 against 178 TFLOP/s (B plain), 190 against 162 (B
-# transposed); two chunks ahead instead of one: 223 and 194 (three: 209 and 188); wider tiles
-# and 4 subgroups of 64 x 64 did not pay (128 x 256 three ahead: 217-227 and 203-207)
+# transposed); two chunks ahead instead of one: 223 and 194 (three: 209 and 188)
 CONFIGS = {128: (128, 128, 2, 4, 16, 2), 64: (64, 64, 2, 2, 32, 1), 32: (32, 32, 2, 2, 32, 1)}
+# a wider output tile for T where the launch still has WIDE_MIN_GROUPS workgroups with it:
+# 128 x 256, each subgroup 64 x 64, four chunks ahead, stored before the multiply (see
+# ``_part_function``): 241-246 / 214-216 TFLOP/s at 4096^3 on the H200 against 223 / 193 for
+# the 128 tile (two ahead: 241-246 / 205-208; 256 x 128: 230 / 216-219; 16 subgroups of 32 x
+# 64: 245 / 204). Half the workgroups of the 128 tile, so only for grids that fill a GPU
+WIDE = {128: (128, 256, 2, 4, 16, 4)}
+WIDE_MIN_GROUPS = 256
+WIDE_MIN_CHUNKS = 32
 HEADER = """#version 450
 #extension GL_KHR_cooperative_matrix : require
 #extension GL_KHR_memory_scope_semantics : require
@@ -147,6 +155,13 @@ def configs() -> dict:
                              f"split into 16-wide fragments by SG_M and SG_N, BK a multiple of 16, DEPTH 1-4")
         out[t] = (bm, bn, sm, sn, bk, depth)
     return out
+
+
+def wide_configs() -> dict:
+    """``WIDE`` less the tiles ``MEGANEURA_COOPMAT_CONFIG`` sets (a sweep times one configuration)."""
+    forced = {int(item.split(":")[0]) for item in os.environ.get("MEGANEURA_COOPMAT_CONFIG", "").split(",")
+              if item.strip()}
+    return {t: c for t, c in WIDE.items() if t not in forced}
 
 
 def select(kernel) -> str:
@@ -306,9 +321,13 @@ def render(kernel, workgroup_storage=49152, emulate=False):
     from .glsl import to_glsl_library
     ops = EmulatedOps() if emulate else CoopOps()
     parts_ir = kernel.spec.get("parts", [kernel])
-    BM, BN, SG_M, SG_N, BK, DEPTH = configs()[parts_ir[0].spec["tile"]]
-    bind = Bindings()
-    parts = [_Part(p, bind, j, BM, BN) for j, p in enumerate(parts_ir)]
+    tile = parts_ir[0].spec["tile"]
+    for BM, BN, SG_M, SG_N, BK, DEPTH in [c for c in [wide_configs().get(tile)] if c] + [configs()[tile]]:
+        bind = Bindings()
+        parts = [_Part(p, bind, j, BM, BN) for j, p in enumerate(parts_ir)]
+        if (BM, BN) == configs()[tile][:2] or (_wide_pays(parts, BK, configs()[tile][1]) and _workgroup_bytes(
+                parts, BK, SG_M * SG_N) <= workgroup_storage):
+            break
     # uvec4 bindings where every operand use allows it and no store reads the buffer
     uses: dict = {}
     for p in parts:
@@ -327,7 +346,7 @@ def render(kernel, workgroup_storage=49152, emulate=False):
     size_b = max(p.B.size(BK) for p in parts)
     staged = not all(p.direct for p in parts)
     nsg = SG_M * SG_N
-    nbytes = 16 * 2 * (size_a + size_b) + (4 * FRAG * FRAG * nsg if staged else 0)
+    nbytes = _workgroup_bytes(parts, BK, nsg)
     if nbytes > workgroup_storage:
         raise ValueError(f"kernel {kernel.name!r}: {nbytes} B of workgroup memory on cooperative matrices "
                          f"(the device allows {workgroup_storage})")
@@ -350,6 +369,25 @@ def render(kernel, workgroup_storage=49152, emulate=False):
     if emulate:     # loops kept: unrolled, the emulated fragments take LLVM (lavapipe) minutes to compile
         src = src.replace("[[unroll]]", "[[dont_unroll]]")
     return src, bind.bufs, (x0, gy, gz)
+
+
+def _wide_pays(parts, BK, narrow_bn) -> bool:
+    """Whether the wide tile (``WIDE``) suits the launch ``parts`` (built for it): the grid keeps
+    WIDE_MIN_GROUPS workgroups, no part pads N further than the narrow tile would, and each
+    workgroup runs WIDE_MIN_CHUNKS K chunks or more (its deeper prefetch is paid once per tile:
+    SmolLM2's LM-head backward, N 576 and K 128, took 167 us wide against 146 narrow)."""
+    groups = sum(p.groups()[0] for p in parts) * parts[0].groups()[1] * parts[0].groups()[2]
+    return groups >= WIDE_MIN_GROUPS and all(
+        -(-p.N // p.B.own_tile) * p.B.own_tile <= -(-p.N // narrow_bn) * narrow_bn and p.KC >= WIDE_MIN_CHUNKS * BK
+        for p in parts)
+
+
+def _workgroup_bytes(parts, BK, nsg) -> int:
+    """Workgroup memory of a launch: both halves of the A and B chunks, and the accumulator
+    staging of an epilogue (none when every part stores straight from the fragments)."""
+    staged = not all(p.direct for p in parts)
+    return 16 * 2 * (max(p.A.size(BK) for p in parts) + max(p.B.size(BK) for p in parts)) + \
+        (4 * FRAG * FRAG * nsg if staged else 0)
 
 
 def _part_function(p: _Part, ops, BM, BN, BK, SG_M, SG_N, DEPTH, WM, WN, NT, size_a, size_b) -> str:
@@ -394,25 +432,30 @@ def _part_function(p: _Part, ops, BM, BN, BK, SG_M, SG_N, DEPTH, WM, WN, NT, siz
             "    " + hload, f"[[unroll]] for (uint {ov} = 0u; {ov} < {on}u; ++{ov}) {{",
             "    " + ops.frag_decl(other, f"{of}[1]"), "    " + oload.replace(*one),
             f"    [[unroll]] for (uint {hv} = 0u; {hv} < {hn}u; ++{hv})", "        " + mma.replace(*one), "}"]
-    # chunk c: fetch chunk c + DEPTH into the set chunk c left (stored at the step before),
-    # multiply chunk c out of workgroup memory, store chunk c + 1 into the other half, barrier.
-    # Unrolled by DEPTH, and by 2 when DEPTH > 1, so that each step names its register sets
-    # (and its halves of workgroup memory) by constants. H200, 4096^3 TFLOP/s (B plain / B
-    # transposed): DEPTH 1 202 / 188, unrolled by 2 191 / 174; DEPTH 2 223 / 194; DEPTH 3
-    # 209 / 188 (193 / 193 with the halves indexed by c % 2)
+    # chunk c: fetch chunk c + DEPTH into the register set chunk c left (stored at the step
+    # before), multiply chunk c out of workgroup memory, store chunk c + 1 into the other half,
+    # barrier; with three or more chunks ahead the store comes first (chunk c + 1 was fetched
+    # two or more steps before). Unrolled by DEPTH, and by 2 when DEPTH > 1, so that each step
+    # names its register sets (and its halves of workgroup memory) by constants. H200, 4096^3
+    # TFLOP/s (B plain / B transposed), the 128 tile: DEPTH 1 202 / 188, unrolled by 2 191 / 174;
+    # DEPTH 2 223 / 194 (210-222 / 184-193 storing first); DEPTH 3 209 / 188 (193 / 193 with the
+    # halves indexed by c % 2). The 128 x 256 tile three ahead: 226 / 207, storing first 241 /
+    # 201 (four ahead 241-245 / 214-216); storing between multiply and fetch: 179-185
     unroll = 1 if DEPTH == 1 else int(np.lcm(DEPTH, 2))
     half = (lambda r, size: f"(((c + {r}u) % 2u) * {size}u)") if unroll == 1 else \
         (lambda r, size: f"{(r % 2) * size}u")
     steps = []
     for r in range(unroll):
-        steps += [f"{{ uint c = c0 + {r}u;", f"if (c < {nch}u) {{",
-                  f"    if (c + {DEPTH}u < {nch}u) {{", f"        uint k0 = kbeg + (c + {DEPTH}u) * {BK}u;"]
-        steps += ["        " + x for x in fetch(r % DEPTH)] + ["    }"]
-        steps += [f"    uint abuf = {half(r, size_a)}, bbuf = {half(r, size_b)};",
-                  f"    [[unroll]] for (uint kk = 0u; kk < {BK // FRAG}u; ++kk) {{"] + ["        " + x for x in held] + ["    }"]
-        steps += [f"    if (c + 1u < {nch}u) {{", f"        uint base = {half(r + 1, size_a)};"]
-        steps += ["        " + x for x in sets[(r + 1) % DEPTH][0][1]] + [f"        base = {half(r + 1, size_b)};"]
-        steps += ["        " + x for x in sets[(r + 1) % DEPTH][1][1]] + ["    }", "    barrier();", "}}"]
+        fetch_next = [f"    if (c + {DEPTH}u < {nch}u) {{", f"        uint k0 = kbeg + (c + {DEPTH}u) * {BK}u;"]
+        fetch_next += ["        " + x for x in fetch(r % DEPTH)] + ["    }"]
+        multiply = [f"    uint abuf = {half(r, size_a)}, bbuf = {half(r, size_b)};",
+                    f"    [[unroll]] for (uint kk = 0u; kk < {BK // FRAG}u; ++kk) {{"]
+        multiply += ["        " + x for x in held] + ["    }"]
+        store_next = [f"    if (c + 1u < {nch}u) {{", f"        uint base = {half(r + 1, size_a)};"]
+        store_next += ["        " + x for x in sets[(r + 1) % DEPTH][0][1]] + [f"        base = {half(r + 1, size_b)};"]
+        store_next += ["        " + x for x in sets[(r + 1) % DEPTH][1][1]] + ["    }"]
+        body = store_next + fetch_next + multiply if DEPTH > 2 else fetch_next + multiply + store_next
+        steps += [f"{{ uint c = c0 + {r}u;", f"if (c < {nch}u) {{"] + body + ["    barrier();", "}}"]
     ahead = []
     for r in range(1, DEPTH):
         ahead += [f"if ({r}u < {nch}u) {{", f"    uint k0 = kbeg + {r * BK}u;"] + ["    " + x for x in fetch(r)] + ["}"]
