@@ -128,7 +128,9 @@ GRAD_SCALE_TARGET = 2.0 ** 14
 # A backward matmul takes f16 operands from this many multiply-adds on: scaling a gradient
 # costs a max reduction and a cast (three launches, shared by the matmuls reading it), which
 # smaller products do not win back. H200: SmolLM2 (128 tokens) with every backward matmul
-# in f16 launched 1401 -> 1855 kernels per forward+backward and gained only 11.2 -> 10.0 ms.
+# in f16 launched 1401 -> 1855 kernels per forward+backward and gained only 11.2 -> 10.0 ms;
+# after the outputs fusion (2^20 here) 1259 -> 1734 launches lost, 8.85 -> 9.49 ms, although
+# its matmuls' GPU time fell 5.32 -> 3.91 ms.
 BACKWARD_F16_MIN_MACS = 2 ** 28
 
 
