@@ -167,7 +167,7 @@ def accelerated_rewrite(forward_targets, f16_weights=frozenset()):
     from .ops.reduce import amax
     from .reference import needed_nodes
     forward = {t.id for t in needed_nodes(forward_targets)}
-    scaled = {}       # original gradient tensor id -> (f16 operand, 1 / scale)
+    scaled = {}       # original gradient tensor id -> (its scaled f16 copy, its peak magnitude)
 
     def operand(x, new):
         p, chain = _viewed_parameter(x)
@@ -180,9 +180,12 @@ def accelerated_rewrite(forward_targets, f16_weights=frozenset()):
         return v
 
     def gradient_operand(x, new):
+        # the peak is read by the cast and by the product's epilogue as it is (a scalar
+        # computed from it, scale or inverse, would be a launch of its own between them);
+        # scaling by the power of two GRAD_SCALE_TARGET is exact
         if x.id not in scaled:
             peak = maximum(amax(emit("abs", [new])), 1e-30)     # all zeros: any finite scale
-            scaled[x.id] = (cast(new * (GRAD_SCALE_TARGET / peak), "f16"), peak * (1.0 / GRAD_SCALE_TARGET))
+            scaled[x.id] = (cast(new * GRAD_SCALE_TARGET / peak, "f16"), peak)
         return scaled[x.id]
 
     def rw(t, ins):
@@ -195,12 +198,12 @@ def accelerated_rewrite(forward_targets, f16_weights=frozenset()):
                 if x.id in forward:
                     ops.append(operand(x, n))
                 else:
-                    v, inv = gradient_operand(x, n)
+                    v, peak = gradient_operand(x, n)
                     ops.append(v)
-                    unscale.append(inv)
+                    unscale.append(peak)
             y = codegen.matmul.accelerate(*ops, t.attrs["ta"], t.attrs["tb"])
-            for inv in unscale:      # one factor at a time: their product could underflow
-                y = y * inv
+            for peak in unscale:     # one factor at a time: their product could underflow
+                y = y * peak * (1.0 / GRAD_SCALE_TARGET)
             return y
         return None
     return rw
