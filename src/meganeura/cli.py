@@ -287,7 +287,7 @@ def main(argv=None):
 def _main(argv):
     if argv[:1] == ["bench"]:          # the benchmark harness has its own options
         return cmd_bench(argv[1:])
-    p = argparse.ArgumentParser(prog="meganeura", description="Portable GPU training and inference (wgpu).")
+    p = argparse.ArgumentParser(prog="meganeura", description="Portable GPU training and inference (Vulkan directly, or wgpu for Metal, DX12 and browsers).")
     sub = p.add_subparsers(dest="cmd", required=True)
     info = sub.add_parser("info", help="list adapters, the chosen one, its features and limits")
     info.add_argument("--vulkan", action="store_true",
