@@ -17,12 +17,12 @@ fragments of 16x16 of the BM x BN tile (128 x 256 instead of 128 x 128 where the
 large: ``WIDE``). K advances in chunks of BK. Each thread fetches its share of A (BM x BK) and
 B (BK x BN) chunks DEPTH chunks ahead into registers as uvec4 (8 halves); each step stores the
 next chunk into the other half of a double buffer in workgroup memory, fetches another and
-multiplies the current one out of workgroup memory: one barrier per chunk. Operands are staged in their stored
-layout (rows along the dimension that is not contiguous), each row padded by 16 bytes against
-bank conflicts, and loaded as fragments row- or column-major to match. An operand whose
-contiguous dimension is not a multiple of 8, or that does not start on 16 bytes, is fetched
-element by element and packed. Edges (M, N not multiples of the tile; K not of the chunk)
-load zeros and skip stores.
+multiplies the current one out of workgroup memory: one barrier per chunk. Operands are
+staged in their stored layout (rows along the dimension that is not contiguous), each row
+padded by 16 bytes against bank conflicts, and loaded as fragments row- or column-major to
+match. An operand whose contiguous dimension is not a multiple of 8, or that does not start
+on 16 bytes, is fetched element by element and packed. Edges (M, N not multiples of the
+tile; K not of the chunk) load zeros and skip stores.
 """
 from __future__ import annotations
 
