@@ -182,10 +182,11 @@ def accelerated_rewrite(forward_targets, f16_weights=frozenset()):
     def gradient_operand(x, new):
         # the peak is read by the cast and by the product's epilogue as it is (a scalar
         # computed from it, scale or inverse, would be a launch of its own between them);
-        # scaling by the power of two GRAD_SCALE_TARGET is exact
+        # scaling by the power of two GRAD_SCALE_TARGET is exact, and comes after the division
+        # so that no finite gradient overflows on the way
         if x.id not in scaled:
             peak = maximum(amax(emit("abs", [new])), 1e-30)     # all zeros: any finite scale
-            scaled[x.id] = (cast(new * GRAD_SCALE_TARGET / peak, "f16"), peak)
+            scaled[x.id] = (cast(new / peak * GRAD_SCALE_TARGET, "f16"), peak)
         return scaled[x.id]
 
     def rw(t, ins):
@@ -203,7 +204,7 @@ def accelerated_rewrite(forward_targets, f16_weights=frozenset()):
                     unscale.append(peak)
             y = codegen.matmul.accelerate(*ops, t.attrs["ta"], t.attrs["tb"])
             for peak in unscale:     # one factor at a time: their product could underflow
-                y = y * peak * (1.0 / GRAD_SCALE_TARGET)
+                y = y * (1.0 / GRAD_SCALE_TARGET) * peak
             return y
         return None
     return rw
