@@ -133,10 +133,10 @@ float frag_b(uint at, uint stride, bool row_major, uint r, uint c) {
                 f"{buf}[{at} + (e / 16u) * {stride}u + e % 16u] = {acc}[q]; }}")
 
 
-def configs() -> dict:
-    """The tile configurations, with ``MEGANEURA_COOPMAT_CONFIG`` (``T:BMxBNxSG_MxSG_NxBK[xDEPTH],...``,
-    e.g. ``128:128x256x2x4x16``) replacing some: the benchmark's sweep."""
-    out = dict(CONFIGS)
+def _forced_configs() -> dict:
+    """The tile configurations ``MEGANEURA_COOPMAT_CONFIG`` sets (``T:BMxBNxSG_MxSG_NxBK[xDEPTH],...``,
+    e.g. ``128:128x256x2x4x16``), checked: the benchmark's sweep."""
+    out = {}
     raw = os.environ.get("MEGANEURA_COOPMAT_CONFIG", "").strip()
     for item in filter(None, (s.strip() for s in raw.split(","))):
         try:
@@ -157,11 +157,20 @@ def configs() -> dict:
     return out
 
 
+def configs() -> dict:
+    """The tile configurations: ``CONFIGS`` with those ``MEGANEURA_COOPMAT_CONFIG`` sets replacing some."""
+    return {**CONFIGS, **_forced_configs()}
+
+
 def wide_configs() -> dict:
     """``WIDE`` less the tiles ``MEGANEURA_COOPMAT_CONFIG`` sets (a sweep times one configuration)."""
-    forced = {int(item.split(":")[0]) for item in os.environ.get("MEGANEURA_COOPMAT_CONFIG", "").split(",")
-              if item.strip()}
+    forced = _forced_configs()
     return {t: c for t, c in WIDE.items() if t not in forced}
+
+
+def config_key() -> tuple:
+    """What of the configuration a rendered kernel depends on (the runtime's variant keys)."""
+    return tuple(sorted(configs().items())), tuple(sorted(wide_configs().items()))
 
 
 def select(kernel) -> str:
@@ -322,11 +331,13 @@ def render(kernel, workgroup_storage=49152, emulate=False):
     ops = EmulatedOps() if emulate else CoopOps()
     parts_ir = kernel.spec.get("parts", [kernel])
     tile = parts_ir[0].spec["tile"]
-    for BM, BN, SG_M, SG_N, BK, DEPTH in [c for c in [wide_configs().get(tile)] if c] + [configs()[tile]]:
+    narrow, wide = configs()[tile], wide_configs().get(tile)
+    for config in ([wide] if wide else []) + [narrow]:
+        BM, BN, SG_M, SG_N, BK, DEPTH = config
         bind = Bindings()
         parts = [_Part(p, bind, j, BM, BN) for j, p in enumerate(parts_ir)]
-        if (BM, BN) == configs()[tile][:2] or (_wide_pays(parts, BK, configs()[tile][1]) and _workgroup_bytes(
-                parts, BK, SG_M * SG_N) <= workgroup_storage):
+        if config is narrow or (_wide_pays(parts, BK, narrow[1])
+                                and _workgroup_bytes(parts, BK, SG_M * SG_N) <= workgroup_storage):
             break
     # uvec4 bindings where every operand use allows it and no store reads the buffer
     uses: dict = {}
@@ -357,7 +368,7 @@ def render(kernel, workgroup_storage=49152, emulate=False):
     fns, branches, x0 = [], [], 0
     for p in parts:
         fns.append(_part_function(p, ops, **geo))
-        gx, gy, gz = p.groups()
+        gx = p.groups()[0]
         branches.append(f"    if (wid.x < {x0 + gx}u) {{ mm{p.j}(uvec3(wid.x - {x0}u, wid.y, wid.z)); return; }}")
         x0 += gx
     ext = [e for e in lib.extensions if e not in ops.header]
@@ -368,7 +379,12 @@ def render(kernel, workgroup_storage=49152, emulate=False):
                     [ops.helpers] + fns + ["void main() {", "    uvec3 wid = gl_WorkGroupID;"] + branches + ["}"]) + "\n"
     if emulate:     # loops kept: unrolled, the emulated fragments take LLVM (lavapipe) minutes to compile
         src = src.replace("[[unroll]]", "[[dont_unroll]]")
-    return src, bind.bufs, (x0, gy, gz)
+    return src, bind.bufs, _grid(parts)
+
+
+def _grid(parts) -> tuple:
+    """Workgroup counts of a launch: the parts side by side along x (same y and z)."""
+    return sum(p.groups()[0] for p in parts), *parts[0].groups()[1:]
 
 
 def _wide_pays(parts, BK, narrow_bn) -> bool:
@@ -376,8 +392,7 @@ def _wide_pays(parts, BK, narrow_bn) -> bool:
     WIDE_MIN_GROUPS workgroups, no part pads N further than the narrow tile would, and each
     workgroup runs WIDE_MIN_CHUNKS K chunks or more (its deeper prefetch is paid once per tile:
     SmolLM2's LM-head backward, N 576 and K 128, took 167 us wide against 146 narrow)."""
-    groups = sum(p.groups()[0] for p in parts) * parts[0].groups()[1] * parts[0].groups()[2]
-    return groups >= WIDE_MIN_GROUPS and all(
+    return int(np.prod(_grid(parts))) >= WIDE_MIN_GROUPS and all(
         -(-p.N // p.B.own_tile) * p.B.own_tile <= -(-p.N // narrow_bn) * narrow_bn and p.KC >= WIDE_MIN_CHUNKS * BK
         for p in parts)
 

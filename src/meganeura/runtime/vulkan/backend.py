@@ -477,8 +477,8 @@ class VulkanRuntime:
         if mode == "off" or (mode == "auto" and self.coopmat_reason):
             return None
         emulate = mode == "emulate"
-        from ...codegen.coopmat import configs, wide_configs
-        key = (text, emulate, tuple(sorted(configs().items())), tuple(sorted(wide_configs().items())))
+        from ...codegen.coopmat import config_key
+        key = (text, emulate, config_key())
         with self._lock:
             found = self._variants.get(key, False)
         if found is False:
@@ -496,7 +496,7 @@ class VulkanRuntime:
         from ...codegen import coopmat
         from ...plan_cache import package_digest
         from .cache import cache_dir
-        h = hashlib.sha256(repr((text, emulate, sorted(coopmat.configs().items()), sorted(coopmat.wide_configs().items()),
+        h = hashlib.sha256(repr((text, emulate, coopmat.config_key(),
                                  self.limits["max-compute-workgroup-storage-size"], package_digest())).encode())
         return cache_dir() / "coopmat" / f"{h.hexdigest()}.json"
 
