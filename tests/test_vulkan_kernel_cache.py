@@ -1,7 +1,7 @@
 """The Vulkan backend's compiled-kernel cache: a kernel text's SPIR-V and reflection kept on
 disk under a key of the text, so that a warm process creates its pipelines without
-translating WGSL to GLSL, running glslang or parsing SPIR-V; corrupt entries are ignored
-and rewritten; ``MEGANEURA_NO_DISK_CACHE=1`` writes and reads nothing. Also: pipelines
+translating WGSL to GLSL, running glslang or parsing SPIR-V (a request for many kernels
+reads them from one set); corrupt entries are ignored and rewritten; ``MEGANEURA_NO_DISK_CACHE=1`` writes and reads nothing. Also: pipelines
 made in batches share their layouts, and a failing batch names its kernel."""
 import threading
 
@@ -41,6 +41,29 @@ def test_the_key_follows_everything_that_decides_the_spirv():
     for change in (dict(unroll=True), dict(target="vulkan1.2"), dict(glslang="g 2"), dict(package="q")):
         assert cache.kernel_key("text", **{**base, **change}) != k
     assert cache.kernel_key("text2", **base) != k
+
+
+def test_a_kernel_set_reads_back_whole_and_the_oldest_sets_go(tmp_path, monkeypatch):
+    import os
+    monkeypatch.setenv("MEGANEURA_CACHE_DIR", str(tmp_path))
+    ks = [_entry(), cache.CompiledKernel(_entry().spirv + b"\0" * 8, {**_entry().info, "local_size": None}, False)]
+    assert cache.store_kernel_set("s1", ks)
+    assert cache.load_kernel_set("s1", 2) == ks
+    assert cache.load_kernel_set("s1", 3) is None and cache.load_kernel_set("s2", 2) is None
+    path = cache.kernel_set_path("s1")
+    data = path.read_bytes()
+    for bad in (data[:-4], data[:-5] + bytes([data[-5] ^ 1]) + data[-4:], b""):
+        path.write_bytes(bad)
+        assert cache.load_kernel_set("s1", 2) is None
+    path.unlink()
+    # past SET_MAX_BYTES the least recently written sets are deleted
+    monkeypatch.setattr(cache, "SET_MAX_BYTES", 2 * len(data))
+    for i, key in enumerate(("a", "b", "c")):
+        cache.store_kernel_set(key, ks)
+        os.utime(cache.kernel_set_path(key), (1000 + i, 1000 + i))
+    cache.store_kernel_set("d", ks)
+    left = sorted(p.stem for p in path.parent.glob("*.bin"))
+    assert left == ["c", "d"]
 
 
 # ------------------------------------------------------------------ on the device
@@ -121,6 +144,8 @@ def test_corrupt_entries_are_ignored_and_rewritten(cache_dir, monkeypatch):
     from meganeura.runtime.vulkan.device import get_vulkan_device
     dev = get_vulkan_device()
     shaders = _texts(backend.VulkanRuntime(dev), monkeypatch)
+    for p in (cache_dir / "kernel_sets").glob("*.bin"):      # the kernels' own entries are read
+        p.unlink()
     entries = sorted((cache_dir / "kernels").glob("*.bin"))
     good = {p: p.read_bytes() for p in entries}
     entries[0].write_bytes(good[entries[0]][:len(good[entries[0]]) // 2])      # truncated
@@ -139,12 +164,49 @@ def test_corrupt_entries_are_ignored_and_rewritten(cache_dir, monkeypatch):
     assert not list((cache_dir / "kernels").glob("*.tmp"))
 
 
+def test_a_request_for_many_kernels_is_read_back_from_one_set(cache_dir, monkeypatch):
+    """Kernels made for one request are stored together too: a warm runtime asking for the
+    same texts reads that one file (the kernels' own entries gone, nothing compiles); a
+    corrupt set is ignored, the entries are read and the set is rewritten whole."""
+    from meganeura.runtime.vulkan.device import get_vulkan_device
+    dev = get_vulkan_device()
+    shaders = _texts(backend.VulkanRuntime(dev), monkeypatch)
+    shaders = (shaders * cache.SET_MIN_KERNELS)[:max(len(shaders), cache.SET_MIN_KERNELS)]
+    shaders = [(f"{text}\n// {i}\n", label) for i, (text, label) in enumerate(shaders)]   # a request of new texts
+    cold = backend.VulkanRuntime(dev)
+    first = cold.pipelines(shaders)
+    path = cache.kernel_set_path(cold._kernel_set_key([text for text, _ in shaders]))
+    assert cache.load_kernel_set(path.stem, len(shaders)) is not None
+    whole = path.read_bytes()
+    kernels = list((cache_dir / "kernels").glob("*.bin"))
+    saved = {p: p.read_bytes() for p in kernels}
+    for p in kernels:
+        p.unlink()
+    with monkeypatch.context() as m:
+        _forbid_compiling(m)
+        warm = backend.VulkanRuntime(dev)
+        again = warm.pipelines(shaders, threads=2)
+    assert warm.stats["kernel_cache_hits"] == len(shaders) == warm.stats["pipelines_compiled"]
+    for a, b in zip(first, again):
+        _same(a, b)
+        assert a.name == b.name
+    for p, data in saved.items():
+        p.write_bytes(data)
+    path.write_bytes(whole[:-9] + bytes([whole[-9] ^ 0x5A]) + whole[-8:])      # a flipped bit
+    with monkeypatch.context() as m:
+        _forbid_compiling(m)
+        rt = backend.VulkanRuntime(dev)
+        rt.pipelines(shaders)
+    assert rt.stats["kernel_cache_hits"] == len(shaders) and path.read_bytes() == whole
+    assert cache.load_kernel_set(path.stem, len(shaders) + 1) is None       # another request's length
+
+
 def test_no_disk_cache_means_no_kernel_entries(cache_dir, monkeypatch):
     from meganeura.runtime.vulkan.device import get_vulkan_device
     monkeypatch.setenv("MEGANEURA_NO_DISK_CACHE", "1")
     rt = backend.VulkanRuntime(get_vulkan_device())
     shaders = _texts(rt, monkeypatch)
-    assert shaders and not (cache_dir / "kernels").exists() and not (cache_dir / "spirv").exists()
+    assert shaders and not any((cache_dir / d).exists() for d in ("kernels", "kernel_sets", "spirv"))
     rt2 = backend.VulkanRuntime(get_vulkan_device())
     rt2.pipelines(shaders)
     assert rt2.stats["kernel_cache_hits"] == 0 and not (cache_dir / "kernels").exists()

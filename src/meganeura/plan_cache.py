@@ -286,15 +286,16 @@ def store(key: str, plan) -> None:
     try:
         data = pickle.dumps((key, slim), protocol=pickle.HIGHEST_PROTOCOL)
         write_atomic(_path(key), data)
-        _prune(folder())
+        prune(folder())
     except Exception:            # a full disk or a read-only cache folder costs a recompile, nothing more
         pass
 
 
-def _prune(root: pathlib.Path, max_bytes: int = MAX_BYTES) -> None:
-    """Delete the least recently written entries while the folder holds more than ``max_bytes``."""
+def prune(root: pathlib.Path, max_bytes: int = MAX_BYTES, patterns=("*.plan", "*.session")) -> None:
+    """Delete the least recently written entries (files of ``patterns``) while the folder
+    holds more than ``max_bytes``."""
     entries = []
-    for p in [*root.glob("*.plan"), *root.glob("*.session")]:
+    for p in [p for pattern in patterns for p in root.glob(pattern)]:
         try:
             st = p.stat()
         except OSError:

@@ -70,6 +70,10 @@ class OwnedRange(BufferRange):
 # H200, U-Net's training plans from empty caches on 16 threads: glslang's seconds summed over
 # threads 31.1 -> 16.4 (0.2 ms; 1 ms: 21.5), compile 6.8 -> 5.6 s.
 GIL_SWITCH_S = 2e-4
+# threads that create pipelines of kernels read compiled from disk; the driver's cache serves
+# them one at a time (H200: U-Net's 448 training kernels in 0.10 s on one thread or sixteen,
+# which spent 1.0 s of CPU doing it)
+CACHED_PIPELINE_THREADS = 2
 _switch_lock = threading.Lock()
 _switch_users = [0, None]       # callers inside, the interval to restore
 
@@ -548,6 +552,14 @@ class VulkanRuntime:
         return kernel_key(text, unroll=unroll, target=self._target(), glslang=glslang_version_tag(),
                           package=package_digest())
 
+    def _kernel_set_key(self, texts) -> str:
+        """The key of the compiled kernels of ``texts`` (``cache.kernel_set_key``)."""
+        from ...plan_cache import package_digest
+        from .cache import kernel_set_key
+        from .glslang import glslang_version_tag
+        return kernel_set_key(texts, unroll=self.unroll_loops, target=self._target(), glslang=glslang_version_tag(),
+                              package=package_digest())
+
     def _compile(self, glsl, label, key, disk):
         """The ``CompiledKernel`` of a kernel's GLSL: compiled to SPIR-V (glslang's own cache
         is keyed by the GLSL) and reflected; stored under ``key`` when ``disk``."""
@@ -572,32 +584,31 @@ class VulkanRuntime:
 
         A kernel text whose SPIR-V an earlier process stored (``cache.CompiledKernel``, keyed
         by the text) is read back with its reflection: no GLSL translation, no glslang, no
-        SPIR-V parsing; those pipelines are created in batches (one ``vkCreateComputePipelines``
-        each, at most ``device.PIPELINE_BATCH`` pipelines) spread over the threads. The others
-        stream: this thread translates each to GLSL (Python), longest text first, and hands it
-        at once to a pool of ``threads``
-        threads (``backends.compile_threads``) that compile it with glslang and create its
-        pipeline, so the driver compiles while the rest are translated and the longest
-        compiles do not come last. A failure raises once every job has ended and leaves no
-        pipeline behind."""
+        SPIR-V parsing. Where those of every text were stored together (a ``cache`` kernel
+        set, written once a request of at least ``cache.SET_MIN_KERNELS`` kernels is made)
+        one file is read. Those pipelines are created in ``CACHED_PIPELINE_THREADS`` batches
+        (one ``vkCreateComputePipelines`` each) on as many threads, each batch as soon as it
+        is read. The others stream: this thread translates each to GLSL (Python), longest
+        text first, and hands it at once to the pool of ``threads`` threads
+        (``backends.compile_threads``) that compile it with glslang and create its pipeline,
+        so the driver compiles while the rest are translated and the longest compiles do not
+        come last. A failure raises once every job has ended and
+        leaves no pipeline behind."""
         from ..backends import lookup_cached, store_cached
-        from .cache import disk_cache_enabled, load_kernel
+        from .cache import SET_MIN_KERNELS, disk_cache_enabled, load_kernel_set, store_kernel_set
         t0 = time.perf_counter()
         with self._lock:
             found, missing = lookup_cached(self._pipelines, shaders, self.stats)
         if missing:
+            entries = [(text, label or "kernel") for text, label in missing.items()]
             disk = disk_cache_enabled()
-            hits, misses = [], []
-            for text, label in missing.items():
-                key = self._kernel_key(text)
-                ck = load_kernel(key) if disk else None
-                if ck is not None:
-                    hits.append((text, label or "kernel", ck))
-                else:
-                    misses.append((text, label or "kernel", key))
-            self.stats["kernel_cache_hits"] += len(hits)
-            made, glsl_s, cpu_s = self._make_kernels(hits, misses, threads, access, disk)
+            set_key = self._kernel_set_key(missing) if disk and len(entries) >= SET_MIN_KERNELS else None
+            stored = load_kernel_set(set_key, len(entries)) if set_key else None
+            made, compiled, from_disk, glsl_s, cpu_s = self._make_kernels(entries, threads, access, disk, stored)
+            if set_key and stored is None:
+                store_kernel_set(set_key, [compiled[text] for text, _ in entries])
             with self._lock:
+                self.stats["kernel_cache_hits"] += from_disk
                 self.stats["glsl_seconds"] += glsl_s
                 self.stats["compile_seconds"] += cpu_s
                 self.stats["pipelines_compiled"] += len(made)
@@ -607,13 +618,14 @@ class VulkanRuntime:
         self.stats["pipeline_wall_seconds"] += time.perf_counter() - t0
         return [found[text] for text, _ in shaders]
 
-    def _make_kernels(self, hits, misses, threads, access, disk):
-        """([(text, Kernel)], seconds translating to GLSL, CPU seconds in all) for ``hits``
-        [(text, label, CompiledKernel)] and ``misses`` [(text, label, kernel key)]."""
+    def _make_kernels(self, entries, threads, access, disk, stored=None):
+        """([(text, Kernel)], {text: CompiledKernel}, how many were read compiled from disk,
+        seconds translating to GLSL, CPU seconds in all) for ``entries`` [(text, label)];
+        ``stored``: their compiled kernels, in order, where a kernel set had them."""
         from concurrent.futures import ThreadPoolExecutor
         from ...codegen.glsl import to_glsl
         from ..backends import compile_threads
-        from .device import PIPELINE_BATCH
+        from .cache import load_kernel
 
         def spec(label, ck):
             return dict(spirv=ck.spirv, name=label, access=access, info=ck.info, required_subgroup_size=self._pin(ck))
@@ -630,38 +642,56 @@ class VulkanRuntime:
             return run
 
         @flags_failure
-        def from_disk(batch):
+        def create(batch):
             return self.vk.kernels([spec(label, ck) for _, label, ck in batch], threads=1, batch=len(batch)), 0.0
 
         @flags_failure
-        def compile_and_create(glsl, label, key):
+        def compile_and_create(text, glsl, label, key):
             t = time.perf_counter()
-            ck = self._compile(glsl, label, key, disk)
+            ck = compiled[text] = self._compile(glsl, label, key, disk)
             t = time.perf_counter() - t
             return self.vk.kernels([spec(label, ck)], threads=1), t
 
-        jobs, texts, error = [], [], None
-        glsl_s = 0.0
         n = compile_threads(threads)
-        # kernels from disk: batches of at most PIPELINE_BATCH, enough of them for every thread
-        per = max(1, min(PIPELINE_BATCH, -(-len(hits) // n)))
-        workers = min(n, len(misses) + -(-len(hits) // per))
-        # (where kernels compile, as measured; kernels read from disk keep the default)
-        with _prompt_gil_handoff() if workers > 1 and misses else contextlib.nullcontext(), \
-                (ThreadPoolExecutor(workers) if workers > 1 else _InlineJobs()) as pool:
+        # kernels read compiled: a few large batches (the driver serves cached pipelines one
+        # at a time however many threads ask, and more threads only spin while the thread
+        # that plans memory meanwhile wants a core)
+        per = max(1, -(-len(entries) // min(n, CACHED_PIPELINE_THREADS)))
+        workers = min(n, len(entries))
+        jobs, texts, error, glsl_s, compiled = [], [], None, 0.0, {}
+        with contextlib.ExitStack() as inside:
+            pool = inside.enter_context(ThreadPoolExecutor(workers) if workers > 1 else _InlineJobs())
             try:
-                for i in range(0, len(hits), per):
-                    batch = hits[i:i + per]
-                    jobs.append(pool.submit(from_disk, batch))
-                    texts.append([text for text, _, _ in batch])
-                # the driver's compile time grows with the kernel: the longest start first
+                # kernels on disk: read here (in Python, which threads would only contend
+                # for), created in batches by the pool as each batch fills
+                misses, batch = [], []
+                for i, (text, label) in enumerate(entries):
+                    if stored is not None:
+                        ck = stored[i]
+                    else:
+                        key = self._kernel_key(text)
+                        ck = load_kernel(key) if disk else None
+                    if ck is None:
+                        misses.append((text, label, key))
+                    else:
+                        compiled[text] = ck
+                        batch.append((text, label, ck))
+                    if batch and (len(batch) == per or i == len(entries) - 1):
+                        jobs.append(pool.submit(create, batch))
+                        texts.append([t for t, _, _ in batch])
+                        batch = []
+                from_disk = len(entries) - len(misses)
+                # the others: the driver's compile time grows with the kernel, the longest start
+                # first; while they compile, the GIL changes hands promptly (until every job ends)
+                if workers > 1 and misses:
+                    inside.enter_context(_prompt_gil_handoff())
                 for text, label, key in sorted(misses, key=lambda m: -len(m[0])):
                     if failed.is_set():
                         break
                     t = time.perf_counter()
                     glsl = text if text.startswith("#version") else to_glsl(text, label, unroll=self.unroll_loops)
                     glsl_s += time.perf_counter() - t
-                    jobs.append(pool.submit(compile_and_create, glsl, label, key))
+                    jobs.append(pool.submit(compile_and_create, text, glsl, label, key))
                     texts.append([text])
             except BaseException as e:      # a translation failed: let the submitted jobs end
                 error = e
@@ -679,7 +709,7 @@ class VulkanRuntime:
             raise error
         made = [(text, k) for ts, (kernels, _) in zip(texts, results) for text, k in zip(ts, kernels)]
         cpu_s = glsl_s + sum(t for _, t in results) + sum(k.create_seconds for _, k in made)
-        return made, glsl_s, cpu_s
+        return made, compiled, from_disk, glsl_s, cpu_s
 
     def clear_caches(self):
         """Drop the cached kernels (plans that are alive keep their own)."""

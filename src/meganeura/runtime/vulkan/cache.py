@@ -5,6 +5,9 @@ the driver's pipeline cache.
 - ``kernels/<sha256>.bin``: a kernel text's SPIR-V with its reflection, keyed by the text as
   the renderers wrote it (``CompiledKernel``): a warm process reads it without translating
   the text to GLSL, running glslang or parsing the SPIR-V;
+- ``kernel_sets/<sha256>.bin``: the compiled kernels of one request for many pipelines (a
+  plan's kernels), keyed by all their texts in order: a warm process reads one file where it
+  read one per kernel (``KernelSet``);
 - ``pipelines/<device>.bin``: the driver's ``VkPipelineCache``.
 
 The folder is ``$MEGANEURA_CACHE_DIR`` when set, else the platform's user cache folder
@@ -95,16 +98,29 @@ def kernel_path(key: str) -> pathlib.Path:
     return cache_dir() / "kernels" / f"{key}.bin"
 
 
-def encode_kernel(key: str, ck: CompiledKernel) -> bytes:
+def _head(ck: CompiledKernel) -> dict:
+    """A kernel's reflection and SPIR-V size as JSON values."""
     info = ck.info
-    head = json.dumps({
-        "key": key, "bindings": [[int(b), a] for b, a in info["bindings"].items()],
-        "local_size": list(info["local_size"]) if info["local_size"] is not None else None,
-        "push_constant_size": int(info["push_constant_size"]), "workgroup_memory": int(info["workgroup_memory"]),
-        "capabilities": list(info["capabilities"]), "extensions": list(info["extensions"]),
-        "subgroup32": bool(ck.subgroup32),
-        "spirv_bytes": len(ck.spirv), "crc32": zlib.crc32(ck.spirv),
-    }, separators=(",", ":")).encode()
+    return {"bindings": [[int(b), a] for b, a in info["bindings"].items()],
+            "local_size": list(info["local_size"]) if info["local_size"] is not None else None,
+            "push_constant_size": int(info["push_constant_size"]), "workgroup_memory": int(info["workgroup_memory"]),
+            "capabilities": list(info["capabilities"]), "extensions": list(info["extensions"]),
+            "subgroup32": bool(ck.subgroup32), "spirv_bytes": len(ck.spirv)}
+
+
+def _kernel(head: dict, spirv: bytes) -> CompiledKernel | None:
+    """The kernel of ``_head``'s ``head`` and its SPIR-V, or None where they disagree."""
+    if len(spirv) != head["spirv_bytes"] or len(spirv) < 20 or len(spirv) % 4 or spirv[:4] != b"\x03\x02\x23\x07":
+        return None
+    info = dict(bindings={int(b): str(a) for b, a in head["bindings"]},
+                local_size=tuple(head["local_size"]) if head["local_size"] is not None else None,
+                push_constant_size=int(head["push_constant_size"]), workgroup_memory=int(head["workgroup_memory"]),
+                capabilities=list(head["capabilities"]), extensions=list(head["extensions"]))
+    return CompiledKernel(spirv, info, bool(head["subgroup32"]))
+
+
+def encode_kernel(key: str, ck: CompiledKernel) -> bytes:
+    head = json.dumps({"key": key, **_head(ck), "crc32": zlib.crc32(ck.spirv)}, separators=(",", ":")).encode()
     return _KERNEL_MAGIC + struct.pack("<I", len(head)) + head + ck.spirv
 
 
@@ -117,15 +133,9 @@ def decode_kernel(key: str, data: bytes) -> CompiledKernel | None:
         (n,) = struct.unpack_from("<I", data, m)
         head = json.loads(data[m + 4:m + 4 + n])
         spirv = data[m + 4 + n:]
-        if head["key"] != key or len(spirv) != head["spirv_bytes"] or len(spirv) < 20 or len(spirv) % 4 \
-                or zlib.crc32(spirv) != head["crc32"] or spirv[:4] != b"\x03\x02\x23\x07":
+        if head["key"] != key or zlib.crc32(spirv) != head["crc32"]:
             return None
-        info = dict(bindings={int(b): str(a) for b, a in head["bindings"]},
-                    local_size=tuple(head["local_size"]) if head["local_size"] is not None else None,
-                    push_constant_size=int(head["push_constant_size"]),
-                    workgroup_memory=int(head["workgroup_memory"]),
-                    capabilities=list(head["capabilities"]), extensions=list(head["extensions"]))
-        return CompiledKernel(spirv, info, bool(head["subgroup32"]))
+        return _kernel(head, spirv)
     except (ValueError, KeyError, TypeError, struct.error):
         return None
 
@@ -148,3 +158,70 @@ def store_kernel(key: str, ck: CompiledKernel) -> bool:
         return True
     except OSError:
         return False
+
+
+# ------------------------------------------------------------------ kernel sets
+# The kernels of a request for many pipelines, one file: U-Net's training plan read its 448
+# kernel entries one by one in 31-41 ms on the H200 host, on the thread that then creates the
+# pipelines, before the first was created. A set is written once all of its kernels are made:
+# one header (each kernel's reflection and SPIR-V size) and the SPIR-V, checked whole by one
+# CRC when read.
+SET_MIN_KERNELS = 8               # fewer: the kernels' own entries are read
+SET_MAX_BYTES = 1 << 30           # the oldest sets go once the folder holds more than this
+_SET_MAGIC = b"MGKSET2\n"
+
+
+def kernel_set_key(texts, *, unroll: bool, target: str, glslang: str, package: str) -> str:
+    """The key of the kernels of ``texts`` (in order): as ``kernel_key``, over every text."""
+    h = hashlib.sha256()
+    for part in ("set", str(KERNEL_FORMAT), package, glslang, target, "unroll" if unroll else ""):
+        h.update(part.encode())
+        h.update(b"\0")
+    for text in texts:
+        h.update(text.encode())
+        h.update(b"\0")
+    return h.hexdigest()
+
+
+def kernel_set_path(key: str) -> pathlib.Path:
+    return cache_dir() / "kernel_sets" / f"{key}.bin"
+
+
+def load_kernel_set(key: str, n: int) -> list[CompiledKernel] | None:
+    """The ``n`` kernels stored under ``key``, in order, or None (missing, unreadable, corrupt,
+    another key's or of another length)."""
+    try:
+        data = kernel_set_path(key).read_bytes()
+        m = len(_SET_MAGIC)
+        if data[:m] != _SET_MAGIC:
+            return None
+        size, crc = struct.unpack_from("<II", data, m)
+        head = json.loads(data[m + 8:m + 8 + size])
+        body = memoryview(data)[m + 8 + size:]
+        if head["key"] != key or len(head["kernels"]) != n or zlib.crc32(body) != crc:
+            return None
+        out, at = [], 0
+        for h in head["kernels"]:
+            ck = _kernel(h, bytes(body[at:at + h["spirv_bytes"]]))
+            if ck is None:
+                return None
+            out.append(ck)
+            at += len(ck.spirv)
+        return out if at == len(body) else None
+    except (OSError, ValueError, KeyError, TypeError, struct.error):
+        return None
+
+
+def store_kernel_set(key: str, kernels: list[CompiledKernel]) -> bool:
+    """Write the set ``key`` atomically, then drop the oldest sets past ``SET_MAX_BYTES``;
+    False when it could not be written."""
+    from ...plan_cache import prune
+    body = b"".join(ck.spirv for ck in kernels)
+    head = json.dumps({"key": key, "kernels": [_head(ck) for ck in kernels]}, separators=(",", ":")).encode()
+    path = kernel_set_path(key)
+    try:
+        write_atomic(path, _SET_MAGIC + struct.pack("<II", len(head), zlib.crc32(body)) + head + body)
+    except OSError:
+        return False
+    prune(path.parent, SET_MAX_BYTES, ("*.bin",))
+    return True
