@@ -25,9 +25,12 @@ render every archetype in both languages.
 """
 from __future__ import annotations
 
+import functools
+import itertools
+import operator
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 # Loops of a few constant trips can be marked [[unroll]]: NVIDIA's compiler left the tiled
 # matmul's inner K loop rolled, and unrolled it ran 31.3 -> 37.8 TFLOP/s at 4096^3 on an
@@ -62,18 +65,23 @@ class Ty:
     kind: str
     elem: object
     n: int | None = None
+    # fields, not properties: the translator asks for them a few times per token
+    scalar: str = field(init=False, repr=False, compare=False)
+    abstract: bool = field(init=False, repr=False, compare=False)
 
-    @property
-    def scalar(self) -> str:
-        return self.elem if self.kind != "array" else self.elem.scalar
+    def __post_init__(self):
+        object.__setattr__(self, "scalar", self.elem if self.kind != "array" else self.elem.scalar)
+        object.__setattr__(self, "abstract", self.kind == "scalar" and self.elem in ("aint", "afloat"))
 
-    @property
-    def abstract(self) -> bool:
-        return self.kind == "scalar" and self.elem in ("aint", "afloat")
+
+@functools.lru_cache(maxsize=1024)
+def make_ty(kind, elem, n=None) -> Ty:
+    """The one ``Ty`` of these fields (types are built a few times per token)."""
+    return Ty(kind, elem, n)
 
 
 def S(name):
-    return Ty("scalar", name)
+    return make_ty("scalar", name)
 
 
 BOOL, U32, I32, F32, F16, AINT, AFLOAT = (S(n) for n in ("bool", "u32", "i32", "f32", "f16", "aint", "afloat"))
@@ -106,10 +114,10 @@ def _is_float(t: Ty):
 # C (a Python loop over match objects, one Tok each, took 60% of translating U-Net's 469
 # training kernels)
 _TOKEN = re.compile(r"""\s+|//[^\n]*|(
-    0[xX][0-9a-fA-F]+[iu]?|(?:\d+\.\d*|\.\d+|\d+)(?:[eE][+-]?\d+)?[fhiu]?
-  | [A-Za-z_][A-Za-z0-9_]*
+    [A-Za-z_]\w*
+  | 0[xX][0-9a-fA-F]+[iu]?|(?:\d+\.\d*|\.\d+|\d+)(?:[eE][+-]?\d+)?[fhiu]?
   | ->|<<=|>>=|<<|>>|<=|>=|==|!=|&&|\|\||\+=|-=|\*=|/=|%=|&=|\|=|\^=|[-+*/%<>=!&|^~(){}\[\];:,.@]
-  | .)""", re.VERBOSE)
+  | .)""", re.VERBOSE | re.ASCII)
 _KIND = dict.fromkeys("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ_", "id") | dict.fromkeys("0123456789", "num")
 _OP_CHARS = set("-+*/%<>=!&|^~(){}[];:,.@")
 
@@ -125,6 +133,7 @@ class Tok:
 
 EOF_TOK, CLOSE_ANGLE = Tok("eof", ""), Tok("op", ">")
 _SCAN_MARKS = frozenset(("{", "}", "fn", "var"))
+_TEXT = operator.attrgetter("text")
 
 
 def _kind(text: str) -> str:
@@ -132,8 +141,9 @@ def _kind(text: str) -> str:
 
 
 def tokenize(src: str) -> list[Tok]:
-    seen: dict[str, Tok] = {}
-    toks = [seen.get(t) or seen.setdefault(t, Tok(_kind(t), t)) for t in _TOKEN.findall(src) if t]
+    found = _TOKEN.findall(src)
+    seen = {t: Tok(_kind(t), t) for t in set(found) if t}
+    toks = list(map(seen.__getitem__, filter(None, found)))      # (in C, as findall)
     bad = [t for t in seen if len(t) == 1 and _KIND.get(t) is None and t not in _OP_CHARS]
     if bad:
         k = next(i for i, t in enumerate(toks) if t.text in bad)
@@ -154,15 +164,16 @@ def token_line(src: str, index: int) -> int:
 
 
 # ------------------------------------------------------------------- expression values
-@dataclass
+@dataclass(slots=True)
 class Val:
     text: str
     ty: Ty
     lit: str | None = None      # the literal's digits, while its type is still abstract
 
 
-def _literal(tok: Tok) -> Val:
-    s = tok.text
+@functools.lru_cache(maxsize=4096)
+def _literal_text(s: str) -> Val:
+    """A literal's value (shared: values are never changed)."""
     if s[:2].lower() == "0x":
         digits, suffix = (s[:-1], s[-1]) if s[-1] in "iu" else (s, "")
         return Val(digits + ("u" if suffix == "u" else ""), {"u": U32, "i": I32, "": AINT}[suffix], digits)
@@ -174,6 +185,10 @@ def _literal(tok: Tok) -> Val:
     if any(c in s for c in ".eE"):
         return Val(_float_text(s), AFLOAT, s)
     return Val(s, AINT, s)
+
+
+def _literal(tok: Tok) -> Val:
+    return _literal_text(tok.text)
 
 
 def _float_text(s):
@@ -233,6 +248,7 @@ input output hvec2 hvec3 hvec4 fvec2 fvec3 fvec4 sampler3DRect filter sizeof cas
 float16_t texture""".split())
 
 
+@functools.lru_cache(maxsize=8192)
 def _ident(name: str) -> str:
     if name in RESERVED or name.startswith("gl_") or "__" in name:
         return "m_" + name.replace("__", "_u_")
@@ -297,7 +313,7 @@ class _Translator:
             self.eat("<")
             el = self.parse_type()
             self.eat_close_angle()
-            return Ty("vec", el.elem, int(name[-1]))
+            return make_ty("vec", el.elem, int(name[-1]))
         if name == "array":
             self.eat("<")
             el = self.parse_type()
@@ -305,7 +321,7 @@ class _Translator:
             if self.accept(","):
                 n = int(self.eat(kind="num").text.rstrip("iu"))
             self.eat_close_angle()
-            return Ty("array", el, n)
+            return make_ty("array", el, n)
         self.fail(f"type {name!r} outside the subset")
 
     def eat_close_angle(self):
@@ -353,9 +369,9 @@ class _Translator:
             # no digits to suffix: a later conversion wraps the whole expression
             return Val(text, ty) if op not in COMPARE else Val(text, BOOL)
         a, b = unify(a, b)
-        if op in COMPARE and Ty("vec", a.ty.elem, a.ty.n).kind == a.ty.kind == "vec":
+        if op in COMPARE and a.ty.kind == "vec":
             # WGSL compares vectors componentwise; GLSL's == on vectors is one bool
-            return Val(f"{VEC_COMPARE[op]}({a.text}, {b.text})", Ty("vec", "bool", a.ty.n))
+            return Val(f"{VEC_COMPARE[op]}({a.text}, {b.text})", make_ty("vec", "bool", a.ty.n))
         if op in COMPARE:
             return Val(f"({a.text} {op} {b.text})", BOOL)
         ty = a.ty if a.ty.kind == "vec" else b.ty
@@ -374,7 +390,8 @@ class _Translator:
             if op == "-" and v.lit is not None:
                 return Val(f"(-{v.text})", v.ty, "-" + v.lit)
             return Val(f"({op}{v.text})", BOOL if op == "!" else v.ty)
-        return self.postfix(self.primary())
+        v = self.primary()
+        return self.postfix(v) if self.toks[self.i].text in ("[", ".") else v
 
     def postfix(self, v: Val) -> Val:
         while True:
@@ -395,7 +412,7 @@ class _Translator:
                 sw = self.eat(kind="id").text
                 if v.ty.kind != "vec" or not set(sw) <= set("xyzwrgba"):
                     self.fail(f"member .{sw} of {v.ty}")
-                v = Val(f"{v.text}.{sw}", S(v.ty.elem) if len(sw) == 1 else Ty("vec", v.ty.elem, len(sw)))
+                v = Val(f"{v.text}.{sw}", S(v.ty.elem) if len(sw) == 1 else make_ty("vec", v.ty.elem, len(sw)))
             else:
                 return v
 
@@ -481,7 +498,7 @@ class _Translator:
             return Val(f"({c.text} ? {t.text} : {f.text})", t.ty if not t.ty.abstract else concrete(t.ty))
         if name in ("workgroupBarrier", "storageBarrier"):
             return Val("memoryBarrierShared(); barrier()" if name == "workgroupBarrier" else
-                       "memoryBarrierBuffer(); barrier()", Ty("void", None))
+                       "memoryBarrierBuffer(); barrier()", make_ty("void", None))
         if name == "dot":
             a, b = args
             return Val(f"dot({a.text}, {b.text})", S(a.ty.elem))
@@ -509,7 +526,7 @@ class _Translator:
         if len(args) != len(fn.params):
             self.fail(f"{name} takes {len(fn.params)} arguments, given {len(args)}")
         args = [convert(a, pt) for a, (_, pt) in zip(args, fn.params)]
-        return Val(f"{_ident(name)}({', '.join(a.text for a in args)})", fn.ret or Ty("void", None))
+        return Val(f"{_ident(name)}({', '.join(a.text for a in args)})", fn.ret or make_ty("void", None))
 
     # -------------------------------------------------------------------- statements
     def block(self, out: list, depth: int):
@@ -708,7 +725,8 @@ class _Translator:
         typed before the definitions. Only braces, ``fn`` and ``var`` matter here, so only
         they are visited (walking every token took a fifth of the translation)."""
         save, depth, toks, n0 = self.i, 0, self.toks, len(self.splits)
-        for i in [i for i, t in enumerate(toks) if t.text in _SCAN_MARKS]:
+        marks = list(itertools.compress(itertools.count(), map(_SCAN_MARKS.__contains__, map(_TEXT, toks))))
+        for i in marks:
             i += len(self.splits) - n0      # a ">>" split while parsing moved the later tokens
             if i < self.i:                  # inside a signature parsed below
                 continue
@@ -762,11 +780,11 @@ class _Translator:
         out.append("}")
         return sig, "\n".join(out)
 
-    BUILTINS = {"workgroup_id": ("gl_WorkGroupID", Ty("vec", "u32", 3)),
+    BUILTINS = {"workgroup_id": ("gl_WorkGroupID", make_ty("vec", "u32", 3)),
                 "local_invocation_index": ("gl_LocalInvocationIndex", U32),
-                "local_invocation_id": ("gl_LocalInvocationID", Ty("vec", "u32", 3)),
-                "global_invocation_id": ("gl_GlobalInvocationID", Ty("vec", "u32", 3)),
-                "num_workgroups": ("gl_NumWorkGroups", Ty("vec", "u32", 3))}
+                "local_invocation_id": ("gl_LocalInvocationID", make_ty("vec", "u32", 3)),
+                "global_invocation_id": ("gl_GlobalInvocationID", make_ty("vec", "u32", 3)),
+                "num_workgroups": ("gl_NumWorkGroups", make_ty("vec", "u32", 3))}
 
     def entry(self) -> str:
         self.eat("fn")
