@@ -279,7 +279,13 @@ def _run_case(runtime, name, mode, monkeypatch):
         assert err < 1e-5, (name, err)
 
 
-@pytest.mark.parametrize("name", CASES)
+# depth 3 unrolls its steps six times (lcm(3, 2)), which lavapipe took 36-67 s to compile:
+# emulated, the register sets' rotation past two and a partial last round are left to
+# ``wide`` (depth 4); on tensor cores every case runs
+EMULATED_CASES = [c for c in CASES if c != "depth3"]
+
+
+@pytest.mark.parametrize("name", EMULATED_CASES)
 def test_emulated_kernel_matches_numpy(runtime, name, monkeypatch):
     """The kernels with their fragment operations as plain loops, on any Vulkan device:
     staging, layouts, guards, splits, parts and the epilogue checked."""
