@@ -202,8 +202,9 @@ def test_sibling_tiled_matmuls_and_split_k_sums_share_launches():
 
 def test_projections_of_an_input_in_every_layer_share_one_launch_at_the_front():
     """Cross-attention keys and values of the same context, projected in every layer of a
-    chain: hoisted to the front, their matmuls are one launch and their split-K sums one
-    more, whatever the chain between them; results still match the reference."""
+    chain: hoisted to the front, their matmuls share launches (``MAX_TILED_PARTS`` each)
+    and their split-K sums one more, whatever the chain between them; results still match
+    the reference."""
     g = mg.Graph()
     x, ctx = g.input("x", (20, 64)), g.input("ctx", (12, 256))
     h = x
@@ -214,9 +215,11 @@ def test_projections_of_an_input_in_every_layer_share_one_launch_at_the_front():
         h = mg.ops.tanh(mg.ops.mm(a, v) + h)
     kp = compile_plan([h], options=CompileOptions(max_bindings=64))
     off = compile_plan([h], options=CompileOptions(max_bindings=64, disabled=frozenset({"hoist"})))
-    first = kp.dispatches[0].kernel
-    assert first.name.count("matmul") == 6 and first.archetype == "matmul", kp.names
-    assert kp.n_dispatches <= off.n_dispatches - 4, (kp.names, off.names)
+    from meganeura.passes.fuse import MAX_TILED_PARTS
+    front = [d.kernel for d in kp.dispatches[:2]]
+    assert [k.name.count("matmul") for k in front] == [MAX_TILED_PARTS, 6 - MAX_TILED_PARTS], kp.names
+    assert all(k.archetype == "matmul" for k in front), kp.names
+    assert kp.n_dispatches <= off.n_dispatches - 3, (kp.names, off.names)
     rng = np.random.default_rng(11)
     feeds = {"x": rng.standard_normal((20, 64)).astype(np.float32),
              "ctx": rng.standard_normal((12, 256)).astype(np.float32)}
@@ -539,13 +542,15 @@ def test_independent_tiled_matmuls_share_a_launch():
 
 # Dispatches per call of every workload (tiny configs, the real models' structure), as
 # the GPU executor compiles them. Lower a budget when fusion improves; a rise is a
-# regression. (Real-size counts: bench/dispatches.py.)
+# regression. (Real-size counts: bench/dispatches.py.) The U-Net's and Whisper's training
+# counts rose by 12 and 3 when merged tiled matmuls were capped at ``MAX_TILED_PARTS`` parts
+# (smaller kernels for the driver; the pieces are independent launches of one level).
 BUDGETS = {
     "smollm2": {"inference": 16, "minimal": 15, "flb": 74, "train_step": 74},
     "smolvla": {"inference": 28, "minimal": 28, "flb": 110, "train_step": 111},
-    "unet": {"inference": 169, "minimal": 169, "flb": 726, "train_step": 732},
+    "unet": {"inference": 169, "minimal": 169, "flb": 738, "train_step": 744},
     "resnet50": {"inference": 20, "minimal": 20, "flb": 101, "train_step": 107},
-    "whisper": {"inference": 14, "minimal": 14, "flb": 64, "train_step": 65},
+    "whisper": {"inference": 14, "minimal": 14, "flb": 67, "train_step": 68},
 }
 
 

@@ -634,6 +634,11 @@ def _binding_keys(k) -> set:
 MAX_FLOAT = 8           # kernels a group that reads intermediates may be moved past
 MAX_GROUPS = 1 << 22    # workgroups of one merged launch
 MAX_PARTS = 64          # kernels in one merged launch (its WGSL grows with each)
+# tiled matmuls in one merged launch: each part carries a whole unrolled tiled body, and the
+# driver's compile time grows with the kernel (H200: SmolVLA's 14 hoisted projections in one
+# launch, 336 KiB of SPIR-V, took 1.7 s alone, the floor of its cold compile); the launches
+# of the pieces are independent, so the Vulkan backend puts no barrier between them
+MAX_TILED_PARTS = 4
 
 
 def _group_key(k):
@@ -684,7 +689,8 @@ class _Group:
         return bool((kw | kr) & self.writes or kw & self.reads)
 
     def fits(self, k, groups, max_bindings) -> bool:
-        return (len(self.kernels) < MAX_PARTS and self.groups + groups <= MAX_GROUPS
+        parts = MAX_TILED_PARTS if self.key[0] == "tiled" else MAX_PARTS
+        return (len(self.kernels) < parts and self.groups + groups <= MAX_GROUPS
                 and len(self.bindings | _binding_keys(k)) <= max_bindings)
 
     def add(self, k, kw, kr, groups):
