@@ -286,7 +286,9 @@ def _compile_plan(targets, n_forward, opts, updates) -> KernelPlan:
         updates = refresh_f16_copies(new_targets, updates, opts.f16_weights)
     if "remat" not in opts.disabled and fwd:
         g3, new_targets = rematerialize(new_targets, len(fwd))
-        g2 = g3 or g2
+        if g3 is not None:
+            g2._drop_nodes()       # the lowered copy, replaced
+            g2 = g3
     clock.lap("lower")
     smem = codegen.flash.ADAPTER_SMEM.set(opts.workgroup_storage)
     try:

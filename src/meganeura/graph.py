@@ -158,6 +158,14 @@ class Graph:
     def __repr__(self):
         return f"Graph({len(self.nodes)} nodes, {len(self.inputs)} inputs, {len(self.parameters)} parameters)"
 
+    def _drop_nodes(self):
+        """Forget every node: for a graph the compiler made and no longer reads (a lowering
+        step's copy). Its tensors point back at it, a cycle per node that only the cycle
+        collector would free, thousands of objects a compile; once the graph lets go of
+        them they go as soon as nothing else holds them."""
+        for held in (self.nodes, self.inputs, self.parameters, self.states, self.updates, self._scalars):
+            held.clear()
+
     def _claim(self, name, kind):
         if not isinstance(name, str) or not name:
             raise ValueError(f"{kind} name must be a non-empty string, got {name!r}")

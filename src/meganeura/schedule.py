@@ -293,6 +293,7 @@ def build_schedule(graph, targets: list[Tensor], target_kinds=None, max_bindings
         kernels.extend(lower(t, [_read(values, i) for i in t.inputs], out, materialize=materialize, temp=temp, **more))
         values[t.id] = out
         values.update((s.id, v) for s, v in siblings)
+    del emit_pointwise      # it holds itself through its cell: a cycle holding every kernel
     return Schedule(kernels, values, bufs, targets)
 
 
@@ -316,6 +317,17 @@ def _materialize(v, t, kernels, new_buf):
 def _pointwise_kernel(t, values, buf, fusible, max_bindings, emit_pointwise) -> Kernel:
     """One kernel evaluating ``t`` and every fusible elementwise producer inlined into it."""
     leaves: list[View] = []
+    if t.op in VIEW_OPS:           # a layout op that is not a view: copy through its view
+        src = values[t.inputs[0].id]
+        v = view_op(t, src)        # only a reshape of a strided view is not a view
+        if v is None:
+            # reshape of a strided view: read the source in its own logical order
+            leaves.append(src)
+            out = View.contiguous(buf, t.shape, t.dtype)
+            return Kernel(t.op, "pointwise", {"expr": ("leaf", 0), "dtype": t.dtype, "flat_leaf": True}, out, leaves)
+        leaves.append(v)
+        return Kernel(t.op, "pointwise", {"expr": ("leaf", 0), "dtype": t.dtype},
+                      View.contiguous(buf, t.shape, t.dtype), leaves)
     leaf_index: dict[int, int] = {}
     names = []
 
@@ -342,18 +354,12 @@ def _pointwise_kernel(t, values, buf, fusible, max_bindings, emit_pointwise) -> 
             emit_pointwise(x)         # out of bindings: x runs first, and is read from memory
         return leaf(x)
 
-    if t.op in VIEW_OPS:           # a layout op that is not a view: copy through its view
-        src = values[t.inputs[0].id]
-        v = view_op(t, src)        # only a reshape of a strided view is not a view
-        if v is None:
-            # reshape of a strided view: read the source in its own logical order
-            leaves.append(src)
-            out = View.contiguous(buf, t.shape, t.dtype)
-            return Kernel(t.op, "pointwise", {"expr": ("leaf", 0), "dtype": t.dtype, "flat_leaf": True}, out, leaves)
-        leaves.append(v)
-        return Kernel(t.op, "pointwise", {"expr": ("leaf", 0), "dtype": t.dtype},
-                      View.contiguous(buf, t.shape, t.dtype), leaves)
     names.append(t.op)
-    expr = node(t)
+    try:
+        expr = node(t)
+    finally:
+        # the recursive closures hold each other through their cells: a cycle the
+        # collector would have to find, thousands of them a compile
+        del node, expr_of
     out = View.contiguous(buf, t.shape, t.dtype)
     return Kernel("+".join(reversed(names)), "pointwise", {"expr": expr, "dtype": t.dtype}, out, leaves)

@@ -842,6 +842,7 @@ def merge_horizontal(kernels, max_bindings):
         g.add(k, kw, kr, groups)
     while open_:
         close(open_[0])
+    del close               # it holds itself through its cell: a cycle holding every group
     return out
 
 

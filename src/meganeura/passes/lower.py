@@ -106,8 +106,12 @@ def lower_to_primitives(targets: list[Tensor], keep, rewrite=None) -> tuple[Grap
     for _ in range(8):
         if not changed or not _lowerable(g, keep):
             break
+        done = g
         g, new, changed = _copy(new, keep)
+        done._drop_nodes()
+    done = g
     g, new, _ = _copy(new, keep, cse=True)
+    done._drop_nodes()
     missing = sorted({t.op for t in needed_nodes(new) if t.op not in ("input", "parameter", "state", "constant")
                       and not keep(t)})
     if missing:

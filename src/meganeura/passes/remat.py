@@ -134,4 +134,5 @@ def _rebuild(nodes, boundary, chosen, targets):
             ins = [clone(x, chosen[x.id], memo) if i > boundary and x.id in chosen else m[x.id] for x in t.inputs]
             n = g._append(t.op, ins, t.attrs, t.shape, t.dtype, t.name)
         m[t.id] = n
+    del clone               # it holds itself through its cell: a cycle holding every copy
     return g, [m[t.id] for t in targets]
