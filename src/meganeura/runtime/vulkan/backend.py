@@ -592,8 +592,7 @@ class VulkanRuntime:
         text first, and hands it at once to the pool of ``threads`` threads
         (``backends.compile_threads``) that compile it with glslang and create its pipeline,
         so the driver compiles while the rest are translated and the longest compiles do not
-        come last. A failure raises once every job has ended and
-        leaves no pipeline behind."""
+        come last. A failure raises once every job has ended and leaves no pipeline behind."""
         from ..backends import lookup_cached, store_cached
         from .cache import SET_MIN_KERNELS, disk_cache_enabled, load_kernel_set, store_kernel_set
         t0 = time.perf_counter()

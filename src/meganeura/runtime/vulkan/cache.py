@@ -7,7 +7,7 @@ the driver's pipeline cache.
   the text to GLSL, running glslang or parsing the SPIR-V;
 - ``kernel_sets/<sha256>.bin``: the compiled kernels of one request for many pipelines (a
   plan's kernels), keyed by all their texts in order: a warm process reads one file where it
-  read one per kernel (``KernelSet``);
+  read one per kernel (``load_kernel_set``);
 - ``pipelines/<device>.bin``: the driver's ``VkPipelineCache``.
 
 The folder is ``$MEGANEURA_CACHE_DIR`` when set, else the platform's user cache folder
@@ -168,7 +168,7 @@ def store_kernel(key: str, ck: CompiledKernel) -> bool:
 # CRC when read.
 SET_MIN_KERNELS = 8               # fewer: the kernels' own entries are read
 SET_MAX_BYTES = 1 << 30           # the oldest sets go once the folder holds more than this
-_SET_MAGIC = b"MGKSET2\n"
+_SET_MAGIC = b"MGKSET1\n"
 
 
 def kernel_set_key(texts, *, unroll: bool, target: str, glslang: str, package: str) -> str:
