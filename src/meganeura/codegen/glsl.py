@@ -172,8 +172,8 @@ class Val:
 
 
 @functools.lru_cache(maxsize=4096)
-def _literal_text(s: str) -> Val:
-    """A literal's value (shared: values are never changed)."""
+def _literal(s: str) -> Val:
+    """The value of literal ``s`` (shared: values are never changed)."""
     if s[:2].lower() == "0x":
         digits, suffix = (s[:-1], s[-1]) if s[-1] in "iu" else (s, "")
         return Val(digits + ("u" if suffix == "u" else ""), {"u": U32, "i": I32, "": AINT}[suffix], digits)
@@ -185,10 +185,6 @@ def _literal_text(s: str) -> Val:
     if any(c in s for c in ".eE"):
         return Val(_float_text(s), AFLOAT, s)
     return Val(s, AINT, s)
-
-
-def _literal(tok: Tok) -> Val:
-    return _literal_text(tok.text)
 
 
 def _float_text(s):
@@ -430,7 +426,7 @@ class _Translator:
         t = self.toks[self.i]
         if t.kind == "num":
             self.i += 1
-            return _literal(t)
+            return _literal(t.text)
         if t.text == "(":
             self.i += 1
             v = self.expr()

@@ -542,23 +542,22 @@ class VulkanRuntime:
     def _target(self) -> str:
         return "vulkan1.3" if self.vk.api >= (1, 3) else "vulkan1.2"
 
+    def _key_context(self) -> dict:
+        """What besides the text decides compiled kernels: the target, glslang, the package."""
+        from ...plan_cache import package_digest
+        from .glslang import glslang_version_tag
+        return dict(target=self._target(), glslang=glslang_version_tag(), package=package_digest())
+
     def _kernel_key(self, text) -> str:
         """The key of ``text``'s compiled kernel (``cache.kernel_key``): the GLSL translation
         switches count for renderers' text only (GLSL is compiled as it is)."""
-        from ...plan_cache import package_digest
         from .cache import kernel_key
-        from .glslang import glslang_version_tag
-        unroll = self.unroll_loops and not text.startswith("#version")
-        return kernel_key(text, unroll=unroll, target=self._target(), glslang=glslang_version_tag(),
-                          package=package_digest())
+        return kernel_key(text, unroll=self.unroll_loops and not text.startswith("#version"), **self._key_context())
 
     def _kernel_set_key(self, texts) -> str:
         """The key of the compiled kernels of ``texts`` (``cache.kernel_set_key``)."""
-        from ...plan_cache import package_digest
         from .cache import kernel_set_key
-        from .glslang import glslang_version_tag
-        return kernel_set_key(texts, unroll=self.unroll_loops, target=self._target(), glslang=glslang_version_tag(),
-                              package=package_digest())
+        return kernel_set_key(texts, unroll=self.unroll_loops, **self._key_context())
 
     def _compile(self, glsl, label, key, disk):
         """The ``CompiledKernel`` of a kernel's GLSL: compiled to SPIR-V (glslang's own cache

@@ -18,6 +18,7 @@ meganeura`` on macOS, ``%LOCALAPPDATA%\\meganeura\\Cache`` on Windows). Setting
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import os
 import pathlib
@@ -84,14 +85,19 @@ class CompiledKernel:
     subgroup32: bool = False
 
 
+def _sha256_of(parts):
+    """sha256 over ``parts`` (strings), each ended by a zero byte."""
+    h = hashlib.sha256()
+    for part in parts:
+        h.update(part.encode())
+        h.update(b"\0")
+    return h
+
+
 def kernel_key(text: str, *, unroll: bool, target: str, glslang: str, package: str) -> str:
     """The key of a kernel text's SPIR-V: sha256 over the format, the package digest, the
     glslang version, the target environment, the GLSL translation switches and the text."""
-    h = hashlib.sha256()
-    for part in (str(KERNEL_FORMAT), package, glslang, target, "unroll" if unroll else "", text):
-        h.update(part.encode())
-        h.update(b"\0")
-    return h.hexdigest()
+    return _sha256_of((str(KERNEL_FORMAT), package, glslang, target, "unroll" if unroll else "", text)).hexdigest()
 
 
 def kernel_path(key: str) -> pathlib.Path:
@@ -173,14 +179,8 @@ _SET_MAGIC = b"MGKSET1\n"
 
 def kernel_set_key(texts, *, unroll: bool, target: str, glslang: str, package: str) -> str:
     """The key of the kernels of ``texts`` (in order): as ``kernel_key``, over every text."""
-    h = hashlib.sha256()
-    for part in ("set", str(KERNEL_FORMAT), package, glslang, target, "unroll" if unroll else ""):
-        h.update(part.encode())
-        h.update(b"\0")
-    for text in texts:
-        h.update(text.encode())
-        h.update(b"\0")
-    return h.hexdigest()
+    head = ("set", str(KERNEL_FORMAT), package, glslang, target, "unroll" if unroll else "")
+    return _sha256_of(itertools.chain(head, texts)).hexdigest()
 
 
 def kernel_set_path(key: str) -> pathlib.Path:
