@@ -77,3 +77,47 @@ def test_only_the_autodiffs_matmuls_count_as_backward(monkeypatch):
         for u in d.kernel.spec.get("parts", [d.kernel]):
             if u.archetype == "matmul" and u.out.shape == (H, H):
                 assert [v.dtype.name for v in u.reads[:2]] == ["f32", "f32"], u.name
+
+
+def _vulkan_runtime():
+    """The Vulkan runtime when the GPU backend is it, else None."""
+    from meganeura.runtime.backends import gpu_device
+    rt = gpu_device()
+    return rt if getattr(rt, "backend", None) == "vulkan" else None
+
+
+def _conv_grads(precision, loss_scale):
+    rng = np.random.default_rng(1)
+    g = mg.Graph()
+    x = g.input("x", (2, 5, 12, 10))
+    h = mg.ops.gelu(mg.ops.conv2d(x, g.parameter("w1", (8, 5, 3, 3)), g.parameter("b1", (8,)), padding=1))
+    y = mg.ops.conv2d(h, g.parameter("w2", (6, 8, 3, 3)), stride=2)
+    loss = mg.ops.mean(y * y) * loss_scale
+    with mg.compile(g, loss=loss, precision=precision, seed=3, backend="gpu") as s:
+        s.compute_grads({"x": rng.standard_normal((2, 5, 12, 10)).astype(np.float32)})
+        return s.grads(), list(s.executor.plans["grads"].names), s.executor.plans["grads"]
+
+
+@pytest.mark.parametrize("loss_scale,coopmat", [(1.0, "auto"), (1e-9, "auto"), (1.0, "emulate")])
+def test_backward_convolutions_on_f16_match_strict(monkeypatch, loss_scale, coopmat):
+    """Both gradients of a convolution (its input's, a matmul then col2im; its weight's, a
+    matmul over the columns computed in the loads) read f16 operands, the cotangent scaled;
+    on the Vulkan backend also with the cooperative-matrix kernels (emulated: any device)."""
+    monkeypatch.setattr(compiler, "BACKWARD_F16_MIN_MACS", 0)
+    monkeypatch.setenv("MEGANEURA_COOPMAT", coopmat)
+    want, _, _ = _conv_grads("strict", loss_scale)
+    runtime = _vulkan_runtime()
+    before = runtime.stats["coopmat_kernels"] if runtime else 0
+    got, names, plan = _conv_grads("accelerated", loss_scale)
+    if coopmat == "emulate":
+        if runtime is None:
+            pytest.skip("no Vulkan runtime: the strict-vs-accelerated check ran on wgpu above")
+        assert runtime.stats["coopmat_kernels"] - before == 5
+    assert any("reduce_max" in n for n in names), names
+    f16_reads = [d.kernel.name for d in plan.kernel_plan.dispatches if d.kernel.archetype == "matmul"
+                 and [v.dtype.name for v in d.kernel.reads[:2]] == ["f16", "f16"]]
+    # the forward convolutions, the input gradient of the second, both weight gradients
+    assert len(f16_reads) == 5 and sum("im2col" in n for n in f16_reads) == 4, names
+    for name, w in want.items():
+        err = np.linalg.norm(got[name].astype(np.float64) - w) / np.linalg.norm(w)
+        assert err < 2e-3, (name, err)

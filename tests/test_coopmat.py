@@ -104,8 +104,7 @@ def test_configs_and_mode_switches(monkeypatch):
 # ------------------------------------------------------------------------------ glslang
 def test_every_workload_coop_kernel_compiles_to_spirv():
     """Every tiled f16 matmul of the five workloads at real size (the H200's plans; inference
-    and minimal: accelerated precision changes only forward matmuls, and the training phases'
-    are the same kernels) renders for cooperative matrices with the WGSL kernel's bindings and
+    and minimal: the forward matmuls and convolutions) renders for cooperative matrices with the WGSL kernel's bindings and
     grid, and glslang accepts it."""
     pytest.importorskip("vulkan", reason="the vulkan extra (pip install 'meganeura[vulkan]')")
     from meganeura.bench.dispatches import BINDINGS, phase_targets
@@ -126,8 +125,7 @@ def test_every_workload_coop_kernel_compiles_to_spirv():
                 assert groups == tuple(d.groups), d.kernel.name
                 seen.setdefault(src, d.kernel.name)
                 per_workload[name] = per_workload.get(name, 0) + 1
-    # ResNet-50's forward matmul is one GEMV (its convolutions are not matmuls in the graph)
-    assert set(per_workload) == {"smollm2", "smolvla", "unet", "whisper"}, per_workload
+    assert set(per_workload) == set(WORKLOADS), per_workload    # ResNet-50's: its convolutions
     for src, kname in seen.items():
         info = spirv.reflect(compile_glsl(src, name=kname, target="vulkan1.3", disk_cache=False))
         assert "CooperativeMatrixKHR" in info["capabilities"], kname
@@ -240,11 +238,27 @@ def _case(name):
         A, B = r(272, 72), r(72, 400)
         env.update(MEGANEURA_MATMUL_TILE="128", MEGANEURA_MATMUL_SPLIT="1")
         return g, [mg.ops.mm(g.input("a", A.shape), g.input("b", B.shape))], {"a": A, "b": B}, [_f16(A) @ _f16(B)], env
+    if name == "conv":                # implicit GEMM: the columns computed and rounded to f16 in the loads
+        X, W, C = r(2, 6, 11, 13), r(20, 6, 3, 3), r(20)
+        y = mg.ops.relu(mg.ops.conv2d(g.input("x", X.shape), g.input("w", W.shape), g.input("c", C.shape),
+                                      stride=2, padding=1))
+        return g, [y], {"x": X, "w": W, "c": C}, [np.maximum(_conv(_f16(X), _f16(W), 2, 1) + C[:, None, None], 0)], env
+    if name == "conv1x1":             # a 1x1 convolution: rows of x read as they are; 60 positions
+        X, W = r(2, 8, 6, 10), r(12, 8, 1, 1)
+        y = mg.ops.conv2d(g.input("x", X.shape), g.input("w", W.shape))
+        return g, [y], {"x": X, "w": W}, [_conv(_f16(X), _f16(W), 1, 0)], env
     raise KeyError(name)
 
 
+def _conv(x, w, stride, pad):
+    """float64 cross-correlation, NCHW."""
+    x = np.pad(x, ((0, 0), (0, 0), (pad, pad), (pad, pad)))
+    win = np.lib.stride_tricks.sliding_window_view(x, w.shape[2:], axis=(2, 3))[:, :, ::stride, ::stride]
+    return np.einsum("nchwij,ocij->nohw", win, w)
+
+
 CASES = ["plain", "tb_batch_epilogue", "ta_broadcast", "odd_split_k", "merged_parts", "tile64", "tile128", "rect_tile",
-         "depth2", "depth3", "wide"]
+         "depth2", "depth3", "wide", "conv", "conv1x1"]
 
 
 def _run_case(runtime, name, mode, monkeypatch):

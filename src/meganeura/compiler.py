@@ -93,6 +93,24 @@ def _accelerated(t, forward) -> bool:
     return t.op == "matmul" and t.id in forward and t.dtype.name == "f32" and not t.attrs.get("out_dtype")
 
 
+CONV_OPS = ("conv2d", "conv2d_input_grad", "conv2d_weight_grad")
+
+
+def _accelerated_conv(t, forward) -> bool:
+    """``t`` is a forward f32 convolution: its matmul takes f16 operands (the columns rounded
+    in the implicit GEMM's loads)."""
+    return t.op == "conv2d" and t.id in forward and t.dtype.name == "f32"
+
+
+def _conv_macs(t) -> int:
+    """Multiply-adds of a convolution op's matmul (forward, input or weight gradient)."""
+    if t.op == "conv2d_weight_grad":
+        ct = t.inputs[1]
+        return t.size * ct.shape[0] * ct.shape[2] * ct.shape[3]
+    ct, w = t.inputs[0], t.inputs[1]
+    return (t if t.op == "conv2d" else ct).size * w.shape[1] * w.shape[2] * w.shape[3]
+
+
 def _viewed_parameter(x):
     """(parameter, layout ops from it to ``x``, outermost first) when ``x`` is an f32
     parameter or a layout view of one, else (None, [])."""
@@ -115,7 +133,7 @@ def f16_weights(forward_targets) -> frozenset:
     forward = {t.id for t in nodes}
     names = set()
     for t in nodes:
-        if _accelerated(t, forward):
+        if _accelerated(t, forward) or _accelerated_conv(t, forward):
             names.update(p.name for p in (_viewed_parameter(x)[0] for x in t.inputs) if p is not None)
     return frozenset(names)
 
@@ -141,20 +159,24 @@ def precision_constants() -> tuple:
 
 
 def _accelerated_backward(t, forward) -> bool:
-    """``t`` is a backward f32 matmul (one the autodiff added) large enough that
-    accelerated precision gives it f16 operands, the gradient ones scaled. Matmuls that
+    """``t`` is a backward f32 matmul or convolution (one the autodiff added) large enough
+    that accelerated precision gives it f16 operands, the gradient ones scaled. Matmuls that
     only a state update or the optimizer reads stay f32."""
-    if t.op != "matmul" or t.id in forward or t.id not in t.graph.backward_ids or t.dtype.name != "f32" \
-            or t.attrs.get("out_dtype"):
+    if t.op not in ("matmul",) + CONV_OPS or t.id in forward or t.id not in t.graph.backward_ids \
+            or t.dtype.name != "f32" or t.attrs.get("out_dtype"):
         return False
+    if t.op != "matmul":
+        return _conv_macs(t) >= BACKWARD_F16_MIN_MACS
     a = t.inputs[0]
     k = a.shape[-2] if t.attrs["ta"] else a.shape[-1]
     return t.size * k >= BACKWARD_F16_MIN_MACS
 
 
 def accelerated_rewrite(forward_targets, f16_weights=frozenset()):
-    """Accelerated precision: matmuls read f16 operands and accumulate in f32. Forward
-    matmuls (those the fetched outputs and loss depend on) cast theirs; a parameter named in
+    """Accelerated precision: matmuls read f16 operands and accumulate in f32, and so do
+    the matmuls of convolutions (decomposed here around them: the im2col columns are cast,
+    which the implicit GEMM does in its loads). Forward matmuls (those the fetched outputs
+    and loss depend on) cast theirs; a parameter named in
     ``f16_weights`` is read from its persistent f16 copy (a state of the lowered graph,
     ``f16_copy_name``) rather than cast on every call. Backward matmuls cast forward values
     alike, and scale each gradient operand by GRAD_SCALE_TARGET over its
@@ -164,6 +186,7 @@ def accelerated_rewrite(forward_targets, f16_weights=frozenset()):
     touch it): either way the step is lost."""
     from .ops import cast, emit
     from .ops.elementwise import maximum
+    from .ops.registry import OPS
     from .ops.reduce import amax
     from .reference import needed_nodes
     forward = {t.id for t in needed_nodes(forward_targets)}
@@ -189,10 +212,19 @@ def accelerated_rewrite(forward_targets, f16_weights=frozenset()):
             scaled[x.id] = (cast(new / peak * GRAD_SCALE_TARGET, "f16"), peak)
         return scaled[x.id]
 
+    def product(a, b, ta=False, tb=False):
+        return codegen.matmul.accelerate(a, b, ta, tb)
+
+    def apply(t, ops):
+        """``t`` over ``ops`` with its matmul on f16 operands: a matmul, or a convolution
+        decomposed around one (its im2col, col2im and batch sum stay f32)."""
+        if t.op == "matmul":
+            return product(*ops, t.attrs["ta"], t.attrs["tb"])
+        return OPS[t.op].extra["decompose"](*ops, **t.attrs, product=product)
+
     def rw(t, ins):
-        if _accelerated(t, forward):
-            a, b = (operand(x, n) for x, n in zip(t.inputs, ins))
-            return codegen.matmul.accelerate(a, b, t.attrs["ta"], t.attrs["tb"])
+        if _accelerated(t, forward) or _accelerated_conv(t, forward):
+            return apply(t, [operand(x, n) for x, n in zip(t.inputs, ins)])
         if _accelerated_backward(t, forward):
             ops, unscale = [], []
             for x, n in zip(t.inputs, ins):
@@ -202,7 +234,7 @@ def accelerated_rewrite(forward_targets, f16_weights=frozenset()):
                     v, peak = gradient_operand(x, n)
                     ops.append(v)
                     unscale.append(peak)
-            y = codegen.matmul.accelerate(*ops, t.attrs["ta"], t.attrs["tb"])
+            y = apply(t, ops)
             for peak in unscale:     # one factor at a time: their product could underflow
                 y = y * (1.0 / GRAD_SCALE_TARGET) * peak
             return y

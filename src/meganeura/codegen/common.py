@@ -36,6 +36,7 @@ class Bindings:
         self.bufs, self.types, self.written = [], [], set()
         self.scalar = set()          # bindings read element by element elsewhere: never vec4
         self.helpers_done = set()    # WGSL helper functions already in the module
+        self.enable_f16 = False      # a function of the module computes in f16 without an f16 binding
 
     def index(self, buf, dtype, write=False) -> int:
         if write:
@@ -50,7 +51,7 @@ class Bindings:
     def decls(self) -> str:
         """Buffers the kernel only reads are declared ``read``: wgpu then needs no barrier
         between two dispatches that both only read them."""
-        enable = ["enable f16;"] if "f16" in self.types else []
+        enable = ["enable f16;"] if self.enable_f16 or any("f16" in t for t in self.types) else []
         return "\n".join(enable + [
             f"@group(0) @binding({k}) var<storage, {'read_write' if id(b) in self.written else 'read'}> "
             f"b{k}: array<{ty}>;" for k, (b, ty) in enumerate(zip(self.bufs, self.types))])

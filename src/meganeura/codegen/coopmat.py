@@ -33,7 +33,9 @@ import numpy as np
 
 from .common import Bindings, contiguous_batch_strides
 from .expr import OutputStore
+from .gather import as_function as gather_function
 from .matmul import k_step, split_k
+from .pointwise import as_function as pointwise_function
 
 FRAG = 16          # the fragment shape: 16x16x16
 SUBGROUP = 32      # lanes per subgroup the kernel is written for
@@ -175,8 +177,9 @@ def config_key() -> tuple:
 
 def select(kernel) -> str:
     """Why ``kernel`` cannot run on cooperative matrices ('' when it can): it must be a tiled
-    matmul (not a GEMV) whose A and B are f16 views, without a norm prologue, a gathered
-    operand or a paired product, and merged parts must share their tile, rows and batch."""
+    matmul (not a GEMV) whose A and B are f16 views (or computed in its loads: an implicit-GEMM
+    convolution's columns), without a norm prologue or a paired product, and merged parts must
+    share their tile, rows and batch."""
     if kernel.archetype != "matmul":
         return f"archetype {kernel.archetype!r}"
     parts = kernel.spec.get("parts", [kernel])
@@ -186,7 +189,7 @@ def select(kernel) -> str:
             return "no kernel IR (a plan read from the plan cache)"
         if s.get("gemv"):
             return "a GEMV"
-        for what in ("prologue", "gathers", "pair"):
+        for what in ("prologue", "pair"):
             if s.get(what):
                 return f"a {what}"
         a, b = p.reads[:2]
@@ -215,6 +218,9 @@ class _Operand:
     chk_own: bool
     chk_k: bool
     vec: bool = False
+    load: str = ""    # the operand computed in the loads: the WGSL function of its flat index (binding None)
+    load_offset: int = 0
+    conv: tuple = ()  # an im2col computed in the loads: (geometry, input binding, input view), no function
 
     def tile(self, BK):
         """(rows, columns) of the staged chunk."""
@@ -228,7 +234,7 @@ class _Operand:
         return self.tile(BK)[0] * self.stride(BK)
 
     def vectorizable(self):
-        return (self.K if self.rows_own else self.own) % 8 == 0 and self.view.offset % 8 == 0
+        return not self.load and not self.conv and (self.K if self.rows_own else self.own) % 8 == 0 and self.view.offset % 8 == 0
 
 
 def _ind(lines, n):
@@ -251,7 +257,9 @@ def _fetch_store(op: _Operand, BK, NT, reg, off, shared):
     b = f"b{op.binding}"
     idx = [f"uint v = t + l * {NT}u;", f"uint r = v / {CQ}u, q = v % {CQ}u;",
            f"uint gr = {row0} + r, gc = {col0} + q * 8u;"]
-    if op.vec:
+    if op.conv:
+        body = _im2col_fetch(op, reg, off, ld, [(f"gr < {row_ext}", chk_row)], (col_ext, chk_col))
+    elif op.vec:
         conds = [c for c, on in ((f"gr < {row_ext}", chk_row), (f"gc < {col_ext}", chk_col)) if on]
         at = f"({off} + gr * {ld}u + gc) / 8u"
         if conds:
@@ -263,10 +271,11 @@ def _fetch_store(op: _Operand, BK, NT, reg, off, shared):
         body = [f"uint e = {off} + gr * {ld}u + gc;", "float16_t h[8];"]
         for i in range(8):
             conds = [c for c, on in ((f"gr < {row_ext}", chk_row), (f"gc + {i}u < {col_ext}", chk_col)) if on]
-            if conds:
-                body.append(f"h[{i}] = ({' && '.join(conds)}) ? {b}[min(e + {i}u, {last}u)] : float16_t(0.0);")
+            if op.load:           # computed (the function clamps its index)
+                value = f"float16_t({op.load}(e + {i}u - {op.load_offset}u))"
             else:
-                body.append(f"h[{i}] = {b}[e + {i}u];")
+                value = f"{b}[min(e + {i}u, {last}u)]" if conds else f"{b}[e + {i}u]"
+            body.append(f"h[{i}] = ({' && '.join(conds)}) ? {value} : float16_t(0.0);" if conds else f"h[{i}] = {value};")
         body.append(f"{reg}[l] = uvec4(" + ", ".join(f"packFloat2x16(f16vec2(h[{2 * i}], h[{2 * i + 1}]))"
                                                      for i in range(4)) + ");")
     wrap = (lambda ls: [f"if (v < {total}u) {{"] + ["    " + x for x in ls] + ["}"]) if guard else (lambda ls: ls)
@@ -274,6 +283,50 @@ def _fetch_store(op: _Operand, BK, NT, reg, off, shared):
     fetch = head + ["    " + x for x in idx[:1] + wrap(idx[1:] + body)] + ["}"]
     store = head + ["    " + x for x in idx[:1] + wrap([idx[1], f"{shared}[base + r * {SX}u + q] = {reg}[l];"])] + ["}"]
     return fetch, store, per
+
+
+def _im2col_fetch(op: _Operand, reg, off, ld, row_conds, col_check):
+    """GLSL packing the 8 elements of the virtual im2col matrix (N, C*kh*kw, L) at flat index
+    ``e`` on: consecutive columns (output positions) of one row (a channel and kernel offset),
+    so the row's coordinates are computed once and the position advances without a division
+    (a function of the flat index divides per element, which left the tensor cores idle).
+    ``gr`` indexes the operand's rows along the matrix's rows in both layouts (A of a
+    convolution's weight gradient reads it transposed)."""
+    geo, xb, x = op.conv
+    n, c, h, w = geo["nchw"]
+    kh, kw = geo["kernel"]
+    (sh, sw), (dh, dw), (top, left), wo = geo["stride"], geo["dilation"], geo["pad"], geo["wo"]
+    L = op.view.shape[-1]
+    rows = op.view.size // L          # (N * C * kh * kw) of the matrix, counted over the batch
+    ck = c * kh * kw
+    last = x.offset + x.size - 1
+    col_ext, chk_col = col_check
+    lines = [f"uint fi = {off} + gr * {ld}u + gc - {op.load_offset}u;",
+             f"uint row = min(fi / {L}u, {rows - 1}u), col = fi % {L}u;",
+             f"uint ch = row % {ck}u, xbase = {x.offset}u + (row / {ck}u * {c}u + ch / {kh * kw}u) * {h * w}u;"]
+    plain = (kh, kw, sh, sw, top, left) == (1, 1, 1, 1, 0, 0)
+    if plain:                         # a 1x1 convolution: the row of x itself
+        lines.append("xbase += col;")
+    else:
+        lines += [f"uint kr = ch % {kh * kw}u;",
+                  f"int y0 = int(kr / {kw}u) * {dh} - {top}, x0 = int(kr % {kw}u) * {dw} - {left};",
+                  f"uint oy = col / {wo}u, ox = col % {wo}u;"]
+    lines.append("float16_t h[8];")
+    fill = f"float16_t({float(geo['fill'])!r})"
+    for i in range(8):
+        conds = [cnd for cnd, on in row_conds if on] + ([f"gc + {i}u < {col_ext}"] if chk_col else [])
+        if plain:
+            value = f"float16_t(b{xb}[min(xbase + {i}u, {last}u)])"
+        else:
+            value = f"(y >= 0 && y < {h} && xx >= 0 && xx < {w}) ? float16_t(b{xb}[min(xbase + uint(y * {w} + xx), {last}u)]) : {fill}"
+            lines.append(f"{{ int y = int(oy) * {sh} + y0, xx = int(ox) * {sw} + x0;")
+        lines.append(f"h[{i}] = ({' && '.join(conds)}) ? {value} : float16_t(0.0);" if conds else f"h[{i}] = {value};")
+        if not plain:
+            lines[-1] = "  " + lines[-1]
+            lines.append(f"  ox += 1u; if (ox == {wo}u) {{ ox = 0u; oy += 1u; }} }}" if i < 7 else "}")
+    lines.append(f"{reg}[l] = uvec4(" + ", ".join(f"packFloat2x16(f16vec2(h[{2 * i}], h[{2 * i + 1}]))"
+                                                for i in range(4)) + ");")
+    return lines
 
 
 def _batch_offsets(a, b, batch, index):
@@ -298,6 +351,20 @@ class _Part:
         self.kernel, self.j = kernel, j
         a, b = kernel.reads[:2]
         s = kernel.spec
+        # operands computed in the loads (``codegen.matmul``'s functions, bound first as there)
+        self.functions, loads, convs = [], {}, {}
+        for op, gs in s.get("gathers", {}).items():
+            reads = kernel.reads[gs["first"]:gs["first"] + gs["n"]]
+            if gs.get("im2col"):      # fetched by _im2col_fetch (the same binding as the function's)
+                xb = bind.index(reads[0].buf, reads[0].dtype)
+                bind.scalar.add(xb)
+                loads[op], convs[op] = ("", gs["offset"]), (gs["im2col"], xb, reads[0])
+                continue
+            fname = f"gat{j}_{op}"
+            make = pointwise_function if "expr" in gs else gather_function
+            self.functions.append(make(gs, reads, bind, fname))
+            loads[op] = (fname, gs["offset"])
+        index = lambda op, v: None if op in loads else bind.index(v.buf, v.dtype)  # noqa: E731
         self.ta, self.tb = bool(s["ta"]), bool(s["tb"])
         self.M, self.N = kernel.shape[-2:]
         self.K = a.shape[-2] if self.ta else a.shape[-1]
@@ -306,8 +373,10 @@ class _Part:
         self.nb = int(np.prod(self.batch, dtype=np.int64))
         self.KC = split_k(self.K, self.S, s.get("tk") or k_step(s.get("tile") or 128))
         # bindings in the WGSL kernel's order: A, B, then the store's (output, epilogue)
-        self.A = _Operand(a, bind.index(a.buf, a.dtype), not self.ta, self.M, BM, self.K, "m0", self.M % BM != 0, False)
-        self.B = _Operand(b, bind.index(b.buf, b.dtype), self.tb, self.N, BN, self.K, "n0", self.N % BN != 0, False)
+        self.A = _Operand(a, index(0, a), not self.ta, self.M, BM, self.K, "m0", self.M % BM != 0, False, False,
+                          *loads.get(0, ("", 0)), convs.get(0, ()))
+        self.B = _Operand(b, index(1, b), self.tb, self.N, BN, self.K, "n0", self.N % BN != 0, False, False,
+                          *loads.get(1, ("", 0)), convs.get(1, ()))
         self.store = OutputStore(kernel, bind, name=f"store_out{j}")
         self.store_bindings = {self.store.ob} | {bind.index(v.buf, v.dtype) for v in kernel.epi_reads}
         out = kernel.out
@@ -343,7 +412,8 @@ def render(kernel, workgroup_storage=49152, emulate=False):
     uses: dict = {}
     for p in parts:
         for op in (p.A, p.B):
-            uses.setdefault(op.binding, []).append(op)
+            if op.binding is not None:
+                uses.setdefault(op.binding, []).append(op)
     stored = set().union(*(p.store_bindings for p in parts))
     for k, used in uses.items():
         vec = k not in stored and all(op.vectorizable() for op in used)
@@ -361,7 +431,7 @@ def render(kernel, workgroup_storage=49152, emulate=False):
     if nbytes > workgroup_storage:
         raise ValueError(f"kernel {kernel.name!r}: {nbytes} B of workgroup memory on cooperative matrices "
                          f"(the device allows {workgroup_storage})")
-    wgsl = bind.decls() + "\n" + "\n".join(p.store.module_text() for p in parts) + "\n"
+    wgsl = bind.decls() + "\n" + "\n".join(f for p in parts for f in p.functions + [p.store.module_text()]) + "\n"
     lib = to_glsl_library(wgsl, kernel.name)
     geo = dict(BM=BM, BN=BN, BK=BK, SG_M=SG_M, SG_N=SG_N, DEPTH=DEPTH, WM=BM // (FRAG * SG_M), WN=BN // (FRAG * SG_N),
                NT=SUBGROUP * nsg, size_a=size_a, size_b=size_b)

@@ -10,12 +10,14 @@ from .expr import OutputStore
 from .common import ENTRY, GROUP_INDEX, WG, Bindings, coords, grid, literal
 
 
-def _kernel(name, body, checks=None):
+def _kernel(name, body, checks=None, geometry=None):
     def lower(t, ins, out, materialize, temp):
         dense = [materialize(v, x) for v, x in zip(ins, t.inputs)]
         spec = {"body": body(t), "inputs": [x.dtype for x in t.inputs]}
         if checks:
             spec["checks"] = checks(t)
+        if geometry:
+            spec[name] = geometry(t)
         return [Kernel(name, "gather", spec, out, dense)]
     return lower
 
@@ -79,6 +81,16 @@ def _im2col(t):
     }}"""
 
 
+def _im2col_geometry(t) -> dict:
+    """What a consumer computing im2col in its loads needs besides the body: the input's
+    (N, C, H, W), the kernel, stride, dilation, top / left padding, output width and fill."""
+    a = t.attrs
+    n, c, h, w = t.inputs[0].shape
+    return {"nchw": (n, c, h, w), "kernel": tuple(a["kernel"]), "stride": tuple(a["stride"]),
+            "dilation": tuple(a["dilation"]), "pad": (a["padding"][0][0], a["padding"][1][0]),
+            "wo": _out_len(w, a["kernel"][1], a["stride"][1], a["padding"][1], a["dilation"][1]), "fill": a["fill"]}
+
+
 def _out_len(size, k, s, pad, d):
     return (size + pad[0] + pad[1] - d * (k - 1) - 1) // s + 1
 
@@ -129,21 +141,37 @@ def _lower_embedding_grad(t, ins, out, materialize, temp):
 
 LOWER = {"one_hot": _kernel("one_hot", _one_hot, _one_hot_checks),
          "embedding": _kernel("embedding", _embedding, _embedding_checks),
-         "embedding_grad": _lower_embedding_grad, "im2col": _kernel("im2col", _im2col),
+         "embedding_grad": _lower_embedding_grad, "im2col": _kernel("im2col", _im2col, geometry=_im2col_geometry),
          "col2im": _kernel("col2im", _col2im)}
 
 
 def inlinable(kernel) -> bool:
     """A gather another kernel can evaluate in its loads (``as_function``): its value is a
-    formula of the output index alone, with no index checks, scatter or epilogue."""
-    return kernel.archetype == "gather" and kernel.name == "im2col" and kernel.epilogue is None \
+    formula of the output index alone, with no index checks, scatter or epilogue other than
+    a cast of the value (``stored_dtype`` says to what)."""
+    return kernel.archetype == "gather" and kernel.name.split("+")[0] == "im2col" \
+        and (kernel.epilogue is None or _cast_only(kernel)) \
         and not kernel.spec.get("checks") and "index" not in kernel.spec and "threads" not in kernel.spec
+
+
+def _cast_only(kernel) -> bool:
+    """The epilogue is a cast of the gathered value and nothing else (no further stores)."""
+    e = kernel.epilogue
+    return e[0] == "op" and e[1].op == "cast" and list(e[2]) == [("acc",)] and not kernel.epi_reads \
+        and not kernel.spec.get("stores")
+
+
+def stored_dtype(kernel) -> str:
+    """The dtype name an inlinable gather's values are rounded to: its output's."""
+    return kernel.out.dtype.name
 
 
 def as_function(gather_spec, reads, bind, name) -> str:
     """WGSL ``fn name(i: u32) -> f32``: the value a gather would have stored at flat index
     ``i`` of its output (clamped into it), for a consumer that reads the gather's output
-    through a load instead of a buffer (implicit-GEMM convolution reads im2col this way)."""
+    through a load instead of a buffer (implicit-GEMM convolution reads im2col this way).
+    ``gather_spec["dtype"]``: the stored dtype the value is rounded to first (a cast fused
+    into the gather: accelerated precision's f16 columns)."""
     body = gather_spec["body"]
     lines = []
     for k, v in enumerate(reads):
@@ -151,8 +179,13 @@ def as_function(gather_spec, reads, bind, name) -> str:
         bind.scalar.add(bi)
         lines.append(f"    let xo{k} = {v.offset}u;")
         body = body.replace(f"x{k}[", f"b{bi}[")
+    val = "val"
+    if gather_spec.get("dtype", "f32") != "f32":
+        from ..graph import dtype_of
+        val = f"{dtype_of(gather_spec['dtype']).wgsl}(val)"
+        bind.enable_f16 |= gather_spec["dtype"] == "f16"
     return (f"fn {name}(i0: u32) -> f32 {{\n    let i = min(i0, {gather_spec['size'] - 1}u);\n" + "\n".join(lines)
-            + "\n" + body + "\n    return f32(val);\n}\n")
+            + "\n" + body + f"\n    return f32({val});\n}}\n")
 
 
 def render(kernel, errors=None):

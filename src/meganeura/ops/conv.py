@@ -229,13 +229,20 @@ def _conv2d_vjp(ct, y, x, w, stride, padding, dilation, groups):
             emit("conv2d_weight_grad", [x, ct], kernel=w.shape[2:], **kw)]
 
 
-def _conv2d_decompose(x, w, stride, padding, dilation, groups):
-    from . import mm, reshape
+def _product(a, b, ta=False, tb=False):
+    from . import mm
+    return mm(a, b, ta=ta, tb=tb)
+
+
+# The decompositions take the matmul as ``product(a, b, ta, tb)``: accelerated precision
+# passes its own (f16 operands, f32 accumulation and output).
+def _conv2d_decompose(x, w, stride, padding, dilation, groups, product=_product):
+    from . import reshape
     o, cg, kh, kw = w.shape
     cols = _im2col(x, (kh, kw), stride, padding, dilation)            # (N, C*kh*kw, L)
     n, _, l = cols.shape
     k = cg * kh * kw
-    y = mm(reshape(w, (groups, o // groups, k)), reshape(cols, (n, groups, k, l)))   # (N, g, O/g, L)
+    y = product(reshape(w, (groups, o // groups, k)), reshape(cols, (n, groups, k, l)))   # (N, g, O/g, L)
     return reshape(y, (n, o) + _out_hw("conv2d", x.shape[2:], (kh, kw), stride, padding, dilation, x))
 
 
@@ -267,12 +274,12 @@ def _input_grad_ref(ct, w, size, stride, padding, dilation, groups):
     return _unwindows(cols.reshape(n, groups * cg, kh, kw, ho, wo), size, stride, padding, dilation)
 
 
-def _input_grad_decompose(ct, w, size, stride, padding, dilation, groups):
-    from . import mm, reshape
+def _input_grad_decompose(ct, w, size, stride, padding, dilation, groups, product=_product):
+    from . import reshape
     o, cg, kh, kw = w.shape
     n, _, ho, wo = ct.shape
     k = cg * kh * kw
-    cols = mm(reshape(w, (groups, o // groups, k)), reshape(ct, (n, groups, o // groups, ho * wo)), ta=True)
+    cols = product(reshape(w, (groups, o // groups, k)), reshape(ct, (n, groups, o // groups, ho * wo)), ta=True)
     return _col2im(reshape(cols, (n, groups * k, ho * wo)), size, (kh, kw), stride, padding, dilation)
 
 
@@ -311,13 +318,13 @@ def _weight_grad_ref(x, ct, kernel, stride, padding, dilation, groups):
     return dw.reshape((o, c // groups) + tuple(kernel))
 
 
-def _weight_grad_decompose(x, ct, kernel, stride, padding, dilation, groups):
-    from . import mm, reduce_sum, reshape
+def _weight_grad_decompose(x, ct, kernel, stride, padding, dilation, groups, product=_product):
+    from . import reduce_sum, reshape
     n, c = x.shape[:2]
     o, ho, wo = ct.shape[1:]
     k = c // groups * kernel[0] * kernel[1]
     cols = reshape(_im2col(x, kernel, stride, padding, dilation), (n, groups, k, ho * wo))
-    dw = mm(reshape(ct, (n, groups, o // groups, ho * wo)), cols, tb=True)   # (N, g, O/g, K)
+    dw = product(reshape(ct, (n, groups, o // groups, ho * wo)), cols, tb=True)   # (N, g, O/g, K)
     return reshape(reduce_sum(dw, (0,)), (o, c // groups) + tuple(kernel))
 
 

@@ -506,14 +506,16 @@ def _compute_in_loads(kernels, gi, uses, max_bindings, operand_spec, accept=None
 def fuse_gather_operands(kernels, max_bindings):
     """An im2col read only by tiled matmuls (a convolution's forward and its weight
     gradient) is computed in their operand loads (implicit-GEMM convolution): the column
-    matrix is never stored."""
-    from ..codegen.gather import inlinable
+    matrix is never stored (nor rounded to f16 in memory, where accelerated precision casts
+    it: the loads round it)."""
+    from ..codegen.gather import inlinable, stored_dtype
     kernels = list(kernels)
     uses = _Uses(kernels)
     for gi, gk in enumerate(kernels):
         if gk is None or not inlinable(gk) or gk.out.buf.kind != "temp" or not gk.out.is_contiguous():
             continue
-        _compute_in_loads(kernels, gi, uses, max_bindings, {"body": gk.spec["body"]})
+        _compute_in_loads(kernels, gi, uses, max_bindings, {"body": gk.spec["body"], "dtype": stored_dtype(gk),
+                                                            "im2col": gk.spec.get("im2col")})
     return [k for k in kernels if k is not None]
 
 
