@@ -254,3 +254,30 @@ def test_primitive_index_formulas():
                     continue
                 acc += cols[b, (ci * kh + i) * kw + j, (qh // sh) * wo + qw // sw]
         assert np.isclose(v, acc, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("kw", [dict(stride=2, padding=1), dict(dilation=(2, 1), padding=(2, 0)), dict()],
+                         ids=["stride", "dilation", "plain"])
+def test_weight_gradient_folds_the_batch_on_the_gpu(kw):
+    """More weights than output positions: one matmul over the whole batch (the columns of
+    every image side by side, the cotangent transposed to match) instead of a product per
+    image and their sum, on the GPU against the float64 reference."""
+    from meganeura.ops.conv import _conv_padding, _pair
+    from meganeura.ops.registry import emit
+    rng = np.random.default_rng(9)
+    x = rng.standard_normal((3, 6, 7, 5)).astype(np.float32)
+    w = np.zeros((5, 6, 3, 3), np.float32)
+    g = mg.Graph()
+    xt = g.input("x", x.shape)
+    y_shape = mg.ops.conv2d(xt, g.input("w", w.shape), **kw).shape
+    ct = rng.standard_normal(y_shape).astype(np.float32)
+    stride, dilation = _pair("t", "s", kw.get("stride", 1), 1), _pair("t", "d", kw.get("dilation", 1), 1)
+    attrs = dict(kernel=(3, 3), stride=stride, dilation=dilation, groups=1,
+                 padding=_conv_padding(kw.get("padding", 0), (3, 3), stride, dilation))
+    dw = emit("conv2d_weight_grad", [xt, g.input("ct", ct.shape)], **attrs)
+    s = mg.compile(g, outputs=[dw], backend="gpu")
+    (got,) = s.run({"x": x, "ct": ct})
+    names = s.executor.plans["run"].names
+    assert not any("reduce_sum" in n for n in names) and sum("matmul" in n for n in names) == 1, names
+    want = OPS["conv2d_weight_grad"].ref(x.astype(np.float64), ct.astype(np.float64), **attrs)
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())

@@ -544,11 +544,14 @@ def test_independent_tiled_matmuls_share_a_launch():
 # the GPU executor compiles them. Lower a budget when fusion improves; a rise is a
 # regression. (Real-size counts: bench/dispatches.py.) The U-Net's and Whisper's training
 # counts rose by 12 and 3 when merged tiled matmuls were capped at ``MAX_TILED_PARTS`` parts
-# (smaller kernels for the driver; the pieces are independent launches of one level).
+# (smaller kernels for the driver; the pieces are independent launches of one level), and
+# the U-Net's by 2 when convolution weight gradients with more weights than positions began
+# to fold the batch into one matmul (a transposing copy of the cotangent each, where the sum
+# over the batch had fused with its neighbours).
 BUDGETS = {
     "smollm2": {"inference": 16, "minimal": 15, "flb": 74, "train_step": 74},
     "smolvla": {"inference": 28, "minimal": 28, "flb": 110, "train_step": 111},
-    "unet": {"inference": 169, "minimal": 169, "flb": 738, "train_step": 744},
+    "unet": {"inference": 169, "minimal": 169, "flb": 740, "train_step": 746},
     "resnet50": {"inference": 20, "minimal": 20, "flb": 101, "train_step": 107},
     "whisper": {"inference": 14, "minimal": 14, "flb": 67, "train_step": 68},
 }

@@ -286,31 +286,40 @@ def _fetch_store(op: _Operand, BK, NT, reg, off, shared):
 
 
 def _im2col_fetch(op: _Operand, reg, off, ld, row_conds, col_check):
-    """GLSL packing the 8 elements of the virtual im2col matrix (N, C*kh*kw, L) at flat index
-    ``e`` on: consecutive columns (output positions) of one row (a channel and kernel offset),
-    so the row's coordinates are computed once and the position advances without a division
-    (a function of the flat index divides per element, which left the tensor cores idle).
+    """GLSL packing the 8 elements of the virtual im2col matrix at flat index ``e`` on:
+    consecutive columns (output positions) of one row (a channel and kernel offset), so the
+    row's coordinates are computed once and the position advances without a division (a
+    function of the flat index divides per element, which left the tensor cores idle).
     ``gr`` indexes the operand's rows along the matrix's rows in both layouts (A of a
-    convolution's weight gradient reads it transposed)."""
+    convolution's weight gradient reads it transposed). The matrix is (N, C*kh*kw, L), or
+    with ``fold_batch`` (C*kh*kw, N*L), where the positions run on into the next image."""
     geo, xb, x = op.conv
     n, c, h, w = geo["nchw"]
     kh, kw = geo["kernel"]
     (sh, sw), (dh, dw), (top, left), wo = geo["stride"], geo["dilation"], geo["pad"], geo["wo"]
-    L = op.view.shape[-1]
-    rows = op.view.size // L          # (N * C * kh * kw) of the matrix, counted over the batch
+    fold = geo.get("fold_batch", False)
+    cols = op.view.shape[-1]          # L, or N * L folded
+    L = cols // n if fold else cols
+    rows = op.view.size // cols       # rows of the matrix over its batch
     ck = c * kh * kw
     last = x.offset + x.size - 1
     col_ext, chk_col = col_check
     lines = [f"uint fi = {off} + gr * {ld}u + gc - {op.load_offset}u;",
-             f"uint row = min(fi / {L}u, {rows - 1}u), col = fi % {L}u;",
-             f"uint ch = row % {ck}u, xbase = {x.offset}u + (row / {ck}u * {c}u + ch / {kh * kw}u) * {h * w}u;"]
-    plain = (kh, kw, sh, sw, top, left) == (1, 1, 1, 1, 0, 0)
+             f"uint row = min(fi / {cols}u, {rows - 1}u), col = fi % {cols}u;"]
+    if fold:
+        lines += [f"uint ch = row, xbase = {x.offset}u + (col / {L}u * {c}u + ch / {kh * kw}u) * {h * w}u;",
+                  f"col = col % {L}u;"]
+    else:
+        lines.append(f"uint ch = row % {ck}u, xbase = {x.offset}u + (row / {ck}u * {c}u + ch / {kh * kw}u) * {h * w}u;")
+    plain = not fold and (kh, kw, sh, sw, top, left) == (1, 1, 1, 1, 0, 0)
     if plain:                         # a 1x1 convolution: the row of x itself
         lines.append("xbase += col;")
     else:
         lines += [f"uint kr = ch % {kh * kw}u;",
                   f"int y0 = int(kr / {kw}u) * {dh} - {top}, x0 = int(kr % {kw}u) * {dw} - {left};",
                   f"uint oy = col / {wo}u, ox = col % {wo}u;"]
+    step = f"ox += 1u; if (ox == {wo}u) {{ ox = 0u; oy += 1u;" + \
+        (f" if (oy == {L // wo}u) {{ oy = 0u; xbase += {c * h * w}u; }}" if fold else "") + " }"
     lines.append("float16_t h[8];")
     fill = f"float16_t({float(geo['fill'])!r})"
     for i in range(8):
@@ -323,7 +332,7 @@ def _im2col_fetch(op: _Operand, reg, off, ld, row_conds, col_check):
         lines.append(f"h[{i}] = ({' && '.join(conds)}) ? {value} : float16_t(0.0);" if conds else f"h[{i}] = {value};")
         if not plain:
             lines[-1] = "  " + lines[-1]
-            lines.append(f"  ox += 1u; if (ox == {wo}u) {{ ox = 0u; oy += 1u; }} }}" if i < 7 else "}")
+            lines.append(f"  {step} }}" if i < 7 else "}")
     lines.append(f"{reg}[l] = uvec4(" + ", ".join(f"packFloat2x16(f16vec2(h[{2 * i}], h[{2 * i + 1}]))"
                                                 for i in range(4)) + ");")
     return lines

@@ -71,7 +71,12 @@ def _im2col(t):
     kh, kw = a["kernel"]
     (top, _), (left, _) = a["padding"]
     wo = _out_len(w, kw, a["stride"][1], a["padding"][1], a["dilation"][1])
-    return "\n".join(coords("i", t.shape)) + f"""
+    if a.get("fold_batch"):      # (C*kh*kw, N*L): c0 the image, c1 the row, c2 the position as below
+        L = t.shape[1] // n
+        index = f"    let c1 = i / {t.shape[1]}u; let c0 = (i % {t.shape[1]}u) / {L}u; let c2 = i % {L}u;"
+    else:
+        index = "\n".join(coords("i", t.shape))
+    return index + f"""
     let ch = c1 / {kh * kw}u; let ki = (c1 % {kh * kw}u) / {kw}u; let kj = c1 % {kw}u;
     let y = i32(c2 / {wo}u) * {a['stride'][0]}i + i32(ki) * {a['dilation'][0]}i - {top}i;
     let x = i32(c2 % {wo}u) * {a['stride'][1]}i + i32(kj) * {a['dilation'][1]}i - {left}i;
@@ -88,7 +93,8 @@ def _im2col_geometry(t) -> dict:
     n, c, h, w = t.inputs[0].shape
     return {"nchw": (n, c, h, w), "kernel": tuple(a["kernel"]), "stride": tuple(a["stride"]),
             "dilation": tuple(a["dilation"]), "pad": (a["padding"][0][0], a["padding"][1][0]),
-            "wo": _out_len(w, a["kernel"][1], a["stride"][1], a["padding"][1], a["dilation"][1]), "fill": a["fill"]}
+            "wo": _out_len(w, a["kernel"][1], a["stride"][1], a["padding"][1], a["dilation"][1]), "fill": a["fill"],
+            "fold_batch": bool(a.get("fold_batch"))}
 
 
 def _out_len(size, k, s, pad, d):

@@ -106,23 +106,31 @@ def _unbatched(x, fn):
 # Output element [n, (c*kh + i)*kw + j, oh*Wout + ow] reads x[n, c, oh*sh - top + i*dh, ow*sw - left + j*dw],
 # or is ``fill`` when that lies in the padding (0 for convolutions, -inf for max pooling; WGSL has no
 # inf literal, so a kernel spells it as bitcast<f32>(0xff800000u)).
-def _im2col_infer(ins, kernel, stride, padding, dilation, fill):
+# ``fold_batch``: the columns of every image side by side instead, (C*kh*kw, N*Hout*Wout), so
+# that one matmul sums a convolution's weight gradient over the batch (lowering only).
+def _im2col_infer(ins, kernel, stride, padding, dilation, fill, fold_batch=False):
     x = ins[0]
     require_float("im2col", x)
     _require4("im2col", "input", x)
     ho, wo = _out_hw("im2col", x.shape[2:], kernel, stride, padding, dilation, x)
-    return (x.shape[0], x.shape[1] * kernel[0] * kernel[1], ho * wo), x.dtype
+    rows = x.shape[1] * kernel[0] * kernel[1]
+    return ((rows, x.shape[0] * ho * wo) if fold_batch else (x.shape[0], rows, ho * wo)), x.dtype
 
 
-def _im2col_ref(x, kernel, stride, padding, dilation, fill):
+def _im2col_ref(x, kernel, stride, padding, dilation, fill, fold_batch=False):
     win = _windows(x, kernel, stride, padding, dilation, fill)
     n, c, kh, kw, ho, wo = win.shape
-    return win.reshape(n, c * kh * kw, ho * wo)
+    cols = win.reshape(n, c * kh * kw, ho * wo)
+    return np.swapaxes(cols, 0, 1).reshape(c * kh * kw, n * ho * wo) if fold_batch else cols
 
 
-register("im2col", _im2col_infer, _im2col_ref,
-         lambda ct, y, x, kernel, stride, padding, dilation, fill: [
-             _col2im(ct, x.shape[2:], kernel, stride, padding, dilation)])
+def _im2col_vjp(ct, y, x, kernel, stride, padding, dilation, fill, fold_batch=False):
+    if fold_batch:
+        raise NotImplementedError("im2col with fold_batch is a lowering form: it has no gradient")
+    return [_col2im(ct, x.shape[2:], kernel, stride, padding, dilation)]
+
+
+register("im2col", _im2col_infer, _im2col_ref, _im2col_vjp)
 
 
 # col2im (primitive, the adjoint of im2col with fill 0): cols (N, C*kh*kw, Hout*Wout) -> (N, C, H, W).
@@ -155,9 +163,10 @@ register("col2im", _col2im_infer, _col2im_ref,
              _im2col(ct, kernel, stride, padding, dilation)])
 
 
-def _im2col(x, kernel, stride, padding, dilation, fill=0.0):
+def _im2col(x, kernel, stride, padding, dilation, fill=0.0, fold_batch=False):
+    extra = {"fold_batch": True} if fold_batch else {}
     return emit("im2col", [x], kernel=tuple(kernel), stride=tuple(stride), padding=tuple(map(tuple, padding)),
-                dilation=tuple(dilation), fill=float(fill))
+                dilation=tuple(dilation), fill=float(fill), **extra)
 
 
 def _col2im(cols, size, kernel, stride, padding, dilation):
@@ -319,10 +328,17 @@ def _weight_grad_ref(x, ct, kernel, stride, padding, dilation, groups):
 
 
 def _weight_grad_decompose(x, ct, kernel, stride, padding, dilation, groups, product=_product):
-    from . import reduce_sum, reshape
+    from . import permute, reduce_sum, reshape
     n, c = x.shape[:2]
     o, ho, wo = ct.shape[1:]
     k = c // groups * kernel[0] * kernel[1]
+    if groups == 1 and n > 1 and k > ho * wo:
+        # more weights than positions per image: one matmul over the whole batch (K = N*L)
+        # instead of N products written out and summed; the cotangent is transposed to
+        # (O, N, L) for it (a copy of N*O*L, against N*O*K partials)
+        ct_t = reshape(permute(reshape(ct, (n, o, ho * wo)), (1, 0, 2)), (o, n * ho * wo))
+        dw = product(ct_t, _im2col(x, kernel, stride, padding, dilation, fold_batch=True), tb=True)
+        return reshape(dw, (o, c) + tuple(kernel))
     cols = reshape(_im2col(x, kernel, stride, padding, dilation), (n, groups, k, ho * wo))
     dw = product(reshape(ct, (n, groups, o // groups, ho * wo)), cols, tb=True)   # (N, g, O/g, K)
     return reshape(reduce_sum(dw, (0,)), (o, c // groups) + tuple(kernel))
