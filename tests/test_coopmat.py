@@ -243,6 +243,12 @@ def _case(name):
         y = mg.ops.relu(mg.ops.conv2d(g.input("x", X.shape), g.input("w", W.shape), g.input("c", C.shape),
                                       stride=2, padding=1))
         return g, [y], {"x": X, "w": W, "c": C}, [np.maximum(_conv(_f16(X), _f16(W), 2, 1) + C[:, None, None], 0)], env
+    if name == "conv_groups":         # grouped and dilated: the groups are a batch dimension of the product
+        X, W = r(2, 8, 9, 10), r(12, 4, 3, 2)
+        y = mg.ops.conv2d(g.input("x", X.shape), g.input("w", W.shape), padding=(2, 1), dilation=(2, 1), groups=2)
+        want = np.concatenate([_conv(_f16(X[:, 4 * i:4 * i + 4]), _f16(W[6 * i:6 * i + 6]), 1, (2, 1), (2, 1))
+                               for i in range(2)], axis=1)
+        return g, [y], {"x": X, "w": W}, [want], env
     if name == "conv1x1":             # a 1x1 convolution: rows of x read as they are; 60 positions
         X, W = r(2, 8, 6, 10), r(12, 8, 1, 1)
         y = mg.ops.conv2d(g.input("x", X.shape), g.input("w", W.shape))
@@ -250,15 +256,18 @@ def _case(name):
     raise KeyError(name)
 
 
-def _conv(x, w, stride, pad):
-    """float64 cross-correlation, NCHW."""
-    x = np.pad(x, ((0, 0), (0, 0), (pad, pad), (pad, pad)))
-    win = np.lib.stride_tricks.sliding_window_view(x, w.shape[2:], axis=(2, 3))[:, :, ::stride, ::stride]
+def _conv(x, w, stride, pad, dilation=(1, 1)):
+    """float64 cross-correlation, NCHW; ``pad`` an int or (rows, columns)."""
+    ph, pw = (pad, pad) if isinstance(pad, int) else pad
+    dh, dw = dilation
+    x = np.pad(x, ((0, 0), (0, 0), (ph, ph), (pw, pw)))
+    kh, kw = (w.shape[2] - 1) * dh + 1, (w.shape[3] - 1) * dw + 1
+    win = np.lib.stride_tricks.sliding_window_view(x, (kh, kw), axis=(2, 3))[:, :, ::stride, ::stride, ::dh, ::dw]
     return np.einsum("nchwij,ocij->nohw", win, w)
 
 
 CASES = ["plain", "tb_batch_epilogue", "ta_broadcast", "odd_split_k", "merged_parts", "tile64", "tile128", "rect_tile",
-         "depth2", "depth3", "wide", "conv", "conv1x1"]
+         "depth2", "depth3", "wide", "conv", "conv_groups", "conv1x1"]
 
 
 def _run_case(runtime, name, mode, monkeypatch):
