@@ -187,6 +187,42 @@ def test_variant_of_a_plan_from_the_plan_cache(runtime, monkeypatch, tmp_path):
     assert runtime.kernel_variant(c.kernel, c.wgsl, "mm", c.bufs, c.groups, precision="accelerated") is None
 
 
+def test_plan_from_the_plan_cache_reads_its_variants_as_one_set(runtime, monkeypatch, tmp_path):
+    """A plan's variants (and which of its matmuls have none, a GEMV here) are also stored as
+    one set, keyed by all their WGSL texts: a plan read from the plan cache reads that one
+    file, not one file per kernel (removed here, so only the set can serve them)."""
+    monkeypatch.setenv("MEGANEURA_CACHE_DIR", str(tmp_path))
+    for name in ("MEGANEURA_NO_DISK_CACHE", "MEGANEURA_NO_PLAN_CACHE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("MEGANEURA_COOPMAT", "emulate")
+    rng = np.random.default_rng(3)
+    feeds = {"x": rng.standard_normal((48, 40)).astype(np.float32), "v": rng.standard_normal((2, 40)).astype(np.float32),
+             "w": rng.standard_normal((56, 40)).astype(np.float32)}
+    g = mg.Graph()
+    w = g.input("w", (56, 40))
+    outs = [mg.ops.mm(g.input("x", (48, 40)), w, tb=True), mg.ops.mm(g.input("v", (2, 40)), w, tb=True)]
+
+    def run():
+        monkeypatch.setattr(runtime, "_variants", {})
+        before = runtime.stats["coopmat_kernels"]
+        with mg.compile(g, outputs=outs, backend="vulkan", precision="accelerated") as s:
+            got = s.run(feeds)
+            return got, runtime.stats["coopmat_kernels"] - before, s.executor.plans["run"].kernel_plan.stats.get("cache")
+
+    first, swapped, cache = run()
+    assert swapped == 1 and cache == "stored"
+    files = list((tmp_path / "coopmat").iterdir())
+    sets = [f for f in files if f.name.endswith(".set.json")]
+    assert len(sets) == 1 and len(files) == 2            # the set and the one variant's own file
+    for f in files:
+        if f not in sets:
+            f.unlink()
+    again, swapped, cache = run()
+    assert swapped == 1 and cache == "hit"
+    for a, b in zip(first, again):
+        np.testing.assert_array_equal(a, b)
+
+
 def _f16(x):
     return x.astype(np.float16).astype(np.float64)
 

@@ -26,6 +26,7 @@ tile; K not of the chunk) load zeros and skip stores.
 """
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 
@@ -138,8 +139,14 @@ float frag_b(uint at, uint stride, bool row_major, uint r, uint c) {
 def _forced_configs() -> dict:
     """The tile configurations ``MEGANEURA_COOPMAT_CONFIG`` sets (``T:BMxBNxSG_MxSG_NxBK[xDEPTH],...``,
     e.g. ``128:128x256x2x4x16``), checked: the benchmark's sweep."""
+    return dict(_parse_configs(os.environ.get("MEGANEURA_COOPMAT_CONFIG", "").strip()))
+
+
+@functools.lru_cache(maxsize=8)
+def _parse_configs(raw) -> tuple:
+    """``_forced_configs`` of one value of the switch, as (T, configuration) pairs (parsed
+    once: the runtime asks for every matmul of every plan)."""
     out = {}
-    raw = os.environ.get("MEGANEURA_COOPMAT_CONFIG", "").strip()
     for item in filter(None, (s.strip() for s in raw.split(","))):
         try:
             t, rest = item.split(":")
@@ -156,7 +163,7 @@ def _forced_configs() -> dict:
             raise ValueError(f"MEGANEURA_COOPMAT_CONFIG: {item!r}: T must be one of {sorted(CONFIGS)}, BM and BN "
                              f"split into 16-wide fragments by SG_M and SG_N, BK a multiple of 16, DEPTH 1-4")
         out[t] = (bm, bn, sm, sn, bk, depth)
-    return out
+    return tuple(sorted(out.items()))
 
 
 def configs() -> dict:

@@ -75,9 +75,9 @@ class Plan:
             shaders.append((wgsl, d.kernel.name, bufs, d.groups))
         # a runtime may run some kernels its own way (the Vulkan backend: matmuls on
         # cooperative matrices in accelerated precision): other text, bindings and groups
-        variant = getattr(dev, "kernel_variant", None)
-        if variant is not None:
-            shaders = [variant(d.kernel, *sh, precision=ex.precision) or sh for d, sh in zip(kp.dispatches, shaders)]
+        variants = getattr(dev, "kernel_variants", None)
+        if variants is not None:
+            shaders = variants([d.kernel for d in kp.dispatches], shaders, precision=ex.precision)
         phys = {}
 
         def allocate():

@@ -21,7 +21,6 @@ unchanged:
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import os
 import threading
@@ -496,13 +495,53 @@ class VulkanRuntime:
         self.stats["coopmat_kernels"] += 1
         return glsl, label, bufs, vgroups
 
-    def _variant_path(self, text, emulate):
+    def kernel_variants(self, kernels, shaders, precision="strict"):
+        """``kernel_variant`` over a plan's dispatches (``shaders``: their (text, label, bufs,
+        groups)) at once: the executor's hook. The variants of a plan's matmuls are also
+        stored together, keyed by all their WGSL texts, so that a plan read from the plan
+        cache (no kernel IR) finds them in one file instead of one file each."""
+        texts = sorted({sh[0] for k, sh in zip(kernels, shaders) if k.archetype == "matmul"})
+        mode = coopmat_mode()
+        if precision != "accelerated" or not texts or mode == "off" or (mode == "auto" and self.coopmat_reason):
+            return shaders
+        from ...codegen.coopmat import config_key
+        from .cache import disk_cache_enabled, write_atomic
+        emulate, key_tail = mode == "emulate", config_key()
+        path = self._variant_path(texts, emulate, what="set") if disk_cache_enabled() else None
+        with self._lock:
+            missing = [t for t in texts if (t, emulate, key_tail) not in self._variants]
+        stored = None
+        if missing and path is not None:
+            try:
+                stored = json.loads(path.read_text())["variants"]
+            except (OSError, ValueError, KeyError):
+                stored = None
+            if stored is not None and len(stored) == len(texts):
+                with self._lock:
+                    for t, v in zip(texts, stored):
+                        self._variants.setdefault((t, emulate, key_tail), None if v is None else (v[0], tuple(v[1])))
+        out = [self.kernel_variant(k, *sh, precision=precision) or sh for k, sh in zip(kernels, shaders)]
+        if missing and stored is None and path is not None:
+            with self._lock:
+                found = [self._variants.get((t, emulate, key_tail), False) for t in texts]
+            if False not in found:          # every variant known (a plan with IR): store the set
+                try:
+                    write_atomic(path, json.dumps({"variants": [None if v is None else [v[0], list(v[1])]
+                                                                for v in found]}).encode())
+                except OSError:
+                    pass
+        return out
+
+    def _variant_path(self, texts, emulate, what="variant"):
+        """The file of the variant of one WGSL text (``what`` "variant"), or of a plan's set of
+        them (``texts`` a sorted list, ``what`` "set")."""
         from ...codegen import coopmat
         from ...plan_cache import package_digest
-        from .cache import cache_dir
-        h = hashlib.sha256(repr((text, emulate, coopmat.config_key(),
-                                 self.limits["max-compute-workgroup-storage-size"], package_digest())).encode())
-        return cache_dir() / "coopmat" / f"{h.hexdigest()}.json"
+        from .cache import cache_dir, sha256_of
+        texts = [texts] if isinstance(texts, str) else texts
+        h = sha256_of([what, repr((emulate, coopmat.config_key(), self.limits["max-compute-workgroup-storage-size"])),
+                        package_digest(), *texts])
+        return cache_dir() / "coopmat" / f"{h.hexdigest()}{'' if what == 'variant' else '.' + what}.json"
 
     def _render_variant(self, kernel, text, bufs, emulate):
         """(GLSL, groups) of ``kernel`` on cooperative matrices, or None."""

@@ -85,7 +85,7 @@ class CompiledKernel:
     subgroup32: bool = False
 
 
-def _sha256_of(parts):
+def sha256_of(parts):
     """sha256 over ``parts`` (strings), each ended by a zero byte."""
     h = hashlib.sha256()
     for part in parts:
@@ -97,7 +97,7 @@ def _sha256_of(parts):
 def kernel_key(text: str, *, unroll: bool, target: str, glslang: str, package: str) -> str:
     """The key of a kernel text's SPIR-V: sha256 over the format, the package digest, the
     glslang version, the target environment, the GLSL translation switches and the text."""
-    return _sha256_of((str(KERNEL_FORMAT), package, glslang, target, "unroll" if unroll else "", text)).hexdigest()
+    return sha256_of((str(KERNEL_FORMAT), package, glslang, target, "unroll" if unroll else "", text)).hexdigest()
 
 
 def kernel_path(key: str) -> pathlib.Path:
@@ -180,7 +180,7 @@ _SET_MAGIC = b"MGKSET1\n"
 def kernel_set_key(texts, *, unroll: bool, target: str, glslang: str, package: str) -> str:
     """The key of the kernels of ``texts`` (in order): as ``kernel_key``, over every text."""
     head = ("set", str(KERNEL_FORMAT), package, glslang, target, "unroll" if unroll else "")
-    return _sha256_of(itertools.chain(head, texts)).hexdigest()
+    return sha256_of(itertools.chain(head, texts)).hexdigest()
 
 
 def kernel_set_path(key: str) -> pathlib.Path:
