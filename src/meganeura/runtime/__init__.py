@@ -6,24 +6,32 @@ import tempfile
 # machines, CI); compute needs no display, so any private folder will do.
 os.environ.setdefault("XDG_RUNTIME_DIR", tempfile.gettempdir())
 
-from .device import WANTED_LIMITS, Device, Pipeline, get_device, enumerate_adapters, adapter_summary, \
-    is_software_adapter  # noqa: E402
-from .recorder import PreparedStep, StepRecorder  # noqa: E402
-from .profiler import format_kernel_table, kernel_table, write_chrome_trace  # noqa: E402
+# The wgpu runtime's names load on first use (PEP 562): a process on the direct Vulkan backend
+# never imports wgpu, whose bindings take 0.6 s to load here (cffi parsing its C declarations).
+_LAZY = {name: ".device" for name in ("WANTED_LIMITS", "Device", "Pipeline", "get_device", "enumerate_adapters",
+                                      "adapter_summary", "is_software_adapter")}
+_LAZY.update({"PreparedStep": ".recorder", "StepRecorder": ".recorder", "format_kernel_table": ".profiler",
+              "kernel_table": ".profiler", "write_chrome_trace": ".profiler"})
+
+
+def __getattr__(name):
+    if name in _LAZY:
+        import importlib
+        return getattr(importlib.import_module(_LAZY[name], __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = [
     "Device", "Pipeline", "get_device", "StepRecorder", "PreparedStep",
     "write_chrome_trace", "kernel_table", "format_kernel_table", "describe",
 ]
 
-# what `describe` shows: the requested limits but the per-group binding count
-_KEY_LIMITS = tuple(k for k in WANTED_LIMITS if k != "max-bindings-per-bind-group")
-
 
 def describe(device=None) -> str:
     """Adapters, the chosen one, its features and key limits (for `meganeura info`)."""
     import wgpu
 
+    from .device import WANTED_LIMITS, adapter_summary, enumerate_adapters, get_device, is_software_adapter
     dev = get_device() if device is None else device
     lines = [f"wgpu-py {wgpu.__version__}", "adapters:"]
     for i, a in enumerate(enumerate_adapters()):
@@ -43,7 +51,7 @@ def describe(device=None) -> str:
                  f" ({dev.pipeline_cache_reason})")
     lines.append("  features: " + ", ".join(sorted(dev.features)))
     lines.append("  limits:")
-    for k in _KEY_LIMITS:
+    for k in (k for k in WANTED_LIMITS if k != "max-bindings-per-bind-group"):   # the per-group count aside
         if k in dev.limits:
             lines.append(f"    {k}: {dev.limits[k]}")
     return "\n".join(lines)

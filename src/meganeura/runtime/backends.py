@@ -14,6 +14,9 @@ import os
 
 GPU_BACKENDS = ("gpu", "vulkan", "wgpu")
 KINDS = ("vulkan", "wgpu")
+# Compiled pipelines either runtime keeps for reuse by later plans (a plan holds its own
+# pipelines, so evicting one only costs a recompile if the same kernel is needed again).
+PIPELINE_CACHE_SIZE = 1024
 
 
 @functools.lru_cache(maxsize=1)

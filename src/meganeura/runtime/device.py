@@ -25,6 +25,8 @@ import wgpu
 from wgpu.backends.wgpu_native import _api as _wapi
 from wgpu.backends.wgpu_native._ffi import ffi, lib
 
+from .backends import PIPELINE_CACHE_SIZE
+
 # Features requested when the adapter offers them. `timestamp-query-inside-encoders`
 # comes with `-inside-passes`; `shader-float32-atomic` lets scatter-add kernels use
 # atomics on f32.
@@ -80,9 +82,6 @@ _BINDING_RES = (
 )
 
 
-# Compiled pipelines kept for reuse by later plans (a plan holds its own pipelines, so
-# evicting one only costs a recompile if the same kernel is needed again).
-PIPELINE_CACHE_SIZE = 1024
 # Bytes of idle staging buffers kept for reuse by readbacks; the rest are destroyed.
 STAGING_POOL_BYTES = 64 << 20
 

@@ -354,7 +354,7 @@ class VulkanRuntime:
         drv = self.vk.driver
         self.adapter_info = {"name": self.vk.name, "backend": "Vulkan (direct)", "type": self.vk.device_type,
                              "description": f"{drv.get('name', '')} {drv.get('info', '')}".strip()}
-        from ..device import PIPELINE_CACHE_SIZE
+        from ..backends import PIPELINE_CACHE_SIZE
         self._pending: dict = {}        # id(buffer) -> deferred input copy (see upload_input)
         self._pending_lock = threading.RLock()
         self._pipelines: OrderedDict = OrderedDict()    # text -> Kernel, least recently used first
