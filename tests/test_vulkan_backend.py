@@ -269,3 +269,20 @@ def test_inputs_take_mappable_device_memory_only_on_a_large_heap():
         dev.memory_type_heaps = [1, 0, 1, 1, 2]
         dev.memory_heaps = [dict(size=150 << 30), dict(size=100 << 30), dict(size=bar)]
         assert dev._find_type_on_heap(DL | HV | HC, INPUT_HEAP_BYTES) == want
+
+
+def test_a_vulkan_process_never_imports_wgpu():
+    """wgpu's bindings parse their C declarations when imported (0.2 s here): a process that
+    trains and profiles on the Vulkan backend never loads them."""
+    import os
+    import subprocess
+    import sys
+    code = ("import sys, numpy as np, meganeura as mg\n"
+            "g = mg.Graph(); x = g.input('x', (4, 8)); y = mg.ops.mm(x, g.parameter('w', (3, 8)), tb=True)\n"
+            "s = mg.compile(g, loss=mg.ops.mean(y * y), optimizer=mg.optim.AdamW(lr=1e-3), backend='vulkan')\n"
+            "f = {'x': np.ones((4, 8), np.float32)}; s.step(f); s.profile(f)\n"
+            "print('wgpu' in sys.modules)\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "MEGANEURA_BACKEND": "vulkan"})
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.strip().splitlines()[-1] == "False", r.stdout
