@@ -272,7 +272,7 @@ def test_inputs_take_mappable_device_memory_only_on_a_large_heap():
 
 
 def test_a_vulkan_process_never_imports_wgpu():
-    """wgpu's bindings parse their C declarations when imported (0.2 s here): a process that
+    """wgpu's bindings parse their C declarations when imported (0.24-0.34 s here): a process that
     trains and profiles on the Vulkan backend never loads them."""
     import os
     import subprocess

@@ -7,7 +7,7 @@ import tempfile
 os.environ.setdefault("XDG_RUNTIME_DIR", tempfile.gettempdir())
 
 # The wgpu runtime's names load on first use (PEP 562): a process on the direct Vulkan backend
-# never imports wgpu, whose bindings take 0.6 s to load here (cffi parsing its C declarations).
+# never imports wgpu, whose bindings take 0.24-0.34 s to load here (cffi parsing its C declarations).
 _LAZY = {name: ".device" for name in ("WANTED_LIMITS", "Device", "Pipeline", "get_device", "enumerate_adapters",
                                       "adapter_summary", "is_software_adapter")}
 _LAZY.update({"PreparedStep": ".recorder", "StepRecorder": ".recorder", "format_kernel_table": ".profiler",
