@@ -223,6 +223,27 @@ def test_plan_from_the_plan_cache_reads_its_variants_as_one_set(runtime, monkeyp
         np.testing.assert_array_equal(a, b)
 
 
+def test_variant_files_are_pruned_oldest_first(runtime, monkeypatch, tmp_path):
+    """Storing a plan's set prunes the variant folder to the kernel sets' budget, oldest first."""
+    import os
+    from meganeura.runtime.vulkan import cache
+    monkeypatch.setenv("MEGANEURA_CACHE_DIR", str(tmp_path))
+    for name in ("MEGANEURA_NO_DISK_CACHE", "MEGANEURA_NO_PLAN_CACHE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("MEGANEURA_COOPMAT", "emulate")
+    monkeypatch.setattr(runtime, "_variants", {})
+    monkeypatch.setattr(cache, "SET_MAX_BYTES", 1 << 20)
+    stale = tmp_path / "coopmat" / ("0" * 64 + ".set.json")
+    stale.parent.mkdir(parents=True)
+    stale.write_bytes(b" " * (2 << 20))
+    os.utime(stale, (1, 1))
+    g, y = _linear_graph(m=48, k=40, n=56)
+    with mg.compile(g, outputs=[y], backend="vulkan", precision="accelerated") as s:
+        s.run({"x": np.ones((48, 40), np.float32), "w": np.ones((56, 40), np.float32)})
+    left = sorted(f.name for f in stale.parent.iterdir())
+    assert stale.name not in left and sum(n.endswith(".set.json") for n in left) == 1, left
+
+
 def _f16(x):
     return x.astype(np.float16).astype(np.float64)
 

@@ -525,11 +525,15 @@ class VulkanRuntime:
             with self._lock:
                 found = [self._variants.get((t, emulate, key_tail), False) for t in texts]
             if False not in found:          # every variant known (a plan with IR): store the set
+                from ...plan_cache import prune
+                from .cache import SET_MAX_BYTES
                 try:
                     write_atomic(path, json.dumps({"variants": [None if v is None else [v[0], list(v[1])]
                                                                 for v in found]}).encode())
                 except OSError:
                     pass
+                else:                       # variants and sets past the kernel sets' budget: oldest first
+                    prune(path.parent, SET_MAX_BYTES, ("*.json",))
         return out
 
     def _variant_path(self, texts, emulate, what="variant"):
