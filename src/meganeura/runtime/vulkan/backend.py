@@ -466,22 +466,35 @@ class VulkanRuntime:
 
     # ---------------------------------------------------------------- pipelines
     def kernel_variant(self, kernel, text, label, bufs, groups, precision="strict"):
-        """The executor's hook: another kernel for one dispatch of a plan, as (text, label,
-        bufs, groups), or None to run ``text`` as rendered. In accelerated precision, tiled
-        matmuls with f16 operands run on cooperative matrices where the device has them
-        (``MEGANEURA_COOPMAT`` switches that, see ``coopmat_mode``); strict precision never.
+        """Another kernel for one dispatch of a plan, as (text, label, bufs, groups), or None
+        to run ``text`` as rendered. In accelerated precision, tiled matmuls with f16
+        operands run on cooperative matrices where the device has them (``MEGANEURA_COOPMAT``
+        switches that, see ``coopmat_mode``); strict precision never.
 
         A variant binds the WGSL kernel's buffers in the same order, so it is a function of the
         WGSL text: cached by it in memory, and on disk for plans read from the plan cache,
         which have no kernel IR to render from."""
-        if precision != "accelerated" or kernel.archetype != "matmul":
+        emulate = self._variant_mode(precision)
+        if emulate is None:
             return None
-        mode = coopmat_mode()
-        if mode == "off" or (mode == "auto" and self.coopmat_reason):
-            return None
-        emulate = mode == "emulate"
         from ...codegen.coopmat import config_key
-        key = (text, emulate, config_key())
+        return self._variant(kernel, text, label, bufs, emulate, config_key())
+
+    def _variant_mode(self, precision):
+        """None where every kernel runs as rendered (strict precision, ``MEGANEURA_COOPMAT``
+        off, or auto on a device without cooperative matrices), else whether the variants are
+        emulated."""
+        mode = coopmat_mode()
+        if precision != "accelerated" or mode == "off" or (mode == "auto" and self.coopmat_reason):
+            return None
+        return mode == "emulate"
+
+    def _variant(self, kernel, text, label, bufs, emulate, config):
+        """``kernel_variant`` with the mode and the configuration key (``coopmat.config_key``)
+        decided by the caller, once for a whole plan."""
+        if kernel.archetype != "matmul":
+            return None
+        key = (text, emulate, config)
         with self._lock:
             found = self._variants.get(key, False)
         if found is False:
@@ -500,16 +513,16 @@ class VulkanRuntime:
         groups)) at once: the executor's hook. The variants of a plan's matmuls are also
         stored together, keyed by all their WGSL texts, so that a plan read from the plan
         cache (no kernel IR) finds them in one file instead of one file each."""
+        emulate = self._variant_mode(precision)
         texts = sorted({sh[0] for k, sh in zip(kernels, shaders) if k.archetype == "matmul"})
-        mode = coopmat_mode()
-        if precision != "accelerated" or not texts or mode == "off" or (mode == "auto" and self.coopmat_reason):
+        if emulate is None or not texts:
             return shaders
         from ...codegen.coopmat import config_key
         from .cache import disk_cache_enabled, write_atomic
-        emulate, key_tail = mode == "emulate", config_key()
+        config = config_key()
         path = self._variant_path(texts, emulate, what="set") if disk_cache_enabled() else None
         with self._lock:
-            missing = [t for t in texts if (t, emulate, key_tail) not in self._variants]
+            missing = [t for t in texts if (t, emulate, config) not in self._variants]
         stored = None
         if missing and path is not None:
             try:
@@ -519,11 +532,12 @@ class VulkanRuntime:
             if stored is not None and len(stored) == len(texts):
                 with self._lock:
                     for t, v in zip(texts, stored):
-                        self._variants.setdefault((t, emulate, key_tail), None if v is None else (v[0], tuple(v[1])))
-        out = [self.kernel_variant(k, *sh, precision=precision) or sh for k, sh in zip(kernels, shaders)]
+                        self._variants.setdefault((t, emulate, config), None if v is None else (v[0], tuple(v[1])))
+        out = [self._variant(k, text, label, bufs, emulate, config) or (text, label, bufs, groups)
+               for k, (text, label, bufs, groups) in zip(kernels, shaders)]
         if missing and stored is None and path is not None:
             with self._lock:
-                found = [self._variants.get((t, emulate, key_tail), False) for t in texts]
+                found = [self._variants.get((t, emulate, config), False) for t in texts]
             if False not in found:          # every variant known (a plan with IR): store the set
                 from ...plan_cache import prune
                 from .cache import SET_MAX_BYTES
