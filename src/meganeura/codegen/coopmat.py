@@ -34,9 +34,7 @@ import numpy as np
 
 from .common import Bindings, contiguous_batch_strides
 from .expr import OutputStore
-from .gather import as_function as gather_function
-from .matmul import k_step, split_k
-from .pointwise import as_function as pointwise_function
+from .matmul import k_step, operand_function, split_k
 
 FRAG = 16          # the fragment shape: 16x16x16
 SUBGROUP = 32      # lanes per subgroup the kernel is written for
@@ -376,9 +374,8 @@ class _Part:
                 bind.scalar.add(xb)
                 loads[op], convs[op] = ("", gs["offset"]), (gs["im2col"], xb, reads[0])
                 continue
-            fname = f"gat{j}_{op}"
-            make = pointwise_function if "expr" in gs else gather_function
-            self.functions.append(make(gs, reads, bind, fname))
+            fname, fn = operand_function(kernel, j, op, gs, bind)
+            self.functions.append(fn)
             loads[op] = (fname, gs["offset"])
         index = lambda op, v: None if op in loads else bind.index(v.buf, v.dtype)  # noqa: E731
         self.ta, self.tb = bool(s["ta"]), bool(s["tb"])

@@ -154,7 +154,7 @@ LOWER = {"one_hot": _kernel("one_hot", _one_hot, _one_hot_checks),
 def inlinable(kernel) -> bool:
     """A gather another kernel can evaluate in its loads (``as_function``): its value is a
     formula of the output index alone, with no index checks, scatter or epilogue other than
-    a cast of the value (``stored_dtype`` says to what)."""
+    a cast of the value (to its output's dtype, which the loads round to)."""
     return kernel.archetype == "gather" and kernel.name.split("+")[0] == "im2col" \
         and (kernel.epilogue is None or _cast_only(kernel)) \
         and not kernel.spec.get("checks") and "index" not in kernel.spec and "threads" not in kernel.spec
@@ -165,11 +165,6 @@ def _cast_only(kernel) -> bool:
     e = kernel.epilogue
     return e[0] == "op" and e[1].op == "cast" and list(e[2]) == [("acc",)] and not kernel.epi_reads \
         and not kernel.spec.get("stores")
-
-
-def stored_dtype(kernel) -> str:
-    """The dtype name an inlinable gather's values are rounded to: its output's."""
-    return kernel.out.dtype.name
 
 
 def as_function(gather_spec, reads, bind, name) -> str:

@@ -432,6 +432,15 @@ def _block(kernel) -> tuple:
     return plan_tiles(M, N, K, nb)[1]
 
 
+def operand_function(kernel, j, op, gs, bind):
+    """(name, WGSL) of the function that computes operand ``op`` of part ``j`` in its loads
+    (``spec["gathers"][op]`` is ``gs``: a gather's formula or a pointwise expression); its
+    reads are bound on ``bind`` now, so call it where the kernel's bindings are numbered."""
+    fname = f"gat{j}_{op}"
+    make = pointwise_function if "expr" in gs else gather_function
+    return fname, make(gs, kernel.reads[gs["first"]:gs["first"] + gs["n"]], bind, fname)
+
+
 def _tiled_part(kernel, bind, j, block, peel):
     """(WGSL function ``mm{j}``, its workgroup counts, K step) of one tiled matmul on
     ``block`` (TM, TN, WY, WX); ``peel``: the padded, peeled form (``peeled``)."""
@@ -457,9 +466,8 @@ def _tiled_part(kernel, bind, j, block, peel):
     gathers = kernel.spec.get("gathers", {})
     loads, fns = {}, []
     for op, gs in gathers.items():
-        fname = f"gat{j}_{op}"
-        make = pointwise_function if "expr" in gs else gather_function
-        fns.append(make(gs, kernel.reads[gs["first"]:gs["first"] + gs["n"]], bind, fname))
+        fname, fn = operand_function(kernel, j, op, gs, bind)
+        fns.append(fn)
         loads[op] = (lambda at, f=fname, o=gs["offset"]: f"{f}(({at}) - {o}u)")
     ab = None if 0 in loads else bind.index(a.buf, a.dtype)
     bb = None if 1 in loads else bind.index(bv.buf, bv.dtype)

@@ -508,13 +508,13 @@ def fuse_gather_operands(kernels, max_bindings):
     gradient) is computed in their operand loads (implicit-GEMM convolution): the column
     matrix is never stored (nor rounded to f16 in memory, where accelerated precision casts
     it: the loads round it)."""
-    from ..codegen.gather import inlinable, stored_dtype
+    from ..codegen.gather import inlinable
     kernels = list(kernels)
     uses = _Uses(kernels)
     for gi, gk in enumerate(kernels):
         if gk is None or not inlinable(gk) or gk.out.buf.kind != "temp" or not gk.out.is_contiguous():
             continue
-        _compute_in_loads(kernels, gi, uses, max_bindings, {"body": gk.spec["body"], "dtype": stored_dtype(gk),
+        _compute_in_loads(kernels, gi, uses, max_bindings, {"body": gk.spec["body"], "dtype": gk.out.dtype.name,
                                                             "im2col": gk.spec.get("im2col")})
     return [k for k in kernels if k is not None]
 
