@@ -721,11 +721,10 @@ class VulkanRuntime:
                 # for), created in batches by the pool as each batch fills
                 misses, batch = [], []
                 for i, (text, label) in enumerate(entries):
-                    if stored is not None:
-                        ck = stored[i]
-                    else:
+                    ck = stored[i] if stored is not None else None
+                    if ck is None:
                         key = self._kernel_key(text)
-                        ck = load_kernel(key) if disk else None
+                        ck = load_kernel(key) if disk and stored is None else None
                     if ck is None:
                         misses.append((text, label, key))
                     else:
