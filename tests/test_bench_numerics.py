@@ -69,3 +69,21 @@ def test_attention_bench_reports_each_kernels_gpu_time(tmp_path):
     for r in rows:
         assert r["max_rel_err"] < 1e-5
         assert [n for n, _ in r["kernel_gpu_s"]] == r["kernels"] and all(s > 0 for _, s in r["kernel_gpu_s"])
+
+
+def test_attention_bench_accelerated_runs_flash_on_cooperative_matrices(tmp_path, monkeypatch):
+    """bench/attention.py --precision accelerated at tiny size with the U-Net case, the
+    tensor-core kernels emulated: every flash forward ran as the cooperative-matrix variant
+    (f16 operands: error against float64 of the f32 inputs near f16's rounding)."""
+    pytest.importorskip("vulkan", reason="the vulkan extra (pip install 'meganeura[vulkan]')")
+    monkeypatch.setenv("MEGANEURA_COOPMAT", "emulate")
+    monkeypatch.setenv("MEGANEURA_BACKEND", "vulkan")
+    out = tmp_path / "a.json"
+    _load("attention").main(["--size", "tiny", "--samples", "1", "--warmup", "0", "--phases", "forward",
+                             "--precision", "accelerated", "--unet", "--out", str(out)])
+    data = json.loads(out.read_text())
+    assert data["precision"] == "accelerated" and data["coopmat"] == "emulate"
+    rows = [r for r in data["rows"] if r["variant"] == "flash"]
+    assert {r["case"] for r in rows} == {"whisper", "causal_gqa", "unet"}
+    for r in rows:
+        assert r["coop_dispatches"] == 1 and 1e-5 < r["max_rel_err"] < 2e-3, r

@@ -11,9 +11,9 @@ unchanged:
   from it are kept on disk under a key of the kernel text (``cache.CompiledKernel``), so a
   later process creates its pipelines without translating or compiling anything, in
   batches of ``vkCreateComputePipelines`` on several threads;
-- in accelerated precision, tiled matmuls with f16 operands run on cooperative matrices
-  (``codegen.coopmat``) where the device has them: ``kernel_variant`` swaps the kernel when
-  the executor builds a plan;
+- in accelerated precision, tiled matmuls with f16 operands (``codegen.coopmat``) and flash
+  attention's forward (``codegen.flash_coop``) run on cooperative matrices where the device
+  has them: ``kernel_variant`` swaps the kernel when the executor builds a plan;
 - a step is a ``Program``: one command buffer recorded once per (plan, copies), its
   dispatches grouped into dependency levels with one barrier between levels;
 - buffers are ranges of a few large memory blocks (``VulkanDevice.alloc``).
@@ -302,6 +302,17 @@ def coopmat_mode() -> str:
     return raw
 
 
+# archetypes with kernels on cooperative matrices: tiled matmuls (``codegen.coopmat``) and
+# flash attention's forward (``codegen.flash_coop``)
+VARIANT_ARCHETYPES = ("matmul", "attention")
+
+
+def _has_ir(kernel) -> bool:
+    """Whether ``kernel`` has its IR (a plan read from the plan cache keeps only its name,
+    archetype and outputs: no reads)."""
+    return bool(kernel.spec.get("parts", [kernel])[0].reads)
+
+
 def coopmat_unavailable(vk) -> str:
     """Why ``vk`` cannot run the cooperative-matrix matmuls ('' when it can)."""
     if not vk.features.get("cooperativeMatrix"):
@@ -468,7 +479,8 @@ class VulkanRuntime:
     def kernel_variant(self, kernel, text, label, bufs, groups, precision="strict"):
         """Another kernel for one dispatch of a plan, as (text, label, bufs, groups), or None
         to run ``text`` as rendered. In accelerated precision, tiled matmuls with f16
-        operands run on cooperative matrices where the device has them (``MEGANEURA_COOPMAT``
+        operands and flash attention's forward run on cooperative matrices where the device
+        has them (``MEGANEURA_COOPMAT``
         switches that, see ``coopmat_mode``); strict precision never.
 
         A variant binds the WGSL kernel's buffers in the same order, so it is a function of the
@@ -492,14 +504,14 @@ class VulkanRuntime:
     def _variant(self, kernel, text, label, bufs, emulate, config):
         """``kernel_variant`` with the mode and the configuration key (``coopmat.config_key``)
         decided by the caller, once for a whole plan."""
-        if kernel.archetype != "matmul":
+        if kernel.archetype not in VARIANT_ARCHETYPES:
             return None
         key = (text, emulate, config)
         with self._lock:
             found = self._variants.get(key, False)
         if found is False:
             found = self._render_variant(kernel, text, bufs, emulate)
-            if found is not None or "ta" in kernel.spec.get("parts", [kernel])[0].spec:
+            if found is not None or _has_ir(kernel):
                 with self._lock:       # (a kernel without IR may find its variant later)
                     self._variants[key] = found
         if found is None:
@@ -514,7 +526,7 @@ class VulkanRuntime:
         stored together, keyed by all their WGSL texts, so that a plan read from the plan
         cache (no kernel IR) finds them in one file instead of one file each."""
         emulate = self._variant_mode(precision)
-        texts = sorted({sh[0] for k, sh in zip(kernels, shaders) if k.archetype == "matmul"})
+        texts = sorted({sh[0] for k, sh in zip(kernels, shaders) if k.archetype in VARIANT_ARCHETYPES})
         if emulate is None or not texts:
             return shaders
         from ...codegen.coopmat import config_key
@@ -563,10 +575,10 @@ class VulkanRuntime:
 
     def _render_variant(self, kernel, text, bufs, emulate):
         """(GLSL, groups) of ``kernel`` on cooperative matrices, or None."""
-        from ...codegen import coopmat
+        from ...codegen import coopmat, flash_coop
         from .cache import disk_cache_enabled, write_atomic
         disk = disk_cache_enabled()
-        if "ta" not in kernel.spec.get("parts", [kernel])[0].spec:
+        if not _has_ir(kernel):
             if not disk:
                 return None
             try:        # a kernel without IR: the variant stored when its plan was compiled
@@ -574,10 +586,12 @@ class VulkanRuntime:
                 return saved["glsl"], tuple(saved["groups"])
             except (OSError, ValueError, KeyError):
                 return None
-        if coopmat.select(kernel):
+        renderer = coopmat if kernel.archetype == "matmul" else flash_coop
+        storage = self.limits["max-compute-workgroup-storage-size"]
+        if renderer.select(kernel, storage, emulate) if renderer is flash_coop else renderer.select(kernel):
             return None
         try:
-            glsl, vbufs, groups = coopmat.render(kernel, self.limits["max-compute-workgroup-storage-size"], emulate)
+            glsl, vbufs, groups = renderer.render(kernel, storage, emulate)
         except ValueError:          # more workgroup memory than the device has: the WGSL kernel
             return None
         # the variant binds the WGSL kernel's buffers in the same order (checked here, so that
@@ -784,7 +798,7 @@ class VulkanRuntime:
         return (f"{st['pipelines_compiled']} pipelines compiled in {st['compile_seconds']:.3f} s "
                 f"(GLSL rendering {st['glsl_seconds']:.3f} s), {st['pipeline_cache_hits']} cache hits, "
                 f"{st['kernel_cache_hits']} kernels read compiled from disk, "
-                f"{st['coopmat_kernels']} matmul dispatches on cooperative matrices")
+                f"{st['coopmat_kernels']} dispatches on cooperative matrices")
 
     def timestamp_period(self) -> float:
         return float(self.vk.limits["timestampPeriod"])

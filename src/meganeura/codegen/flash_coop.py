@@ -1,0 +1,377 @@
+"""Flash attention forward on tensor cores: GLSL on ``GL_KHR_cooperative_matrix`` for the
+direct Vulkan backend in accelerated precision, a drop-in for the f32 kernel of ``flash.py``
+(same bindings in the same order, same outputs: the split partials and their log-sum-exps
+included, the epilogue through ``store_out``). q, k and v stay f32 in memory; the kernel
+rounds them to f16 as it stages them, multiplies f16 x f16 with f32 accumulation, and keeps
+the softmax, its running statistics and the output in f32.
+
+A workgroup owns BQ = 16 x NSG query rows of one (batch, head): subgroup ``sg`` (32 lanes)
+the 16 rows from 16 sg on, its Q fragments held in registers for the whole walk. Keys come in
+tiles of BKV = 64: the workgroup stages the tile's K and V as f16 rows in workgroup memory
+(the next tile is fetched into registers meanwhile), then each subgroup
+
+1. multiplies its S = Q K^T (16 x 64) into accumulator fragments and stores them to its own
+   f32 scratch rows: which lane holds which element of a fragment is the driver's choice, so
+   the row-wise softmax reads S back from memory;
+2. runs the online softmax with two lanes per row (lane l: row l % 16, the vec4 column groups
+   of parity l / 16, so 8 consecutive lanes read distinct banks): the row max and the running
+   max, sum and rescale factor live in the two lanes' registers (the max is exchanged with a
+   shuffle); P goes to workgroup memory as f16;
+3. multiplies P V (16 x Dv) into fresh fragments, stores them to the scratch, and each lane
+   folds its share into its f32 output registers: o = o * alpha + (P V).
+
+Head dims are padded to multiples of 16 with zeros (scores and outputs unchanged); the kernel
+takes Dv and D up to 128 where the tiles fit the device's workgroup memory.
+
+Masks, causal tile skipping, grouped heads, strided views and the split over keys are
+``flash.py``'s, with the same conventions (a fully masked row gives zeros and a +inf
+log-sum-exp, a split that saw no key -inf).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .common import Bindings, broadcast_view_strides
+from .coopmat import ROW, COL, CoopOps, EmulatedOps
+from .expr import OutputStore
+
+BKV = 64            # keys per tile
+SUBGROUPS = (4, 2, 1)   # subgroups per workgroup (16 query rows each): the most that fit
+MAX_DIM = 128
+NEG_INF = "uintBitsToFloat(0xff800000u)"
+POS_INF = "uintBitsToFloat(0x7f800000u)"
+
+
+def _pad16(n):
+    return -(-n // 16) * 16
+
+
+class FlashCoopOps(CoopOps):
+    """The fragment operations (``coopmat.CoopOps``), with f16 data in one workgroup array
+    ``H`` (uvec4: 8 halves) and accumulators stored to the f32 scratch ``Cs`` (vec4)."""
+    header = CoopOps.header + "\n#extension GL_KHR_shader_subgroup_shuffle : require"
+
+    def partner(self, x):
+        """``x`` of the lane 16 away (the other lane of the row)."""
+        return f"subgroupShuffleXor({x}, 16u)"
+
+
+class FlashEmulatedOps(EmulatedOps):
+    """``coopmat.EmulatedOps`` over ``H`` and ``Cs``: a fragment is its offset in ``H``, lane
+    ``l`` of 32 invocations holds elements ``l + 32 q`` of an accumulator; the shuffle goes
+    through workgroup memory. For devices without cooperative matrices (the tests)."""
+    helpers = """float h_elem(uvec4 v, uint e) {
+    vec2 p = unpackHalf2x16(v[e >> 1u]);
+    return (e & 1u) == 0u ? p.x : p.y;
+}
+// element (r, c) of the 16x16 fragment at uvec4 offset ``at`` of H
+float frag_h(uint at, uint stride, bool row_major, uint r, uint c) {
+    return row_major ? h_elem(H[at + r * stride + c / 8u], c % 8u) : h_elem(H[at + c * stride + r / 8u], r % 8u);
+}
+"""
+
+    def frag_decl(self, use, name):
+        return f"uint {name};"
+
+    def mma(self, fa, a_layout, fb, b_layout, acc):
+        (sa, ra), (sb, rb) = a_layout, b_layout
+        return (f"for (uint q = 0u; q < 8u; ++q) {{ uint e = lane + q * 32u; float s = {acc}[q]; "
+                f"for (uint k = 0u; k < 16u; ++k) s += frag_h({fa}, {sa}u, {str(ra).lower()}, e / 16u, k) * "
+                f"frag_h({fb}, {sb}u, {str(rb).lower()}, k, e % 16u); {acc}[q] = s; }}")
+
+    def store(self, acc, buf, at, stride):
+        return (f"for (uint q = 0u; q < 8u; ++q) {{ uint e = lane + q * 32u; "
+                f"{buf}[{at} + (e / 16u) * {stride}u + (e % 16u) / 4u][e % 4u] = {acc}[q]; }}")
+
+    def partner(self, x):
+        return f"xchg({x})"
+
+
+def _layout(d, dv, nsg, emulate):
+    """Offsets (uvec4) of the f16 areas in H, their row strides, and the sizes of H and of
+    the scratch (vec4): K (also Q's staging on tensor cores, where Q moves to registers), V,
+    each subgroup's P; Q has an area of its own when emulated (its fragments stay in H)."""
+    dp, dvp = _pad16(d), _pad16(dv)
+    ks, vs, ps = dp // 8 + 1, dvp // 8 + 1, BKV // 8 + 1
+    bq = 16 * nsg
+    k_at = bq * ks if emulate else 0
+    k_rows = BKV if emulate else max(BKV, bq)
+    v_at = k_at + k_rows * ks
+    p_at = v_at + BKV * vs
+    h_size = p_at + bq * ps
+    cw = max(BKV, dvp) // 4 + 1         # scratch row stride in vec4 (16 bytes of padding)
+    return dict(dp=dp, dvp=dvp, ks=ks, vs=vs, ps=ps, q_at=0, k_at=k_at, v_at=v_at, p_at=p_at,
+                h_size=h_size, cw=cw, c_size=bq * cw)
+
+
+def workgroup_bytes(d, dv, nsg, emulate=False) -> int:
+    lay = _layout(d, dv, nsg, emulate)
+    return 16 * (lay["h_size"] + lay["c_size"]) + (4 * 32 * nsg if emulate else 0)
+
+
+def subgroups(d, dv, workgroup_storage, emulate=False) -> int | None:
+    """Subgroups per workgroup: the most of ``SUBGROUPS`` whose tiles fit ``workgroup_storage``
+    bytes (an H200's 48 KiB takes 4 up to head dim 64), or None."""
+    return next((n for n in SUBGROUPS if workgroup_bytes(d, dv, n, emulate) <= workgroup_storage), None)
+
+
+def select(kernel, workgroup_storage=49152, emulate=False) -> str:
+    """Why ``kernel`` cannot run here ('' when it can): a flash attention forward (not a
+    backward kernel) with head dims up to MAX_DIM whose tiles fit ``workgroup_storage``."""
+    s = kernel.spec
+    if kernel.archetype != "attention" or "scale" not in s:
+        return "no flash attention IR" if kernel.archetype == "attention" else f"archetype {kernel.archetype!r}"
+    if s.get("grad") or not s.get("flash"):
+        return "not a flash attention forward"
+    q, k, v = kernel.reads[:3]
+    if max(q.shape[-1], v.shape[-1]) > MAX_DIM:
+        return f"head dims {q.shape[-1]}, {v.shape[-1]} (at most {MAX_DIM})"
+    if subgroups(q.shape[-1], v.shape[-1], workgroup_storage, emulate) is None:
+        need = workgroup_bytes(q.shape[-1], v.shape[-1], SUBGROUPS[-1], emulate)
+        return f"{need} B of workgroup memory (the device allows {workgroup_storage})"
+    return ""
+
+
+def _vec4_ok(view) -> bool:
+    """Whether a q, k or v view can be read 4 head-dim elements at a time."""
+    return view.strides[-1] == 1 and view.offset % 4 == 0 and view.shape[-1] % 4 == 0 and \
+        all(s % 4 == 0 for s in view.strides[:-1])
+
+
+def _pack8(view, bi, vec, base, row, rows, col0):
+    """GLSL lines packing elements ``col0 .. col0 + 7`` of row ``row`` of a q/k/v view (head
+    base offset ``base``) into the uvec4 ``u`` as f16, zeros past ``rows`` rows or the head dim
+    (staged padded to a multiple of 16)."""
+    n = view.shape[-1]
+    rs, cs = view.strides[-2], view.strides[-1]
+    at = f"{base} + min({row}, {view.shape[-2] - 1}u) * {rs}u"
+    ok_row = f"{row} < {rows}u"
+    if vec:
+        lines = []
+        for half in range(2):
+            ok = [ok_row] + ([f"{col0} + {4 * half}u < {n}u"] if n % 16 else [])
+            load = f"b{bi}[({at} + min({col0} + {4 * half}u, {n - 4}u)) / 4u]"
+            lines.append(f"vec4 f{half} = ({' && '.join(ok)}) ? {load} : vec4(0.0);")
+        lines.append("u = uvec4(packHalf2x16(f0.xy), packHalf2x16(f0.zw), packHalf2x16(f1.xy), packHalf2x16(f1.zw));")
+        return lines
+    lines = ["float f[8];"]
+    for i in range(8):
+        ok = [ok_row] + ([f"{col0} + {i}u < {n}u"] if n % 16 else [])
+        load = f"b{bi}[{at} + min({col0} + {i}u, {n - 1}u) * {cs}u]"
+        lines.append(f"f[{i}] = ({' && '.join(ok)}) ? {load} : 0.0;")
+    lines.append("u = uvec4(" + ", ".join(f"packHalf2x16(vec2(f[{2 * i}], f[{2 * i + 1}]))" for i in range(4)) + ");")
+    return lines
+
+
+def _stage(view, bi, vec, base, row0, rows, width, nt, reg=None, dst=None):
+    """GLSL staging ``rows`` x ``width`` (a multiple of 8) elements of a view from row
+    ``row0`` on: into registers ``reg[]`` (``dst`` None) or straight into H at ``dst`` with
+    row stride ``width / 8 + 1``; returns (lines, registers per thread). With ``reg`` and
+    ``dst`` both given, the lines store the registers into H instead of fetching."""
+    per_row = width // 8
+    total = rows * per_row
+    per = -(-total // nt)
+    lines = [f"[[unroll]] for (uint l = 0u; l < {per}u; ++l) {{",
+             f"    uint v = t + l * {nt}u, r = v / {per_row}u, c = v % {per_row}u;"]
+    body = []
+    if reg is not None and dst is not None:
+        body.append(f"H[{dst} + r * {per_row + 1}u + c] = {reg}[l];")
+    else:
+        body.append("uvec4 u;")
+        body += _pack8(view, bi, vec, base, f"{row0} + r", view.shape[-2], "c * 8u")
+        body.append(f"{reg}[l] = u;" if dst is None else f"H[{dst} + r * {per_row + 1}u + c] = u;")
+    if total % nt:
+        body = [f"if (v < {total}u) {{"] + ["    " + b for b in body] + ["}"]
+    lines += ["    " + b for b in body] + ["}"]
+    return lines, per
+
+
+def render(kernel, workgroup_storage=49152, emulate=False):
+    """(GLSL text, bound logical buffers in binding order, workgroup counts) of the flash
+    attention forward ``kernel`` on cooperative matrices; raises ValueError when it cannot
+    (see ``select``). ``emulate``: the fragment operations as plain loops."""
+    why = select(kernel, workgroup_storage, emulate)
+    if why:
+        raise ValueError(f"kernel {kernel.name!r} cannot run flash attention on cooperative matrices: {why}")
+    from .glsl import to_glsl_library
+    ops = FlashEmulatedOps() if emulate else FlashCoopOps()
+    q, k, v = kernel.reads[:3]
+    spec = kernel.spec
+    *batch, hq, lq, d = q.shape
+    hkv, lk, dv = k.shape[-3], k.shape[-2], v.shape[-1]
+    group = hq // hkv
+    nb = int(np.prod(batch, dtype=np.int64))
+    nbd = len(batch)
+    S = spec.get("split", 1)
+    NSG = subgroups(d, dv, workgroup_storage, emulate)
+    BQ, NT = 16 * NSG, 32 * NSG
+    NQT, NKT, NBH = -(-lq // BQ), -(-lk // BKV), nb * hq
+    lay = _layout(d, dv, NSG, emulate)
+    DP, DVP, KS, VS, PS, CW = (lay[x] for x in ("dp", "dvp", "ks", "vs", "ps", "cw"))
+    # bindings in the WGSL kernel's order: the store's, q, k, v, the mask, the log-sum-exp
+    b = Bindings()
+    store = OutputStore(kernel, b)
+    qb, kb, vb = (b.index(x.buf, x.dtype) for x in (q, k, v))
+    mb = b.index(kernel.reads[3].buf, kernel.reads[3].dtype) if spec["masked"] else None
+    lse = kernel.outs[0] if kernel.outs else None
+    lb = b.index(lse.buf, lse.dtype, write=True) if lse is not None else None
+    # q, k, v read as vec4 where every view of their binding allows it and nothing else reads it
+    others = {store.ob, mb, lb} | {b.index(x.buf, x.dtype) for x in kernel.epi_reads}
+    views = {}
+    for bi, x in ((qb, q), (kb, k), (vb, v)):
+        views.setdefault(bi, []).append(x)
+    vec = {bi: bi not in others and bi not in b.scalar and all(map(_vec4_ok, xs)) for bi, xs in views.items()}
+    for bi, on in vec.items():
+        if on:
+            b.types[bi] = "vec4<f32>"
+    lib = to_glsl_library(b.decls() + "\n" + store.module_text() + "\n", kernel.name)
+
+    def base(x, head):
+        st = x.strides
+        terms = [f"{x.offset}u"] + [f"z{n} * {st[n]}u" for n in range(nbd) if st[n]]
+        return " + ".join(terms + ([f"{head} * {st[nbd]}u"] if st[nbd] else []))
+
+    A = "coopmat<float16_t, gl_ScopeSubgroup, 16, 16, gl_MatrixUseA>"
+    acc_t = ops.acc_t
+    emu = emulate
+    acc_decl = (lambda name, n: [f"float {name}[{n}][8];", f"[[unroll]] for (uint i = 0u; i < {n}u; ++i) "  # noqa: E731
+                                 f"[[unroll]] for (uint e = 0u; e < 8u; ++e) {name}[i][e] = 0.0;"]) if emu else \
+        (lambda name, n: [f"{acc_t} {name}[{n}];",  # noqa: E731
+                          f"[[unroll]] for (uint i = 0u; i < {n}u; ++i) {name}[i] = {acc_t}(0.0);"])
+    sync = ops.sync
+    L = [f"uint t = gl_LocalInvocationIndex;", ops.ids,
+         "uint r = lane % 16u, hh = lane / 16u;     // this lane's row of the subgroup's 16, and column parity",
+         "uint gi = gl_WorkGroupID.x + gl_WorkGroupID.y * gl_NumWorkGroups.x;",
+         f"if (gi >= {NBH * NQT * S}u) return;",
+         f"uint qt = gi % {NQT}u, bh = (gi / {NQT}u) % {NBH}u, h = bh % {hq}u, bz = bh / {hq}u;"]
+    if S > 1:
+        L.append(f"uint sp = gi / {NQT * NBH}u;")
+    if batch:
+        L.append("uint zr = bz;")
+        for dd in range(nbd - 1, 0, -1):
+            L.append(f"uint z{dd} = zr % {batch[dd]}u; zr = zr / {batch[dd]}u;")
+        L.append("uint z0 = zr;")
+    L += [f"uint hk = h / {group}u, q0 = qt * {BQ}u;",
+          f"uint qoff = {base(q, 'h')}, koff = {base(k, 'hk')}, voff = {base(v, 'hk')};"]
+    # Q, once: staged as f16 rows, then (on tensor cores) into this subgroup's A fragments
+    L += _stage(q, qb, vec[qb], "qoff", "q0", BQ, DP, NT, dst=f"{lay['q_at']}u")[0]
+    L.append("barrier();")
+    if emu:
+        L.append(f"uint qf[{DP // 16}];")
+        L += [f"qf[{kk}] = {lay['q_at']}u + sg * {16 * KS}u + {2 * kk}u;" for kk in range(DP // 16)]
+    else:
+        L.append(f"{A} qf[{DP // 16}];")
+        L += [ops.load(f"qf[{kk}]", "H", f"{lay['q_at']}u + sg * {16 * KS}u + {2 * kk}u", KS, True)
+              for kk in range(DP // 16)]
+        L.append("barrier();      // Q's area becomes K's")
+    L += [f"float m = {NEG_INF}, lsum = 0.0;     // the row's running max; this lane's share of its sum",
+          f"vec4 o[{DVP // 8}];                   // output columns 4 (2j + hh) .. + 3",
+          f"[[unroll]] for (uint j = 0u; j < {DVP // 8}u; ++j) o[j] = vec4(0.0);"]
+    if spec["causal"]:     # top-left aligned: row i sees keys j <= i
+        L.append(f"uint nt = min({NKT}u, (q0 + {BQ - 1}u) / {BKV}u + 1u);")
+    else:
+        L.append(f"uint nt = {NKT}u;")
+    L.append(f"uint t0 = sp * nt / {S}u, t1 = (sp + 1u) * nt / {S}u;" if S > 1 else "uint t0 = 0u, t1 = nt;")
+    fk, pk = _stage(k, kb, vec[kb], "koff", "kt0", BKV, DP, NT, reg="rk")
+    fv, pv = _stage(v, vb, vec[vb], "voff", "kt0", BKV, DVP, NT, reg="rv")
+    put_k = _stage(k, kb, vec[kb], "", "", BKV, DP, NT, reg="rk", dst=f"{lay['k_at']}u")[0]
+    put_v = _stage(v, vb, vec[vb], "", "", BKV, DVP, NT, reg="rv", dst=f"{lay['v_at']}u")[0]
+    L += [f"uvec4 rk[{pk}];", f"uvec4 rv[{pv}];",
+          "if (t0 < t1) {", f"    uint kt0 = t0 * {BKV}u;"] + ["    " + x for x in fk + fv] + ["}"]
+    if spec["masked"]:
+        mk = kernel.reads[3]
+        st = broadcast_view_strides(mk, tuple(batch) + (hq, lq, lk))
+        terms = [f"{mk.offset}u"] + [f"z{n} * {st[n]}u" for n in range(nbd) if st[n]] + \
+            ([f"h * {st[nbd]}u"] if st[nbd] else [])
+        L.append(f"uint moff = {' + '.join(terms)};")
+    # the loop over key tiles
+    body = put_k + put_v + ["barrier();",
+                            f"if (kt + 1u < t1) {{", f"    uint kt0 = (kt + 1u) * {BKV}u;"]
+    body += ["    " + x for x in fk + fv] + ["}", f"uint kt0 = kt * {BKV}u;"]
+    # 1. S = Q K^T into the scratch (K^T: K's rows read column-major)
+    body += acc_decl("sc", BKV // 16)
+    body += [f"[[unroll]] for (uint kk = 0u; kk < {DP // 16}u; ++kk) {{",
+             f"    [[unroll]] for (uint jn = 0u; jn < {BKV // 16}u; ++jn) {{",
+             "        " + ops.frag_decl("B", "fb"),
+             "        " + ops.load("fb", "H", f"{lay['k_at']}u + jn * {16 * KS}u + kk * 2u", KS, False),
+             "        " + ops.mma("qf[kk]", (KS, True), "fb", (KS, False), "sc[jn]"),
+             "    }", "}",
+             f"uint cs = sg * {16 * CW}u;",
+             f"[[unroll]] for (uint jn = 0u; jn < {BKV // 16}u; ++jn) " + ops.store("sc[jn]", "Cs", "cs + jn * 4u", CW)]
+    body += sync
+    # 2. the online softmax: this lane's 32 scores of row r
+    score = []
+    if spec["masked"]:
+        mv = f"b{mb}[moff + min(i, {lq - 1}u) * {st[-2]}u + min(jj, {lk - 1}u) * {st[-1]}u]"
+        score.append(f"x[j][e] = ({mv} != 0) ? x[j][e] : {NEG_INF};" if spec["int_mask"] else f"x[j][e] += {mv};")
+    if spec["causal"]:
+        score.append(f"if (jj > i) x[j][e] = {NEG_INF};")
+    if lk % BKV:
+        score.append(f"if (jj >= {lk}u) x[j][e] = {NEG_INF};")
+    body += [f"vec4 x[{BKV // 8}];", f"float mx = {NEG_INF};", f"uint i = q0 + sg * 16u + r;",
+             f"[[unroll]] for (uint j = 0u; j < {BKV // 8}u; ++j) {{",
+             f"    x[j] = Cs[cs + r * {CW}u + 2u * j + hh] * {float(np.float32(spec['scale']))!r};"]
+    if score:
+        body += ["    [[unroll]] for (uint e = 0u; e < 4u; ++e) {",
+                 "        uint jj = kt0 + (2u * j + hh) * 4u + e;"] + ["        " + s for s in score] + ["    }"]
+    body += ["    mx = max(mx, max(max(x[j].x, x[j].y), max(x[j].z, x[j].w)));", "}"]
+    body.append(f"mx = max(mx, {ops.partner('mx')});")
+    body += ["float mnew = max(m, mx);",
+             "// a row masked so far keeps max -inf: exponents against 0 give zeros, not NaN",
+             f"float mref = mnew == {NEG_INF} ? 0.0 : mnew;",
+             "float alpha = exp(m - mref);",
+             "m = mnew;",
+             "float psum = 0.0;",
+             f"uint pp = {lay['p_at']}u + (sg * 16u + r) * {PS}u;",
+             f"[[unroll]] for (uint j = 0u; j < {BKV // 8}u; ++j) {{",
+             "    vec4 p = exp(x[j] - vec4(mref));",
+             "    psum += dot(p, vec4(1.0));",
+             "    uvec2 ph = uvec2(packHalf2x16(p.xy), packHalf2x16(p.zw));",
+             "    if (hh == 0u) { H[pp + j].xy = ph; } else { H[pp + j].zw = ph; }",
+             "}",
+             "lsum = lsum * alpha + psum;"]
+    body += sync
+    # 3. P V into fresh fragments, through the scratch into the output registers
+    body += acc_decl("pv", DVP // 16)
+    body += [f"[[unroll]] for (uint kk = 0u; kk < {BKV // 16}u; ++kk) {{",
+             "    " + ops.frag_decl("A", "fa"),
+             "    " + ops.load("fa", "H", f"{lay['p_at']}u + sg * {16 * PS}u + kk * 2u", PS, True),
+             f"    [[unroll]] for (uint jn = 0u; jn < {DVP // 16}u; ++jn) {{",
+             "        " + ops.frag_decl("B", "fb"),
+             "        " + ops.load("fb", "H", f"{lay['v_at']}u + kk * {16 * VS}u + jn * 2u", VS, True),
+             "        " + ops.mma("fa", (PS, True), "fb", (VS, True), "pv[jn]"),
+             "    }", "}",
+             f"[[unroll]] for (uint jn = 0u; jn < {DVP // 16}u; ++jn) " + ops.store("pv[jn]", "Cs", "cs + jn * 4u", CW)]
+    body += sync
+    body += [f"[[unroll]] for (uint j = 0u; j < {DVP // 8}u; ++j) o[j] = o[j] * alpha + Cs[cs + r * {CW}u + 2u * j + hh];",
+             "barrier();      // K, V, P and the scratch are read: the next tile may overwrite them"]
+    L += ["for (uint kt = t0; kt < t1; ++kt) {"] + ["    " + x for x in body] + ["}"]
+    # the row sums of both lanes, then the normalised output
+    L += [f"lsum += {ops.partner('lsum')};",
+          "float inv = lsum != 0.0 ? 1.0 / lsum : 0.0;     // a fully masked row: zeros",
+          "uint i = q0 + sg * 16u + r;"]
+    row0 = f"(sp * {NBH}u + bh) * {lq}u" if S > 1 else f"bh * {lq}u"
+    if lse is not None:
+        assert lse.is_contiguous() and lse.shape == (S,) * (S > 1) + tuple(batch) + (hq, lq), lse.shape
+        empty = NEG_INF if S > 1 else POS_INF
+        L.append(f"if (hh == 0u && i < {lq}u) b{lb}[{lse.offset}u + {row0} + i] = lsum != 0.0 ? m + log(lsum) : {empty};")
+    L += [f"if (i < {lq}u) {{",
+          f"    [[unroll]] for (uint j = 0u; j < {DVP // 8}u; ++j) {{",
+          "        [[unroll]] for (uint e = 0u; e < 4u; ++e) {",
+          "            uint col = (2u * j + hh) * 4u + e;",
+          f"            if (col < {dv}u) store_out(({row0} + i) * {dv}u + col, o[j][e] * inv);",
+          "        }", "    }", "}"]
+    shared = [f"shared uvec4 H[{lay['h_size']}];", f"shared vec4 Cs[{lay['c_size']}];"]
+    helpers = [ops.helpers]
+    if emu:
+        shared.append(f"shared float Xs[{NT}];")
+        helpers.append("float xchg(float x) {\n    uint t = gl_LocalInvocationIndex;\n    barrier();\n    Xs[t] = x;\n"
+                       "    barrier();\n    float y = Xs[t ^ 16u];\n    barrier();\n    return y;\n}")
+    ext = [e for e in lib.extensions if e not in ops.header]
+    src = "\n".join([ops.header] + ext + [f"layout(local_size_x = {NT}) in;", lib.code.rstrip()] + shared + helpers +
+                    ["void main() {"] + ["    " + x for x in L] + ["}"]) + "\n"
+    if emu:
+        src = src.replace("[[unroll]]", "[[dont_unroll]]")
+    total = NBH * NQT * S
+    from .common import grid
+    return src, b.bufs, grid(total)

@@ -1,0 +1,166 @@
+"""Flash attention's forward on cooperative matrices (codegen.flash_coop) in accelerated
+precision on the Vulkan backend: which kernels qualify, the variant's bindings and grid,
+every such kernel of the workloads accepted by glslang, and the kernel run against float64
+on f16-rounded inputs with its fragment operations emulated (any Vulkan device: lavapipe in
+CI) and on tensor cores where the device has them (skipped elsewhere): masks, causal tile
+skipping, grouped heads, padded head dims, strided views with an epilogue, the split over
+keys with its log-sum-exps, and the gradients that read them."""
+import numpy as np
+import pytest
+
+import meganeura as mg
+from meganeura.codegen import attention as attn, flash_coop
+from meganeura.compiler import CompileOptions, compile_plan
+from meganeura.reference import evaluate
+
+from .samples_attention import head_split_block, inputs_like
+from .test_flash_attention import CASES as FLASH_CASES, _case
+
+ACCEL = CompileOptions(precision="accelerated", max_bindings=64)
+# head dims up to 128: the f32 kernel's wide cases stay on it
+CASES = [n for n, c in FLASH_CASES.items() if max(c[0][-1], c[2]) <= flash_coop.MAX_DIM]
+
+
+@pytest.fixture
+def flash_only(monkeypatch):
+    """Small shapes take the flash kernel instead of the one-row kernel."""
+    monkeypatch.setattr(attn, "MAX_ROW_WORK", 0)
+
+
+@pytest.fixture(scope="module")
+def runtime():
+    pytest.importorskip("vulkan", reason="the vulkan extra (pip install 'meganeura[vulkan]')")
+    from meganeura.runtime.vulkan.backend import get_vulkan_runtime
+    try:
+        return get_vulkan_runtime()
+    except Exception as e:          # noqa: BLE001 - no Vulkan device: nothing to run on
+        pytest.skip(f"no Vulkan device: {e}")
+
+
+def _flash(targets, options=ACCEL):
+    kp = compile_plan(targets, n_forward=len(targets), options=options)
+    return [d for d in kp.dispatches if d.kernel.archetype == "attention"]
+
+
+def _f16(feeds):
+    return {n: a.astype(np.float16).astype(np.float64) if a.dtype.kind == "f" else a for n, a in feeds.items()}
+
+
+# ------------------------------------------------------------------ device-free: selection
+def test_selection_takes_flash_forwards_only(flash_only):
+    g = mg.Graph()
+    q, k, v = g.input("q", (1, 2, 70, 64)), g.input("k", (1, 2, 130, 64)), g.input("v", (1, 2, 130, 64))
+    out = mg.ops.scaled_dot_product_attention(q, k, v)
+    (d,) = _flash([out], CompileOptions(precision="accelerated", max_bindings=64, workgroup_storage=49152))
+    assert flash_coop.select(d.kernel, 49152) == ""
+    assert "workgroup memory" in flash_coop.select(d.kernel, 8192)
+    # lavapipe's 32 KiB takes fewer subgroups (16 query rows each), an H200's 48 KiB four
+    assert flash_coop.subgroups(64, 64, 49152) == 4 and flash_coop.subgroups(64, 64, 32768, emulate=True) == 1
+    src, bufs, groups = flash_coop.render(d.kernel, 49152)
+    assert "coopMatMulAdd" in src and "store_out" in src
+    # the WGSL kernel's bindings; the grid too where both take 64 query rows a workgroup
+    assert len(bufs) == len(d.bufs) and all(a is b for a, b in zip(bufs, d.bufs)) and groups == tuple(d.groups)
+    # the backward kernels and head dims past 128 stay on the f32 kernels
+    do = g.input("do", out.shape)
+    for dd in _flash(mg.grad(mg.ops.sum(out * do), [q, k, v])):
+        if dd.kernel.spec.get("grad"):
+            assert "not a flash attention forward" in flash_coop.select(dd.kernel)
+    g2 = mg.Graph()
+    wide = [g2.input(n, (1, 1, 70, 160)) for n in "qkv"]
+    (d2,) = _flash([mg.ops.scaled_dot_product_attention(*wide)])
+    assert "head dims" in flash_coop.select(d2.kernel)
+    with pytest.raises(ValueError, match="cannot run flash attention on cooperative matrices"):
+        flash_coop.render(d2.kernel)
+
+
+def test_every_workload_flash_kernel_compiles_to_spirv():
+    """Every flash attention forward of the workloads at real size (Whisper's and the U-Net's,
+    their training forwards with the log-sum-exp and the split included) renders with the
+    WGSL kernel's bindings and grid, and glslang accepts it."""
+    pytest.importorskip("vulkan", reason="the vulkan extra (pip install 'meganeura[vulkan]')")
+    from meganeura.bench.dispatches import BINDINGS, phase_targets
+    from meganeura.bench.workloads import make
+    from meganeura.runtime.vulkan import spirv
+    from meganeura.runtime.vulkan.glslang import compile_glsl
+    opts = CompileOptions(precision="accelerated", max_bindings=BINDINGS, workgroup_storage=49152)
+    seen = {}
+    for name in ("whisper", "unet"):
+        w = make(name, size="real", device="cpu")
+        for phase in ("inference", "flb"):
+            targets, n, upd = phase_targets(w, phase)
+            for d in compile_plan(targets, n_forward=n, options=opts, updates=upd).dispatches:
+                if flash_coop.select(d.kernel, 49152):
+                    continue
+                src, bufs, groups = flash_coop.render(d.kernel, 49152)
+                assert all(a is b for a, b in zip(bufs, d.bufs)) and len(bufs) == len(d.bufs), d.kernel.name
+                assert groups == tuple(d.groups), d.kernel.name
+                seen.setdefault(src, (name, phase))
+    assert {w for w, _ in seen.values()} == {"whisper", "unet"}
+    for src, where in seen.items():
+        info = spirv.reflect(compile_glsl(src, name="flash_attention", target="vulkan1.3", disk_cache=False))
+        assert "CooperativeMatrixKHR" in info["capabilities"], where
+
+
+# ----------------------------------------------------------------- on the Vulkan runtime
+def _run(runtime, monkeypatch, mode, g, outs, feeds):
+    monkeypatch.setenv("MEGANEURA_COOPMAT", mode)
+    before = runtime.stats["coopmat_kernels"]
+    s = mg.compile(g, outputs=outs, backend="vulkan", precision="accelerated")
+    try:
+        got = s.run(feeds)
+    finally:
+        s.close()
+    assert runtime.stats["coopmat_kernels"] > before, "no kernel ran on cooperative matrices"
+    return got
+
+
+def _check_case(runtime, monkeypatch, mode, name):
+    qs, ks, dv, mask, causal, gqa = FLASH_CASES[name]
+    feeds = _case(name)
+    g = mg.Graph()
+    ins = inputs_like(g, feeds)
+    out = mg.ops.scaled_dot_product_attention(ins["q"], ins["k"], ins["v"], ins.get("m"), is_causal=causal,
+                                              enable_gqa=gqa)
+    assert [d.kernel.name for d in _flash([out])] == ["flash_attention"]
+    (got,) = _run(runtime, monkeypatch, mode, g, [out], feeds)
+    # float64 from the f16-rounded inputs: what is left is P's rounding to f16 (and the
+    # accumulation order)
+    (want,) = evaluate(g, [out], _f16(feeds), compute=np.float64)
+    err = np.abs(got - want).max() / np.abs(want).max()
+    assert err < 2e-3, (name, err)
+    if mask is not None:                          # the fully masked row gives zeros
+        assert np.all(got[..., 0 if mask == "float" else 1, :] == 0)
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_emulated_kernel_matches_float64(runtime, name, monkeypatch, flash_only):
+    _check_case(runtime, monkeypatch, "emulate", name)
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_coop_kernel_matches_float64(runtime, name, monkeypatch, flash_only):
+    if runtime.coopmat_reason:
+        pytest.skip(f"{runtime.name}: {runtime.coopmat_reason}")
+    _check_case(runtime, monkeypatch, "auto", name)
+
+
+@pytest.mark.parametrize("mode", ["emulate", "auto"])
+def test_strided_heads_epilogue_split_and_gradients(runtime, monkeypatch, flash_only, mode):
+    """q, k and v as head splits of projections (strided views), the output's transpose and
+    residual fused into the store, the keys split in two (partials and their log-sum-exps,
+    combined by the next kernel), and the gradients of the block, whose f32 backward kernels
+    read the forward's log-sum-exps: against float64 of the f32 inputs."""
+    if mode == "auto" and runtime.coopmat_reason:
+        pytest.skip(f"{runtime.name}: {runtime.coopmat_reason}")
+    monkeypatch.setenv("MEGANEURA_FLASH_SPLIT", "2")
+    g, out, ws, feeds, wvals = head_split_block(1, 130, 2, 16, seed=3)
+    feeds = {**feeds, **wvals}
+    loss = mg.ops.sum(out * out)
+    grads = mg.grad(loss, [g.inputs["x"]] + list(ws.values()))
+    kernels = _flash([out] + grads)
+    assert any(d.kernel.spec.get("split") == 2 and d.kernel.outs for d in kernels), [d.kernel.spec for d in kernels]
+    got = _run(runtime, monkeypatch, mode, g, [out] + grads, feeds)
+    want = evaluate(g, [out] + grads, {n: a.astype(np.float64) for n, a in feeds.items()}, compute=np.float64)
+    for name, a, b in zip(["out", "dx", "dwq", "dwk", "dwv"], got, want):
+        err = np.abs(a - b).max() / np.abs(b).max()
+        assert err < 1e-2, (name, err)
