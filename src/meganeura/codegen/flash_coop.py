@@ -32,7 +32,7 @@ from __future__ import annotations
 import numpy as np
 
 from .common import Bindings, broadcast_view_strides
-from .coopmat import ROW, COL, CoopOps, EmulatedOps
+from .coopmat import CoopOps, EmulatedOps
 from .expr import OutputStore
 
 BKV = 64            # keys per tile
