@@ -145,6 +145,30 @@ def test_coop_kernel_matches_float64(runtime, name, monkeypatch, flash_only):
 
 
 @pytest.mark.parametrize("mode", ["emulate", "auto"])
+def test_output_rescaled_when_a_later_tile_has_larger_scores(runtime, monkeypatch, flash_only, mode):
+    """The output stays in its fragments while each row's max stays within flash_coop.TAU of
+    its reference; keys whose scores jump past that (the second and fourth tiles here, for
+    every row; a causal row sees them only from its diagonal on) rescale it."""
+    if mode == "auto" and runtime.coopmat_reason:
+        pytest.skip(f"{runtime.name}: {runtime.coopmat_reason}")
+    rng = np.random.default_rng(5)
+    q = np.abs(rng.standard_normal((1, 2, 200, 16))).astype(np.float32)
+    k = np.abs(rng.standard_normal((1, 2, 230, 16))).astype(np.float32)
+    k[..., 64:, :] *= 8
+    k[..., 192:, :] *= 4
+    v = rng.standard_normal((1, 2, 230, 16)).astype(np.float32)
+    feeds = {"q": q, "k": k, "v": v}
+    for causal in (False, True):
+        g = mg.Graph()
+        ins = inputs_like(g, feeds)
+        out = mg.ops.scaled_dot_product_attention(ins["q"], ins["k"], ins["v"], is_causal=causal)
+        (got,) = _run(runtime, monkeypatch, mode, g, [out], feeds)
+        (want,) = evaluate(g, [out], _f16(feeds), compute=np.float64)
+        err = np.abs(got - want).max() / np.abs(want).max()
+        assert err < 2e-3, (causal, err)
+
+
+@pytest.mark.parametrize("mode", ["emulate", "auto"])
 def test_strided_heads_epilogue_split_and_gradients(runtime, monkeypatch, flash_only, mode):
     """q, k and v as head splits of projections (strided views), the output's transpose and
     residual fused into the store, the keys split in two (partials and their log-sum-exps,

@@ -14,11 +14,14 @@ tiles of BKV = 64: the workgroup stages the tile's K and V as f16 rows in workgr
    f32 scratch rows: which lane holds which element of a fragment is the driver's choice, so
    the row-wise softmax reads S back from memory;
 2. runs the online softmax with two lanes per row (lane l: row l % 16, the vec4 column groups
-   of parity l / 16, so 8 consecutive lanes read distinct banks): the row max and the running
-   max, sum and rescale factor live in the two lanes' registers (the max is exchanged with a
-   shuffle); P goes to workgroup memory as f16;
-3. multiplies P V (16 x Dv) into fresh fragments, stores them to the scratch, and each lane
-   folds its share into its f32 output registers: o = o * alpha + (P V).
+   of parity l / 16, so 8 consecutive lanes read distinct banks): the row max, exchanged with
+   a shuffle, and the row's reference max and sum live in the two lanes' registers; P goes to
+   workgroup memory as f16;
+3. accumulates O += P V in its output fragments. The exponents are taken against a reference
+   max that is kept while the row's max stays within TAU of it (so P stays below e^TAU; exact,
+   since the sum shares the reference), and only a row past it makes the subgroup rescale its
+   output: through the scratch, once or twice a row in practice, instead of every tile. At
+   the end the output goes through the scratch once more, divided by the row's sum.
 
 Head dims are padded to multiples of 16 with zeros (scores and outputs unchanged); the kernel
 takes Dv and D up to 128 where the tiles fit the device's workgroup memory.
@@ -32,10 +35,11 @@ from __future__ import annotations
 import numpy as np
 
 from .common import Bindings, broadcast_view_strides
-from .coopmat import CoopOps, EmulatedOps
+from .coopmat import ROW, CoopOps, EmulatedOps
 from .expr import OutputStore
 
 BKV = 64            # keys per tile
+TAU = 8.0           # how far past its reference a row's max may go before the output is rescaled
 SUBGROUPS = (4, 2, 1)   # subgroups per workgroup (16 query rows each): the most that fit
 MAX_DIM = 128
 NEG_INF = "uintBitsToFloat(0xff800000u)"
@@ -49,11 +53,19 @@ def _pad16(n):
 class FlashCoopOps(CoopOps):
     """The fragment operations (``coopmat.CoopOps``), with f16 data in one workgroup array
     ``H`` (uvec4: 8 halves) and accumulators stored to the f32 scratch ``Cs`` (vec4)."""
-    header = CoopOps.header + "\n#extension GL_KHR_shader_subgroup_shuffle : require"
+    header = CoopOps.header + "\n#extension GL_KHR_shader_subgroup_shuffle : require" + \
+        "\n#extension GL_KHR_shader_subgroup_vote : require"
 
     def partner(self, x):
         """``x`` of the lane 16 away (the other lane of the row)."""
         return f"subgroupShuffleXor({x}, 16u)"
+
+    def any(self, cond):
+        """Whether ``cond`` holds on some lane of the subgroup."""
+        return f"subgroupAny({cond})"
+
+    def load_acc(self, acc, buf, at, stride):
+        return f"coopMatLoad({acc}, {buf}, {at}, {stride}u, {ROW});"
 
 
 class FlashEmulatedOps(EmulatedOps):
@@ -85,6 +97,13 @@ float frag_h(uint at, uint stride, bool row_major, uint r, uint c) {
 
     def partner(self, x):
         return f"xchg({x})"
+
+    def any(self, cond):
+        return f"any_wg({cond})"     # over the workgroup: uniform, as its barriers need
+
+    def load_acc(self, acc, buf, at, stride):
+        return (f"for (uint q = 0u; q < 8u; ++q) {{ uint e = lane + q * 32u; "
+                f"{acc}[q] = {buf}[{at} + (e / 16u) * {stride}u + (e % 16u) / 4u][e % 4u]; }}")
 
 
 def _layout(d, dv, nsg, emulate):
@@ -264,9 +283,8 @@ def render(kernel, workgroup_storage=49152, emulate=False):
         L += [ops.load(f"qf[{kk}]", "H", f"{lay['q_at']}u + sg * {16 * KS}u + {2 * kk}u", KS, True)
               for kk in range(DP // 16)]
         L.append("barrier();      // Q's area becomes K's")
-    L += [f"float m = {NEG_INF}, lsum = 0.0;     // the row's running max; this lane's share of its sum",
-          f"vec4 o[{DVP // 8}];                   // output columns 4 (2j + hh) .. + 3",
-          f"[[unroll]] for (uint j = 0u; j < {DVP // 8}u; ++j) o[j] = vec4(0.0);"]
+    L += [f"float m = {NEG_INF}, lsum = 0.0;     // the row's reference max; this lane's share of its sum"]
+    L += acc_decl("oacc", DVP // 16) + [f"uint cs = sg * {16 * CW}u;     // this subgroup's scratch rows"]
     if spec["causal"]:     # top-left aligned: row i sees keys j <= i
         L.append(f"uint nt = min({NKT}u, (q0 + {BQ - 1}u) / {BKV}u + 1u);")
     else:
@@ -296,7 +314,6 @@ def render(kernel, workgroup_storage=49152, emulate=False):
              "        " + ops.load("fb", "H", f"{lay['k_at']}u + jn * {16 * KS}u + kk * 2u", KS, False),
              "        " + ops.mma("qf[kk]", (KS, True), "fb", (KS, False), "sc[jn]"),
              "    }", "}",
-             f"uint cs = sg * {16 * CW}u;",
              f"[[unroll]] for (uint jn = 0u; jn < {BKV // 16}u; ++jn) " + ops.store("sc[jn]", "Cs", "cs + jn * 4u", CW)]
     body += sync
     # 2. the online softmax: this lane's 32 scores of row r
@@ -316,11 +333,24 @@ def render(kernel, workgroup_storage=49152, emulate=False):
                  "        uint jj = kt0 + (2u * j + hh) * 4u + e;"] + ["        " + s for s in score] + ["    }"]
     body += ["    mx = max(mx, max(max(x[j].x, x[j].y), max(x[j].z, x[j].w)));", "}"]
     body.append(f"mx = max(mx, {ops.partner('mx')});")
-    body += ["float mnew = max(m, mx);",
+    # the reference max m: kept while the tile's max stays within TAU of it, so the
+    # exponents stay below e^TAU and the output stays in its fragments (exact: the sum and
+    # the output share the reference); past it the subgroup rescales its output through
+    # the scratch. A row's first unmasked keys set m with nothing to rescale (O and the sum
+    # are still zero).
+    body += [f"bool first = m == {NEG_INF};",
+             f"float alpha = 1.0;",
+             f"if ({ops.any(f'!first && mx > m + {TAU!r}')}) {{"]
+    body += ["    " + x for x in sync + [
+        "float mnew = max(m, mx);",
+        "alpha = first ? 0.0 : exp(m - mnew);",
+        "m = mnew;",
+        f"[[unroll]] for (uint jn = 0u; jn < {DVP // 16}u; ++jn) " + ops.store("oacc[jn]", "Cs", "cs + jn * 4u", CW)]
+        + sync + [f"[[unroll]] for (uint j = 0u; j < {DVP // 8}u; ++j) Cs[cs + r * {CW}u + 2u * j + hh] *= alpha;"]
+        + sync + [f"[[unroll]] for (uint jn = 0u; jn < {DVP // 16}u; ++jn) " + ops.load_acc("oacc[jn]", "Cs", "cs + jn * 4u", CW)]]
+    body += ["} else if (first) {", "    m = mx;", "}",
              "// a row masked so far keeps max -inf: exponents against 0 give zeros, not NaN",
-             f"float mref = mnew == {NEG_INF} ? 0.0 : mnew;",
-             "float alpha = exp(m - mref);",
-             "m = mnew;",
+             f"float mref = m == {NEG_INF} ? 0.0 : m;",
              "float psum = 0.0;",
              f"uint pp = {lay['p_at']}u + (sg * 16u + r) * {PS}u;",
              f"[[unroll]] for (uint j = 0u; j < {BKV // 8}u; ++j) {{",
@@ -331,23 +361,20 @@ def render(kernel, workgroup_storage=49152, emulate=False):
              "}",
              "lsum = lsum * alpha + psum;"]
     body += sync
-    # 3. P V into fresh fragments, through the scratch into the output registers
-    body += acc_decl("pv", DVP // 16)
+    # 3. O += P V
     body += [f"[[unroll]] for (uint kk = 0u; kk < {BKV // 16}u; ++kk) {{",
              "    " + ops.frag_decl("A", "fa"),
              "    " + ops.load("fa", "H", f"{lay['p_at']}u + sg * {16 * PS}u + kk * 2u", PS, True),
              f"    [[unroll]] for (uint jn = 0u; jn < {DVP // 16}u; ++jn) {{",
              "        " + ops.frag_decl("B", "fb"),
              "        " + ops.load("fb", "H", f"{lay['v_at']}u + kk * {16 * VS}u + jn * 2u", VS, True),
-             "        " + ops.mma("fa", (PS, True), "fb", (VS, True), "pv[jn]"),
+             "        " + ops.mma("fa", (PS, True), "fb", (VS, True), "oacc[jn]"),
              "    }", "}",
-             f"[[unroll]] for (uint jn = 0u; jn < {DVP // 16}u; ++jn) " + ops.store("pv[jn]", "Cs", "cs + jn * 4u", CW)]
-    body += sync
-    body += [f"[[unroll]] for (uint j = 0u; j < {DVP // 8}u; ++j) o[j] = o[j] * alpha + Cs[cs + r * {CW}u + 2u * j + hh];",
              "barrier();      // K, V, P and the scratch are read: the next tile may overwrite them"]
     L += ["for (uint kt = t0; kt < t1; ++kt) {"] + ["    " + x for x in body] + ["}"]
     # the row sums of both lanes, then the normalised output
-    L += [f"lsum += {ops.partner('lsum')};",
+    L += sync + [f"[[unroll]] for (uint jn = 0u; jn < {DVP // 16}u; ++jn) " + ops.store("oacc[jn]", "Cs", "cs + jn * 4u", CW)]
+    L += sync + [f"lsum += {ops.partner('lsum')};",
           "float inv = lsum != 0.0 ? 1.0 / lsum : 0.0;     // a fully masked row: zeros",
           "uint i = q0 + sg * 16u + r;"]
     row0 = f"(sp * {NBH}u + bh) * {lq}u" if S > 1 else f"bh * {lq}u"
@@ -359,14 +386,17 @@ def render(kernel, workgroup_storage=49152, emulate=False):
           f"    [[unroll]] for (uint j = 0u; j < {DVP // 8}u; ++j) {{",
           "        [[unroll]] for (uint e = 0u; e < 4u; ++e) {",
           "            uint col = (2u * j + hh) * 4u + e;",
-          f"            if (col < {dv}u) store_out(({row0} + i) * {dv}u + col, o[j][e] * inv);",
+          f"            if (col < {dv}u) store_out(({row0} + i) * {dv}u + col, Cs[cs + r * {CW}u + 2u * j + hh][e] * inv);",
           "        }", "    }", "}"]
     shared = [f"shared uvec4 H[{lay['h_size']}];", f"shared vec4 Cs[{lay['c_size']}];"]
     helpers = [ops.helpers]
     if emu:
-        shared.append(f"shared float Xs[{NT}];")
+        shared += [f"shared float Xs[{NT}];", "shared uint any_flag;"]
         helpers.append("float xchg(float x) {\n    uint t = gl_LocalInvocationIndex;\n    barrier();\n    Xs[t] = x;\n"
                        "    barrier();\n    float y = Xs[t ^ 16u];\n    barrier();\n    return y;\n}")
+        helpers.append("bool any_wg(bool c) {\n    barrier();\n    if (gl_LocalInvocationIndex == 0u) any_flag = 0u;\n"
+                       "    barrier();\n    if (c) any_flag = 1u;\n    barrier();\n    bool r = any_flag != 0u;\n"
+                       "    barrier();\n    return r;\n}")
     ext = [e for e in lib.extensions if e not in ops.header]
     src = "\n".join([ops.header] + ext + [f"layout(local_size_x = {NT}) in;", lib.code.rstrip()] + shared + helpers +
                     ["void main() {"] + ["    " + x for x in L] + ["}"]) + "\n"
