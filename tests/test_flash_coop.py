@@ -1,15 +1,15 @@
-"""Flash attention's forward on cooperative matrices (codegen.flash_coop) in accelerated
-precision on the Vulkan backend: which kernels qualify, the variant's bindings and grid,
-every such kernel of the workloads accepted by glslang, and the kernel run against float64
-on f16-rounded inputs with its fragment operations emulated (any Vulkan device: lavapipe in
-CI) and on tensor cores where the device has them (skipped elsewhere): masks, causal tile
-skipping, grouped heads, padded head dims, strided views with an epilogue, the split over
-keys with its log-sum-exps, and the gradients that read them."""
+"""Flash attention on cooperative matrices in accelerated precision on the Vulkan backend,
+the forward (codegen.flash_coop) and the backward (codegen.flash_grad_coop): which kernels
+qualify, the variants' bindings and grids, every such kernel of the workloads accepted by
+glslang, and the kernels run against float64 with their fragment operations emulated (any
+Vulkan device: lavapipe in CI) and on tensor cores where the device has them (skipped
+elsewhere): masks, causal tile skipping, grouped heads, padded head dims, strided views with
+an epilogue, the split over keys or queries, and a small dO (which the rewrite scales)."""
 import numpy as np
 import pytest
 
 import meganeura as mg
-from meganeura.codegen import attention as attn, flash_coop
+from meganeura.codegen import attention as attn, flash_coop, flash_grad_coop
 from meganeura.compiler import CompileOptions, compile_plan
 from meganeura.reference import evaluate
 
@@ -74,9 +74,10 @@ def test_selection_takes_flash_forwards_only(flash_only):
 
 
 def test_every_workload_flash_kernel_compiles_to_spirv():
-    """Every flash attention forward of the workloads at real size (Whisper's and the U-Net's,
-    their training forwards with the log-sum-exp and the split included) renders with the
-    WGSL kernel's bindings and grid, and glslang accepts it."""
+    """Every flash attention kernel of the workloads at real size (Whisper's and the U-Net's:
+    forwards, training forwards with the log-sum-exp, split or not, and the dq and dkv
+    backward kernels) renders with the WGSL kernel's bindings (and the forward's grid), and
+    glslang accepts it."""
     pytest.importorskip("vulkan", reason="the vulkan extra (pip install 'meganeura[vulkan]')")
     from meganeura.bench.dispatches import BINDINGS, phase_targets
     from meganeura.bench.workloads import make
@@ -89,13 +90,16 @@ def test_every_workload_flash_kernel_compiles_to_spirv():
         for phase in ("inference", "flb"):
             targets, n, upd = phase_targets(w, phase)
             for d in compile_plan(targets, n_forward=n, options=opts, updates=upd).dispatches:
-                if flash_coop.select(d.kernel, 49152):
+                module = flash_grad_coop if d.kernel.spec.get("grad") else flash_coop
+                if module.select(d.kernel, 49152):
                     continue
-                src, bufs, groups = flash_coop.render(d.kernel, 49152)
+                src, bufs, groups = module.render(d.kernel, 49152)
                 assert all(a is b for a, b in zip(bufs, d.bufs)) and len(bufs) == len(d.bufs), d.kernel.name
-                assert groups == tuple(d.groups), d.kernel.name
-                seen.setdefault(src, (name, phase))
+                if module is flash_coop:
+                    assert groups == tuple(d.groups), d.kernel.name
+                seen.setdefault(src, (name, d.kernel.spec.get("grad") or "forward"))
     assert {w for w, _ in seen.values()} == {"whisper", "unet"}
+    assert {k for _, k in seen.values()} == {"forward", "dq", "dkv"}
     for src, where in seen.items():
         info = spirv.reflect(compile_glsl(src, name="flash_attention", target="vulkan1.3", disk_cache=False))
         assert "CooperativeMatrixKHR" in info["capabilities"], where
@@ -188,3 +192,51 @@ def test_strided_heads_epilogue_split_and_gradients(runtime, monkeypatch, flash_
     for name, a, b in zip(["out", "dx", "dwq", "dwk", "dwv"], got, want):
         err = np.abs(a - b).max() / np.abs(b).max()
         assert err < 1e-2, (name, err)
+
+
+# the backward: a cotangent as small as a mean loss gives (the rewrite scales it by its peak)
+BACKWARD_CASES = ["d64_partial_tiles", "causal_lq_gt_lk", "causal_lq_lt_lk_odd_d", "float_mask_masked_rows",
+                  "int_mask_masked_rows", "gqa_causal_odd_d", "batch_dims_float_mask"]
+
+
+def _check_backward(runtime, monkeypatch, mode, name, split):
+    qs, ks, dv, mask, causal, gqa = FLASH_CASES[name]
+    if name == "d64_partial_tiles" and mode == "emulate":      # lavapipe: 32 wide heads, fewer loop trips
+        qs, ks, dv = qs[:-1] + (32,), ks[:-1] + (32,), 32
+    feeds = _case(name)
+    feeds = {n: (a[..., :qs[-1]] if n in "qk" else a[..., :dv] if n == "v" else a) for n, a in feeds.items()}
+    feeds["do"] = (np.random.default_rng(7).standard_normal(qs[:-1] + (dv,)) * 1e-6).astype(np.float32)
+    if split:
+        monkeypatch.setenv("MEGANEURA_FLASH_SPLIT", str(split))
+    g = mg.Graph()
+    ins = inputs_like(g, feeds)
+    out = mg.ops.scaled_dot_product_attention(ins["q"], ins["k"], ins["v"], ins.get("m"), is_causal=causal,
+                                              enable_gqa=gqa)
+    grads = mg.grad(mg.ops.sum(out * ins["do"]), [ins["q"], ins["k"], ins["v"]])
+    kernels = _flash(grads)
+    assert {"dq", "dkv"} <= {d.kernel.spec.get("grad") for d in kernels}
+    # on tensor cores where their tiles fit the device (lavapipe's 32 KiB: not every head dim)
+    storage = runtime.limits["max-compute-workgroup-storage-size"]
+    fit = [d.kernel.spec.get("grad") for d in kernels if not (flash_grad_coop if d.kernel.spec.get("grad") else flash_coop)
+           .select(d.kernel, storage, mode == "emulate")]
+    assert "dq" in fit and len(fit) >= 2, fit
+    before = runtime.stats["coopmat_kernels"]
+    got = _run(runtime, monkeypatch, mode, g, grads, feeds)
+    assert runtime.stats["coopmat_kernels"] - before == len(fit), fit
+    want = evaluate(g, grads, {n: a.astype(np.float64) if a.dtype.kind == "f" else a for n, a in feeds.items()},
+                    compute=np.float64)
+    for wrt, a, b in zip("qkv", got, want):
+        err = np.abs(a - b).max() / np.abs(b).max()
+        assert err < 3e-3, (name, wrt, err)
+
+
+@pytest.mark.parametrize("name", BACKWARD_CASES)
+def test_emulated_backward_matches_float64(runtime, name, monkeypatch, flash_only):
+    _check_backward(runtime, monkeypatch, "emulate", name, split=2 if name == "causal_lq_gt_lk" else None)
+
+
+@pytest.mark.parametrize("name", BACKWARD_CASES)
+def test_coop_backward_matches_float64(runtime, name, monkeypatch, flash_only):
+    if runtime.coopmat_reason:
+        pytest.skip(f"{runtime.name}: {runtime.coopmat_reason}")
+    _check_backward(runtime, monkeypatch, "auto", name, split=2 if name == "causal_lq_gt_lk" else None)

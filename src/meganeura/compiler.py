@@ -183,7 +183,12 @@ def accelerated_rewrite(forward_targets, f16_weights=frozenset()):
     largest magnitude before the cast (one max reduction per gradient, shared by the
     matmuls that read it), dividing the product by the scales after. A gradient holding an
     inf or NaN makes the whole product NaN (strict poisons only the rows and columns that
-    touch it): either way the step is lost."""
+    touch it): either way the step is lost.
+
+    An attention gradient (``attention_grad``) reads dO, and D = rowsum(dO * O), divided by
+    dO's largest magnitude, and its gradient is multiplied back: the flash backward on
+    tensor cores (``codegen.flash_grad_coop``) rounds dO and dS to f16, which would flush a
+    small loss's cotangents to zero."""
     from .ops import cast, emit
     from .ops.elementwise import maximum
     from .ops.registry import OPS
@@ -191,6 +196,7 @@ def accelerated_rewrite(forward_targets, f16_weights=frozenset()):
     from .reference import needed_nodes
     forward = {t.id for t in needed_nodes(forward_targets)}
     scaled = {}       # original gradient tensor id -> (its scaled f16 copy, its peak magnitude)
+    unit = {}         # dO's id -> (dO / its peak, the peak); D's id -> D / dO's peak
 
     def operand(x, new):
         p, chain = _viewed_parameter(x)
@@ -212,6 +218,16 @@ def accelerated_rewrite(forward_targets, f16_weights=frozenset()):
             scaled[x.id] = (cast(new / peak * GRAD_SCALE_TARGET, "f16"), peak)
         return scaled[x.id]
 
+    def attention_grad(t, ins):
+        do, delta = t.inputs[3], t.inputs[5]
+        if do.id not in unit:
+            peak = maximum(amax(emit("abs", [ins[3]])), 1e-30)     # all zeros: any finite scale
+            unit[do.id] = (ins[3] / peak, peak)
+        do_unit, peak = unit[do.id]
+        if delta.id not in unit:
+            unit[delta.id] = ins[5] / peak
+        return emit(t.op, ins[:3] + [do_unit, ins[4], unit[delta.id]] + ins[6:], **t.attrs) * peak
+
     def product(a, b, ta=False, tb=False):
         return codegen.matmul.accelerate(a, b, ta, tb)
 
@@ -225,6 +241,8 @@ def accelerated_rewrite(forward_targets, f16_weights=frozenset()):
     def rw(t, ins):
         if _accelerated(t, forward) or _accelerated_conv(t, forward):
             return apply(t, [operand(x, n) for x, n in zip(t.inputs, ins)])
+        if t.op == "attention_grad" and t.id in t.graph.backward_ids and t.dtype.name == "f32":
+            return attention_grad(t, ins)
         if _accelerated_backward(t, forward):
             ops, unscale = [], []
             for x, n in zip(t.inputs, ins):

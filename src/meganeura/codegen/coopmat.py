@@ -180,8 +180,9 @@ def config_key() -> tuple:
     return tuple(sorted(configs().items())), tuple(sorted(wide_configs().items()))
 
 
-def select(kernel) -> str:
-    """Why ``kernel`` cannot run on cooperative matrices ('' when it can): it must be a tiled
+def select(kernel, workgroup_storage=None, emulate=False) -> str:
+    """Why ``kernel`` cannot run on cooperative matrices ('' when it can; its workgroup memory
+    is checked by ``render``, which picks the tile by it): it must be a tiled
     matmul (not a GEMV) whose A and B are f16 views (or computed in its loads: an implicit-GEMM
     convolution's columns), without a norm prologue or a paired product, and merged parts must
     share their tile, rows and batch."""

@@ -12,8 +12,8 @@ unchanged:
   later process creates its pipelines without translating or compiling anything, in
   batches of ``vkCreateComputePipelines`` on several threads;
 - in accelerated precision, tiled matmuls with f16 operands (``codegen.coopmat``) and flash
-  attention's forward (``codegen.flash_coop``) run on cooperative matrices where the device
-  has them: ``kernel_variant`` swaps the kernel when the executor builds a plan;
+  attention (``codegen.flash_coop``, ``codegen.flash_grad_coop``) run on cooperative matrices
+  where the device has them: ``kernel_variant`` swaps the kernel when the executor builds a plan;
 - a step is a ``Program``: one command buffer recorded once per (plan, copies), its
   dispatches grouped into dependency levels with one barrier between levels;
 - buffers are ranges of a few large memory blocks (``VulkanDevice.alloc``).
@@ -303,8 +303,17 @@ def coopmat_mode() -> str:
 
 
 # archetypes with kernels on cooperative matrices: tiled matmuls (``codegen.coopmat``) and
-# flash attention's forward (``codegen.flash_coop``)
+# flash attention (``codegen.flash_coop``, its backward ``codegen.flash_grad_coop``)
 VARIANT_ARCHETYPES = ("matmul", "attention")
+
+
+def _tensor_core_renderer(kernel):
+    """The module that renders ``kernel`` on cooperative matrices (its ``select`` says whether
+    it can)."""
+    from ...codegen import coopmat, flash_coop, flash_grad_coop
+    if kernel.archetype == "matmul":
+        return coopmat
+    return flash_grad_coop if kernel.spec.get("grad") else flash_coop
 
 
 def _has_ir(kernel) -> bool:
@@ -479,7 +488,7 @@ class VulkanRuntime:
     def kernel_variant(self, kernel, text, label, bufs, groups, precision="strict"):
         """Another kernel for one dispatch of a plan, as (text, label, bufs, groups), or None
         to run ``text`` as rendered. In accelerated precision, tiled matmuls with f16
-        operands and flash attention's forward run on cooperative matrices where the device
+        operands and flash attention run on cooperative matrices where the device
         has them (``MEGANEURA_COOPMAT``
         switches that, see ``coopmat_mode``); strict precision never.
 
@@ -575,7 +584,6 @@ class VulkanRuntime:
 
     def _render_variant(self, kernel, text, bufs, emulate):
         """(GLSL, groups) of ``kernel`` on cooperative matrices, or None."""
-        from ...codegen import coopmat, flash_coop
         from .cache import disk_cache_enabled, write_atomic
         disk = disk_cache_enabled()
         if not _has_ir(kernel):
@@ -586,9 +594,9 @@ class VulkanRuntime:
                 return saved["glsl"], tuple(saved["groups"])
             except (OSError, ValueError, KeyError):
                 return None
-        renderer = coopmat if kernel.archetype == "matmul" else flash_coop
+        renderer = _tensor_core_renderer(kernel)
         storage = self.limits["max-compute-workgroup-storage-size"]
-        if renderer.select(kernel, storage, emulate) if renderer is flash_coop else renderer.select(kernel):
+        if renderer.select(kernel, storage, emulate):
             return None
         try:
             glsl, vbufs, groups = renderer.render(kernel, storage, emulate)
