@@ -240,3 +240,20 @@ def test_coop_backward_matches_float64(runtime, name, monkeypatch, flash_only):
     if runtime.coopmat_reason:
         pytest.skip(f"{runtime.name}: {runtime.coopmat_reason}")
     _check_backward(runtime, monkeypatch, "auto", name, split=2 if name == "causal_lq_gt_lk" else None)
+
+
+def test_rewrite_scales_do_only_for_the_flash_backward(monkeypatch):
+    """Accelerated precision divides dO by its peak for attention gradients the flash
+    backward takes (its tensor-core kernel rounds dO to f16); short rows, whose gradient
+    decomposes into f32 matmuls, keep theirs unscaled (scaling would only add launches)."""
+    from meganeura.compiler import _accelerated_attention_grad
+
+    def grads(lq):
+        g = mg.Graph()
+        q, k, v = (g.input(n, (1, 2, lq, 16)) for n in "qkv")
+        out = mg.ops.scaled_dot_product_attention(q, k, v, is_causal=True)
+        mg.grad(mg.ops.sum(out * out), [q, k, v])
+        return [t for t in g.nodes if t.op == "attention_grad"]
+    long_, short = grads(1500), grads(8)
+    assert long_ and all(map(_accelerated_attention_grad, long_))
+    assert short and not any(map(_accelerated_attention_grad, short))

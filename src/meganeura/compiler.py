@@ -172,6 +172,17 @@ def _accelerated_backward(t, forward) -> bool:
     return t.size * k >= BACKWARD_F16_MIN_MACS
 
 
+def _accelerated_attention_grad(t) -> bool:
+    """``t`` is an attention gradient that the flash backward takes, with head dims the
+    tensor-core kernels take (``codegen.flash_grad_coop``): its dO gets scaled. Elsewhere
+    (short rows: decomposed, f32) scaling would only add launches."""
+    if t.op != "attention_grad" or t.id not in t.graph.backward_ids or t.dtype.name != "f32":
+        return False
+    from .codegen import attention, flash_coop
+    q, v = t.inputs[0], t.inputs[2]
+    return attention.grad_supported(t) and max(q.shape[-1], v.shape[-1]) <= flash_coop.MAX_DIM
+
+
 def accelerated_rewrite(forward_targets, f16_weights=frozenset()):
     """Accelerated precision: matmuls read f16 operands and accumulate in f32, and so do
     the matmuls of convolutions (decomposed here around them: the im2col columns are cast,
@@ -185,8 +196,8 @@ def accelerated_rewrite(forward_targets, f16_weights=frozenset()):
     inf or NaN makes the whole product NaN (strict poisons only the rows and columns that
     touch it): either way the step is lost.
 
-    An attention gradient (``attention_grad``) reads dO, and D = rowsum(dO * O), divided by
-    dO's largest magnitude, and its gradient is multiplied back: the flash backward on
+    An attention gradient that the flash backward takes reads dO, and D = rowsum(dO * O),
+    divided by dO's largest magnitude, and its gradient is multiplied back: the flash backward on
     tensor cores (``codegen.flash_grad_coop``) rounds dO and dS to f16, which would flush a
     small loss's cotangents to zero."""
     from .ops import cast, emit
@@ -241,7 +252,7 @@ def accelerated_rewrite(forward_targets, f16_weights=frozenset()):
     def rw(t, ins):
         if _accelerated(t, forward) or _accelerated_conv(t, forward):
             return apply(t, [operand(x, n) for x, n in zip(t.inputs, ins)])
-        if t.op == "attention_grad" and t.id in t.graph.backward_ids and t.dtype.name == "f32":
+        if _accelerated_attention_grad(t):
             return attention_grad(t, ins)
         if _accelerated_backward(t, forward):
             ops, unscale = [], []
