@@ -14,6 +14,7 @@ from meganeura.compiler import CompileOptions, compile_plan
 from meganeura.reference import evaluate
 
 from .samples_attention import head_split_block, inputs_like
+from .test_coopmat import runtime  # noqa: F401 - the Vulkan runtime fixture
 from .test_flash_attention import CASES as FLASH_CASES, _case
 
 ACCEL = CompileOptions(precision="accelerated", max_bindings=64)
@@ -25,16 +26,6 @@ CASES = [n for n, c in FLASH_CASES.items() if max(c[0][-1], c[2]) <= flash_coop.
 def flash_only(monkeypatch):
     """Small shapes take the flash kernel instead of the one-row kernel."""
     monkeypatch.setattr(attn, "MAX_ROW_WORK", 0)
-
-
-@pytest.fixture(scope="module")
-def runtime():
-    pytest.importorskip("vulkan", reason="the vulkan extra (pip install 'meganeura[vulkan]')")
-    from meganeura.runtime.vulkan.backend import get_vulkan_runtime
-    try:
-        return get_vulkan_runtime()
-    except Exception as e:          # noqa: BLE001 - no Vulkan device: nothing to run on
-        pytest.skip(f"no Vulkan device: {e}")
 
 
 def _flash(targets, options=ACCEL):

@@ -110,6 +110,7 @@ float frag_b(uint at, uint stride, bool row_major, uint r, uint c) {
 """
     ids = "uint sg = t / 32u, lane = t % 32u;"
     sync = ["barrier();"]
+    frag_fns = ("frag_a", "frag_b")    # the helpers reading an A and a B fragment's element
 
     def acc_decl(self, wm, wn):
         return [f"float acc[{wm}][{wn}][8];",
@@ -124,10 +125,10 @@ float frag_b(uint at, uint stride, bool row_major, uint r, uint c) {
         return f"{frag} = {at};"
 
     def mma(self, fa, a_layout, fb, b_layout, acc):
-        (sa, ra), (sb, rb) = a_layout, b_layout
+        (sa, ra), (sb, rb), (get_a, get_b) = a_layout, b_layout, self.frag_fns
         return (f"for (uint q = 0u; q < 8u; ++q) {{ uint e = lane + q * 32u; float s = {acc}[q]; "
-                f"for (uint k = 0u; k < 16u; ++k) s += frag_a({fa}, {sa}u, {str(ra).lower()}, e / 16u, k) * "
-                f"frag_b({fb}, {sb}u, {str(rb).lower()}, k, e % 16u); {acc}[q] = s; }}")
+                f"for (uint k = 0u; k < 16u; ++k) s += {get_a}({fa}, {sa}u, {str(ra).lower()}, e / 16u, k) * "
+                f"{get_b}({fb}, {sb}u, {str(rb).lower()}, k, e % 16u); {acc}[q] = s; }}")
 
     def store(self, acc, buf, at, stride):
         return (f"for (uint q = 0u; q < 8u; ++q) {{ uint e = lane + q * 32u; "

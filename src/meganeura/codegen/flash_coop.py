@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .common import Bindings, broadcast_view_strides
+from .common import Bindings, broadcast_view_strides, grid
 from .coopmat import ROW, CoopOps, EmulatedOps
 from .expr import OutputStore
 
@@ -82,14 +82,7 @@ float frag_h(uint at, uint stride, bool row_major, uint r, uint c) {
 }
 """
 
-    def frag_decl(self, use, name):
-        return f"uint {name};"
-
-    def mma(self, fa, a_layout, fb, b_layout, acc):
-        (sa, ra), (sb, rb) = a_layout, b_layout
-        return (f"for (uint q = 0u; q < 8u; ++q) {{ uint e = lane + q * 32u; float s = {acc}[q]; "
-                f"for (uint k = 0u; k < 16u; ++k) s += frag_h({fa}, {sa}u, {str(ra).lower()}, e / 16u, k) * "
-                f"frag_h({fb}, {sb}u, {str(rb).lower()}, k, e % 16u); {acc}[q] = s; }}")
+    frag_fns = ("frag_h", "frag_h")
 
     def store(self, acc, buf, at, stride):
         return (f"for (uint q = 0u; q < 8u; ++q) {{ uint e = lane + q * 32u; "
@@ -157,6 +150,59 @@ def _vec4_ok(view) -> bool:
         all(s % 4 == 0 for s in view.strides[:-1])
 
 
+class Frame:
+    """What the flash kernels on cooperative matrices (forward here, backward in
+    ``flash_grad_coop``) share: the fragment operations, the bindings' declarations and
+    ``store_out`` in GLSL (``reads``, (binding, view) pairs of q, k, v or dO, declared vec4
+    where every view of their binding allows it and no binding in ``others`` is theirs),
+    a head's base offset, accumulator declarations and the assembled source."""
+
+    def __init__(self, kernel, b, store, reads, others, nbd, emulate):
+        from .glsl import to_glsl_library
+        self.ops = FlashEmulatedOps() if emulate else FlashCoopOps()
+        self.emulate, self.nbd = emulate, nbd
+        views = {}
+        for bi, x in reads:
+            views.setdefault(bi, []).append(x)
+        self.vec = {bi: bi not in others and bi not in b.scalar and all(map(_vec4_ok, xs)) for bi, xs in views.items()}
+        for bi, on in self.vec.items():
+            if on:
+                b.types[bi] = "vec4<f32>"
+        self.lib = to_glsl_library(b.decls() + "\n" + store.module_text() + "\n", kernel.name)
+
+    def base(self, x, head):
+        """The element offset of view ``x`` at batch coordinates z0.. and head ``head``."""
+        st, nbd = x.strides, self.nbd
+        terms = [f"{x.offset}u"] + [f"z{n} * {st[n]}u" for n in range(nbd) if st[n]]
+        return " + ".join(terms + ([f"{head} * {st[nbd]}u"] if st[nbd] else []))
+
+    @staticmethod
+    def batch_coords(index, batch):
+        """GLSL lines splitting ``index`` into batch coordinates z0.."""
+        if not batch:
+            return []
+        lines = [f"uint zr = {index};"]
+        for dd in range(len(batch) - 1, 0, -1):
+            lines.append(f"uint z{dd} = zr % {batch[dd]}u; zr = zr / {batch[dd]}u;")
+        return lines + ["uint z0 = zr;"]
+
+    def acc_decl(self, name, n):
+        """``n`` zeroed accumulator fragments ``name[]``."""
+        if self.emulate:
+            return [f"float {name}[{n}][8];", f"[[unroll]] for (uint i = 0u; i < {n}u; ++i) "
+                    f"[[unroll]] for (uint e = 0u; e < 8u; ++e) {name}[i][e] = 0.0;"]
+        return [f"{self.ops.acc_t} {name}[{n}];",
+                f"[[unroll]] for (uint i = 0u; i < {n}u; ++i) {name}[i] = {self.ops.acc_t}(0.0);"]
+
+    def source(self, threads, shared, helpers, body):
+        ops = self.ops
+        ext = [e for e in self.lib.extensions if e not in ops.header]
+        src = "\n".join([ops.header] + ext + [f"layout(local_size_x = {threads}) in;", self.lib.code.rstrip()] + shared
+                        + [ops.helpers] + helpers + ["void main() {"] + ["    " + x for x in body] + ["}"]) + "\n"
+        # emulated, the loops stay: unrolled, the emulated fragments take LLVM minutes to compile
+        return src.replace("[[unroll]]", "[[dont_unroll]]") if self.emulate else src
+
+
 def _pack8(view, bi, vec, base, row, rows, col0):
     """GLSL lines packing elements ``col0 .. col0 + 7`` of row ``row`` of a q/k/v view (head
     base offset ``base``) into the uvec4 ``u`` as f16, zeros past ``rows`` rows or the head dim
@@ -212,8 +258,6 @@ def render(kernel, workgroup_storage=49152, emulate=False):
     why = select(kernel, workgroup_storage, emulate)
     if why:
         raise ValueError(f"kernel {kernel.name!r} cannot run flash attention on cooperative matrices: {why}")
-    from .glsl import to_glsl_library
-    ops = FlashEmulatedOps() if emulate else FlashCoopOps()
     q, k, v = kernel.reads[:3]
     spec = kernel.spec
     *batch, hq, lq, d = q.shape
@@ -234,30 +278,10 @@ def render(kernel, workgroup_storage=49152, emulate=False):
     mb = b.index(kernel.reads[3].buf, kernel.reads[3].dtype) if spec["masked"] else None
     lse = kernel.outs[0] if kernel.outs else None
     lb = b.index(lse.buf, lse.dtype, write=True) if lse is not None else None
-    # q, k, v read as vec4 where every view of their binding allows it and nothing else reads it
     others = {store.ob, mb, lb} | {b.index(x.buf, x.dtype) for x in kernel.epi_reads}
-    views = {}
-    for bi, x in ((qb, q), (kb, k), (vb, v)):
-        views.setdefault(bi, []).append(x)
-    vec = {bi: bi not in others and bi not in b.scalar and all(map(_vec4_ok, xs)) for bi, xs in views.items()}
-    for bi, on in vec.items():
-        if on:
-            b.types[bi] = "vec4<f32>"
-    lib = to_glsl_library(b.decls() + "\n" + store.module_text() + "\n", kernel.name)
-
-    def base(x, head):
-        st = x.strides
-        terms = [f"{x.offset}u"] + [f"z{n} * {st[n]}u" for n in range(nbd) if st[n]]
-        return " + ".join(terms + ([f"{head} * {st[nbd]}u"] if st[nbd] else []))
-
+    fr = Frame(kernel, b, store, ((qb, q), (kb, k), (vb, v)), others, nbd, emulate)
+    ops, vec, base, acc_decl, emu, sync = fr.ops, fr.vec, fr.base, fr.acc_decl, emulate, fr.ops.sync
     A = "coopmat<float16_t, gl_ScopeSubgroup, 16, 16, gl_MatrixUseA>"
-    acc_t = ops.acc_t
-    emu = emulate
-    acc_decl = (lambda name, n: [f"float {name}[{n}][8];", f"[[unroll]] for (uint i = 0u; i < {n}u; ++i) "  # noqa: E731
-                                 f"[[unroll]] for (uint e = 0u; e < 8u; ++e) {name}[i][e] = 0.0;"]) if emu else \
-        (lambda name, n: [f"{acc_t} {name}[{n}];",  # noqa: E731
-                          f"[[unroll]] for (uint i = 0u; i < {n}u; ++i) {name}[i] = {acc_t}(0.0);"])
-    sync = ops.sync
     L = [f"uint t = gl_LocalInvocationIndex;", ops.ids,
          "uint r = lane % 16u, hh = lane / 16u;     // this lane's row of the subgroup's 16, and column parity",
          "uint gi = gl_WorkGroupID.x + gl_WorkGroupID.y * gl_NumWorkGroups.x;",
@@ -265,11 +289,7 @@ def render(kernel, workgroup_storage=49152, emulate=False):
          f"uint qt = gi % {NQT}u, bh = (gi / {NQT}u) % {NBH}u, h = bh % {hq}u, bz = bh / {hq}u;"]
     if S > 1:
         L.append(f"uint sp = gi / {NQT * NBH}u;")
-    if batch:
-        L.append("uint zr = bz;")
-        for dd in range(nbd - 1, 0, -1):
-            L.append(f"uint z{dd} = zr % {batch[dd]}u; zr = zr / {batch[dd]}u;")
-        L.append("uint z0 = zr;")
+    L += fr.batch_coords("bz", batch)
     L += [f"uint hk = h / {group}u, q0 = qt * {BQ}u;",
           f"uint qoff = {base(q, 'h')}, koff = {base(k, 'hk')}, voff = {base(v, 'hk')};"]
     # Q, once: staged as f16 rows, then (on tensor cores) into this subgroup's A fragments
@@ -389,7 +409,7 @@ def render(kernel, workgroup_storage=49152, emulate=False):
           f"            if (col < {dv}u) store_out(({row0} + i) * {dv}u + col, Cs[cs + r * {CW}u + 2u * j + hh][e] * inv);",
           "        }", "    }", "}"]
     shared = [f"shared uvec4 H[{lay['h_size']}];", f"shared vec4 Cs[{lay['c_size']}];"]
-    helpers = [ops.helpers]
+    helpers = []
     if emu:
         shared += [f"shared float Xs[{NT}];", "shared uint any_flag;"]
         helpers.append("float xchg(float x) {\n    uint t = gl_LocalInvocationIndex;\n    barrier();\n    Xs[t] = x;\n"
@@ -397,11 +417,4 @@ def render(kernel, workgroup_storage=49152, emulate=False):
         helpers.append("bool any_wg(bool c) {\n    barrier();\n    if (gl_LocalInvocationIndex == 0u) any_flag = 0u;\n"
                        "    barrier();\n    if (c) any_flag = 1u;\n    barrier();\n    bool r = any_flag != 0u;\n"
                        "    barrier();\n    return r;\n}")
-    ext = [e for e in lib.extensions if e not in ops.header]
-    src = "\n".join([ops.header] + ext + [f"layout(local_size_x = {NT}) in;", lib.code.rstrip()] + shared + helpers +
-                    ["void main() {"] + ["    " + x for x in L] + ["}"]) + "\n"
-    if emu:
-        src = src.replace("[[unroll]]", "[[dont_unroll]]")
-    total = NBH * NQT * S
-    from .common import grid
-    return src, b.bufs, grid(total)
+    return fr.source(NT, shared, helpers, L), b.bufs, grid(NBH * NQT * S)

@@ -30,7 +30,7 @@ import numpy as np
 
 from .common import Bindings, broadcast_view_strides, grid
 from .expr import OutputStore
-from .flash_coop import MAX_DIM, NEG_INF, FlashCoopOps, FlashEmulatedOps, _pad16, _stage, _vec4_ok
+from .flash_coop import MAX_DIM, NEG_INF, Frame, _pad16, _stage
 
 BY = 64               # walked rows per tile
 SUBGROUPS = (4, 2, 1)
@@ -89,8 +89,6 @@ def render(kernel, workgroup_storage=49152, emulate=False):
     why = select(kernel, workgroup_storage, emulate)
     if why:
         raise ValueError(f"kernel {kernel.name!r} cannot run the attention backward on cooperative matrices: {why}")
-    from .glsl import to_glsl_library
-    ops = FlashEmulatedOps() if emulate else FlashCoopOps()
     emu = emulate
     spec = kernel.spec
     kind = spec["grad"]
@@ -118,26 +116,8 @@ def render(kernel, workgroup_storage=49152, emulate=False):
         assert dvv.is_contiguous() and dvv.shape == (S,) * (S > 1) + tuple(batch) + (heads, lk, dv), dvv.shape
     vo = b.index(dvv.buf, dvv.dtype, write=True) if dvv is not None else None
     others = {store.ob, lb, db, mb, vo} | {b.index(x.buf, x.dtype) for x in kernel.epi_reads}
-    views = {}
-    for bi, x in ((qb, q), (kb, k), (vb, v), (ob, do)):
-        views.setdefault(bi, []).append(x)
-    vec = {bi: bi not in others and bi not in b.scalar and all(map(_vec4_ok, xs)) for bi, xs in views.items()}
-    for bi, on in vec.items():
-        if on:
-            b.types[bi] = "vec4<f32>"
-    lib = to_glsl_library(b.decls() + "\n" + store.module_text() + "\n", kernel.name)
-
-    def base(x, head):
-        st = x.strides
-        terms = [f"{x.offset}u"] + [f"z{n} * {st[n]}u" for n in range(nbd) if st[n]]
-        return " + ".join(terms + ([f"{head} * {st[nbd]}u"] if st[nbd] else []))
-
-    acc_t = ops.acc_t
-    acc_decl = (lambda name, n: [f"float {name}[{n}][8];", f"[[unroll]] for (uint i = 0u; i < {n}u; ++i) "  # noqa: E731
-                                 f"[[unroll]] for (uint e = 0u; e < 8u; ++e) {name}[i][e] = 0.0;"]) if emu else \
-        (lambda name, n: [f"{acc_t} {name}[{n}];",  # noqa: E731
-                          f"[[unroll]] for (uint i = 0u; i < {n}u; ++i) {name}[i] = {acc_t}(0.0);"])
-    sync = ops.sync
+    fr = Frame(kernel, b, store, ((qb, q), (kb, k), (vb, v), (ob, do)), others, nbd, emulate)
+    ops, vec, base, acc_decl, sync = fr.ops, fr.vec, fr.base, fr.acc_decl, fr.ops.sync
     NX = -(-n_own // BX)
     G0 = nb * heads * NX
     L = ["uint t = gl_LocalInvocationIndex;", ops.ids,
@@ -147,11 +127,7 @@ def render(kernel, workgroup_storage=49152, emulate=False):
          f"uint sp = gs / {G0}u, gi = gs % {G0}u;",
          f"uint xt = gi % {NX}u, bh = gi / {NX}u, bz = bh / {heads}u;",
          f"uint x0 = xt * {BX}u;"]
-    if batch:
-        L.append("uint zr = bz;")
-        for dd in range(nbd - 1, 0, -1):
-            L.append(f"uint z{dd} = zr % {batch[dd]}u; zr = zr / {batch[dd]}u;")
-        L.append("uint z0 = zr;")
+    L += fr.batch_coords("bz", batch)
     if dq:      # own: query rows of head h; walked: keys of kv head h / G
         L += [f"uint h = bh % {hq}u, hk = h / {group}u;",
               f"uint qoff = {base(q, 'h')}, dooff = {base(do, 'h')}, koff = {base(k, 'hk')}, voff = {base(v, 'hk')};"]
@@ -287,10 +263,4 @@ def render(kernel, workgroup_storage=49152, emulate=False):
               f"            if (col < {n}u) {st_line}",
               "        }", "    }", "}"]
     shared = [f"shared uvec4 H[{lay['h_size']}];", f"shared vec4 Cs[{lay['c_size']}];", f"shared float LDs[{2 * BY}];"]
-    helpers = [ops.helpers]
-    ext = [e for e in lib.extensions if e not in ops.header]
-    src = "\n".join([ops.header] + ext + [f"layout(local_size_x = {NT}) in;", lib.code.rstrip()] + shared + helpers +
-                    ["void main() {"] + ["    " + x for x in L] + ["}"]) + "\n"
-    if emu:
-        src = src.replace("[[unroll]]", "[[dont_unroll]]")
-    return src, b.bufs, grid(S * G0)
+    return fr.source(NT, shared, [], L), b.bufs, grid(S * G0)
