@@ -292,9 +292,9 @@ COOPMAT_MODES = ("auto", "off", "emulate")
 
 
 def coopmat_mode() -> str:
-    """``MEGANEURA_COOPMAT``: ``auto`` (default: cooperative-matrix matmuls in accelerated
-    precision where the device has them), ``off``, or ``emulate`` (the same kernels with the
-    fragment operations as plain loops, on any device: for testing; slow)."""
+    """``MEGANEURA_COOPMAT``: ``auto`` (default: cooperative-matrix matmuls and flash attention
+    in accelerated precision where the device has them), ``off``, or ``emulate`` (the same
+    kernels with the fragment operations as plain loops, on any device: for testing; slow)."""
     raw = os.environ.get("MEGANEURA_COOPMAT", "").strip().lower() or "auto"
     raw = {"0": "off", "false": "off", "no": "off", "1": "auto", "on": "auto", "yes": "auto"}.get(raw, raw)
     if raw not in COOPMAT_MODES:
