@@ -248,3 +248,33 @@ def test_rewrite_scales_do_only_for_the_flash_backward(monkeypatch):
     long_, short = grads(1500), grads(8)
     assert long_ and all(map(_accelerated_attention_grad, long_))
     assert short and not any(map(_accelerated_attention_grad, short))
+
+
+def test_training_plan_from_the_plan_cache_finds_its_attention_variants(runtime, monkeypatch, tmp_path, flash_only):
+    """A plan read from the plan cache has no kernel IR: its flash forward, dq and dkv kernels
+    (beside its matmuls) find their tensor-core variants in the plan's stored set, and the
+    gradients match the first process's."""
+    monkeypatch.setenv("MEGANEURA_CACHE_DIR", str(tmp_path))
+    for name in ("MEGANEURA_NO_DISK_CACHE", "MEGANEURA_NO_PLAN_CACHE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("MEGANEURA_COOPMAT", "emulate")
+    rng = np.random.default_rng(11)
+    feeds = {n: rng.standard_normal((1, 2, 70, 16)).astype(np.float32) for n in ("q", "k", "v", "do")}
+    g = mg.Graph()
+    ins = inputs_like(g, feeds)
+    out = mg.ops.scaled_dot_product_attention(ins["q"], ins["k"], ins["v"])
+    grads = mg.grad(mg.ops.sum(out * ins["do"]), [ins["q"], ins["k"], ins["v"]])
+
+    def run():
+        monkeypatch.setattr(runtime, "_variants", {})
+        before = runtime.stats["coopmat_kernels"]
+        with mg.compile(g, outputs=grads, backend="vulkan", precision="accelerated") as s:
+            got = s.run(feeds)
+            return got, runtime.stats["coopmat_kernels"] - before, s.executor.plans["run"].kernel_plan.stats.get("cache")
+
+    first, swapped, cache = run()
+    assert swapped == 3 and cache == "stored"         # the forward, dq and dkv
+    again, swapped, cache = run()
+    assert swapped == 3 and cache == "hit"
+    for a, b in zip(first, again):
+        np.testing.assert_array_equal(a, b)
