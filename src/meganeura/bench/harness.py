@@ -70,16 +70,21 @@ def measure(fn, warmup: int, samples: int, sync=None) -> dict:
 
 
 def replay_seconds(sess, samples: int, warmup: int, reps: int = 1, phase: str = "run", gpu: bool = True,
-                   back_to_back: bool = False):
+                   back_to_back: bool = False, busy_s: float = 0.0):
     """(seconds per call for each sample, GPU seconds of one call or None): ``sess``'s compiled
     ``phase`` replayed on the device as it was prepared, no uploads or readbacks; ``reps``
     replays per sample, then a sync, so launch cost is amortised. ``back_to_back``: the
     ``reps`` replays go in one submit where the runtime can (the direct Vulkan backend), as
     a CUDA stream queues launches, instead of a submit and a wait each. The GPU time comes
-    from timestamps around every dispatch (None where the device has none, or ``gpu=False``)."""
+    from timestamps around every dispatch (None where the device has none, or ``gpu=False``).
+    ``busy_s``: seconds of replays after the warm-up, for a GPU whose clocks fell while the
+    host was busy (an H200's SM clock went 1980 -> 345 MHz between the sessions of a sweep)."""
     ex = sess.executor
     plan, dev = ex.plan(phase), ex.dev
     for _ in range(warmup):
+        ex.recorder.run(plan.step)
+    t_end = time.perf_counter() + busy_s
+    while time.perf_counter() < t_end:
         ex.recorder.run(plan.step)
     dev.sync()
     gpu_s = None
