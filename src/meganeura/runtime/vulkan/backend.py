@@ -488,9 +488,8 @@ class VulkanRuntime:
     def kernel_variant(self, kernel, text, label, bufs, groups, precision="strict"):
         """Another kernel for one dispatch of a plan, as (text, label, bufs, groups), or None
         to run ``text`` as rendered. In accelerated precision, tiled matmuls with f16
-        operands and flash attention run on cooperative matrices where the device
-        has them (``MEGANEURA_COOPMAT``
-        switches that, see ``coopmat_mode``); strict precision never.
+        operands and flash attention run on cooperative matrices where the device has them
+        (``MEGANEURA_COOPMAT`` switches that, see ``coopmat_mode``); strict precision never.
 
         A variant binds the WGSL kernel's buffers in the same order, so it is a function of the
         WGSL text: cached by it in memory, and on disk for plans read from the plan cache,
