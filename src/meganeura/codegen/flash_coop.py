@@ -121,27 +121,42 @@ def workgroup_bytes(d, dv, nsg, emulate=False) -> int:
     return 16 * (lay["h_size"] + lay["c_size"]) + (4 * 32 * nsg if emulate else 0)
 
 
+def fitting_subgroups(need, workgroup_storage) -> int | None:
+    """Subgroups per workgroup: the most of ``SUBGROUPS`` whose tiles (``need(n)`` bytes) fit
+    ``workgroup_storage`` (an H200's 48 KiB takes 4 up to head dim 64), or None."""
+    return next((n for n in SUBGROUPS if need(n) <= workgroup_storage), None)
+
+
 def subgroups(d, dv, workgroup_storage, emulate=False) -> int | None:
-    """Subgroups per workgroup: the most of ``SUBGROUPS`` whose tiles fit ``workgroup_storage``
-    bytes (an H200's 48 KiB takes 4 up to head dim 64), or None."""
-    return next((n for n in SUBGROUPS if workgroup_bytes(d, dv, n, emulate) <= workgroup_storage), None)
+    return fitting_subgroups(lambda n: workgroup_bytes(d, dv, n, emulate), workgroup_storage)
+
+
+def check(kernel, not_this_kind, need, workgroup_storage) -> str:
+    """Why the flash kernel ``kernel`` cannot run on cooperative matrices ('' when it can):
+    it needs flash attention IR, the renderer's kind (``not_this_kind(spec)``: why not, or
+    ''), head dims up to MAX_DIM and tiles (``need(subgroups)`` bytes) that fit."""
+    s = kernel.spec
+    if kernel.archetype != "attention" or "scale" not in s:
+        return "no flash attention IR" if kernel.archetype == "attention" else f"archetype {kernel.archetype!r}"
+    why = not_this_kind(s)
+    if why:
+        return why
+    q, v = kernel.reads[0], kernel.reads[2]
+    if max(q.shape[-1], v.shape[-1]) > MAX_DIM:
+        return f"head dims {q.shape[-1]}, {v.shape[-1]} (at most {MAX_DIM})"
+    if fitting_subgroups(need, workgroup_storage) is None:
+        return f"{need(SUBGROUPS[-1])} B of workgroup memory (the device allows {workgroup_storage})"
+    return ""
 
 
 def select(kernel, workgroup_storage=49152, emulate=False) -> str:
     """Why ``kernel`` cannot run here ('' when it can): a flash attention forward (not a
     backward kernel) with head dims up to MAX_DIM whose tiles fit ``workgroup_storage``."""
-    s = kernel.spec
-    if kernel.archetype != "attention" or "scale" not in s:
-        return "no flash attention IR" if kernel.archetype == "attention" else f"archetype {kernel.archetype!r}"
-    if s.get("grad") or not s.get("flash"):
-        return "not a flash attention forward"
-    q, k, v = kernel.reads[:3]
-    if max(q.shape[-1], v.shape[-1]) > MAX_DIM:
-        return f"head dims {q.shape[-1]}, {v.shape[-1]} (at most {MAX_DIM})"
-    if subgroups(q.shape[-1], v.shape[-1], workgroup_storage, emulate) is None:
-        need = workgroup_bytes(q.shape[-1], v.shape[-1], SUBGROUPS[-1], emulate)
-        return f"{need} B of workgroup memory (the device allows {workgroup_storage})"
-    return ""
+    def need(n):
+        q, v = kernel.reads[0], kernel.reads[2]
+        return workgroup_bytes(q.shape[-1], v.shape[-1], n, emulate)
+    return check(kernel, lambda s: "not a flash attention forward" if s.get("grad") or not s.get("flash") else "",
+                 need, workgroup_storage)
 
 
 def _vec4_ok(view) -> bool:
@@ -193,6 +208,60 @@ class Frame:
                     f"[[unroll]] for (uint e = 0u; e < 8u; ++e) {name}[i][e] = 0.0;"]
         return [f"{self.ops.acc_t} {name}[{n}];",
                 f"[[unroll]] for (uint i = 0u; i < {n}u; ++i) {name}[i] = {self.ops.acc_t}(0.0);"]
+
+    def held(self, name, at, stride, width):
+        """GLSL: ``name[]``, the A fragments of this subgroup's 16 rows (``width`` columns)
+        staged in H at ``at`` with row stride ``stride``, held for the whole walk (emulated:
+        their offsets, the rows staying in H)."""
+        n = width // 16
+        if self.emulate:
+            return [f"uint {name}[{n}];"] + [f"{name}[{kk}] = {at}u + sg * {16 * stride}u + {2 * kk}u;" for kk in range(n)]
+        return [self.ops.frag_decl("A", f"{name}[{n}]")] + [
+            self.ops.load(f"{name}[{kk}]", "H", f"{at}u + sg * {16 * stride}u + {2 * kk}u", stride, True)
+            for kk in range(n)]
+
+    def scores(self, held, at, stride, width, keys, cw):
+        """GLSL: ``held`` (16 x ``width``) times the transpose of the ``keys`` rows staged in H
+        at ``at`` (row stride ``stride``, read column-major), into fragments ``sc`` stored to
+        this subgroup's scratch rows (row stride ``cw`` vec4)."""
+        ops = self.ops
+        return self.acc_decl("sc", keys // 16) + [
+            f"[[unroll]] for (uint kk = 0u; kk < {width // 16}u; ++kk) {{",
+            f"    [[unroll]] for (uint jn = 0u; jn < {keys // 16}u; ++jn) {{",
+            "        " + ops.frag_decl("B", "fb"),
+            "        " + ops.load("fb", "H", f"{at}u + jn * {16 * stride}u + kk * 2u", stride, False),
+            "        " + ops.mma(f"{held}[kk]", (stride, True), "fb", (stride, False), "sc[jn]"),
+            "    }", "}",
+            f"[[unroll]] for (uint jn = 0u; jn < {keys // 16}u; ++jn) " + ops.store("sc[jn]", "Cs", "cs + jn * 4u", cw)]
+
+    @staticmethod
+    def write_rows(values, at, stride, n):
+        """GLSL: this lane's vec4s ``values[j]`` (row r, columns 4 (2j + hh)..) as f16 into its
+        subgroup's rows in H at ``at`` (row stride ``stride``): the A operand of a product."""
+        return [f"[[unroll]] for (uint j = 0u; j < {n}u; ++j) {{",
+                f"    uvec2 ph = uvec2(packHalf2x16({values}[j].xy), packHalf2x16({values}[j].zw));",
+                f"    uint pp = {at}u + (sg * 16u + r) * {stride}u + j;",
+                "    if (hh == 0u) { H[pp].xy = ph; } else { H[pp].zw = ph; }", "}"]
+
+    def accumulate(self, acc, a_at, a_stride, b_at, b_stride, keys, width):
+        """GLSL: ``acc[]`` += this subgroup's 16 x ``keys`` rows in H at ``a_at`` times the
+        ``keys`` x ``width`` rows at ``b_at`` (row strides ``a_stride``, ``b_stride``)."""
+        ops = self.ops
+        return [f"[[unroll]] for (uint kk = 0u; kk < {keys // 16}u; ++kk) {{",
+                "    " + ops.frag_decl("A", "fa"),
+                "    " + ops.load("fa", "H", f"{a_at}u + sg * {16 * a_stride}u + kk * 2u", a_stride, True),
+                f"    [[unroll]] for (uint jn = 0u; jn < {width // 16}u; ++jn) {{",
+                "        " + ops.frag_decl("B", "fb"),
+                "        " + ops.load("fb", "H", f"{b_at}u + kk * {16 * b_stride}u + jn * 2u", b_stride, True),
+                "        " + ops.mma("fa", (a_stride, True), "fb", (b_stride, True), f"{acc}[jn]"),
+                "    }", "}"]
+
+    def mask_terms(self, mask, scores_shape, head):
+        """(offset terms of ``mask`` at batch coordinates z0.. and query head ``head``, its
+        strides broadcast to ``scores_shape``)."""
+        st, nbd = broadcast_view_strides(mask, scores_shape), self.nbd
+        terms = [f"{mask.offset}u"] + [f"z{n} * {st[n]}u" for n in range(nbd) if st[n]]
+        return terms + ([f"{head} * {st[nbd]}u"] if st[nbd] else []), st
 
     def source(self, threads, shared, helpers, body):
         ops = self.ops
@@ -281,7 +350,6 @@ def render(kernel, workgroup_storage=49152, emulate=False):
     others = {store.ob, mb, lb} | {b.index(x.buf, x.dtype) for x in kernel.epi_reads}
     fr = Frame(kernel, b, store, ((qb, q), (kb, k), (vb, v)), others, nbd, emulate)
     ops, vec, base, acc_decl, emu, sync = fr.ops, fr.vec, fr.base, fr.acc_decl, emulate, fr.ops.sync
-    A = "coopmat<float16_t, gl_ScopeSubgroup, 16, 16, gl_MatrixUseA>"
     L = [f"uint t = gl_LocalInvocationIndex;", ops.ids,
          "uint r = lane % 16u, hh = lane / 16u;     // this lane's row of the subgroup's 16, and column parity",
          "uint gi = gl_WorkGroupID.x + gl_WorkGroupID.y * gl_NumWorkGroups.x;",
@@ -295,13 +363,8 @@ def render(kernel, workgroup_storage=49152, emulate=False):
     # Q, once: staged as f16 rows, then (on tensor cores) into this subgroup's A fragments
     L += _stage(q, qb, vec[qb], "qoff", "q0", BQ, DP, NT, dst=f"{lay['q_at']}u")[0]
     L.append("barrier();")
-    if emu:
-        L.append(f"uint qf[{DP // 16}];")
-        L += [f"qf[{kk}] = {lay['q_at']}u + sg * {16 * KS}u + {2 * kk}u;" for kk in range(DP // 16)]
-    else:
-        L.append(f"{A} qf[{DP // 16}];")
-        L += [ops.load(f"qf[{kk}]", "H", f"{lay['q_at']}u + sg * {16 * KS}u + {2 * kk}u", KS, True)
-              for kk in range(DP // 16)]
+    L += fr.held("qf", lay["q_at"], KS, DP)
+    if not emu:
         L.append("barrier();      // Q's area becomes K's")
     L += [f"float m = {NEG_INF}, lsum = 0.0;     // the row's reference max; this lane's share of its sum"]
     L += acc_decl("oacc", DVP // 16) + [f"uint cs = sg * {16 * CW}u;     // this subgroup's scratch rows"]
@@ -317,24 +380,14 @@ def render(kernel, workgroup_storage=49152, emulate=False):
     L += [f"uvec4 rk[{pk}];", f"uvec4 rv[{pv}];",
           "if (t0 < t1) {", f"    uint kt0 = t0 * {BKV}u;"] + ["    " + x for x in fk + fv] + ["}"]
     if spec["masked"]:
-        mk = kernel.reads[3]
-        st = broadcast_view_strides(mk, tuple(batch) + (hq, lq, lk))
-        terms = [f"{mk.offset}u"] + [f"z{n} * {st[n]}u" for n in range(nbd) if st[n]] + \
-            ([f"h * {st[nbd]}u"] if st[nbd] else [])
+        terms, st = fr.mask_terms(kernel.reads[3], tuple(batch) + (hq, lq, lk), "h")
         L.append(f"uint moff = {' + '.join(terms)};")
     # the loop over key tiles
     body = put_k + put_v + ["barrier();",
                             f"if (kt + 1u < t1) {{", f"    uint kt0 = (kt + 1u) * {BKV}u;"]
     body += ["    " + x for x in fk + fv] + ["}", f"uint kt0 = kt * {BKV}u;"]
     # 1. S = Q K^T into the scratch (K^T: K's rows read column-major)
-    body += acc_decl("sc", BKV // 16)
-    body += [f"[[unroll]] for (uint kk = 0u; kk < {DP // 16}u; ++kk) {{",
-             f"    [[unroll]] for (uint jn = 0u; jn < {BKV // 16}u; ++jn) {{",
-             "        " + ops.frag_decl("B", "fb"),
-             "        " + ops.load("fb", "H", f"{lay['k_at']}u + jn * {16 * KS}u + kk * 2u", KS, False),
-             "        " + ops.mma("qf[kk]", (KS, True), "fb", (KS, False), "sc[jn]"),
-             "    }", "}",
-             f"[[unroll]] for (uint jn = 0u; jn < {BKV // 16}u; ++jn) " + ops.store("sc[jn]", "Cs", "cs + jn * 4u", CW)]
+    body += fr.scores("qf", lay["k_at"], KS, DP, BKV, CW)
     body += sync
     # 2. the online softmax: this lane's 32 scores of row r
     score = []
@@ -372,25 +425,15 @@ def render(kernel, workgroup_storage=49152, emulate=False):
              "// a row masked so far keeps max -inf: exponents against 0 give zeros, not NaN",
              f"float mref = m == {NEG_INF} ? 0.0 : m;",
              "float psum = 0.0;",
-             f"uint pp = {lay['p_at']}u + (sg * 16u + r) * {PS}u;",
              f"[[unroll]] for (uint j = 0u; j < {BKV // 8}u; ++j) {{",
-             "    vec4 p = exp(x[j] - vec4(mref));",
-             "    psum += dot(p, vec4(1.0));",
-             "    uvec2 ph = uvec2(packHalf2x16(p.xy), packHalf2x16(p.zw));",
-             "    if (hh == 0u) { H[pp + j].xy = ph; } else { H[pp + j].zw = ph; }",
+             "    x[j] = exp(x[j] - vec4(mref));     // P",
+             "    psum += dot(x[j], vec4(1.0));",
              "}",
              "lsum = lsum * alpha + psum;"]
-    body += sync
+    body += fr.write_rows("x", lay["p_at"], PS, BKV // 8) + sync
     # 3. O += P V
-    body += [f"[[unroll]] for (uint kk = 0u; kk < {BKV // 16}u; ++kk) {{",
-             "    " + ops.frag_decl("A", "fa"),
-             "    " + ops.load("fa", "H", f"{lay['p_at']}u + sg * {16 * PS}u + kk * 2u", PS, True),
-             f"    [[unroll]] for (uint jn = 0u; jn < {DVP // 16}u; ++jn) {{",
-             "        " + ops.frag_decl("B", "fb"),
-             "        " + ops.load("fb", "H", f"{lay['v_at']}u + kk * {16 * VS}u + jn * 2u", VS, True),
-             "        " + ops.mma("fa", (PS, True), "fb", (VS, True), "oacc[jn]"),
-             "    }", "}",
-             "barrier();      // K, V, P and the scratch are read: the next tile may overwrite them"]
+    body += fr.accumulate("oacc", lay["p_at"], PS, lay["v_at"], VS, BKV, DVP)
+    body.append("barrier();      // K, V, P and the scratch are read: the next tile may overwrite them")
     L += ["for (uint kt = t0; kt < t1; ++kt) {"] + ["    " + x for x in body] + ["}"]
     # the row sums of both lanes, then the normalised output
     L += sync + [f"[[unroll]] for (uint jn = 0u; jn < {DVP // 16}u; ++jn) " + ops.store("oacc[jn]", "Cs", "cs + jn * 4u", CW)]

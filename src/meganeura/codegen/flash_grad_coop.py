@@ -28,12 +28,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from .common import Bindings, broadcast_view_strides, grid
+from .common import Bindings, grid
 from .expr import OutputStore
-from .flash_coop import MAX_DIM, NEG_INF, Frame, _pad16, _stage
+from .flash_coop import NEG_INF, Frame, _pad16, _stage, check, fitting_subgroups
 
 BY = 64               # walked rows per tile
-SUBGROUPS = (4, 2, 1)
 
 
 def _layout(d, dv, nsg, emulate, kind):
@@ -62,24 +61,17 @@ def workgroup_bytes(d, dv, nsg, kind, emulate=False) -> int:
 
 
 def subgroups(d, dv, kind, workgroup_storage, emulate=False) -> int | None:
-    return next((n for n in SUBGROUPS if workgroup_bytes(d, dv, n, kind, emulate) <= workgroup_storage), None)
+    return fitting_subgroups(lambda n: workgroup_bytes(d, dv, n, kind, emulate), workgroup_storage)
 
 
 def select(kernel, workgroup_storage=49152, emulate=False) -> str:
     """Why ``kernel`` cannot run here ('' when it can): a flash attention backward kernel
     (``flash_grad.py``'s dq or dkv) with head dims up to MAX_DIM whose tiles fit."""
-    s = kernel.spec
-    if kernel.archetype != "attention" or "scale" not in s:
-        return "no flash attention IR" if kernel.archetype == "attention" else f"archetype {kernel.archetype!r}"
-    if s.get("grad") not in ("dq", "dkv"):
-        return "not a flash attention backward"
-    q, k, v = kernel.reads[:3]
-    if max(q.shape[-1], v.shape[-1]) > MAX_DIM:
-        return f"head dims {q.shape[-1]}, {v.shape[-1]} (at most {MAX_DIM})"
-    if subgroups(q.shape[-1], v.shape[-1], s["grad"], workgroup_storage, emulate) is None:
-        need = workgroup_bytes(q.shape[-1], v.shape[-1], SUBGROUPS[-1], s["grad"], emulate)
-        return f"{need} B of workgroup memory (the device allows {workgroup_storage})"
-    return ""
+    def need(n):
+        q, v = kernel.reads[0], kernel.reads[2]
+        return workgroup_bytes(q.shape[-1], v.shape[-1], n, kernel.spec["grad"], emulate)
+    return check(kernel, lambda s: "" if s.get("grad") in ("dq", "dkv") else "not a flash attention backward",
+                 need, workgroup_storage)
 
 
 def render(kernel, workgroup_storage=49152, emulate=False):
@@ -139,15 +131,7 @@ def render(kernel, workgroup_storage=49152, emulate=False):
     L += _stage(xa[0], xa[1], vec[xa[1]], xa[2], "x0", BX, DP, NT, dst=f"{lay['xa_at']}u")[0]
     L += _stage(xv[0], xv[1], vec[xv[1]], xv[2], "x0", BX, DVP, NT, dst=f"{lay['xv_at']}u")[0]
     L.append("barrier();")
-    frags = [("fxa", lay["xa_at"], SS, DP), ("fxv", lay["xv_at"], VS, DVP)]
-    for name, at, stride, width in frags:
-        if emu:
-            L.append(f"uint {name}[{width // 16}];")
-            L += [f"{name}[{kk}] = {at}u + sg * {16 * stride}u + {2 * kk}u;" for kk in range(width // 16)]
-        else:
-            L.append(f"coopmat<float16_t, gl_ScopeSubgroup, 16, 16, gl_MatrixUseA> {name}[{width // 16}];")
-            L += [ops.load(f"{name}[{kk}]", "H", f"{at}u + sg * {16 * stride}u + {2 * kk}u", stride, True)
-                  for kk in range(width // 16)]
+    L += fr.held("fxa", lay["xa_at"], SS, DP) + fr.held("fxv", lay["xv_at"], VS, DVP)
     if not emu:
         L.append("barrier();      // the own rows' area becomes the walked tiles'")
     L.append(f"uint cs = sg * {16 * CW}u;     // this subgroup's scratch rows")
@@ -188,24 +172,12 @@ def render(kernel, workgroup_storage=49152, emulate=False):
                 f"{{ LDs[t + l * {NT}u] = rl[l]; LDs[{BY}u + t + l * {NT}u] = rd[l]; }}"]
     L += [f"uvec4 rs[{ns}];", f"uvec4 rv[{nv}];"] + ([] if dq else [f"float rl[{NL}], rd[{NL}];"])
     L += ["if (w0 < w1) {", "    uint wf = w0;"] + fetch + ["}"]
-    if spec["masked"]:
-        mk = kernel.reads[6]
-        st = broadcast_view_strides(mk, tuple(batch) + (hq, lq, lk))
-        mterms = [f"{mk.offset}u"] + [f"z{n} * {st[n]}u" for n in range(nbd) if st[n]]
     body = put + ["barrier();"]
     body += ["if (w + 1u < w1) {", "    uint wf = w + 1u;"] + ["    " + x for x in fetch] + ["}"]
     body += locate("w")
     # T = XA YS^T, then dT = XV YV^T: each through the scratch into this lane's 32 values
     for name, fx, at, stride, width in (("tv", "fxa", lay["ys_at"], SS, DP), ("dtv", "fxv", lay["yv_at"], VS, DVP)):
-        body += ["{"] + ["    " + x for x in acc_decl("sc", BY // 16)]
-        body += [f"    [[unroll]] for (uint kk = 0u; kk < {width // 16}u; ++kk) {{",
-                 f"        [[unroll]] for (uint jn = 0u; jn < {BY // 16}u; ++jn) {{",
-                 "            " + ops.frag_decl("B", "fb"),
-                 "            " + ops.load("fb", "H", f"{at}u + jn * {16 * stride}u + kk * 2u", stride, False),
-                 "            " + ops.mma(f"{fx}[kk]", (stride, True), "fb", (stride, False), "sc[jn]"),
-                 "        }", "    }",
-                 f"    [[unroll]] for (uint jn = 0u; jn < {BY // 16}u; ++jn) " + ops.store("sc[jn]", "Cs", "cs + jn * 4u", CW)]
-        body += ["    " + x for x in sync]
+        body += ["{"] + ["    " + x for x in fr.scores(fx, at, stride, width, BY, CW) + sync]
         body += [f"    [[unroll]] for (uint j = 0u; j < {BY // 8}u; ++j) {name}[j] = Cs[cs + r * {CW}u + 2u * j + hh];"]
         body += ["    " + x for x in sync] + ["}"]
     # P and dS, elementwise: query i, key j
@@ -214,8 +186,8 @@ def render(kernel, workgroup_storage=49152, emulate=False):
     elem = [f"uint y = y0 + (2u * jj + hh) * 4u + e;",
             f"float x = tv[jj][e] * {float(np.float32(spec['scale']))!r};"]
     if spec["masked"]:
-        hterm = [f"h * {st[nbd]}u"] if st[nbd] else []
-        mv = (f"b{mb}[{' + '.join(mterms + hterm)} + min({i}, {lq - 1}u) * {st[-2]}u + "
+        mterms, st = fr.mask_terms(kernel.reads[6], tuple(batch) + (hq, lq, lk), "h")
+        mv = (f"b{mb}[{' + '.join(mterms)} + min({i}, {lq - 1}u) * {st[-2]}u + "
               f"min({j}, {lk - 1}u) * {st[-1]}u]")
         elem.append(f"x = ({mv} != 0) ? x : {NEG_INF};" if spec["int_mask"] else f"x += {mv};")
     keep = [f"{i} < {lq}u", f"{j} < {lk}u"] + ([f"{j} <= {i}"] if spec["causal"] else [])
@@ -227,22 +199,12 @@ def render(kernel, workgroup_storage=49152, emulate=False):
     # dS (and P) as f16 A operands, then the products
     writes = [("dtv", lay["ds_at"])] + ([] if dq else [("tv", lay["p_at"])])
     for name, at in writes:
-        body += [f"[[unroll]] for (uint jj = 0u; jj < {BY // 8}u; ++jj) {{",
-                 f"    uvec2 ph = uvec2(packHalf2x16({name}[jj].xy), packHalf2x16({name}[jj].zw));",
-                 f"    uint pp = {at}u + (sg * 16u + r) * {PS}u + jj;",
-                 "    if (hh == 0u) { H[pp].xy = ph; } else { H[pp].zw = ph; }", "}"]
+        body += fr.write_rows(name, at, PS, BY // 8)
     body += sync
     products = [("ga", lay["ds_at"], lay["ys_at"], SS, DP)] if dq else \
         [("gk", lay["ds_at"], lay["ys_at"], SS, DP), ("gv", lay["p_at"], lay["yv_at"], VS, DVP)]
     for acc, a_at, b_at, stride, width in products:
-        body += [f"[[unroll]] for (uint kk = 0u; kk < {BY // 16}u; ++kk) {{",
-                 "    " + ops.frag_decl("A", "fa"),
-                 "    " + ops.load("fa", "H", f"{a_at}u + sg * {16 * PS}u + kk * 2u", PS, True),
-                 f"    [[unroll]] for (uint jn = 0u; jn < {width // 16}u; ++jn) {{",
-                 "        " + ops.frag_decl("B", "fb"),
-                 "        " + ops.load("fb", "H", f"{b_at}u + kk * {16 * stride}u + jn * 2u", stride, True),
-                 "        " + ops.mma("fa", (PS, True), "fb", (stride, True), f"{acc}[jn]"),
-                 "    }", "}"]
+        body += fr.accumulate(acc, a_at, PS, b_at, stride, BY, width)
     body.append("barrier();      // the tile, dS, P and the scratch are read: the next tile may overwrite them")
     L += [f"vec4 tv[{BY // 8}], dtv[{BY // 8}];     // this lane's values of T (then P) and dT (then dS)"]
     L += ["for (uint w = w0; w < w1; ++w) {"] + ["    " + x for x in body] + ["}"]
