@@ -132,6 +132,15 @@ def test_every_workload_coop_kernel_compiles_to_spirv():
 
 
 # ----------------------------------------------------------------- on the Vulkan runtime
+def run_accelerated(runtime, g, outs, feeds):
+    """(outputs, dispatches swapped for cooperative-matrix kernels, the plan cache's verdict)
+    of an accelerated session of ``outs`` on the Vulkan runtime."""
+    before = runtime.stats["coopmat_kernels"]
+    with mg.compile(g, outputs=outs, backend="vulkan", precision="accelerated") as s:
+        got = s.run(feeds)
+        return got, runtime.stats["coopmat_kernels"] - before, s.executor.plans["run"].kernel_plan.stats.get("cache")
+
+
 @pytest.fixture(scope="module")
 def runtime():
     pytest.importorskip("vulkan", reason="the vulkan extra (pip install 'meganeura[vulkan]')")
@@ -204,10 +213,7 @@ def test_plan_from_the_plan_cache_reads_its_variants_as_one_set(runtime, monkeyp
 
     def run():
         monkeypatch.setattr(runtime, "_variants", {})
-        before = runtime.stats["coopmat_kernels"]
-        with mg.compile(g, outputs=outs, backend="vulkan", precision="accelerated") as s:
-            got = s.run(feeds)
-            return got, runtime.stats["coopmat_kernels"] - before, s.executor.plans["run"].kernel_plan.stats.get("cache")
+        return run_accelerated(runtime, g, outs, feeds)
 
     first, swapped, cache = run()
     assert swapped == 1 and cache == "stored"
@@ -344,13 +350,8 @@ def _run_case(runtime, name, mode, monkeypatch):
         assert groups != tuple(d.groups)
         if name == "wide":
             assert groups[:2] == (2, 3) and tuple(d.groups[:2]) == (4, 3)
-    before = runtime.stats["coopmat_kernels"]
-    s = mg.compile(g, outputs=outs, backend="vulkan", precision="accelerated")
-    try:
-        got = s.run(feeds)
-    finally:
-        s.close()
-    assert runtime.stats["coopmat_kernels"] > before, "no matmul ran on the cooperative-matrix kernel"
+    got, swapped, _ = run_accelerated(runtime, g, outs, feeds)
+    assert swapped > 0, "no matmul ran on the cooperative-matrix kernel"
     for g_, w_ in zip(got, want):
         assert g_.shape == w_.shape
         # operands are exact f16 values and products exact in f32: what is left is the f32

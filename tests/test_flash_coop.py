@@ -14,7 +14,7 @@ from meganeura.compiler import CompileOptions, compile_plan
 from meganeura.reference import evaluate
 
 from .samples_attention import head_split_block, inputs_like
-from .test_coopmat import runtime  # noqa: F401 - the Vulkan runtime fixture
+from .test_coopmat import run_accelerated, runtime  # noqa: F401 - runtime: the Vulkan runtime fixture
 from .test_flash_attention import CASES as FLASH_CASES, _case
 
 ACCEL = CompileOptions(precision="accelerated", max_bindings=64)
@@ -98,15 +98,11 @@ def test_every_workload_flash_kernel_compiles_to_spirv():
 
 # ----------------------------------------------------------------- on the Vulkan runtime
 def _run(runtime, monkeypatch, mode, g, outs, feeds):
+    """(outputs, dispatches on cooperative matrices) of an accelerated session, at least one."""
     monkeypatch.setenv("MEGANEURA_COOPMAT", mode)
-    before = runtime.stats["coopmat_kernels"]
-    s = mg.compile(g, outputs=outs, backend="vulkan", precision="accelerated")
-    try:
-        got = s.run(feeds)
-    finally:
-        s.close()
-    assert runtime.stats["coopmat_kernels"] > before, "no kernel ran on cooperative matrices"
-    return got
+    got, swapped, _ = run_accelerated(runtime, g, outs, feeds)
+    assert swapped > 0, "no kernel ran on cooperative matrices"
+    return got, swapped
 
 
 def _check_case(runtime, monkeypatch, mode, name):
@@ -117,7 +113,7 @@ def _check_case(runtime, monkeypatch, mode, name):
     out = mg.ops.scaled_dot_product_attention(ins["q"], ins["k"], ins["v"], ins.get("m"), is_causal=causal,
                                               enable_gqa=gqa)
     assert [d.kernel.name for d in _flash([out])] == ["flash_attention"]
-    (got,) = _run(runtime, monkeypatch, mode, g, [out], feeds)
+    (got,), _ = _run(runtime, monkeypatch, mode, g, [out], feeds)
     # float64 from the f16-rounded inputs: what is left is P's rounding to f16 (and the
     # accumulation order)
     (want,) = evaluate(g, [out], _f16(feeds), compute=np.float64)
@@ -157,7 +153,7 @@ def test_output_rescaled_when_a_later_tile_has_larger_scores(runtime, monkeypatc
         g = mg.Graph()
         ins = inputs_like(g, feeds)
         out = mg.ops.scaled_dot_product_attention(ins["q"], ins["k"], ins["v"], is_causal=causal)
-        (got,) = _run(runtime, monkeypatch, mode, g, [out], feeds)
+        (got,), _ = _run(runtime, monkeypatch, mode, g, [out], feeds)
         (want,) = evaluate(g, [out], _f16(feeds), compute=np.float64)
         err = np.abs(got - want).max() / np.abs(want).max()
         assert err < 2e-3, (causal, err)
@@ -178,7 +174,7 @@ def test_strided_heads_epilogue_split_and_gradients(runtime, monkeypatch, flash_
     grads = mg.grad(loss, [g.inputs["x"]] + list(ws.values()))
     kernels = _flash([out] + grads)
     assert any(d.kernel.spec.get("split") == 2 and d.kernel.outs for d in kernels), [d.kernel.spec for d in kernels]
-    got = _run(runtime, monkeypatch, mode, g, [out] + grads, feeds)
+    got, _ = _run(runtime, monkeypatch, mode, g, [out] + grads, feeds)
     want = evaluate(g, [out] + grads, {n: a.astype(np.float64) for n, a in feeds.items()}, compute=np.float64)
     for name, a, b in zip(["out", "dx", "dwq", "dwk", "dwv"], got, want):
         err = np.abs(a - b).max() / np.abs(b).max()
@@ -211,9 +207,8 @@ def _check_backward(runtime, monkeypatch, mode, name, split):
     fit = [d.kernel.spec.get("grad") for d in kernels if not (flash_grad_coop if d.kernel.spec.get("grad") else flash_coop)
            .select(d.kernel, storage, mode == "emulate")]
     assert "dq" in fit and len(fit) >= 2, fit
-    before = runtime.stats["coopmat_kernels"]
-    got = _run(runtime, monkeypatch, mode, g, grads, feeds)
-    assert runtime.stats["coopmat_kernels"] - before == len(fit), fit
+    got, swapped = _run(runtime, monkeypatch, mode, g, grads, feeds)
+    assert swapped == len(fit), fit
     want = evaluate(g, grads, {n: a.astype(np.float64) if a.dtype.kind == "f" else a for n, a in feeds.items()},
                     compute=np.float64)
     for wrt, a, b in zip("qkv", got, want):
@@ -267,10 +262,7 @@ def test_training_plan_from_the_plan_cache_finds_its_attention_variants(runtime,
 
     def run():
         monkeypatch.setattr(runtime, "_variants", {})
-        before = runtime.stats["coopmat_kernels"]
-        with mg.compile(g, outputs=grads, backend="vulkan", precision="accelerated") as s:
-            got = s.run(feeds)
-            return got, runtime.stats["coopmat_kernels"] - before, s.executor.plans["run"].kernel_plan.stats.get("cache")
+        return run_accelerated(runtime, g, grads, feeds)
 
     first, swapped, cache = run()
     assert swapped == 3 and cache == "stored"         # the forward, dq and dkv
