@@ -235,6 +235,8 @@ def main(argv=None):
     ap.add_argument("--no-workload-shapes", dest="workload_shapes", action="store_false")
     ap.add_argument("--no-sweep", dest="sweep", action="store_false", help="skip the tile-configuration sweep")
     ap.add_argument("--no-fma", dest="fma", action="store_false", help="skip the f32 FMA tiles (MEGANEURA_COOPMAT=off)")
+    ap.add_argument("--configs", nargs="+", default=SWEEP, metavar="T:BMxBNxSG_MxSG_NxBKxDEPTH",
+                    help="the sweep's tile configurations (default: SWEEP)")
     ap.add_argument("--samples", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--out", default="bench/results/coopmat.json")
@@ -263,9 +265,9 @@ def main(argv=None):
         print(fmt(row), flush=True)
     if args.sweep and sizes:
         big = square_cases([max(sizes)])
-        print(f"\ntile configurations at {max(sizes)}^3 (MEGANEURA_COOPMAT_CONFIG; the first is the default)")
+        print(f"\ntile configurations at {max(sizes)}^3 (MEGANEURA_COOPMAT_CONFIG; SWEEP's first is the default)")
         print(f"{'config':>22} {'layout':>6} {'kernel':>6} {'ours us':>9} {'TF/s':>7} {'err':>8}")
-        for cfg in SWEEP:
+        for cfg in args.configs:
             os.environ["MEGANEURA_COOPMAT_CONFIG"] = cfg
             for r in big:
                 gemm, _, err, kernel = time_ours(r, args.samples, args.warmup, mode)

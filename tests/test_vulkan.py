@@ -305,6 +305,51 @@ def test_staging_path_and_large_blocks():
         assert d.memory_report()["staging"][0]["used"] == 0    # staging ranges are returned
 
 
+def test_device_blocks_made_beside_the_caller_and_filled_before_gpu_work(monkeypatch):
+    """Device memory the host never maps: blocks are created on the device's memory thread
+    while allocation goes on, and each new block is filled with zeros once, in the next GPU
+    submission (with its copies), before any use; a small staging request takes a small
+    block; a block the driver refuses fails where it is used, naming it, and the device
+    goes on."""
+    pytest.importorskip("vulkan")
+    vk = _vk()
+    from meganeura.runtime.vulkan import device as vdev
+    try:
+        d = vk.VulkanDevice(direct_host_access=False, pipeline_cache=False, block_bytes=1 << 20)
+    except vk.VulkanUnavailable as e:
+        pytest.skip(str(e))
+    with d:
+        submits = []
+        real_submit = d.submit
+        monkeypatch.setattr(d, "submit", lambda *a, **k: (submits.append(a[0]), real_submit(*a, **k)))
+        blocks = [d.alloc(400_000, zeroed=True) for _ in range(3)]      # a block each (1 MiB blocks)
+        assert len({r.block for r in blocks}) == 3 and all(r.block.mapped is None for r in blocks)
+        assert d._maker is not None and len(d._unfilled) == 3 and not submits
+        d.free(blocks.pop())                      # freed before any GPU work: no fill left for it
+        assert len(d._unfilled) == 2
+        a = np.arange(1000, dtype=np.float32)
+        d.upload(blocks[0].sub(4000, 4000), a)    # one submit: both fills, then the copy
+        assert len(submits) == 1 and not d._unfilled
+        np.testing.assert_array_equal(d.download(blocks[0], np.float32)[:1000], 0)
+        np.testing.assert_array_equal(d.download(blocks[0].sub(4000, 4000), np.float32), a)
+        np.testing.assert_array_equal(d.download(blocks[1], np.float32), 0)
+        staging = d.memory_report()["staging"]
+        assert staging and all(b["size"] == vdev.SMALL_STAGING_BYTES for b in staging)
+        # a memory type the driver refuses: the block fails where it is first used
+        good = d.device_mem_type
+        monkeypatch.setattr(d, "device_mem_type", len(d.memory_types) + 5)
+        bad = d.alloc(400_000)
+        monkeypatch.setattr(d, "device_mem_type", good)
+        with pytest.raises(vk.VulkanError, match="device#"):
+            d.download(bad, np.float32)
+        assert bad.block.failed
+        later = d.alloc(400_000, zeroed=True)
+        np.testing.assert_array_equal(d.download(later, np.float32), 0)     # the failed block's fill skipped
+        assert not d._unfilled
+        d.free(bad)
+        assert bad.block.label not in [b["label"] for b in d.memory_report()["device"]]
+
+
 def test_clear_errors(dev):
     vk = _vk()
     k = dev.kernel_from_glsl(vk.samples.SAXPY, name="saxpy")

@@ -32,6 +32,8 @@ SCOPES = {1: "device", 2: "workgroup", 3: "subgroup", 5: "queue_family"}
 ACCESS = ("read", "write", "rw")
 
 DEFAULT_BLOCK_BYTES = 64 << 20
+# staging blocks for requests of at most a quarter of this, when none has room (see ``alloc``)
+SMALL_STAGING_BYTES = 1 << 20
 # a wait for the GPU polls the fence this long before it blocks (MEGANEURA_SPIN_MS: 0 blocks
 # at once), so a step shorter than that returns as soon as it is done; not on a software
 # device unless asked, where the polling thread would take a core from the one doing the work
@@ -58,10 +60,25 @@ REQUIRE_FULL_SUBGROUPS = 0x00000002
 
 class MemoryBlock:
     """One ``vkAllocateMemory`` with one ``VkBuffer`` bound over all of it; mapped when
-    host-visible and wanted on the host."""
+    host-visible and wanted on the host. ``maker``: an executor that creates the Vulkan
+    objects while the caller goes on (device memory the host never maps); ``buffer`` and
+    ``memory`` wait for them, and raise the creation's error. The driver's allocation costs
+    about 24 ms per GiB on an H200 and runs no faster on several threads, so it is what a
+    warm compile waits for unless the plan's bookkeeping runs beside it."""
 
-    def __init__(self, dev, size, mem_type, mapped, label):
+    def __init__(self, dev, size, mem_type, mapped, label, shared=True, maker=None):
         self.device, self.size, self.mem_type, self.label = dev, size, mem_type, label
+        self.shared = shared           # sub-allocated (else one tensor's own block)
+        self.mapped = None
+        self.allocator = OffsetAllocator(size, dev.alignment)
+        self._handles = self._pending = None
+        if maker is not None and not mapped:
+            self._pending = maker.submit(self._create, False)
+        else:
+            self._handles = self._create(mapped)
+
+    def _create(self, mapped):
+        dev, size, label = self.device, self.size, self.label
         ffi, lib = _vk.ffi, _vk.lib
         usage = (_vk.vk.VK_BUFFER_USAGE_STORAGE_BUFFER_BIT | _vk.vk.VK_BUFFER_USAGE_TRANSFER_SRC_BIT
                  | _vk.vk.VK_BUFFER_USAGE_TRANSFER_DST_BIT)
@@ -69,36 +86,72 @@ class MemoryBlock:
                  usage=usage, sharingMode=_vk.vk.VK_SHARING_MODE_EXCLUSIVE)
         pb = ffi.new("VkBuffer*")
         check(lib.vkCreateBuffer(dev.handle, bi, ffi.NULL, pb), f"vkCreateBuffer({label}, {size} B)")
-        self.buffer = pb[0]
+        buffer = pb[0]
         req = ffi.new("VkMemoryRequirements*")
-        lib.vkGetBufferMemoryRequirements(dev.handle, self.buffer, req)
-        if not req.memoryTypeBits & (1 << mem_type):
-            lib.vkDestroyBuffer(dev.handle, self.buffer, ffi.NULL)
-            raise VulkanError(f"memory type {mem_type} not allowed for a storage buffer ({label})", -2)
+        lib.vkGetBufferMemoryRequirements(dev.handle, buffer, req)
+        if not req.memoryTypeBits & (1 << self.mem_type):
+            lib.vkDestroyBuffer(dev.handle, buffer, ffi.NULL)
+            raise VulkanError(f"memory type {self.mem_type} not allowed for a storage buffer ({label})", -2)
         ai = new("VkMemoryAllocateInfo", sType=_vk.vk.VK_STRUCTURE_TYPE_MEMORY_ALLOCATE_INFO,
-                 allocationSize=req.size, memoryTypeIndex=mem_type)
+                 allocationSize=req.size, memoryTypeIndex=self.mem_type)
         pm = ffi.new("VkDeviceMemory*")
         res = lib.vkAllocateMemory(dev.handle, ai, ffi.NULL, pm)
         if res != 0:
-            lib.vkDestroyBuffer(dev.handle, self.buffer, ffi.NULL)
-            check(res, f"vkAllocateMemory({label}, {req.size} B, type {mem_type})")
-        self.memory = pm[0]
-        check(lib.vkBindBufferMemory(dev.handle, self.buffer, self.memory, 0), "vkBindBufferMemory")
-        self.mapped = None
-        if mapped:
+            lib.vkDestroyBuffer(dev.handle, buffer, ffi.NULL)
+            check(res, f"vkAllocateMemory({label}, {req.size} B, type {self.mem_type})")
+        memory = pm[0]
+        res = lib.vkBindBufferMemory(dev.handle, buffer, memory, 0)
+        if res == 0 and mapped:
             pp = ffi.new("void**")
-            check(lib.vkMapMemory(dev.handle, self.memory, 0, size, 0, pp), f"vkMapMemory({label})")
-            self.mapped = np.frombuffer(ffi.buffer(pp[0], size), dtype=np.uint8)
-        self.allocator = OffsetAllocator(size, dev.alignment)
+            res = lib.vkMapMemory(dev.handle, memory, 0, size, 0, pp)
+            if res == 0:
+                self.mapped = np.frombuffer(ffi.buffer(pp[0], size), dtype=np.uint8)
+        if res != 0:
+            lib.vkDestroyBuffer(dev.handle, buffer, ffi.NULL)
+            lib.vkFreeMemory(dev.handle, memory, ffi.NULL)
+            check(res, f"vkBindBufferMemory / vkMapMemory({label})")
+        return buffer, memory
+
+    @property
+    def failed(self) -> bool:
+        """Whether creating the block raised (``buffer`` raises it again)."""
+        return self._pending is not None and self._pending.done() and self._pending.exception() is not None
+
+    def created(self):
+        """The block's VkBuffer once created (waiting for it), None if that failed."""
+        if self._pending is not None and self._pending.exception() is not None:
+            return None
+        return self.buffer
+
+    def _wait(self):
+        if self._pending is not None:
+            self._handles, self._pending = self._pending.result(), None   # raises the creation's error
+        return self._handles
+
+    @property
+    def buffer(self):
+        h = self._handles or self._wait()
+        return h[0] if h else None      # None once destroyed
+
+    @property
+    def memory(self):
+        h = self._handles or self._wait()
+        return h[1] if h else None
 
     def destroy(self):
+        try:
+            handles = self._wait()
+        except VulkanError:        # never created: nothing to give back
+            handles = None
+        self._handles = self._pending = None
+        if handles is None:
+            return
         lib, ffi, d = _vk.lib, _vk.ffi, self.device.handle
         if self.mapped is not None:
             self.mapped = None
-            lib.vkUnmapMemory(d, self.memory)
-        lib.vkDestroyBuffer(d, self.buffer, ffi.NULL)
-        lib.vkFreeMemory(d, self.memory, ffi.NULL)
-        self.buffer = self.memory = None
+            lib.vkUnmapMemory(d, handles[1])
+        lib.vkDestroyBuffer(d, handles[0], ffi.NULL)
+        lib.vkFreeMemory(d, handles[1], ffi.NULL)
 
 
 def workgroup_memory_limit(dev) -> int:
@@ -376,6 +429,8 @@ class VulkanDevice:
         self._layout_cache = {}       # (bindings, push-constant bytes) -> shared layouts
         self._blocks = {"device": [], "staging": [], "input": []}
         self._lock = threading.RLock()
+        self._unfilled = []           # new device blocks awaiting their fill with zeros
+        self._maker = None            # the thread creating device blocks (_block_maker)
         self.block_bytes = int(block_bytes)
         self._create_instance()
         self._choose_physical(selector if selector is not None else _env_selector())
@@ -613,6 +668,8 @@ class VulkanDevice:
         ffi, lib, vk = _vk.ffi, _vk.lib, _vk.vk
         si = new("VkSubmitInfo", sType=vk.VK_STRUCTURE_TYPE_SUBMIT_INFO, commandBufferCount=1, pCommandBuffers=pcmd)
         with self._lock:
+            if self._unfilled and pcmd is not self._xfer_cmd:
+                self._one_shot(lambda cmd: None)       # new blocks' fills first
             check(lib.vkQueueSubmit(self.queue, 1, si, pfence[0]), "vkQueueSubmit")
         if wait:
             self.wait_fence(pfence, timeout_s)
@@ -678,9 +735,13 @@ class VulkanDevice:
         """``nbytes`` (rounded up to the alignment) of device memory, or of host-visible
         staging memory when ``host``; ``input``: device memory the host writes directly where
         the device has it (``input_mem_type``), else ordinary device memory. Free with
-        ``free``. ``zeroed``: the range holds zeros. Device-only blocks are filled with zeros
-        once when created, so only a range that reuses freed bytes costs a fill of its own
-        (not one submit per new buffer)."""
+        ``free``. ``zeroed``: the range holds zeros. Device-only blocks are created on a
+        thread of their own while the caller goes on, and filled with zeros once, all new
+        ones together before the next GPU work (``_one_shot``, ``submit``), so only a range
+        that reuses freed bytes costs a fill of its own. A small staging request with no room
+        takes a small block (``SMALL_STAGING_BYTES``): pinning host memory costs about 0.23
+        ms per MiB (an H200's host), 15 ms for a whole block, which a plan uploading a few
+        constants or reading back a loss would wait for."""
         nbytes = int(nbytes)
         kind = "staging" if host else "input" if input and self.input_mem_type is not None else "device"
         # a large tensor gets a block of its own, so that freeing it gives the memory back
@@ -691,7 +752,7 @@ class VulkanDevice:
             # as many block queries; a hole a free left in an older block is still found
             # before a new block is made
             for blk in ([] if dedicated else reversed(self._blocks[kind])):
-                if blk.size != self.block_bytes:
+                if not blk.shared:
                     continue
                 high_water = blk.allocator.high_water
                 off = blk.allocator.alloc(nbytes)
@@ -700,33 +761,48 @@ class VulkanDevice:
                     if zeroed and (blk.mapped is not None or off < high_water):
                         self.zero(rng)
                     return rng
-            size = align_up(max(nbytes, 1), self.alignment) if dedicated else self.block_bytes
+            if dedicated:
+                size = align_up(max(nbytes, 1), self.alignment)
+            elif kind == "staging" and nbytes <= SMALL_STAGING_BYTES // 4:
+                size = min(SMALL_STAGING_BYTES, self.block_bytes)
+            else:
+                size = self.block_bytes
             size = min(size, max(self.limits["maxMemoryAllocationSize"], align_up(nbytes, self.alignment)))
             mapped = kind != "device" or self.direct_host_access
             mem_type = {"staging": self.staging_mem_type, "input": self.input_mem_type}.get(kind, self.device_mem_type)
-            blk = MemoryBlock(self, size, mem_type, mapped,
-                              f"{kind}#{len(self._blocks[kind])}")
+            blk = MemoryBlock(self, size, mem_type, mapped, f"{kind}#{len(self._blocks[kind])}",
+                              shared=not dedicated, maker=None if mapped else self._block_maker())
             self._blocks[kind].append(blk)
             rng = BufferRange(blk, blk.allocator.alloc(nbytes), nbytes)
             if zeroed and blk.mapped is not None:
                 self.zero(rng)
             elif blk.mapped is None:
-                self.zero(BufferRange(blk, 0, blk.size))     # the block's one fill
+                self._unfilled.append(blk)      # the block's one fill, before the next GPU work
             return rng
+
+    def _block_maker(self):
+        """The thread that creates device blocks (``MemoryBlock``'s ``maker``), started on first use."""
+        if self._maker is None:
+            from concurrent.futures import ThreadPoolExecutor
+            self._maker = ThreadPoolExecutor(1, thread_name_prefix="vk-memory")
+        return self._maker
 
     def free(self, rng: BufferRange):
         """Give a range back. A device block left empty goes back to the driver (closing a
-        session frees its memory); one empty staging block is kept for the next transfer."""
+        session frees its memory); one empty staging block of each size is kept for the next
+        transfer."""
         with self._lock:
             blk = rng.block
             blk.allocator.free(rng.offset)
             if blk.allocator.used:
                 return
             staging = self._blocks["staging"]
-            if blk in staging and blk.size == self.block_bytes and \
-                    not any(b is not blk and not b.allocator.used for b in staging):
+            if blk in staging and blk.shared and \
+                    not any(b is not blk and b.size == blk.size and not b.allocator.used for b in staging):
                 return
             next(blocks for blocks in self._blocks.values() if blk in blocks).remove(blk)
+            if blk in self._unfilled:
+                self._unfilled.remove(blk)
             blk.destroy()
 
     def memory_report(self) -> dict:
@@ -735,19 +811,30 @@ class VulkanDevice:
 
     def _one_shot(self, record):
         """Record ``record(cmd)`` into the transfer command buffer between full barriers
-        (earlier GPU writes -> this work -> host reads), submit and wait."""
+        (earlier GPU writes -> this work -> host reads), after the fills of new blocks, submit
+        and wait."""
         ffi, lib, vk = _vk.ffi, _vk.lib, _vk.vk
         pc = self._xfer_cmd
         with self._lock:
-            check(lib.vkResetCommandBuffer(pc[0], 0), "vkResetCommandBuffer")
-            bi = new("VkCommandBufferBeginInfo", sType=vk.VK_STRUCTURE_TYPE_COMMAND_BUFFER_BEGIN_INFO,
-                     flags=vk.VK_COMMAND_BUFFER_USAGE_ONE_TIME_SUBMIT_BIT)
-            check(lib.vkBeginCommandBuffer(pc[0], bi), "vkBeginCommandBuffer")
-            full_barrier(pc[0], entry=True)
-            record(pc[0])
-            full_barrier(pc[0], entry=False)
-            check(lib.vkEndCommandBuffer(pc[0]), "vkEndCommandBuffer")
-            self.submit(pc, self._xfer_fence)
+            fills, self._unfilled = self._unfilled, []
+            try:
+                check(lib.vkResetCommandBuffer(pc[0], 0), "vkResetCommandBuffer")
+                bi = new("VkCommandBufferBeginInfo", sType=vk.VK_STRUCTURE_TYPE_COMMAND_BUFFER_BEGIN_INFO,
+                         flags=vk.VK_COMMAND_BUFFER_USAGE_ONE_TIME_SUBMIT_BIT)
+                check(lib.vkBeginCommandBuffer(pc[0], bi), "vkBeginCommandBuffer")
+                for blk in fills:
+                    # waits for a block still being created; one that failed raises where it is used
+                    buffer = blk.created()
+                    if buffer is not None:
+                        lib.vkCmdFillBuffer(pc[0], buffer, 0, blk.size, 0)
+                full_barrier(pc[0], entry=True)
+                record(pc[0])
+                full_barrier(pc[0], entry=False)
+                check(lib.vkEndCommandBuffer(pc[0]), "vkEndCommandBuffer")
+                self.submit(pc, self._xfer_fence)
+            except BaseException:
+                self._unfilled = fills + self._unfilled      # the fills run with the next GPU work
+                raise
 
     def copy(self, src: BufferRange, dst: BufferRange, nbytes=None):
         self.copy_many([(src, dst, nbytes)])
@@ -962,6 +1049,10 @@ class VulkanDevice:
         if self.handle is None:
             return
         ffi, lib = _vk.ffi, _vk.lib
+        if self._maker is not None:
+            self._maker.shutdown(wait=True)
+            self._maker = None
+        self._unfilled = []
         lib.vkDeviceWaitIdle(self.handle)
         try:
             self.save_pipeline_cache()
