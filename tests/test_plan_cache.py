@@ -42,6 +42,18 @@ def test_second_compile_is_a_hit_with_the_same_plan(cache):
     assert "cache" not in compile_plan(mlp(), options=opts).stats
 
 
+def test_on_compile_runs_before_the_passes_of_a_new_plan_only(cache):
+    """The runtime's hook (the Vulkan backend starts glslang there) runs when the compiler
+    passes will run, and not for a plan read from the cache."""
+    calls = []
+    first = compile_plan(mlp(), options=CompileOptions(), cache=True, adapter=ADAPTER, on_compile=lambda: calls.append(1))
+    assert first.stats["cache"] == "stored" and calls == [1]
+    second = compile_plan(mlp(), options=CompileOptions(), cache=True, adapter=ADAPTER, on_compile=lambda: calls.append(2))
+    assert second.stats["cache"] == "hit" and calls == [1]
+    compile_plan(mlp(), options=CompileOptions(), on_compile=lambda: calls.append(3))     # no cache: always compiles
+    assert calls == [1, 3]
+
+
 def test_cached_kernels_keep_their_further_outputs(cache):
     """A kernel that writes several values (an AdamW update storing its moments) keeps
     them all in the cached plan: anomaly mode checks every value a kernel writes."""

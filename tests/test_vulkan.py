@@ -391,6 +391,49 @@ def test_spirv_and_pipeline_caches_hit_on_the_second_run(dev, tmp_path):
     assert off["stats"] == {"compiles": 1} and off["loaded"] == 0
 
 
+WARM_UP_PROBE = """
+import json
+from meganeura.runtime.vulkan import glslang, samples
+assert glslang._instance is None
+glslang.start_warm_up()
+first = glslang._warming
+glslang.start_warm_up()                 # once per process
+first.join(120)
+warm = glslang._instance.warm
+glslang.compile_glsl(samples.SAXPY, name="saxpy", disk_cache=False)
+print(json.dumps(dict(warm=warm, once=glslang._warming is first, again=glslang.warm_up(), stats=dict(glslang.STATS))))
+"""
+
+
+def test_glslang_warms_up_on_a_thread_once(dev):
+    """A fresh process's first glslang compile (its built-in tables) runs on a thread of its
+    own when a plan starts compiling, and counts as no kernel compile."""
+    _need_glslang()
+    env = dict(os.environ, MEGANEURA_NO_DISK_CACHE="1")
+    r = json.loads(subprocess.run([sys.executable, "-c", WARM_UP_PROBE], env=env, capture_output=True,
+                                  text=True, check=True).stdout)
+    assert r == {"warm": True, "once": True, "again": 0.0, "stats": {"compiles": 1}}
+
+
+def test_a_new_plan_starts_the_warm_up(monkeypatch):
+    """A session compiling a plan (not reading it from the plan cache) calls the runtime's
+    ``prepare_compile`` before the compiler passes."""
+    pytest.importorskip("vulkan")
+    _need_glslang()
+    import meganeura as mg
+    from meganeura.runtime.vulkan import backend
+    calls = []
+    monkeypatch.setattr(backend.VulkanRuntime, "prepare_compile", lambda self: calls.append(self))
+    g = mg.Graph()
+    x = g.input("x", (4, 8))
+    y = mg.ops.relu(mg.ops.linear(x, g.parameter("w", (3, 8))))
+    s = mg.compile(g, outputs=[y], backend="vulkan", plan_cache=False)
+    assert len(calls) == 1
+    s.run({"x": np.ones((4, 8), np.float32)})
+    assert len(calls) == 1
+    s.close()
+
+
 def test_info_reports_the_vulkan_backend(dev):
     r = subprocess.run([sys.executable, "-m", "meganeura.cli", "info", "--vulkan"], capture_output=True, text=True,
                        timeout=120)

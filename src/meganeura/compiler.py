@@ -311,14 +311,16 @@ def gc_paused():
 
 
 def compile_plan(targets, n_forward=None, options: CompileOptions | None = None, updates=None,
-                 cache=False, adapter=None) -> KernelPlan:
+                 cache=False, adapter=None, on_compile=None) -> KernelPlan:
     """Kernels computing ``targets`` (tensors of one graph). ``n_forward``: how many leading
     targets are forward outputs (accelerated precision applies to what they depend on).
     ``updates``: {target index: parameter/state name} for targets that become that
     tensor's new value after the call; where it is safe they are written in place.
     ``cache``: read and write the on-disk plan cache (``plan_cache``; the runtime turns it
     on, keyed with ``adapter``, the device's description); a plan read from it carries
-    each kernel's name, archetype and output but not its IR."""
+    each kernel's name, archetype and output but not its IR. ``on_compile()`` is called
+    before the compiler passes run (not for a plan from the cache): a runtime starts there
+    what compiling the new kernels will need."""
     opts = options or CompileOptions()
     with gc_paused():
         key = None
@@ -328,6 +330,8 @@ def compile_plan(targets, n_forward=None, options: CompileOptions | None = None,
             plan = plan_cache.load(key) if key is not None else None
             if plan is not None:
                 return plan
+        if on_compile is not None:
+            on_compile()
         plan = _compile_plan(targets, n_forward, opts, updates)
         if key is not None:
             plan.stats["key"] = key

@@ -47,7 +47,8 @@ class Plan:
             opts.f16_weights = ex.f16_weights
             kp = compile_plan(targets, n_forward=n_fetch, options=opts,
                               updates={base + j: name for j, (name, _) in enumerate(updates)},
-                              cache=plan_cache.enabled(ex.plan_cache) and not dev.checked, adapter=dev.adapter_info)
+                              cache=plan_cache.enabled(ex.plan_cache) and not dev.checked, adapter=dev.adapter_info,
+                              on_compile=getattr(dev, "prepare_compile", None))
         self.kernel_plan, self.memory = kp, kp.memory
         # persistent f16 copies of weights (accelerated precision): those this plan reads,
         # and those it writes beside their master weights (targets after the given ones)

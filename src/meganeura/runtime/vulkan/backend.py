@@ -632,6 +632,13 @@ class VulkanRuntime:
         from .cache import kernel_key
         return kernel_key(text, unroll=self.unroll_loops and not text.startswith("#version"), **self._key_context())
 
+    def prepare_compile(self):
+        """A plan is being compiled (not read from the plan cache): glslang's first compile of
+        the process, which runs alone, starts now beside the compiler passes instead of
+        holding up the first of the new kernels (``glslang.start_warm_up``)."""
+        from .glslang import start_warm_up
+        start_warm_up(_prompt_gil_handoff)
+
     def _kernel_set_key(self, texts) -> str:
         """The key of the compiled kernels of ``texts`` (``cache.kernel_set_key``)."""
         from .cache import kernel_set_key
