@@ -285,17 +285,22 @@ def test_f16_storage_kernel(dev):
     np.testing.assert_allclose(dev.download(by, np.float32), ref, rtol=2e-3, atol=2e-3)
 
 
+def _staged_device(block_bytes):
+    """A device whose transfers all go through staging copies (a discrete GPU's path), with
+    blocks of ``block_bytes``; or a skip."""
+    pytest.importorskip("vulkan")
+    vk = _vk()
+    try:
+        return vk.VulkanDevice(direct_host_access=False, pipeline_cache=False, block_bytes=block_bytes)
+    except vk.VulkanUnavailable as e:
+        pytest.skip(str(e))
+
+
 def test_staging_path_and_large_blocks():
     """Uploads and downloads through staging copies (as on a discrete GPU) and a request
     larger than a block getting a block of its own."""
-    pytest.importorskip("vulkan")
     _need_glslang()
-    vk = _vk()
-    try:
-        d = vk.VulkanDevice(direct_host_access=False, pipeline_cache=False, block_bytes=1 << 16)
-    except vk.VulkanUnavailable as e:
-        pytest.skip(str(e))
-    with d:
+    with _staged_device(1 << 16) as d:
         a = np.arange(100_000, dtype=np.float32)
         r = d.array(a)
         small = d.array(np.ones(10, np.int32))
@@ -311,14 +316,9 @@ def test_device_blocks_made_beside_the_caller_and_filled_before_gpu_work(monkeyp
     submission (with its copies), before any use; a small staging request takes a small
     block; a block the driver refuses fails where it is used, naming it, and the device
     goes on."""
-    pytest.importorskip("vulkan")
-    vk = _vk()
     from meganeura.runtime.vulkan import device as vdev
-    try:
-        d = vk.VulkanDevice(direct_host_access=False, pipeline_cache=False, block_bytes=1 << 20)
-    except vk.VulkanUnavailable as e:
-        pytest.skip(str(e))
-    with d:
+    with _staged_device(1 << 20) as d:
+        vk = _vk()
         submits = []
         real_submit = d.submit
         monkeypatch.setattr(d, "submit", lambda *a, **k: (submits.append(a[0]), real_submit(*a, **k)))
