@@ -43,9 +43,19 @@ class _Uses:
     """Which kernels (by position) write and read each logical buffer."""
 
     def __init__(self, kernels):
-        self.writers, self.readers = defaultdict(list), defaultdict(list)
+        self.writers, self.readers = writers, readers = defaultdict(list), defaultdict(list)
         for i, k in enumerate(kernels):
-            self.add(i, k)
+            spec = k.spec
+            if k.outs or "parts" in spec or "stores" in spec or "gathers" in spec:
+                self.add(i, k)
+                continue
+            # one output, every read stored: written_bufs and read_views spelled out (each
+            # fusion pass indexes the whole plan: SmolLM2's train step 48 times)
+            writers[id(k.out.buf)].append(i)
+            for v in k.reads:
+                readers[id(v.buf)].append(i)
+            for v in k.epi_reads:
+                readers[id(v.buf)].append(i)
 
     def add(self, i, k):
         for b in k.written_bufs():
