@@ -12,6 +12,17 @@ def inputs_like(g, feeds):
     return {n: g.input(n, a.shape, mg.i32 if a.dtype.kind == "i" else mg.f32) for n, a in feeds.items()}
 
 
+def sdpa_graph(feeds, causal=False, gqa=False):
+    """(graph, its inputs as ``inputs_like``, scaled_dot_product_attention over q, k, v and the
+    mask m where ``feeds`` has one)."""
+    import meganeura as mg
+    g = mg.Graph()
+    ins = inputs_like(g, feeds)
+    out = mg.ops.scaled_dot_product_attention(ins["q"], ins["k"], ins["v"], ins.get("m"), is_causal=causal,
+                                              enable_gqa=gqa)
+    return g, ins, out
+
+
 def head_split_block(b, l, h, d, seed, causal=False, weights="input"):
     """A model-like attention block: q, k and v are head splits (transposed views) of three
     projections of x (b, l, h * d), the output is transposed back and x added to it.

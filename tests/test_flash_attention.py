@@ -10,7 +10,7 @@ import meganeura as mg
 from meganeura.codegen import attention as attn, flash
 from meganeura.compiler import CompileOptions, compile_plan
 
-from .samples_attention import head_split_block, inputs_like
+from .samples_attention import head_split_block, sdpa_graph
 
 CASES = {
     # name: (q shape, k shape, v width, mask kind, causal, gqa)
@@ -53,10 +53,7 @@ def _case(name):
 def test_flash_matches_reference_and_torch(name, flash_only):
     qs, ks, dv, mask, causal, gqa = CASES[name]
     feeds = _case(name)
-    g = mg.Graph()
-    ins = inputs_like(g, feeds)
-    out = mg.ops.scaled_dot_product_attention(ins["q"], ins["k"], ins["v"], ins.get("m"), is_causal=causal,
-                                              enable_gqa=gqa)
+    g, ins, out = sdpa_graph(feeds, causal, gqa)
     kp = compile_plan([out], options=CompileOptions(max_bindings=32))
     assert kp.names == ["flash_attention"], kp.names
     want = mg.compile(g, outputs=[out], backend="numpy").run(feeds)[0]

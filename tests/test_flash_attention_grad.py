@@ -12,7 +12,7 @@ from meganeura.codegen import attention as attn, flash, flash_grad
 from meganeura.compiler import CompileOptions, compile_plan
 from meganeura.ops.registry import emit
 
-from .samples_attention import head_split_block, inputs_like
+from .samples_attention import head_split_block, sdpa_graph
 
 torch = pytest.importorskip("torch")
 
@@ -87,10 +87,7 @@ def test_backward_keeps_the_own_operands_resident_with_48k(monkeypatch, name, fl
 def _check_backward(name):
     qs, ks, dv, mask, causal, gqa = CASES[name]
     feeds = _feeds(name)
-    g = mg.Graph()
-    ins = inputs_like(g, feeds)
-    out = mg.ops.scaled_dot_product_attention(ins["q"], ins["k"], ins["v"], ins.get("m"), is_causal=causal,
-                                              enable_gqa=gqa)
+    g, ins, out = sdpa_graph(feeds, causal, gqa)
     grads = mg.grad(mg.ops.sum(out * ins["w"]), [ins[n] for n in "qkv"])
     kp = compile_plan([out] + grads, n_forward=1, options=CompileOptions(max_bindings=32))
     # the forward with its LSE, D = rowsum(dO * O), dQ, then dK and dV: no Lq x Lk matrix

@@ -13,7 +13,7 @@ from meganeura.codegen import attention as attn, flash_coop, flash_grad_coop
 from meganeura.compiler import CompileOptions, compile_plan
 from meganeura.reference import evaluate
 
-from .samples_attention import head_split_block, inputs_like
+from .samples_attention import head_split_block, sdpa_graph
 from .test_coopmat import run_accelerated, runtime  # noqa: F401 - runtime: the Vulkan runtime fixture
 from .test_flash_attention import CASES as FLASH_CASES, _case
 
@@ -108,10 +108,7 @@ def _run(runtime, monkeypatch, mode, g, outs, feeds):
 def _check_case(runtime, monkeypatch, mode, name):
     qs, ks, dv, mask, causal, gqa = FLASH_CASES[name]
     feeds = _case(name)
-    g = mg.Graph()
-    ins = inputs_like(g, feeds)
-    out = mg.ops.scaled_dot_product_attention(ins["q"], ins["k"], ins["v"], ins.get("m"), is_causal=causal,
-                                              enable_gqa=gqa)
+    g, ins, out = sdpa_graph(feeds, causal, gqa)
     assert [d.kernel.name for d in _flash([out])] == ["flash_attention"]
     (got,), _ = _run(runtime, monkeypatch, mode, g, [out], feeds)
     # float64 from the f16-rounded inputs: what is left is P's rounding to f16 (and the
@@ -150,9 +147,7 @@ def test_output_rescaled_when_a_later_tile_has_larger_scores(runtime, monkeypatc
     v = rng.standard_normal((1, 2, 230, 16)).astype(np.float32)
     feeds = {"q": q, "k": k, "v": v}
     for causal in (False, True):
-        g = mg.Graph()
-        ins = inputs_like(g, feeds)
-        out = mg.ops.scaled_dot_product_attention(ins["q"], ins["k"], ins["v"], is_causal=causal)
+        g, ins, out = sdpa_graph(feeds, causal)
         (got,), _ = _run(runtime, monkeypatch, mode, g, [out], feeds)
         (want,) = evaluate(g, [out], _f16(feeds), compute=np.float64)
         err = np.abs(got - want).max() / np.abs(want).max()
@@ -195,10 +190,7 @@ def _check_backward(runtime, monkeypatch, mode, name, split):
     feeds["do"] = (np.random.default_rng(7).standard_normal(qs[:-1] + (dv,)) * 1e-6).astype(np.float32)
     if split:
         monkeypatch.setenv("MEGANEURA_FLASH_SPLIT", str(split))
-    g = mg.Graph()
-    ins = inputs_like(g, feeds)
-    out = mg.ops.scaled_dot_product_attention(ins["q"], ins["k"], ins["v"], ins.get("m"), is_causal=causal,
-                                              enable_gqa=gqa)
+    g, ins, out = sdpa_graph(feeds, causal, gqa)
     grads = mg.grad(mg.ops.sum(out * ins["do"]), [ins["q"], ins["k"], ins["v"]])
     kernels = _flash(grads)
     assert {"dq", "dkv"} <= {d.kernel.spec.get("grad") for d in kernels}
@@ -255,9 +247,7 @@ def test_training_plan_from_the_plan_cache_finds_its_attention_variants(runtime,
     monkeypatch.setenv("MEGANEURA_COOPMAT", "emulate")
     rng = np.random.default_rng(11)
     feeds = {n: rng.standard_normal((1, 2, 70, 16)).astype(np.float32) for n in ("q", "k", "v", "do")}
-    g = mg.Graph()
-    ins = inputs_like(g, feeds)
-    out = mg.ops.scaled_dot_product_attention(ins["q"], ins["k"], ins["v"])
+    g, ins, out = sdpa_graph(feeds)
     grads = mg.grad(mg.ops.sum(out * ins["do"]), [ins["q"], ins["k"], ins["v"]])
 
     def run():

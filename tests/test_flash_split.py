@@ -15,7 +15,7 @@ from meganeura.ops.attention import _scores_ref
 from meganeura.ops.registry import emit
 
 from . import test_flash_attention as fwd
-from .samples_attention import head_split_block, inputs_like
+from .samples_attention import head_split_block, inputs_like, sdpa_graph
 from . import test_flash_attention_grad as bwd
 
 torch = pytest.importorskip("torch")
@@ -78,10 +78,7 @@ def test_gradients_through_the_split_forward(name, split, flash_only, monkeypatc
     monkeypatch.setenv("MEGANEURA_FLASH_SPLIT", str(split))
     qs, ks, dv, mask, causal, gqa = bwd.CASES[name]
     feeds = bwd._feeds(name)
-    g = mg.Graph()
-    ins = inputs_like(g, feeds)
-    out = mg.ops.scaled_dot_product_attention(ins["q"], ins["k"], ins["v"], ins.get("m"), is_causal=causal,
-                                              enable_gqa=gqa)
+    g, ins, out = sdpa_graph(feeds, causal, gqa)
     grads = mg.grad(mg.ops.sum(out * ins["w"]), [ins[n] for n in "qkv"])
     kp = compile_plan([out] + grads, n_forward=1, options=CompileOptions(max_bindings=32))
     attention = [n for n in kp.names if "attention" in n and ".sum" not in n]
