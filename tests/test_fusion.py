@@ -319,6 +319,36 @@ def test_pointwise_kernel_writes_a_transposed_copy_itself():
     _assert_gpu_matches_reference(g, [y, z], feeds, rtol=1e-6, atol=1e-6)
 
 
+def test_coalesce_merges_dims_every_view_walks_as_one():
+    from meganeura.codegen.common import coalesce
+    # contiguous, and a bias broadcast over the leading dims: the trailing pair merges
+    assert coalesce((2, 3, 4, 5), [(60, 20, 5, 1), (0, 0, 5, 1)]) == ((6, 20), [(20, 1), (0, 1)])
+    # every view contiguous: one dim; size-1 dims dropped
+    assert coalesce((2, 1, 4), [(4, 4, 1), (4, 99, 1)]) == ((8,), [(1,), (1,)])
+    # a transposed read keeps the dims it swaps apart
+    assert coalesce((3, 4), [(4, 1), (1, 3)]) == ((3, 4), [(4, 1), (1, 3)])
+    assert coalesce((1, 1), [(1, 1)]) == ((), [()])
+
+
+def test_pointwise_kernel_over_contiguous_views_splits_its_index_once():
+    """Contiguous operands of a 4-D elementwise kernel are read at the flat index (no
+    coordinate splits); a transposed operand, a broadcast one and a strided second output
+    keep theirs, and every result matches the reference."""
+    g = mg.Graph()
+    x, y = g.input("x", (2, 3, 4, 5)), g.input("y", (2, 3, 4, 5))
+    b = g.input("b", (4, 5))
+    flat = mg.ops.tanh(x) * y + 1.0
+    kp = compile_plan([flat], options=CompileOptions(max_bindings=32))
+    (d,) = kp.dispatches
+    assert " % " not in d.wgsl and "cr / " not in d.wgsl, d.wgsl
+    mixed = mg.ops.exp(x) * mg.ops.transpose(y, 2, 3).reshape((2, 3, 4, 5)) + b
+    strided = mg.ops.transpose(mg.ops.sigmoid(x) + b, 1, 3) * 1.0
+    rng = np.random.default_rng(12)
+    feeds = {n: rng.standard_normal((2, 3, 4, 5)).astype(np.float32) for n in "xy"}
+    feeds["b"] = rng.standard_normal((4, 5)).astype(np.float32)
+    _assert_gpu_matches_reference(g, [flat, mixed, strided], feeds, rtol=1e-5, atol=1e-5)
+
+
 def test_transposed_copy_that_splits_a_dim_is_the_writers_store():
     """A transformer's tokens read back as channels x height x width (a transpose that
     splits the sequence dim): the pointwise kernel that wrote the tokens stores that

@@ -84,6 +84,25 @@ def coords(var: str, shape, prefix="c") -> list[str]:
     return lines
 
 
+def coalesce(shape, strides_list):
+    """(shape, [strides]) with size-1 dims dropped and neighbouring dims merged wherever
+    every stride vector of ``strides_list`` walks them as one (the outer stride is the inner
+    stride times the inner size, broadcast zeros included): a kernel indexing contiguous
+    views of a 4-D tensor splits its flat index once, not into four coordinates."""
+    kept = [d for d, n in enumerate(shape) if n != 1]
+    out_shape, out_strides = [], [[] for _ in strides_list]
+    for d in kept:
+        if out_shape and all(st[-1] == s[d] * shape[d] for st, s in zip(out_strides, strides_list)):
+            out_shape[-1] *= shape[d]
+            for st, s in zip(out_strides, strides_list):
+                st[-1] = s[d]
+        else:
+            out_shape.append(shape[d])
+            for st, s in zip(out_strides, strides_list):
+                st.append(s[d])
+    return tuple(out_shape), [tuple(st) for st in out_strides]
+
+
 def offset_expr(offset, strides, prefix="c", dims=None) -> str:
     """``offset + sum(c_d * stride_d)`` over dims with non-zero stride."""
     dims = range(len(strides)) if dims is None else dims

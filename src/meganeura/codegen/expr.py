@@ -186,19 +186,21 @@ def read_leaves(leaves, shape, bind, prefix="c"):
     return lines, vals
 
 
-def store_lines(bind, ob, idx, val, dtype, stores=(), prefix="c") -> list[str]:
+def store_lines(bind, ob, idx, val, dtype, stores=(), prefix="c", store_strides=None) -> list[str]:
     """WGSL lines storing ``val`` (of ``dtype``) at ``idx`` of binding ``ob`` and, converted,
     at each view of ``stores`` (second stores of the same value: a concat's slice, an f16
-    copy), indexed by the coordinates ``prefix0..`` of the output."""
+    copy), indexed by the coordinates ``prefix0..`` of the output (through ``store_strides``,
+    one per store, where the caller indexes coalesced coordinates)."""
     lines = []
     if stores:
         lines.append(f"    let stored = {val};")
         val = "stored"
     lines.append(f"    b{ob}[{idx}] = {val};")
-    for s in stores:
+    for j, s in enumerate(stores):
         sb = bind.index(s.buf, s.dtype, write=True)
         sv = val if s.dtype is dtype else f"{s.dtype.wgsl}({val})"
-        lines.append(f"    b{sb}[{offset_expr(s.offset, s.strides, prefix)}] = {sv};")
+        strides = s.strides if store_strides is None else store_strides[j]
+        lines.append(f"    b{sb}[{offset_expr(s.offset, strides, prefix)}] = {sv};")
     return lines
 
 

@@ -2,7 +2,7 @@
 tree whose leaves are strided (possibly broadcast) views."""
 from __future__ import annotations
 
-from .common import ENTRY, GROUP_INDEX, WG, Bindings, broadcast_view_strides, coords, grid, offset_expr
+from .common import ENTRY, GROUP_INDEX, WG, Bindings, broadcast_view_strides, coalesce, coords, grid, offset_expr
 from .expr import ExprWriter, Node, store_lines
 
 
@@ -22,16 +22,28 @@ def _body(kernel, b: Bindings):
     kernel, its buffers registered on ``b``."""
     out, spec = kernel.out, kernel.spec
     ob = b.index(out.buf, out.dtype, write=True)
-    lines = coords("i", out.shape)
     leaf_vars = []
     rotated = _rleaves(spec["expr"])
+    stores, outs = spec.get("stores", ()), list(zip(kernel.outs, spec.get("out_exprs", ())))
+    read_strides = [broadcast_view_strides(v, out.shape) for v in kernel.reads]
+    shape, out_strides, store_strides, outs_strides = out.shape, out.strides, None, [v.strides for v, _ in outs]
+    # the coordinates the expression needs as they are: rotate_half's (the last one, and its
+    # operands' read through it)
+    if not rotated and not _uses_coords(spec["expr"]) and not spec.get("flat_leaf") and \
+            all(len(st) == len(shape) for st in [out.strides] + [s.strides for s in stores] + outs_strides):
+        strides = [out.strides] + read_strides + [s.strides for s in stores] + outs_strides
+        shape, merged = coalesce(out.shape, strides)
+        out_strides, read_strides = merged[0], merged[1:1 + len(kernel.reads)]
+        store_strides = merged[1 + len(kernel.reads):1 + len(kernel.reads) + len(stores)]
+        outs_strides = merged[1 + len(kernel.reads) + len(stores):]
+    lines = coords("i", shape)
     for k, v in enumerate(kernel.reads):
         bi = b.index(v.buf, v.dtype)
         if spec.get("flat_leaf"):       # read in the leaf's own logical order
             lines += coords("i", v.shape, prefix=f"l{k}_")
             idx = offset_expr(v.offset, v.strides, prefix=f"l{k}_")
         else:
-            st = broadcast_view_strides(v, out.shape)
+            st = read_strides[k]
             idx = offset_expr(v.offset, st)
         lines.append(f"    let v{k} = b{bi}[{idx}];")
         leaf_vars.append((f"v{k}", v.dtype))
@@ -45,15 +57,16 @@ def _body(kernel, b: Bindings):
     val, dt = w.emit(spec["expr"])
     if dt is not out.dtype:
         val = f"{out.dtype.wgsl}({val})"
-    stores = store_lines(b, ob, offset_expr(out.offset, out.strides), val, out.dtype, spec.get("stores", ()))
+    stored = store_lines(b, ob, offset_expr(out.offset, out_strides), val, out.dtype, stores,
+                         store_strides=store_strides)
     # further outputs (``fuse.fuse_producer_outputs``): each the value of its own expression
     # over the same leaves, stored at the same coordinates
-    for view, e in zip(kernel.outs, spec.get("out_exprs", ())):
+    for (view, e), st in zip(outs, outs_strides):
         v, dt = w.emit(e)
         if dt is not view.dtype:
             v = f"{view.dtype.wgsl}({v})"
-        stores.append(f"    b{b.index(view.buf, view.dtype, write=True)}[{offset_expr(view.offset, view.strides)}] = {v};")
-    return w.helpers(b), lines + w.lines + stores
+        stored.append(f"    b{b.index(view.buf, view.dtype, write=True)}[{offset_expr(view.offset, st)}] = {v};")
+    return w.helpers(b), lines + w.lines + stored
 
 
 def as_function(operand_spec, reads, bind: Bindings, name) -> str:
@@ -62,12 +75,15 @@ def as_function(operand_spec, reads, bind: Bindings, name) -> str:
     loads instead of reading a stored one (``fuse.fuse_pointwise_operands``). Helpers the
     expression calls are emitted once per module, before the function."""
     shape = operand_spec["shape"]
+    strides = [broadcast_view_strides(v, shape) for v in reads]
+    if not _uses_coords(operand_spec["expr"]):
+        shape, strides = coalesce(shape, strides)
     lines = [f"    let i = min(i0, {operand_spec['size'] - 1}u);"] + coords("i", shape)
     leaf_vars = []
     for k, v in enumerate(reads):
         bi = bind.index(v.buf, v.dtype)
         bind.scalar.add(bi)
-        lines.append(f"    let v{k} = b{bi}[{offset_expr(v.offset, broadcast_view_strides(v, shape))}];")
+        lines.append(f"    let v{k} = b{bi}[{offset_expr(v.offset, strides[k])}];")
         leaf_vars.append((f"v{k}", v.dtype))
     w = ExprWriter(lambda e: leaf_vars[e[1]], last_coord=f"c{len(shape) - 1}")
     val, _ = w.emit(operand_spec["expr"])
@@ -123,3 +139,10 @@ def _rleaves(e) -> set:
     if e[0] == "op":
         return set().union(*(_rleaves(k) for k in e[2]))
     return set()
+
+
+def _uses_coords(e) -> bool:
+    """The expression reads an output coordinate (rotate_half's sign: the last one)."""
+    if e[0] != "op":
+        return False
+    return e[1].op == "rotate_half" or any(_uses_coords(k) for k in e[2])
