@@ -136,6 +136,12 @@ TARGET_GROUPS = _env_count("MEGANEURA_MATMUL_GROUPS", 256)
 MAX_SPLIT = _env_count("MEGANEURA_MATMUL_MAX_SPLIT", 32)
 
 
+# A product at most this deep whose grid already has three quarters of TARGET_GROUPS is not
+# split: its sum of partials costs a launch and a pass over the output that the few K steps
+# a split saves do not win back (SmolLM2's weight gradients over 128 tokens)
+SHALLOW_K = 128
+
+
 # f32 blocks (TM, TN, WY, WX) of 128 threads with 16 x 8 or 8 x 8 outputs each, the largest
 # that still yields this many workgroups before K splits; smaller products take the square
 # 64 tile of 256 threads (4 x 4 outputs each) with K splits. H200, TFLOP/s of GPU time
@@ -179,6 +185,8 @@ def plan_tiles(M, N, K, nb, blocks=BLOCKS):
     # least 128 cut the U-Net's launches 247 -> 219 but cost it 5-10% (H200)
     split = int(os.environ.get("MEGANEURA_MATMUL_SPLIT", "0")) or \
         max(1, min(-(-TARGET_GROUPS // groups(*block[:2])), K // 64, MAX_SPLIT))
+    if K <= SHALLOW_K and groups(*block[:2]) * 4 >= TARGET_GROUPS * 3 and not os.environ.get("MEGANEURA_MATMUL_SPLIT"):
+        split = 1
     tk = k_step(tile)
     split = max(split, -(-K // (tk * (LOOP_BOUND - 1))))   # each split loops K / split / tk + 1 times
     return tile, block, -(-K // split_k(K, split, tk))   # no empty splits
