@@ -63,11 +63,12 @@ def test_bad_matmul_sweep_switches_name_themselves(name):
 
 
 def test_shallow_products_with_a_full_grid_are_not_split():
-    """A K split costs a sum of partials: a product at most SHALLOW_K deep whose grid has
-    three quarters of TARGET_GROUPS runs whole; deeper products, and shallow ones on a small
+    """A K split costs a sum of partials: a product at most SHALLOW_K deep on a grid of
+    SHALLOW_MIN_GROUPS workgroups runs whole; deeper products, and shallow ones on a smaller
     grid, still split toward the target."""
     from meganeura.codegen.matmul import SHALLOW_K, plan_tiles
-    # SmolLM2's weight gradient of a 1536-wide projection over 128 tokens: 216 64-tiles
+    # SmolLM2's weight gradients over 128 tokens: 216 and 81 64-tiles
     assert plan_tiles(1536, 576, SHALLOW_K, 1)[2] == 1
+    assert plan_tiles(576, 576, SHALLOW_K, 1)[2] == 1
     assert plan_tiles(1536, 576, 4 * SHALLOW_K, 1)[2] > 1
-    assert plan_tiles(256, 256, SHALLOW_K, 1)[2] > 1        # 16 tiles: far from the target
+    assert plan_tiles(128, 128, SHALLOW_K, 1)[2] > 1        # 4 tiles

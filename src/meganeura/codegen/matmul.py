@@ -136,10 +136,13 @@ TARGET_GROUPS = _env_count("MEGANEURA_MATMUL_GROUPS", 256)
 MAX_SPLIT = _env_count("MEGANEURA_MATMUL_MAX_SPLIT", 32)
 
 
-# A product at most this deep whose grid already has three quarters of TARGET_GROUPS is not
-# split: its sum of partials costs a launch and a pass over the output that the few K steps
-# a split saves do not win back (SmolLM2's weight gradients over 128 tokens)
+# A product at most SHALLOW_K deep on a grid of SHALLOW_MIN_GROUPS workgroups or more is not
+# split: its sum of partials costs a launch and a pass over the output that the few K steps a
+# split saves do not win back. H200, ms (splitting as before -> whole from 192 workgroups ->
+# from 12): SmolLM2's train step (weight gradients over 128 tokens) 11.14 -> 10.71 -> 10.26;
+# U-Net train step 4.79 -> 4.74 (all shallow products whole: 4.88), inference 1.54 either way
 SHALLOW_K = 128
+SHALLOW_MIN_GROUPS = 12
 
 
 # f32 blocks (TM, TN, WY, WX) of 128 threads with 16 x 8 or 8 x 8 outputs each, the largest
@@ -185,7 +188,7 @@ def plan_tiles(M, N, K, nb, blocks=BLOCKS):
     # least 128 cut the U-Net's launches 247 -> 219 but cost it 5-10% (H200)
     split = int(os.environ.get("MEGANEURA_MATMUL_SPLIT", "0")) or \
         max(1, min(-(-TARGET_GROUPS // groups(*block[:2])), K // 64, MAX_SPLIT))
-    if K <= SHALLOW_K and groups(*block[:2]) * 4 >= TARGET_GROUPS * 3 and not os.environ.get("MEGANEURA_MATMUL_SPLIT"):
+    if K <= SHALLOW_K and groups(*block[:2]) >= SHALLOW_MIN_GROUPS and not os.environ.get("MEGANEURA_MATMUL_SPLIT"):
         split = 1
     tk = k_step(tile)
     split = max(split, -(-K // (tk * (LOOP_BOUND - 1))))   # each split loops K / split / tk + 1 times
