@@ -106,6 +106,7 @@ def test_compile_time_cold_and_warm_processes():
     assert "error" not in r, r
     cold, warm = r["cold"], r["warm"]
     assert r["cold_s"] > 0 and r["warm_s"] > 0 and r["again_s"] > 0
+    assert 0 < r["cold_eager_s"] <= r["cold_s"]          # mg.compile's main call, within every plan
     assert len(r["warm_all_s"]) == 2 and r["warm_s"] == max(r["warm_all_s"])     # the upper median of two
     assert cold["plan_cache"] == {"run": "stored"} and warm["plan_cache"] == {"run": "hit"}
     assert warm["dispatches"] == cold["dispatches"] and cold["unique_pipelines"] > 0
