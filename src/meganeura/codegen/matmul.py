@@ -140,7 +140,7 @@ MAX_SPLIT = _env_count("MEGANEURA_MATMUL_MAX_SPLIT", 32)
 # split: its sum of partials costs a launch and a pass over the output that the few K steps a
 # split saves do not win back. H200, ms (splitting as before -> whole from 192 workgroups ->
 # from 12): SmolLM2's train step (weight gradients over 128 tokens) 11.14 -> 10.71 -> 10.26;
-# U-Net train step 4.79 -> 4.74 (all shallow products whole: 4.88), inference 1.54 either way
+# U-Net train step 4.80 -> 4.79 -> 4.74 (all shallow products whole: 4.88), inference 1.54 either way
 SHALLOW_K = 128
 SHALLOW_MIN_GROUPS = 12
 
