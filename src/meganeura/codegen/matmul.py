@@ -188,8 +188,9 @@ def plan_tiles(M, N, K, nb, blocks=BLOCKS):
     # least 128 cut the U-Net's launches 247 -> 219 but cost it 5-10% (H200)
     split = int(os.environ.get("MEGANEURA_MATMUL_SPLIT", "0"))
     if not split:
-        whole = K <= SHALLOW_K and groups(*block[:2]) >= SHALLOW_MIN_GROUPS
-        split = 1 if whole else max(1, min(-(-TARGET_GROUPS // groups(*block[:2])), K // 64, MAX_SPLIT))
+        n = groups(*block[:2])
+        whole = K <= SHALLOW_K and n >= SHALLOW_MIN_GROUPS
+        split = 1 if whole else max(1, min(-(-TARGET_GROUPS // n), K // 64, MAX_SPLIT))
     tk = k_step(tile)
     split = max(split, -(-K // (tk * (LOOP_BOUND - 1))))   # each split loops K / split / tk + 1 times
     return tile, block, -(-K // split_k(K, split, tk))   # no empty splits

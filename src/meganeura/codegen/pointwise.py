@@ -25,17 +25,19 @@ def _body(kernel, b: Bindings):
     leaf_vars = []
     rotated = _rleaves(spec["expr"])
     stores, outs = spec.get("stores", ()), list(zip(kernel.outs, spec.get("out_exprs", ())))
-    read_strides = [broadcast_view_strides(v, out.shape) for v in kernel.reads]
-    shape, out_strides, store_strides, outs_strides = out.shape, out.strides, None, [v.strides for v, _ in outs]
-    # the coordinates the expression needs as they are: rotate_half's (the last one, and its
-    # operands' read through it)
+    # per view, the strides it is indexed by at the output's coordinates: the output, the
+    # reads (broadcast), second stores and further outputs
+    views = [[out.strides], [broadcast_view_strides(v, out.shape) for v in kernel.reads],
+             [s.strides for s in stores], [v.strides for v, _ in outs]]
+    shape = out.shape
+    # coordinates merged, except where the expression needs them as they are: rotate_half's
+    # (the last one, and its operands' read through it)
     if not rotated and not _uses_coords(spec["expr"]) and not spec.get("flat_leaf") and \
-            all(len(st) == len(shape) for st in [out.strides] + [s.strides for s in stores] + outs_strides):
-        strides = [out.strides] + read_strides + [s.strides for s in stores] + outs_strides
-        shape, merged = coalesce(out.shape, strides)
-        out_strides, read_strides = merged[0], merged[1:1 + len(kernel.reads)]
-        store_strides = merged[1 + len(kernel.reads):1 + len(kernel.reads) + len(stores)]
-        outs_strides = merged[1 + len(kernel.reads) + len(stores):]
+            all(len(st) == len(shape) for group in views for st in group):
+        shape, merged = coalesce(out.shape, [st for group in views for st in group])
+        it = iter(merged)
+        views = [[next(it) for _ in group] for group in views]
+    (out_strides,), read_strides, store_strides, outs_strides = views
     lines = coords("i", shape)
     for k, v in enumerate(kernel.reads):
         bi = b.index(v.buf, v.dtype)
