@@ -1,7 +1,8 @@
 """Accelerated precision runs large backward matmuls on f16 operands too. Gradients are
-often far below f16's range, so each gradient operand is scaled by its largest magnitude
-before the cast and the product unscaled after; forward values are cast as in the forward
-pass. Checked against the strict session on the device, with gradients scaled down to
+often far below f16's range: a matmul reads its gradient operand in f32 and rounds it to f16
+precision in its loads (the tensor-core kernel scales it into f16's range by a power of two),
+a convolution's gradient operand is scaled by its largest magnitude before the cast and the
+product unscaled after; forward values are cast as in the forward pass. Checked against the strict session on the device, with gradients scaled down to
 where unscaled f16 would flush them to zero."""
 import numpy as np
 import pytest
@@ -25,21 +26,37 @@ def _grads(precision, loss_scale):
     feeds = {"x": np.random.default_rng(0).standard_normal((B, D)).astype(np.float32)}
     with _session(precision, loss_scale) as s:
         s.compute_grads(feeds)
-        names = list(s.executor.plans["grads"].names)
-        return s.grads(), names
+        plan = s.executor.plans["grads"]
+        return s.grads(), list(plan.names), plan.kernel_plan
 
 
-# 1e37: gradients near 1e34, where scaling up before dividing by the peak would overflow f32
-@pytest.mark.parametrize("loss_scale", [1.0, 1e-9, 1e37])
-def test_backward_matmuls_on_f16_match_strict(monkeypatch, loss_scale):
-    monkeypatch.setattr(compiler, "BACKWARD_F16_MIN_MACS", 0)      # every backward matmul
-    want, _ = _grads("strict", loss_scale)
-    got, names = _grads("accelerated", loss_scale)
-    # the gradient operands were scaled (a max reduction) and the matmuls read f16; the
-    # cast and the products' epilogues read the peak itself: no launch of a scalar between
-    assert any("reduce_max" in n for n in names), names
-    assert any(n.endswith("+cast") and "div" in n for n in names), names
-    assert not any(part in ("div", "mul") for n in names for part in n.split("|")), names
+def _matmul_parts(kp):
+    return [u for d in kp.dispatches for u in d.kernel.spec.get("parts", [d.kernel]) if u.archetype == "matmul"]
+
+
+# 1e37: gradients near 1e34, far above f16's range; 1e-9: far below it
+@pytest.mark.parametrize("loss_scale,coopmat", [(1.0, "auto"), (1e-9, "auto"), (1e37, "auto"),
+                                                (1e-9, "emulate"), (1e37, "emulate")])
+def test_backward_matmuls_on_f16_match_strict(monkeypatch, loss_scale, coopmat):
+    """Every backward matmul reads its gradient operand in f32 and rounds it to f16 precision
+    in its loads (on the cooperative-matrix kernel: scaled into f16's range by a power of two
+    per workgroup), its forward operand in f16: no max reduction, no scaled cast."""
+    monkeypatch.setattr(compiler, "BACKWARD_MATMUL_F16_MIN_MACS", 0)      # every backward matmul
+    monkeypatch.setenv("MEGANEURA_COOPMAT", coopmat)
+    want, _, _ = _grads("strict", loss_scale)
+    runtime = _vulkan_runtime()
+    before = runtime.stats["coopmat_kernels"] if runtime else 0
+    got, names, kp = _grads("accelerated", loss_scale)
+    if coopmat == "emulate":
+        if runtime is None:
+            pytest.skip("no Vulkan runtime: the strict-vs-accelerated check ran on wgpu above")
+        from meganeura.codegen import coopmat as coop
+        taken = [d.kernel for d in kp.dispatches if d.kernel.archetype == "matmul" and coop.select(d.kernel) == ""]
+        assert runtime.stats["coopmat_kernels"] - before == len(taken)
+        assert any(u.spec.get("f16_round") for k in taken for u in k.spec.get("parts", [k])), names
+    assert not any("reduce_max" in n for n in names), names
+    rounded = [u.spec.get("f16_round") for u in _matmul_parts(kp)]
+    assert rounded.count((True, False)) == 3 and rounded.count(None) == 2, rounded
     for name, w in want.items():
         assert np.abs(w).max() > 0, name
         if loss_scale < 1:      # unscaled f16 would hold none of these values
@@ -50,20 +67,42 @@ def test_backward_matmuls_on_f16_match_strict(monkeypatch, loss_scale):
 
 
 def test_small_backward_matmuls_stay_f32():
-    # below BACKWARD_F16_MIN_MACS a scaled cast costs more launches than it saves
-    want, _ = _grads("strict", 1.0)
-    got, names = _grads("accelerated", 1.0)
-    assert not any("reduce_max" in n for n in names), names
+    # below BACKWARD_MATMUL_F16_MIN_MACS a product is too small for f16 operands to pay
+    want, _, _ = _grads("strict", 1.0)
+    got, names, kp = _grads("accelerated", 1.0)
+    assert not any(u.spec.get("f16_round") for u in _matmul_parts(kp)), names
     for name, w in want.items():
         # only the forward matmuls round to f16
         np.testing.assert_allclose(got[name], w, rtol=0, atol=2e-3 * np.abs(w).max(), err_msg=name)
+
+
+def test_rounded_operand_matches_the_reference():
+    """A matmul whose f32 operand is rounded to f16 precision in its loads (``f16_round``)
+    gives what the NumPy reference does: f16's 11 significant bits, f32's exponent range."""
+    from meganeura.ops.linalg import round_f16_precision
+    rng = np.random.default_rng(2)
+    a = (rng.standard_normal((40, 72)) * 1e-12).astype(np.float32)
+    b = rng.standard_normal((56, 72)).astype(np.float16)
+    r = round_f16_precision(a)
+    assert np.array_equal(r * 2.0 ** 40, (a * 2.0 ** 40).astype(np.float16).astype(np.float32))
+    g = mg.Graph()
+    y = mg.ops.emit("matmul", [g.input("a", a.shape), g.input("b", b.shape, "f16")], ta=False, tb=True,
+                    out_dtype="f32", f16_round=(True, False))
+    want = r.astype(np.float64) @ b.astype(np.float64).T
+    for backend in ("numpy", "gpu"):
+        with mg.compile(g, outputs=[y], backend=backend) as s:
+            (got,) = s.run({"a": a, "b": b})
+        assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max(), backend
+    with pytest.raises(TypeError, match="f16_round"):
+        mg.ops.emit("matmul", [g.input("c", a.shape, "f16"), g.input("d", b.shape, "f16")], ta=False, tb=True,
+                    out_dtype="f32", f16_round=(True, False))
 
 
 def test_only_the_autodiffs_matmuls_count_as_backward(monkeypatch):
     """A matmul that only a state update reads (not on the loss's path, not made by the
     autodiff) keeps f32 operands, and its operands are not taken for gradients."""
     from meganeura.compiler import CompileOptions, compile_plan
-    monkeypatch.setattr(compiler, "BACKWARD_F16_MIN_MACS", 0)
+    monkeypatch.setattr(compiler, "BACKWARD_MATMUL_F16_MIN_MACS", 0)
     g = mg.Graph()
     x = g.input("x", (B, D))
     h = x @ g.parameter("w", (D, H))
@@ -71,12 +110,12 @@ def test_only_the_autodiffs_matmuls_count_as_backward(monkeypatch):
     stat = mg.ops.mm(mg.ops.relu(h) * 1e-3, h, ta=True)      # a statistic for a state update
     (gw,) = mg.autodiff.grad(loss, [g.parameters["w"]])
     kp = compile_plan([loss, stat, gw], n_forward=1, options=CompileOptions("accelerated"))
-    # one gradient scaled (the weight gradient's dh), not the statistic's operands
-    assert sum(n.count("reduce_max") for n in kp.names) == 1, kp.names
-    for d in kp.dispatches:
-        for u in d.kernel.spec.get("parts", [d.kernel]):
-            if u.archetype == "matmul" and u.out.shape == (H, H):
-                assert [v.dtype.name for v in u.reads[:2]] == ["f32", "f32"], u.name
+    # one gradient rounded in the loads (the weight gradient's dh), not the statistic's operands
+    parts = _matmul_parts(kp)
+    assert [u.spec.get("f16_round") for u in parts if u.out.shape == (D, H)] == [(False, True)], kp.names
+    for u in parts:
+        if u.out.shape == (H, H):
+            assert [v.dtype.name for v in u.reads[:2]] == ["f32", "f32"] and not u.spec.get("f16_round"), u.name
 
 
 def _vulkan_runtime():

@@ -131,6 +131,25 @@ def test_every_workload_coop_kernel_compiles_to_spirv():
         assert "CooperativeMatrixKHR" in info["capabilities"], kname
 
 
+def test_rounded_operand_kernels_compile_to_spirv(monkeypatch):
+    """The kernels whose f32 operands are rounded to f16 in their loads (scaled by their
+    workgroup's peak: a subgroup max on tensor cores), element-wise and vec4 fetches, one and
+    two such operands: glslang accepts them for cooperative matrices."""
+    pytest.importorskip("vulkan", reason="the vulkan extra (pip install 'meganeura[vulkan]')")
+    from meganeura.runtime.vulkan import spirv
+    from meganeura.runtime.vulkan.glslang import compile_glsl
+    for name in ("round_split", "round_ta"):
+        g, outs, feeds, want, env = _case(name)
+        for k, v in env.items():
+            monkeypatch.setenv(k, v)
+        (d,) = _matmuls(outs)
+        assert coopmat.select(d.kernel) == "" and d.kernel.spec["f16_round"][0]
+        src = coopmat.render(d.kernel, 49152)[0]
+        assert "subgroupMax" in src and "ldexp" in src
+        info = spirv.reflect(compile_glsl(src, name=name, target="vulkan1.3", disk_cache=False))
+        assert "CooperativeMatrixKHR" in info["capabilities"], name
+
+
 # ----------------------------------------------------------------- on the Vulkan runtime
 def run_accelerated(runtime, g, outs, feeds):
     """(outputs, dispatches swapped for cooperative-matrix kernels, the plan cache's verdict)
@@ -316,6 +335,17 @@ def _case(name):
         X, W = r(2, 8, 6, 10), r(12, 8, 1, 1)
         y = mg.ops.conv2d(g.input("x", X.shape), g.input("w", W.shape))
         return g, [y], {"x": X, "w": W}, [_conv(_f16(X), _f16(W), 1, 0)], env
+    if name in ("round_split", "round_ta"):  # f32 operands rounded to f16 in the loads, far outside f16's range
+        rounded = (True, True) if name == "round_split" else (True, False)
+        A = r(37, 601) * np.float32(1e-9) if name == "round_split" else r(90, 40) * np.float32(1e-12)
+        B = r(601, 19) * np.float32(1e30) if name == "round_split" else r(90, 56).astype(np.float16)
+        if name == "round_split":
+            env["MEGANEURA_MATMUL_SPLIT"] = "3"
+        a, b = g.input("a", A.shape), g.input("b", B.shape, B.dtype.name[0] + str(8 * B.dtype.itemsize))
+        y = mg.ops.emit("matmul", [a, b], ta=name == "round_ta", tb=False, out_dtype="f32", f16_round=rounded)
+        from meganeura.ops.linalg import round_f16_precision as rnd
+        ra, rb = rnd(A).astype(np.float64), (rnd(B) if B.dtype == np.float32 else B).astype(np.float64)
+        return g, [y], {"a": A, "b": B}, [(ra.T if name == "round_ta" else ra) @ rb], env
     raise KeyError(name)
 
 
@@ -330,7 +360,7 @@ def _conv(x, w, stride, pad, dilation=(1, 1)):
 
 
 CASES = ["plain", "tb_batch_epilogue", "ta_broadcast", "odd_split_k", "merged_parts", "tile64", "tile128", "rect_tile",
-         "depth2", "depth3", "wide", "conv", "conv_groups", "conv1x1"]
+         "depth2", "depth3", "wide", "conv", "conv_groups", "conv1x1", "round_split", "round_ta"]
 
 
 def _run_case(runtime, name, mode, monkeypatch):

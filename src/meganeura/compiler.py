@@ -150,12 +150,17 @@ GRAD_SCALE_TARGET = 2.0 ** 14
 # after the outputs fusion (2^20 here) 1259 -> 1734 launches lost, 8.85 -> 9.49 ms, although
 # its matmuls' GPU time fell 5.32 -> 3.91 ms.
 BACKWARD_F16_MIN_MACS = 2 ** 28
+# A backward matmul (not a convolution's) takes its gradient operands in f32 and rounds them
+# to f16 precision in its loads (``codegen.matmul.ROUND_F16``: the tensor-core kernel scales
+# its share of each into f16's range by a power of two), so it needs no launch of its own to
+# scale them: from this many multiply-adds on it runs on f16 operands.
+BACKWARD_MATMUL_F16_MIN_MACS = 2 ** 20
 
 
 def precision_constants() -> tuple:
     """The module constants that decide accelerated precision's rewrite: part of the plan
     cache's key (a test or benchmark that changes one never reads another's plan)."""
-    return GRAD_SCALE_TARGET, BACKWARD_F16_MIN_MACS
+    return GRAD_SCALE_TARGET, BACKWARD_F16_MIN_MACS, BACKWARD_MATMUL_F16_MIN_MACS
 
 
 def _accelerated_backward(t, forward) -> bool:
@@ -169,7 +174,7 @@ def _accelerated_backward(t, forward) -> bool:
         return _conv_macs(t) >= BACKWARD_F16_MIN_MACS
     a = t.inputs[0]
     k = a.shape[-2] if t.attrs["ta"] else a.shape[-1]
-    return t.size * k >= BACKWARD_F16_MIN_MACS
+    return t.size * k >= BACKWARD_MATMUL_F16_MIN_MACS
 
 
 def _accelerated_attention_grad(t) -> bool:
@@ -190,11 +195,14 @@ def accelerated_rewrite(forward_targets, f16_weights=frozenset()):
     and loss depend on) cast theirs; a parameter named in
     ``f16_weights`` is read from its persistent f16 copy (a state of the lowered graph,
     ``f16_copy_name``) rather than cast on every call. Backward matmuls cast forward values
-    alike, and scale each gradient operand by GRAD_SCALE_TARGET over its
+    alike and read gradient operands in f32, rounded to f16 precision as the kernel loads
+    them (``f16_round``: the tensor-core kernel scales each workgroup's share into f16's
+    range by a power of two and unscales its product). Backward convolutions
+    scale each gradient operand by GRAD_SCALE_TARGET over its
     largest magnitude before the cast (one max reduction per gradient, shared by the
     matmuls that read it), dividing the product by the scales after. A gradient holding an
-    inf or NaN makes the whole product NaN (strict poisons only the rows and columns that
-    touch it): either way the step is lost.
+    inf or NaN makes the product NaN where it reaches (a convolution's whole product; strict
+    poisons only the rows and columns that touch it): either way the step is lost.
 
     An attention gradient that the flash backward takes reads dO, and D = rowsum(dO * O),
     divided by dO's largest magnitude, and its gradient is multiplied back: the flash backward on
@@ -254,6 +262,11 @@ def accelerated_rewrite(forward_targets, f16_weights=frozenset()):
             return apply(t, [operand(x, n) for x, n in zip(t.inputs, ins)])
         if _accelerated_attention_grad(t):
             return attention_grad(t, ins)
+        if _accelerated_backward(t, forward) and t.op == "matmul":
+            # gradient operands stay f32, rounded to f16 by the product's loads
+            rounded = tuple(x.id not in forward for x in t.inputs)
+            ops = [n if r else operand(x, n) for x, n, r in zip(t.inputs, ins, rounded)]
+            return codegen.matmul.accelerate(*ops, t.attrs["ta"], t.attrs["tb"], f16_round=rounded)
         if _accelerated_backward(t, forward):
             ops, unscale = [], []
             for x, n in zip(t.inputs, ins):

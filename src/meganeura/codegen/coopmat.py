@@ -87,6 +87,15 @@ class CoopOps:
     def store(self, acc, buf, at, stride):
         return f"coopMatStore({acc}, {buf}, {at}, {stride}u, {ROW});"
 
+    def scale(self, acc, factor):
+        return f"{acc} = {acc} * {factor};"
+
+    def workgroup_max(self, var, nt):
+        """GLSL taking ``var`` to its largest value over the workgroup (all ``nt`` threads
+        run it) through ``Pk``: a subgroup max, then one slot per subgroup."""
+        return [f"{var} = subgroupMax({var});", f"if (lane == 0u) Pk[sg] = {var};", "barrier();",
+                f"for (uint h = 0u; h < {nt // SUBGROUP}u; ++h) {var} = max({var}, Pk[h]);", "barrier();"]
+
 
 class EmulatedOps(CoopOps):
     """The same fragment operations as plain loops over workgroup memory: a "fragment" is
@@ -133,6 +142,13 @@ float frag_b(uint at, uint stride, bool row_major, uint r, uint c) {
     def store(self, acc, buf, at, stride):
         return (f"for (uint q = 0u; q < 8u; ++q) {{ uint e = lane + q * 32u; "
                 f"{buf}[{at} + (e / 16u) * {stride}u + e % 16u] = {acc}[q]; }}")
+
+    def scale(self, acc, factor):
+        return f"for (uint q = 0u; q < 8u; ++q) {acc}[q] *= {factor};"
+
+    def workgroup_max(self, var, nt):
+        return [f"Pk[t] = {var};", "barrier();", f"for (uint h = {nt // 2}u; h > 0u; h >>= 1u) {{",
+                "    if (t < h) Pk[t] = max(Pk[t], Pk[t + h]);", "    barrier();", "}", f"{var} = Pk[0];", "barrier();"]
 
 
 def _forced_configs() -> dict:
@@ -200,8 +216,9 @@ def select(kernel, workgroup_storage=None, emulate=False) -> str:
             if s.get(what):
                 return f"a {what}"
         a, b = p.reads[:2]
-        if a.dtype.name != "f16" or b.dtype.name != "f16":
-            return f"operands {a.dtype.name} x {b.dtype.name} (f16 x f16 needed)"
+        rounded = s.get("f16_round") or (False, False)
+        if any(x.dtype.name != ("f32" if r else "f16") for x, r in zip((a, b), rounded)):
+            return f"operands {a.dtype.name} x {b.dtype.name} (f16 x f16 needed, or f32 rounded to f16 in the loads)"
         if s.get("tile") not in CONFIGS:
             return f"tile {s.get('tile')}"
     shape = {(p.spec["tile"], p.spec.get("split", 1), p.shape[-2], tuple(p.spec.get("batch", p.shape[:-2])))
@@ -228,6 +245,7 @@ class _Operand:
     load: str = ""    # the operand computed in the loads: the WGSL function of its flat index (binding None)
     load_offset: int = 0
     conv: tuple = ()  # an im2col computed in the loads: (geometry, input binding, input view), no function
+    scale: str = ""   # an f32 operand rounded to f16 (``matmul.ROUND_F16``): the GLSL name of its scale
 
     def tile(self, BK):
         """(rows, columns) of the staged chunk."""
@@ -266,6 +284,16 @@ def _fetch_store(op: _Operand, BK, NT, reg, off, shared):
            f"uint gr = {row0} + r, gc = {col0} + q * 8u;"]
     if op.conv:
         body = _im2col_fetch(op, reg, off, ld, [(f"gr < {row_ext}", chk_row)], (col_ext, chk_col))
+    elif op.vec and op.scale:      # two vec4s of f32, scaled and packed
+        conds = [c for c, on in ((f"gr < {row_ext}", chk_row), (f"gc < {col_ext}", chk_col)) if on]
+        at = f"({off} + gr * {ld}u + gc) / 4u"
+        body = [f"uint a4 = {at};"]
+        for name, shift in (("lo", ""), ("hi", " + 1u")):
+            load = f"{b}[min(a4{shift}, {last // 4}u)]" if conds else f"{b}[a4{shift}]"
+            load = f"({' && '.join(conds)}) ? {load} : vec4(0.0)" if conds else load
+            body.append(f"vec4 {name} = ({load}) * {op.scale};")
+        body.append(f"{reg}[l] = uvec4(packFloat2x16(f16vec2(lo.xy)), packFloat2x16(f16vec2(lo.zw)), "
+                    "packFloat2x16(f16vec2(hi.xy)), packFloat2x16(f16vec2(hi.zw)));")
     elif op.vec:
         conds = [c for c, on in ((f"gr < {row_ext}", chk_row), (f"gc < {col_ext}", chk_col)) if on]
         at = f"({off} + gr * {ld}u + gc) / 8u"
@@ -282,6 +310,8 @@ def _fetch_store(op: _Operand, BK, NT, reg, off, shared):
                 value = f"float16_t({op.load}(e + {i}u - {op.load_offset}u))"
             else:
                 value = f"{b}[min(e + {i}u, {last}u)]" if conds else f"{b}[e + {i}u]"
+                if op.scale:
+                    value = f"float16_t({value} * {op.scale})"
             body.append(f"h[{i}] = ({' && '.join(conds)}) ? {value} : float16_t(0.0);" if conds else f"h[{i}] = {value};")
         body.append(f"{reg}[l] = uvec4(" + ", ".join(f"packFloat2x16(f16vec2(h[{2 * i}], h[{2 * i + 1}]))"
                                                      for i in range(4)) + ");")
@@ -290,6 +320,43 @@ def _fetch_store(op: _Operand, BK, NT, reg, off, shared):
     fetch = head + ["    " + x for x in idx[:1] + wrap(idx[1:] + body)] + ["}"]
     store = head + ["    " + x for x in idx[:1] + wrap([idx[1], f"{shared}[base + r * {SX}u + q] = {reg}[l];"])] + ["}"]
     return fetch, store, per
+
+
+def _scale_lines(op: _Operand, ops, BK, NT, nch, off):
+    """GLSL computing ``op.scale`` (and its inverse, ``op.scale`` + ``_inv``): the power of two
+    that takes the largest magnitude of the workgroup's share of ``op`` (its rows or columns
+    of the tile over the split's K range) to [2^13, 2^14), so that converting to f16 rounds
+    as ``matmul.ROUND_F16`` does (elements below 2^-24 of that peak go to f16's subnormals and
+    zero). The same walk over the chunks as the fetches, in f32; a workgroup-wide max
+    through ``Pk`` (``workgroup_max``). A peak that is zero, infinite or NaN leaves the product as f32 would have it."""
+    R, C = op.tile(BK)
+    CQ = C // 8
+    total = R * CQ
+    per = -(-total // NT)
+    row0, col0 = (op.own0, "k0") if op.rows_own else ("k0", op.own0)
+    row_ext, col_ext = (f"{op.own}u", "kend") if op.rows_own else ("kend", f"{op.own}u")
+    ld = op.K if op.rows_own else op.own
+    last = op.view.offset + op.view.size - 1
+    b = f"b{op.binding}"
+    reads = []
+    if op.vec:      # whole groups of 8 in or out (as the fetch)
+        reads.append(f"if (gr < {row_ext} && gc < {col_ext}) {{")
+        reads += [f"    vec4 m = max(abs({b}[min(e / 4u, {last // 4}u)]), abs({b}[min(e / 4u + 1u, {last // 4}u)]));",
+                  "    pk = max(pk, max(max(m.x, m.y), max(m.z, m.w)));", "}"]
+    for i in range(0 if op.vec else 8):
+        conds = [f"gr < {row_ext}", f"gc + {i}u < {col_ext}"]
+        reads.append(f"if ({' && '.join(conds)}) pk = max(pk, abs({b}[min(e + {i}u, {last}u)]));")
+    inner = [f"uint r = v / {CQ}u, q = v % {CQ}u;", f"uint gr = {row0} + r, gc = {col0} + q * 8u;",
+             f"uint e = {off} + gr * {ld}u + gc;"] + reads
+    if total % NT:
+        inner = [f"if (v < {total}u) {{"] + ["    " + x for x in inner] + ["}"]
+    lines = ["{", "    float pk = 0.0;", f"    for (uint c = 0u; c < {nch}u; ++c) {{", f"        uint k0 = kbeg + c * {BK}u;",
+             f"        [[unroll]] for (uint l = 0u; l < {per}u; ++l) {{", f"            uint v = t + l * {NT}u;"]
+    lines += ["            " + x for x in inner] + ["        }", "    }"]
+    lines += ["    " + x for x in ops.workgroup_max("pk", NT)]
+    lines += ["    int ex;", "    frexp(pk, ex);", "    ex = clamp(ex, -100, 113);",
+              f"    {op.scale} = ldexp(1.0, 14 - ex);", f"    {op.scale}_inv = ldexp(1.0, ex - 14);", "}"]
+    return lines
 
 
 def _im2col_fetch(op: _Operand, reg, off, ld, row_conds, col_check):
@@ -392,6 +459,9 @@ class _Part:
                           *loads.get(0, ("", 0)), convs.get(0, ()))
         self.B = _Operand(b, index(1, b), self.tb, self.N, BN, self.K, "n0", self.N % BN != 0, False, False,
                           *loads.get(1, ("", 0)), convs.get(1, ()))
+        for operand, rounded, name in zip((self.A, self.B), s.get("f16_round") or (False, False), ("sca", "scb")):
+            if rounded:
+                operand.scale = name
         self.store = OutputStore(kernel, bind, name=f"store_out{j}")
         self.store_bindings = {self.store.ob} | {bind.index(v.buf, v.dtype) for v in kernel.epi_reads}
         out = kernel.out
@@ -434,8 +504,8 @@ def render(kernel, workgroup_storage=49152, emulate=False):
         vec = k not in stored and all(op.vectorizable() for op in used)
         for op in used:
             op.vec = vec
-        if vec:
-            bind.types[k] = "vec4<u32>"
+        if vec:      # f16 as 8 halves, or f32 (rounded in the loads) as 4 floats
+            bind.types[k] = "vec4<f32>" if used[0].scale else "vec4<u32>"
     for p in parts:        # K is guarded where a split is not whole chunks, or the last split is short
         p.A.chk_k = p.B.chk_k = p.K % p.KC != 0 or p.KC % BK != 0
     size_a = max(p.A.size(BK) for p in parts)
@@ -460,6 +530,10 @@ def render(kernel, workgroup_storage=49152, emulate=False):
     shared = [f"shared uvec4 As[{2 * size_a}];", f"shared uvec4 Bs[{2 * size_b}];"]
     if staged:
         shared.append(f"shared float Cs[{FRAG * FRAG * nsg}];")
+    if any(op.scale for p in parts for op in (p.A, p.B)):      # operands rounded to f16: their peaks
+        shared.append(f"shared float Pk[{geo['NT']}];")
+        if not emulate:
+            ext.append("#extension GL_KHR_shader_subgroup_arithmetic : require")
     src = "\n".join([ops.header] + ext + [f"layout(local_size_x = {geo['NT']}) in;", lib.code.rstrip()] + shared +
                     [ops.helpers] + fns + ["void main() {", "    uvec3 wid = gl_WorkGroupID;"] + branches + ["}"]) + "\n"
     if emulate:     # loops kept: unrolled, the emulated fragments take LLVM (lavapipe) minutes to compile
@@ -507,14 +581,21 @@ def _part_function(p: _Part, ops, BM, BN, BK, SG_M, SG_N, DEPTH, WM, WN, NT, siz
     b_at = (f"(sx * {WN}u + jn) * {FRAG * sb}u + kk * 2u" if p.B.rows_own else f"kk * {FRAG * sb}u + (sx * {WN}u + jn) * 2u")
     a_row, b_row = p.A.rows_own, not p.B.rows_own
     M, N = p.M, p.N
+    scaled = [op for op in (p.A, p.B) if op.scale]
+    unscale = [ops.scale("acc[i][jn]", f"{op.scale}_inv") for op in scaled]
+    prepass = []
+    for op, off in ((p.A, "aoff"), (p.B, "boff")):
+        if op.scale:
+            prepass += _scale_lines(op, ops, BK, NT, nch, off)
+    scale_decl = " ".join(f"float {op.scale} = 1.0, {op.scale}_inv = 1.0;" for op in scaled)
     if p.direct:
         out = p.kernel.out
-        write = ([f"if (gm0 < {M}u && gn0 < {N}u)"] if M % BM or N % BN else []) + \
+        write = unscale + ([f"if (gm0 < {M}u && gn0 < {N}u)"] if M % BM or N % BN else []) + \
             ["    " + ops.store("acc[i][jn]", f"b{p.store.ob}", f"{out.offset}u + coff + gm0 * {N}u + gn0", N)]
     else:
         edge = " && ".join(c for c, on in ((f"gm < {M}u", M % BM != 0), (f"gn < {N}u", N % BN != 0)) if on)
         st = f"store_out{p.j}(coff + gm * {N}u + gn, Cs[cs + e]);"
-        write = [ops.store("acc[i][jn]", "Cs", "cs", FRAG)] + ops.sync + [
+        write = unscale + [ops.store("acc[i][jn]", "Cs", "cs", FRAG)] + ops.sync + [
             f"[[unroll]] for (uint q = 0u; q < {FRAG * FRAG // SUBGROUP}u; ++q) {{",
             f"    uint e = lane + q * {SUBGROUP}u;",
             f"    uint gm = gm0 + e / {FRAG}u, gn = gn0 + e % {FRAG}u;",
@@ -571,6 +652,8 @@ def _part_function(p: _Part, ops, BM, BN, BK, SG_M, SG_N, DEPTH, WM, WN, NT, siz
     uint aoff = {aoff};
     uint boff = {boff};
     uint coff = wid.z * {M * N}u;
+    {scale_decl}
+{_ind(prepass, 4)}
 {_ind(ops.acc_decl(WM, WN), 4)}
     {regs}
     {{

@@ -30,8 +30,10 @@ def lower_matmul(t, ins, out, materialize, temp):
     m, n = t.shape[-2:]
     k = t.inputs[0].shape[-2] if t.attrs["ta"] else t.inputs[0].shape[-1]
     spec = {"ta": t.attrs["ta"], "tb": t.attrs["tb"], "batch": tuple(t.shape[:-2])}
+    if t.attrs.get("f16_round"):
+        spec["f16_round"] = tuple(bool(r) for r in t.attrs["f16_round"])
     nb = int(np.prod(t.shape[:-2], dtype=np.int64))
-    if m <= GEMV_MAX_ROWS and -(-n // 8) <= 65535:
+    if m <= GEMV_MAX_ROWS and -(-n // 8) <= 65535 and "f16_round" not in spec:
         split = gemv_split(k, spec["tb"])
         if split == 1:
             return [Kernel("gemv", "matmul", {**spec, "gemv": True}, out, [a, b])]
@@ -39,7 +41,7 @@ def lower_matmul(t, ins, out, materialize, temp):
                                              temp((nb, split, m, n), out.dtype), [a, b]), split)
     # f16 operands (accelerated precision) keep square tiles: the cooperative-matrix kernels
     # that replace them choose their own tile by it and share the K splits
-    f32 = all(v.dtype.name == "f32" for v in t.inputs)
+    f32 = all(v.dtype.name == "f32" for v in t.inputs) and "f16_round" not in spec
     tile, block, split = plan_tiles(m, n, k, nb, BLOCKS if f32 else ())
     spec.update(tile=tile, split=split, tk=k_step(tile), block=block)
     if split == 1:
@@ -60,11 +62,32 @@ def _split_k(t, out, temp, mm, split):
     return [mm, sum_kernel("matmul.splitk_sum", leaves, out)]
 
 
-def accelerate(a, b, ta, tb):
+def accelerate(a, b, ta, tb, f16_round=None):
     """A matmul in accelerated precision: f16 operands (cast where they are not), f32
-    accumulation and output."""
+    accumulation and output. ``f16_round``: (a, b) flags of operands kept f32 and rounded to
+    f16 precision by the kernel as it loads them, scaled into f16's range (a gradient: see
+    ``ROUND_F16``), instead of cast."""
     from ..ops import cast, emit
-    return emit("matmul", [cast(a, "f16"), cast(b, "f16")], ta=ta, tb=tb, out_dtype="f32")
+    if not f16_round or not any(f16_round):
+        return emit("matmul", [cast(a, "f16"), cast(b, "f16")], ta=ta, tb=tb, out_dtype="f32")
+    ops = [x if r else cast(x, "f16") for x, r in zip((a, b), f16_round)]
+    return emit("matmul", ops, ta=ta, tb=tb, out_dtype="f32", f16_round=tuple(bool(r) for r in f16_round))
+
+
+# An operand flagged in ``spec["f16_round"]`` is f32 in memory and holds f16's precision in
+# the product (11 significant bits, to nearest even) without f16's range: the tiled kernel
+# rounds its bits as it loads it; the cooperative-matrix kernel (codegen.coopmat) scales the
+# workgroup's share of it by a power of two into f16's range and converts, which rounds alike.
+# So a gradient far below f16's smallest normal needs no max reduction and scaled cast of its
+# own before a tensor-core product.
+ROUND_F16 = """fn round_f16(x: f32) -> f32 {
+    let b = bitcast<u32>(x);
+    return bitcast<f32>((b + 0xfffu + ((b >> 13u) & 1u)) & 0xffffe000u);
+}
+fn round_f16v(x: vec4<f32>) -> vec4<f32> {
+    let b = bitcast<vec4<u32>>(x);
+    return bitcast<vec4<f32>>((b + vec4<u32>(0xfffu) + ((b >> vec4<u32>(13u)) & vec4<u32>(1u))) & vec4<u32>(0xffffe000u));
+}"""
 
 
 # K elements per double-buffered step (one barrier each), by tile. Workgroup memory: 2
@@ -343,6 +366,8 @@ def render(kernel):
     stats = "" if not any("prologue" in p.spec for p in parts) else \
         f"var<workgroup> pm: array<f32, {TM}>;\nvar<workgroup> pinv: array<f32, {TM}>;\n" \
         f"var<workgroup> pred: array<f32, {WX * WY}>;\n"
+    if any(p.spec.get("f16_round") for p in parts):
+        stats += ROUND_F16 + "\n"
     src = f"""{bind.decls()}
 var<workgroup> As: array<vec4<f32>, {2 * TK * (TM // 4 + a_padding(peel))}>;
 var<workgroup> Bs: array<vec4<f32>, {2 * TK * TN // 4}>;
@@ -453,6 +478,11 @@ def operand_function(kernel, j, op, gs, bind):
     return fname, make(gs, kernel.reads[gs["first"]:gs["first"] + gs["n"]], bind, fname)
 
 
+def _round_f16_load(value, vec):
+    """``_operand``'s transform of an operand rounded to f16 precision (``ROUND_F16``)."""
+    return f"round_f16v({value})" if vec else f"round_f16({value})"
+
+
 def _tiled_part(kernel, bind, j, block, peel):
     """(WGSL function ``mm{j}``, its workgroup counts, K step) of one tiled matmul on
     ``block`` (TM, TN, WY, WX); ``peel``: the padded, peeled form (``peeled``)."""
@@ -484,20 +514,26 @@ def _tiled_part(kernel, bind, j, block, peel):
     ab = None if 0 in loads else bind.index(a.buf, a.dtype)
     bb = None if 1 in loads else bind.index(bv.buf, bv.dtype)
     th = WX * WY
-    pro_lines, transform = [], None
+    pro_lines, transform, a_vec0 = [], None, True
     if "prologue" in kernel.spec:
         a_vec0 = K % 4 == 0 and a.offset % 4 == 0 and a.dtype.name == "f32" and ab != bb
         pro_lines, transform = _tiled_norm_prologue(kernel, bind, M, K, TM, th, ab, a_vec0)
+    round_a, round_b = kernel.spec.get("f16_round") or (False, False)
+    b_transform = _round_f16_load if round_b else None
+    if round_a:
+        assert transform is None, f"{kernel.name}: a norm prologue on an operand rounded to f16"
+        transform = _round_f16_load
     a_vec, a_reg, a_fetch, a_store = _operand("As", a, ta, M, K, TM, VM, "row0", ab, "aoff", chk_m, chk_k, "ra", SV=SA,
                                               threads=th, allow_vec=(transform is None or a_vec0) and ab not in bind.scalar,
                                               transform=transform, load=loads.get(0), TK=TK)
     b_vec, b_reg, b_fetch, b_store = _operand("Bs", bv, not tb, N, K, TN, VN, "col0", bb, "boff", chk_n, chk_k, "rb",
-                                              threads=th, allow_vec=bb not in bind.scalar, load=loads.get(1), TK=TK)
+                                              threads=th, allow_vec=bb not in bind.scalar, load=loads.get(1), TK=TK,
+                                              transform=b_transform)
     if ab == bb and ab is not None and a_vec != b_vec:   # one buffer, one declared type: scalars
         a_vec, a_reg, a_fetch, a_store = _operand("As", a, ta, M, K, TM, VM, "row0", ab, "aoff", chk_m, chk_k, "ra",
                                                   False, threads=th, transform=transform, TK=TK, SV=SA)
         b_vec, b_reg, b_fetch, b_store = _operand("Bs", bv, not tb, N, K, TN, VN, "col0", bb, "boff", chk_n, chk_k,
-                                                  "rb", False, threads=th, TK=TK)
+                                                  "rb", False, threads=th, TK=TK, transform=b_transform)
     if a_vec:
         bind.types[ab] = "vec4<f32>"
     if b_vec:

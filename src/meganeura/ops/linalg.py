@@ -11,10 +11,18 @@ def _mm_dims(t, trans):
     return (k, m) if trans else (m, k)
 
 
-def _matmul_infer(ins, ta, tb, out_dtype=None):
+def _matmul_infer(ins, ta, tb, out_dtype=None, f16_round=None):
     a, b = ins
     require_float("matmul", a, b)
-    dt = same_dtype("matmul", a, b)
+    if f16_round:
+        if out_dtype != "f32" or not any(f16_round) or any(
+                x.dtype.name != ("f32" if r else "f16") for x, r in zip(ins, f16_round)):
+            raise TypeError("matmul: f16_round takes f32 operands where it is set, f16 elsewhere, and "
+                            f"out_dtype f32; got {a.name!r} {a.dtype.name}, {b.name!r} {b.dtype.name}, "
+                            f"f16_round={tuple(f16_round)}, out_dtype={out_dtype}")
+        dt = a.dtype
+    else:
+        dt = same_dtype("matmul", a, b)
     if a.ndim < 2 or b.ndim < 2:
         raise op_error("matmul", "operands must have rank >= 2 here", a, b)
     m, k = _mm_dims(a, ta)
@@ -32,12 +40,24 @@ def _t(x, trans):
     return np.swapaxes(x, -1, -2) if trans else x
 
 
-def _matmul_ref(a, b, ta, tb, out_dtype=None):
-    # out_dtype: f16 operands accumulated and returned in f32 (accelerated precision)
+def round_f16_precision(x):
+    """``x`` (f32) rounded to f16's 11 significant bits, to nearest even, keeping f32's
+    exponent range: what an f16 operand holds once scaled into f16's range by a power of two
+    (``f16_round``). Infinities and NaNs stay."""
+    bits = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
+    bits = (bits + np.uint32(0xFFF) + ((bits >> np.uint32(13)) & np.uint32(1))) & np.uint32(0xFFFFE000)
+    return np.where(np.isfinite(x), bits.view(np.float32), x)
+
+
+def _matmul_ref(a, b, ta, tb, out_dtype=None, f16_round=None):
+    # out_dtype: f16 operands accumulated and returned in f32 (accelerated precision);
+    # f16_round: (a, b) flags of f32 operands rounded to f16 precision (scaled into f16's range)
+    if f16_round:
+        a, b = (round_f16_precision(x) if r else x.astype(np.float32) for x, r in zip((a, b), f16_round))
     return np.matmul(_t(a, ta), _t(b, tb))
 
 
-def _matmul_vjp(ct, y, a, b, ta, tb, out_dtype=None):
+def _matmul_vjp(ct, y, a, b, ta, tb, out_dtype=None, f16_round=None):
     da = mm(b, ct, ta=tb, tb=True) if ta else mm(ct, b, tb=not tb)
     db = mm(ct, a, ta=True, tb=ta) if tb else mm(a, ct, ta=not ta)
     return [unbroadcast(da, a.shape), unbroadcast(db, b.shape)]

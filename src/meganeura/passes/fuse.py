@@ -307,7 +307,7 @@ def _is_gemv_tb(k):
 
 def _is_tiled_plain(k):
     return k.archetype == "matmul" and not k.spec.get("gemv") and "tile" in k.spec and not k.spec["ta"] \
-        and "parts" not in k.spec and "prologue" not in k.spec
+        and "parts" not in k.spec and "prologue" not in k.spec and not k.spec.get("f16_round")
 
 
 MAX_PROLOGUE_ROW = 16384    # a thread loops over one row for its statistics (loop bound)
@@ -476,7 +476,7 @@ def _load_operand(m, gk, max_bindings):
     compute it in its loads from ``gk``'s reads instead (one operand, read once, no other
     prologue, bindings to spare), else None."""
     if m.archetype != "matmul" or m.spec.get("gemv") or "tile" not in m.spec \
-            or any(key in m.spec for key in ("parts", "prologue", "gathers")):
+            or any(key in m.spec for key in ("parts", "prologue", "gathers", "f16_round")):
         return None
     ops = [j for j in (0, 1) if m.reads[j].buf is gk.out.buf]
     if len(ops) != 1 or sum(v.buf is gk.out.buf for v in m.read_views()) != 1 \
