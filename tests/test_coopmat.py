@@ -138,7 +138,7 @@ def test_rounded_operand_kernels_compile_to_spirv(monkeypatch):
     pytest.importorskip("vulkan", reason="the vulkan extra (pip install 'meganeura[vulkan]')")
     from meganeura.runtime.vulkan import spirv
     from meganeura.runtime.vulkan.glslang import compile_glsl
-    for name in ("round_split", "round_ta"):
+    for name in ("round_split", "round_ta", "round_odd"):
         g, outs, feeds, want, env = _case(name)
         for k, v in env.items():
             monkeypatch.setenv(k, v)
@@ -335,10 +335,13 @@ def _case(name):
         X, W = r(2, 8, 6, 10), r(12, 8, 1, 1)
         y = mg.ops.conv2d(g.input("x", X.shape), g.input("w", W.shape))
         return g, [y], {"x": X, "w": W}, [_conv(_f16(X), _f16(W), 1, 0)], env
-    if name in ("round_split", "round_ta"):  # f32 operands rounded to f16 in the loads, far outside f16's range
+    if name.startswith("round_"):     # f32 operands rounded to f16 in the loads, far outside f16's range
+        # split: 7 chunks a split (the peak read in a pre-pass), element-wise fetches; ta: vec4
+        # fetches, the whole split in registers; odd: element-wise, in registers
         rounded = (True, True) if name == "round_split" else (True, False)
-        A = r(37, 601) * np.float32(1e-9) if name == "round_split" else r(90, 40) * np.float32(1e-12)
-        B = r(601, 19) * np.float32(1e30) if name == "round_split" else r(90, 56).astype(np.float16)
+        A = {"round_split": r(37, 601) * np.float32(1e-9), "round_ta": r(90, 40) * np.float32(1e-12),
+             "round_odd": r(37, 45) * np.float32(1e6)}[name]
+        B = r(601, 19) * np.float32(1e30) if name == "round_split" else r(A.shape[0 if name == "round_ta" else 1], 56).astype(np.float16)
         if name == "round_split":
             env["MEGANEURA_MATMUL_SPLIT"] = "3"
         a, b = g.input("a", A.shape), g.input("b", B.shape, B.dtype.name[0] + str(8 * B.dtype.itemsize))
@@ -360,7 +363,7 @@ def _conv(x, w, stride, pad, dilation=(1, 1)):
 
 
 CASES = ["plain", "tb_batch_epilogue", "ta_broadcast", "odd_split_k", "merged_parts", "tile64", "tile128", "rect_tile",
-         "depth2", "depth3", "wide", "conv", "conv_groups", "conv1x1", "round_split", "round_ta"]
+         "depth2", "depth3", "wide", "conv", "conv_groups", "conv1x1", "round_split", "round_ta", "round_odd"]
 
 
 def _run_case(runtime, name, mode, monkeypatch):
@@ -369,6 +372,8 @@ def _run_case(runtime, name, mode, monkeypatch):
     if name == "wide":             # a grid of 6 workgroups counts as large, and 5 K chunks as long
         monkeypatch.setattr(coopmat, "WIDE_MIN_GROUPS", 6)
         monkeypatch.setattr(coopmat, "WIDE_MIN_CHUNKS", 1)
+    elif name == "round_split":     # the peak's pre-pass in steps of 3 chunks, the last one partial
+        monkeypatch.setattr(coopmat, "SCALE_UNROLL", 3)
     elif mode == "emulate" and runtime.limits["max-compute-workgroup-storage-size"] < 49152:
         # lavapipe has 32 KiB of workgroup memory: the 128 tile with K chunks of 16 fits
         monkeypatch.setenv("MEGANEURA_COOPMAT_CONFIG", "128:128x128x2x4x16")

@@ -155,12 +155,17 @@ BACKWARD_F16_MIN_MACS = 2 ** 28
 # its share of each into f16's range by a power of two), so it needs no launch of its own to
 # scale them: from this many multiply-adds on it runs on f16 operands.
 BACKWARD_MATMUL_F16_MIN_MACS = 2 ** 20
+# ... up to this depth (K): deeper, the scaled cast as for convolutions. The tensor-core kernel
+# keeps a K split of up to coopmat.RAW_CHUNKS chunks in registers to take the rounded
+# operand's peak, and reads a longer one twice (a pre-pass), which a deep product pays more
+# than the two launches of the cast.
+BACKWARD_ROUND_MAX_K = 4096
 
 
 def precision_constants() -> tuple:
     """The module constants that decide accelerated precision's rewrite: part of the plan
     cache's key (a test or benchmark that changes one never reads another's plan)."""
-    return GRAD_SCALE_TARGET, BACKWARD_F16_MIN_MACS, BACKWARD_MATMUL_F16_MIN_MACS
+    return GRAD_SCALE_TARGET, BACKWARD_F16_MIN_MACS, BACKWARD_MATMUL_F16_MIN_MACS, BACKWARD_ROUND_MAX_K
 
 
 def _accelerated_backward(t, forward) -> bool:
@@ -172,9 +177,13 @@ def _accelerated_backward(t, forward) -> bool:
         return False
     if t.op != "matmul":
         return _conv_macs(t) >= BACKWARD_F16_MIN_MACS
+    return t.size * _depth(t) >= BACKWARD_MATMUL_F16_MIN_MACS
+
+
+def _depth(t) -> int:
+    """K of matmul ``t``."""
     a = t.inputs[0]
-    k = a.shape[-2] if t.attrs["ta"] else a.shape[-1]
-    return t.size * k >= BACKWARD_MATMUL_F16_MIN_MACS
+    return a.shape[-2] if t.attrs["ta"] else a.shape[-1]
 
 
 def _accelerated_attention_grad(t) -> bool:
@@ -262,7 +271,7 @@ def accelerated_rewrite(forward_targets, f16_weights=frozenset()):
             return apply(t, [operand(x, n) for x, n in zip(t.inputs, ins)])
         if _accelerated_attention_grad(t):
             return attention_grad(t, ins)
-        if _accelerated_backward(t, forward) and t.op == "matmul":
+        if _accelerated_backward(t, forward) and t.op == "matmul" and _depth(t) <= BACKWARD_ROUND_MAX_K:
             # gradient operands stay f32, rounded to f16 by the product's loads
             rounded = tuple(x.id not in forward for x in t.inputs)
             ops = [n if r else operand(x, n) for x, n, r in zip(t.inputs, ins, rounded)]

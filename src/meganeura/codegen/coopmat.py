@@ -246,6 +246,7 @@ class _Operand:
     load_offset: int = 0
     conv: tuple = ()  # an im2col computed in the loads: (geometry, input binding, input view), no function
     scale: str = ""   # an f32 operand rounded to f16 (``matmul.ROUND_F16``): the GLSL name of its scale
+    raw: bool = False  # (scaled) fetched as f32 (two vec4 a group of 8), converted as it is stored
 
     def tile(self, BK):
         """(rows, columns) of the staged chunk."""
@@ -284,16 +285,16 @@ def _fetch_store(op: _Operand, BK, NT, reg, off, shared):
            f"uint gr = {row0} + r, gc = {col0} + q * 8u;"]
     if op.conv:
         body = _im2col_fetch(op, reg, off, ld, [(f"gr < {row_ext}", chk_row)], (col_ext, chk_col))
-    elif op.vec and op.scale:      # two vec4s of f32, scaled and packed
+    elif op.vec and op.scale:      # two vec4s of f32, scaled and packed (or kept: ``raw``)
         conds = [c for c, on in ((f"gr < {row_ext}", chk_row), (f"gc < {col_ext}", chk_col)) if on]
         at = f"({off} + gr * {ld}u + gc) / 4u"
         body = [f"uint a4 = {at};"]
         for name, shift in (("lo", ""), ("hi", " + 1u")):
             load = f"{b}[min(a4{shift}, {last // 4}u)]" if conds else f"{b}[a4{shift}]"
             load = f"({' && '.join(conds)}) ? {load} : vec4(0.0)" if conds else load
-            body.append(f"vec4 {name} = ({load}) * {op.scale};")
-        body.append(f"{reg}[l] = uvec4(packFloat2x16(f16vec2(lo.xy)), packFloat2x16(f16vec2(lo.zw)), "
-                    "packFloat2x16(f16vec2(hi.xy)), packFloat2x16(f16vec2(hi.zw)));")
+            body.append(f"vec4 {name} = {load};" if op.raw else f"vec4 {name} = ({load}) * {op.scale};")
+        body.append(f"{reg}[2u * l] = lo; {reg}[2u * l + 1u] = hi;" if op.raw else
+                    f"{reg}[l] = {_pack_f16('lo', 'hi')};")
     elif op.vec:
         conds = [c for c, on in ((f"gr < {row_ext}", chk_row), (f"gc < {col_ext}", chk_col)) if on]
         at = f"({off} + gr * {ld}u + gc) / 8u"
@@ -310,16 +311,26 @@ def _fetch_store(op: _Operand, BK, NT, reg, off, shared):
                 value = f"float16_t({op.load}(e + {i}u - {op.load_offset}u))"
             else:
                 value = f"{b}[min(e + {i}u, {last}u)]" if conds else f"{b}[e + {i}u]"
-                if op.scale:
+                if op.scale and not op.raw:
                     value = f"float16_t({value} * {op.scale})"
-            body.append(f"h[{i}] = ({' && '.join(conds)}) ? {value} : float16_t(0.0);" if conds else f"h[{i}] = {value};")
-        body.append(f"{reg}[l] = uvec4(" + ", ".join(f"packFloat2x16(f16vec2(h[{2 * i}], h[{2 * i + 1}]))"
-                                                     for i in range(4)) + ");")
+            zero = "0.0" if op.raw else "float16_t(0.0)"
+            body.append(f"h[{i}] = ({' && '.join(conds)}) ? {value} : {zero};" if conds else f"h[{i}] = {value};")
+        if op.raw:
+            body[1] = "float h[8];"
+            body.append(f"{reg}[2u * l] = vec4(h[0], h[1], h[2], h[3]); {reg}[2u * l + 1u] = vec4(h[4], h[5], h[6], h[7]);")
+        else:
+            body.append(f"{reg}[l] = uvec4(" + ", ".join(f"packFloat2x16(f16vec2(h[{2 * i}], h[{2 * i + 1}]))"
+                                                         for i in range(4)) + ");")
     wrap = (lambda ls: [f"if (v < {total}u) {{"] + ["    " + x for x in ls] + ["}"]) if guard else (lambda ls: ls)
     head = [f"[[unroll]] for (uint l = 0u; l < {per}u; ++l) {{"]
     fetch = head + ["    " + x for x in idx[:1] + wrap(idx[1:] + body)] + ["}"]
-    store = head + ["    " + x for x in idx[:1] + wrap([idx[1], f"{shared}[base + r * {SX}u + q] = {reg}[l];"])] + ["}"]
+    value = _pack_f16(f"{reg}[2u * l] * {op.scale}", f"{reg}[2u * l + 1u] * {op.scale}") if op.raw else f"{reg}[l]"
+    store = head + ["    " + x for x in idx[:1] + wrap([idx[1], f"{shared}[base + r * {SX}u + q] = {value};"])] + ["}"]
     return fetch, store, per
+
+
+SCALE_UNROLL = 8
+RAW_CHUNKS = 4
 
 
 def _scale_lines(op: _Operand, ops, BK, NT, nch, off):
@@ -350,13 +361,46 @@ def _scale_lines(op: _Operand, ops, BK, NT, nch, off):
              f"uint e = {off} + gr * {ld}u + gc;"] + reads
     if total % NT:
         inner = [f"if (v < {total}u) {{"] + ["    " + x for x in inner] + ["}"]
-    lines = ["{", "    float pk = 0.0;", f"    for (uint c = 0u; c < {nch}u; ++c) {{", f"        uint k0 = kbeg + c * {BK}u;",
-             f"        [[unroll]] for (uint l = 0u; l < {per}u; ++l) {{", f"            uint v = t + l * {NT}u;"]
-    lines += ["            " + x for x in inner] + ["        }", "    }"]
-    lines += ["    " + x for x in ops.workgroup_max("pk", NT)]
-    lines += ["    int ex;", "    frexp(pk, ex);", "    ex = clamp(ex, -100, 113);",
-              f"    {op.scale} = ldexp(1.0, 14 - ex);", f"    {op.scale}_inv = ldexp(1.0, ex - 14);", "}"]
-    return lines
+    # SCALE_UNROLL chunks a step, unrolled, so that their loads are in flight together (one
+    # latency instead of one per chunk)
+    U = min(nch, SCALE_UNROLL)
+    chunk = [f"uint k0 = kbeg + c * {BK}u;", f"[[unroll]] for (uint l = 0u; l < {per}u; ++l) {{",
+             f"    uint v = t + l * {NT}u;"] + ["    " + x for x in inner] + ["}"]
+    if nch % U:
+        chunk = [f"if (c < {nch}u) {{"] + ["    " + x for x in chunk] + ["}"]
+    lines = ["{", "    float pk = 0.0;", f"    for (uint c0 = 0u; c0 < {nch}u; c0 += {U}u) {{",
+             f"        [[unroll]] for (uint u = 0u; u < {U}u; ++u) {{", "            uint c = c0 + u;"]
+    lines += ["            " + x for x in chunk] + ["        }", "    }"]
+    return lines + _scale_from_peak(op, ops, NT)
+
+
+def _scale_from_peak(op: _Operand, ops, NT) -> list:
+    """The end of ``_scale_lines``' block: this thread's peak ``pk`` taken over the workgroup,
+    and the power of two from it."""
+    lines = ["    " + x for x in ops.workgroup_max("pk", NT)]
+    return lines + ["    int ex;", "    frexp(pk, ex);", "    ex = clamp(ex, -100, 113);",
+                    f"    {op.scale} = ldexp(1.0, 14 - ex);", f"    {op.scale}_inv = ldexp(1.0, ex - 14);", "}"]
+
+
+def _pack_f16(lo, hi) -> str:
+    """GLSL packing two vec4s (8 floats) into a uvec4 of halves."""
+    return (f"uvec4(packFloat2x16(f16vec2(({lo}).xy)), packFloat2x16(f16vec2(({lo}).zw)), "
+            f"packFloat2x16(f16vec2(({hi}).xy)), packFloat2x16(f16vec2(({hi}).zw)))")
+
+
+def _raw_peak_lines(op: _Operand, ops, BK, NT, sets, regs) -> list:
+    """GLSL setting ``op.scale`` (as ``_scale_lines``) from the raw f32 chunks already in this
+    thread's registers ``regs`` (one array per register set): the whole split fetched ahead,
+    so nothing is read twice."""
+    R, C = op.tile(BK)
+    total = R * (C // 8)
+    per = -(-total // NT)
+    lines = ["{", "    vec4 m = vec4(0.0);"]
+    for reg in regs[:sets]:
+        lines.append(f"    [[unroll]] for (uint l = 0u; l < {per}u; ++l)")
+        cond = f"if (t + l * {NT}u < {total}u) " if total % NT else ""
+        lines.append(f"        {cond}m = max(m, max(abs({reg}[2u * l]), abs({reg}[2u * l + 1u])));")
+    return lines + ["    float pk = max(max(m.x, m.y), max(m.z, m.w));"] + _scale_from_peak(op, ops, NT)
 
 
 def _im2col_fetch(op: _Operand, reg, off, ld, row_conds, col_check):
@@ -566,6 +610,15 @@ def _workgroup_bytes(parts, BK, nsg) -> int:
 
 def _part_function(p: _Part, ops, BM, BN, BK, SG_M, SG_N, DEPTH, WM, WN, NT, size_a, size_b) -> str:
     """GLSL ``void mm{j}(uvec3 wid)``: one part's output tile of the workgroup ``wid``."""
+    nch = -(-p.KC // BK)
+    # operands rounded to f16 of a split of at most RAW_CHUNKS chunks are fetched whole into
+    # registers in f32 (DEPTH chunks ahead, DEPTH = the split's chunks), their peak taken from
+    # there and each chunk converted as it is stored; longer splits read theirs in a pre-pass
+    raw = nch <= RAW_CHUNKS and any(op.scale for op in (p.A, p.B))
+    for op in (p.A, p.B):
+        op.raw = raw and bool(op.scale)
+    if raw:
+        DEPTH = max(DEPTH, nch)
     # register set r holds the chunks c with c % DEPTH == r (names, since a register array
     # indexed by a variable would live in memory)
     sets = [(_fetch_store(p.A, BK, NT, f"ra{r}", "aoff", "As"), _fetch_store(p.B, BK, NT, f"rb{r}", "boff", "Bs"))
@@ -573,7 +626,6 @@ def _part_function(p: _Part, ops, BM, BN, BK, SG_M, SG_N, DEPTH, WM, WN, NT, siz
     pa, pb = sets[0][0][2], sets[0][1][2]
     fetch = lambda r: sets[r][0][0] + sets[r][1][0]  # noqa: E731
     bl, aoff, boff = _batch_offsets(p.A.view, p.B.view, p.batch, f"wid.z / {p.S}u")
-    nch = -(-p.KC // BK)
     sa, sb = p.A.stride(BK), p.B.stride(BK)
     # fragments (offsets in uvec4) inside a staged chunk: row-major where the staged rows are
     # the fragment's rows (A: m; B: k), column-major otherwise
@@ -583,9 +635,11 @@ def _part_function(p: _Part, ops, BM, BN, BK, SG_M, SG_N, DEPTH, WM, WN, NT, siz
     M, N = p.M, p.N
     scaled = [op for op in (p.A, p.B) if op.scale]
     unscale = [ops.scale("acc[i][jn]", f"{op.scale}_inv") for op in scaled]
-    prepass = []
-    for op, off in ((p.A, "aoff"), (p.B, "boff")):
-        if op.scale:
+    prepass, peaks = [], []
+    for op, off, name in ((p.A, "aoff", "ra"), (p.B, "boff", "rb")):
+        if op.raw:
+            peaks += _raw_peak_lines(op, ops, BK, NT, min(DEPTH, nch), [f"{name}{r}" for r in range(DEPTH)])
+        elif op.scale:
             prepass += _scale_lines(op, ops, BK, NT, nch, off)
     scale_decl = " ".join(f"float {op.scale} = 1.0, {op.scale}_inv = 1.0;" for op in scaled)
     if p.direct:
@@ -640,7 +694,12 @@ def _part_function(p: _Part, ops, BM, BN, BK, SG_M, SG_N, DEPTH, WM, WN, NT, siz
     ahead = []
     for r in range(1, DEPTH):
         ahead += [f"if ({r}u < {nch}u) {{", f"    uint k0 = kbeg + {r * BK}u;"] + ["    " + x for x in fetch(r)] + ["}"]
-    regs = "\n    ".join(f"uvec4 ra{r}[{pa}];\n    uvec4 rb{r}[{pb}];" for r in range(DEPTH))
+    ta, tb = ("vec4", 2) if p.A.raw else ("uvec4", 1), ("vec4", 2) if p.B.raw else ("uvec4", 1)
+    if raw:     # every chunk fetched, then the peaks, then the first chunk stored
+        prologue = fetch(0) + ahead + peaks + sets[0][0][1] + ["base = 0u;"] + sets[0][1][1]
+    else:
+        prologue = fetch(0) + sets[0][0][1] + ["base = 0u;"] + sets[0][1][1] + ahead
+    regs = "\n    ".join(f"{ta[0]} ra{r}[{ta[1] * pa}];\n    {tb[0]} rb{r}[{tb[1] * pb}];" for r in range(DEPTH))
     return f"""void mm{p.j}(uvec3 wid) {{
     uint t = gl_LocalInvocationIndex;
     {ops.ids}
@@ -658,10 +717,7 @@ def _part_function(p: _Part, ops, BM, BN, BK, SG_M, SG_N, DEPTH, WM, WN, NT, siz
     {regs}
     {{
         uint k0 = kbeg, base = 0u;
-{_ind(fetch(0) + sets[0][0][1], 8)}
-        base = 0u;
-{_ind(sets[0][1][1], 8)}
-{_ind(ahead, 8)}
+{_ind(prologue, 8)}
     }}
     barrier();
     // double-buffered chunks in workgroup memory, DEPTH chunks ahead in registers: one

@@ -1051,7 +1051,7 @@ def fuse_producer_outputs(kernels, max_bindings):
             # reader reads (now) is not stored at all
             store = k.out.buf.kind != "temp" or not uses.read_only_by(leaf.buf, pi, p.reads)
             cheap = not store and _ops(k.spec["expr"]) <= MAX_INLINE_OPS
-            if not (_permutes(k, leaf) or cheap) or store and k.out.dtype is not p.out.dtype:
+            if not (_permutes(k, leaf) or cheap):
                 li += 1
                 continue
             same = k.out.shape == leaf.shape and _same_elements(k, leaf)
