@@ -42,17 +42,11 @@ def test_backward_matmuls_on_f16_match_strict(monkeypatch, loss_scale, coopmat):
     in its loads (on the cooperative-matrix kernel: scaled into f16's range by a power of two
     per workgroup), its forward operand in f16: no max reduction, no scaled cast."""
     monkeypatch.setattr(compiler, "BACKWARD_MATMUL_F16_MIN_MACS", 0)      # every backward matmul
-    monkeypatch.setenv("MEGANEURA_COOPMAT", coopmat)
-    want, _, _ = _grads("strict", loss_scale)
-    runtime = _vulkan_runtime()
-    before = runtime.stats["coopmat_kernels"] if runtime else 0
-    got, names, kp = _grads("accelerated", loss_scale)
+    want, got, names, kp, swapped = _strict_and_accelerated(_grads, loss_scale, coopmat, monkeypatch)
     if coopmat == "emulate":
-        if runtime is None:
-            pytest.skip("no Vulkan runtime: the strict-vs-accelerated check ran on wgpu above")
         from meganeura.codegen import coopmat as coop
         taken = [d.kernel for d in kp.dispatches if d.kernel.archetype == "matmul" and coop.select(d.kernel) == ""]
-        assert runtime.stats["coopmat_kernels"] - before == len(taken)
+        assert swapped == len(taken)
         assert any(u.spec.get("f16_round") for k in taken for u in k.spec.get("parts", [k])), names
     assert not any("reduce_max" in n for n in names), names
     rounded = [u.spec.get("f16_round") for u in _matmul_parts(kp)]
@@ -118,6 +112,20 @@ def test_only_the_autodiffs_matmuls_count_as_backward(monkeypatch):
             assert [v.dtype.name for v in u.reads[:2]] == ["f32", "f32"] and not u.spec.get("f16_round"), u.name
 
 
+def _strict_and_accelerated(grads, loss_scale, coopmat, monkeypatch):
+    """``grads(precision, loss_scale)`` strict and accelerated with ``MEGANEURA_COOPMAT`` set:
+    (strict gradients, accelerated gradients, names, plan, dispatches the Vulkan runtime ran
+    on cooperative-matrix kernels). Emulated kernels need the Vulkan runtime (skipped without)."""
+    monkeypatch.setenv("MEGANEURA_COOPMAT", coopmat)
+    want = grads("strict", loss_scale)[0]
+    runtime = _vulkan_runtime()
+    before = runtime.stats["coopmat_kernels"] if runtime else 0
+    got, names, plan = grads("accelerated", loss_scale)
+    if coopmat == "emulate" and runtime is None:
+        pytest.skip("no Vulkan runtime: the strict-vs-accelerated check ran on wgpu above")
+    return want, got, names, plan, (runtime.stats["coopmat_kernels"] - before if runtime else 0)
+
+
 def _vulkan_runtime():
     """The Vulkan runtime when the GPU backend is it, else None."""
     from meganeura.runtime.backends import gpu_device
@@ -143,15 +151,9 @@ def test_backward_convolutions_on_f16_match_strict(monkeypatch, loss_scale, coop
     matmul over the columns computed in the loads) read f16 operands, the cotangent scaled;
     on the Vulkan backend also with the cooperative-matrix kernels (emulated: any device)."""
     monkeypatch.setattr(compiler, "BACKWARD_F16_MIN_MACS", 0)
-    monkeypatch.setenv("MEGANEURA_COOPMAT", coopmat)
-    want, _, _ = _conv_grads("strict", loss_scale)
-    runtime = _vulkan_runtime()
-    before = runtime.stats["coopmat_kernels"] if runtime else 0
-    got, names, plan = _conv_grads("accelerated", loss_scale)
+    want, got, names, plan, swapped = _strict_and_accelerated(_conv_grads, loss_scale, coopmat, monkeypatch)
     if coopmat == "emulate":
-        if runtime is None:
-            pytest.skip("no Vulkan runtime: the strict-vs-accelerated check ran on wgpu above")
-        assert runtime.stats["coopmat_kernels"] - before == 5
+        assert swapped == 5
     assert any("reduce_max" in n for n in names), names
     f16_reads = [d.kernel.name for d in plan.kernel_plan.dispatches if d.kernel.archetype == "matmul"
                  and [v.dtype.name for v in d.kernel.reads[:2]] == ["f16", "f16"]]
