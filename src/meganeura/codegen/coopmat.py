@@ -304,7 +304,7 @@ def _fetch_store(op: _Operand, BK, NT, reg, off, shared):
             load = f"{b}[{at}]"
         body = [f"{reg}[l] = {load};"]
     else:
-        body = [f"uint e = {off} + gr * {ld}u + gc;", "float16_t h[8];"]
+        body = [f"uint e = {off} + gr * {ld}u + gc;", f"{'float' if op.raw else 'float16_t'} h[8];"]
         for i in range(8):
             conds = [c for c, on in ((f"gr < {row_ext}", chk_row), (f"gc + {i}u < {col_ext}", chk_col)) if on]
             if op.load:           # computed (the function clamps its index)
@@ -316,7 +316,6 @@ def _fetch_store(op: _Operand, BK, NT, reg, off, shared):
             zero = "0.0" if op.raw else "float16_t(0.0)"
             body.append(f"h[{i}] = ({' && '.join(conds)}) ? {value} : {zero};" if conds else f"h[{i}] = {value};")
         if op.raw:
-            body[1] = "float h[8];"
             body.append(f"{reg}[2u * l] = vec4(h[0], h[1], h[2], h[3]); {reg}[2u * l + 1u] = vec4(h[4], h[5], h[6], h[7]);")
         else:
             body.append(f"{reg}[l] = uvec4(" + ", ".join(f"packFloat2x16(f16vec2(h[{2 * i}], h[{2 * i + 1}]))"
@@ -339,7 +338,9 @@ def _scale_lines(op: _Operand, ops, BK, NT, nch, off):
     of the tile over the split's K range) to [2^13, 2^14), so that converting to f16 rounds
     as ``matmul.ROUND_F16`` does (elements below 2^-24 of that peak go to f16's subnormals and
     zero). The same walk over the chunks as the fetches, in f32; a workgroup-wide max
-    through ``Pk`` (``workgroup_max``). A peak that is zero, infinite or NaN leaves the product as f32 would have it."""
+    through ``Pk`` (``workgroup_max``). All zeros give zeros; a share holding an infinity or
+    NaN makes the workgroup's whole tile meaningless (the step is lost either way, as with a
+    scaled cast's peak)."""
     R, C = op.tile(BK)
     CQ = C // 8
     total = R * CQ
@@ -694,12 +695,14 @@ def _part_function(p: _Part, ops, BM, BN, BK, SG_M, SG_N, DEPTH, WM, WN, NT, siz
     ahead = []
     for r in range(1, DEPTH):
         ahead += [f"if ({r}u < {nch}u) {{", f"    uint k0 = kbeg + {r * BK}u;"] + ["    " + x for x in fetch(r)] + ["}"]
-    ta, tb = ("vec4", 2) if p.A.raw else ("uvec4", 1), ("vec4", 2) if p.B.raw else ("uvec4", 1)
+    # register types and lengths: f32 fetched raw takes two vec4s a group of 8 halves
+    a_regs, b_regs = (("vec4", 2) if op.raw else ("uvec4", 1) for op in (p.A, p.B))
     if raw:     # every chunk fetched, then the peaks, then the first chunk stored
         prologue = fetch(0) + ahead + peaks + sets[0][0][1] + ["base = 0u;"] + sets[0][1][1]
     else:
         prologue = fetch(0) + sets[0][0][1] + ["base = 0u;"] + sets[0][1][1] + ahead
-    regs = "\n    ".join(f"{ta[0]} ra{r}[{ta[1] * pa}];\n    {tb[0]} rb{r}[{tb[1] * pb}];" for r in range(DEPTH))
+    regs = "\n    ".join(f"{a_regs[0]} ra{r}[{a_regs[1] * pa}];\n    {b_regs[0]} rb{r}[{b_regs[1] * pb}];"
+                         for r in range(DEPTH))
     return f"""void mm{p.j}(uvec3 wid) {{
     uint t = gl_LocalInvocationIndex;
     {ops.ids}
