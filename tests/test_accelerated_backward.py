@@ -83,7 +83,7 @@ def test_rounded_operand_matches_the_reference():
     y = mg.ops.emit("matmul", [g.input("a", a.shape), g.input("b", b.shape, "f16")], ta=False, tb=True,
                     out_dtype="f32", f16_round=(True, False))
     want = r.astype(np.float64) @ b.astype(np.float64).T
-    for backend in ("numpy", "gpu"):
+    for backend in ("numpy", "gpu", "wgpu"):       # "gpu": the direct Vulkan backend where there is one
         with mg.compile(g, outputs=[y], backend=backend) as s:
             (got,) = s.run({"a": a, "b": b})
         assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max(), backend
