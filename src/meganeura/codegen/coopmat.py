@@ -265,6 +265,17 @@ class _Operand:
     def size(self, BK):
         return self.tile(BK)[0] * self.stride(BK)
 
+    def walk(self, BK, NT):
+        """How ``NT`` threads walk a staged chunk, in groups of 8 along its rows: (groups in a
+        chunk, groups a thread, the GLSL of the first row and column, of the rows' and
+        columns' ends, the stored row length, the view's last element)."""
+        R, C = self.tile(BK)
+        total = R * (C // 8)
+        row0, col0 = (self.own0, "k0") if self.rows_own else ("k0", self.own0)
+        row_ext, col_ext = (f"{self.own}u", "kend") if self.rows_own else ("kend", f"{self.own}u")
+        ld = self.K if self.rows_own else self.own
+        return total, -(-total // NT), row0, col0, row_ext, col_ext, ld, self.view.offset + self.view.size - 1
+
     def vectorizable(self):
         return not self.load and not self.conv and (self.K if self.rows_own else self.own) % 8 == 0 and self.view.offset % 8 == 0
 
@@ -276,36 +287,29 @@ def _ind(lines, n):
 def _fetch_store(op: _Operand, BK, NT, reg, off, shared):
     """GLSL fetching this thread's share of the chunk at ``k0`` into ``reg[]`` and storing it
     into ``shared`` at ``base``; and the register array's length."""
-    R, C = op.tile(BK)
-    CQ, SX = C // 8, op.stride(BK)
-    total = R * CQ
-    per = -(-total // NT)
+    CQ, SX = op.tile(BK)[1] // 8, op.stride(BK)
+    total, per, row0, col0, row_ext, col_ext, ld, last = op.walk(BK, NT)
     guard = total % NT != 0
-    row0, col0 = (op.own0, "k0") if op.rows_own else ("k0", op.own0)
-    row_ext, col_ext = (f"{op.own}u", "kend") if op.rows_own else ("kend", f"{op.own}u")
     chk_row, chk_col = (op.chk_own, op.chk_k) if op.rows_own else (op.chk_k, op.chk_own)
-    ld = op.K if op.rows_own else op.own
-    last = op.view.offset + op.view.size - 1
     b = f"b{op.binding}"
     idx = [f"uint v = t + l * {NT}u;", f"uint r = v / {CQ}u, q = v % {CQ}u;",
            f"uint gr = {row0} + r, gc = {col0} + q * 8u;"]
+    # whole groups of 8 in or out along the contiguous dimension (a vec4 binding)
+    vec_conds = [c for c, on in ((f"gr < {row_ext}", chk_row), (f"gc < {col_ext}", chk_col)) if on]
     if op.conv:
         body = _im2col_fetch(op, reg, off, ld, [(f"gr < {row_ext}", chk_row)], (col_ext, chk_col))
     elif op.vec and op.scale:      # two vec4s of f32, scaled and packed (or kept: ``raw``)
-        conds = [c for c, on in ((f"gr < {row_ext}", chk_row), (f"gc < {col_ext}", chk_col)) if on]
-        at = f"({off} + gr * {ld}u + gc) / 4u"
-        body = [f"uint a4 = {at};"]
+        body = [f"uint a4 = ({off} + gr * {ld}u + gc) / 4u;"]
         for name, shift in (("lo", ""), ("hi", " + 1u")):
-            load = f"{b}[min(a4{shift}, {last // 4}u)]" if conds else f"{b}[a4{shift}]"
-            load = f"({' && '.join(conds)}) ? {load} : vec4(0.0)" if conds else load
+            load = f"{b}[min(a4{shift}, {last // 4}u)]" if vec_conds else f"{b}[a4{shift}]"
+            load = f"({' && '.join(vec_conds)}) ? {load} : vec4(0.0)" if vec_conds else load
             body.append(f"vec4 {name} = {load};" if op.raw else f"vec4 {name} = ({load}) * {op.scale};")
         body.append(f"{reg}[2u * l] = lo; {reg}[2u * l + 1u] = hi;" if op.raw else
                     f"{reg}[l] = {_pack_f16('lo', 'hi')};")
     elif op.vec:
-        conds = [c for c, on in ((f"gr < {row_ext}", chk_row), (f"gc < {col_ext}", chk_col)) if on]
         at = f"({off} + gr * {ld}u + gc) / 8u"
-        if conds:
-            load = f"({' && '.join(conds)}) ? {b}[min({at}, {last // 8}u)] : uvec4(0u)"
+        if vec_conds:
+            load = f"({' && '.join(vec_conds)}) ? {b}[min({at}, {last // 8}u)] : uvec4(0u)"
         else:
             load = f"{b}[{at}]"
         body = [f"{reg}[l] = {load};"]
@@ -343,14 +347,8 @@ def _scale_lines(op: _Operand, ops, BK, NT, nch, off):
     through ``Pk`` (``workgroup_max``). All zeros give zeros; a share holding an infinity or
     NaN makes the workgroup's whole tile meaningless (the step is lost either way, as with a
     scaled cast's peak)."""
-    R, C = op.tile(BK)
-    CQ = C // 8
-    total = R * CQ
-    per = -(-total // NT)
-    row0, col0 = (op.own0, "k0") if op.rows_own else ("k0", op.own0)
-    row_ext, col_ext = (f"{op.own}u", "kend") if op.rows_own else ("kend", f"{op.own}u")
-    ld = op.K if op.rows_own else op.own
-    last = op.view.offset + op.view.size - 1
+    CQ = op.tile(BK)[1] // 8
+    total, per, row0, col0, row_ext, col_ext, ld, last = op.walk(BK, NT)
     b = f"b{op.binding}"
     reads = []
     if op.vec:      # whole groups of 8 in or out (as the fetch)
@@ -395,9 +393,7 @@ def _raw_peak_lines(op: _Operand, ops, BK, NT, sets, regs) -> list:
     """GLSL setting ``op.scale`` (as ``_scale_lines``) from the raw f32 chunks already in this
     thread's registers ``regs`` (one array per register set): the whole split fetched ahead,
     so nothing is read twice."""
-    R, C = op.tile(BK)
-    total = R * (C // 8)
-    per = -(-total // NT)
+    total, per = op.walk(BK, NT)[:2]
     lines = ["{", "    vec4 m = vec4(0.0);"]
     for reg in regs[:sets]:
         lines.append(f"    [[unroll]] for (uint l = 0u; l < {per}u; ++l)")

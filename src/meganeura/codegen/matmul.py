@@ -30,8 +30,8 @@ def lower_matmul(t, ins, out, materialize, temp):
     m, n = t.shape[-2:]
     k = t.inputs[0].shape[-2] if t.attrs["ta"] else t.inputs[0].shape[-1]
     spec = {"ta": t.attrs["ta"], "tb": t.attrs["tb"], "batch": tuple(t.shape[:-2])}
-    if t.attrs.get("f16_round"):
-        spec["f16_round"] = tuple(bool(r) for r in t.attrs["f16_round"])
+    if t.attrs.get("f16_round"):        # (flags as ``accelerate`` emitted them)
+        spec["f16_round"] = t.attrs["f16_round"]
     nb = int(np.prod(t.shape[:-2], dtype=np.int64))
     if m <= GEMV_MAX_ROWS and -(-n // 8) <= 65535 and "f16_round" not in spec:
         split = gemv_split(k, spec["tb"])
