@@ -70,6 +70,25 @@ def test_small_backward_matmuls_stay_f32():
         np.testing.assert_allclose(got[name], w, rtol=0, atol=2e-3 * np.abs(w).max(), err_msg=name)
 
 
+def test_deep_backward_matmuls_take_the_scaled_cast_threshold():
+    """A backward matmul deeper than BACKWARD_ROUND_MAX_K would take the scaled cast: below
+    BACKWARD_F16_MIN_MACS it stays f32, as a convolution does; a shallow one of the same size
+    rounds its gradient in the loads."""
+    from meganeura.compiler import CompileOptions, compile_plan
+    g = mg.Graph()
+    x = g.input("x", (8192, 16))
+    h = x @ g.parameter("w", (16, 16))
+    loss = mg.ops.mean(h * h)
+    (gw, gx) = mg.autodiff.grad(loss, [g.parameters["w"], x])
+    kp = compile_plan([loss, gw, gx], n_forward=1, options=CompileOptions("accelerated"))
+    assert not any("reduce_max" in n for n in kp.names), kp.names
+    flags = {}          # by output rows and columns (a K split writes partials before them)
+    for u in _matmul_parts(kp):
+        flags.setdefault(u.out.shape[-2:], set()).add(u.spec.get("f16_round"))
+    # the forward product and the input gradient (K 16), the weight gradient (K 8192)
+    assert flags == {(8192, 16): {None, (True, False)}, (16, 16): {None}}, flags
+
+
 def test_rounded_operand_matches_the_reference():
     """A matmul whose f32 operand is rounded to f16 precision in its loads (``f16_round``)
     gives what the NumPy reference does: f16's 11 significant bits, f32's exponent range."""

@@ -177,7 +177,10 @@ def _accelerated_backward(t, forward) -> bool:
         return False
     if t.op != "matmul":
         return _conv_macs(t) >= BACKWARD_F16_MIN_MACS
-    return t.size * _depth(t) >= BACKWARD_MATMUL_F16_MIN_MACS
+    # rounded in the loads up to BACKWARD_ROUND_MAX_K deep; deeper, the scaled cast, which
+    # pays from BACKWARD_F16_MIN_MACS on as for a convolution
+    least = BACKWARD_MATMUL_F16_MIN_MACS if _depth(t) <= BACKWARD_ROUND_MAX_K else BACKWARD_F16_MIN_MACS
+    return t.size * _depth(t) >= least
 
 
 def _depth(t) -> int:
@@ -271,12 +274,12 @@ def accelerated_rewrite(forward_targets, f16_weights=frozenset()):
             return apply(t, [operand(x, n) for x, n in zip(t.inputs, ins)])
         if _accelerated_attention_grad(t):
             return attention_grad(t, ins)
-        if _accelerated_backward(t, forward) and t.op == "matmul" and _depth(t) <= BACKWARD_ROUND_MAX_K:
-            # gradient operands stay f32, rounded to f16 by the product's loads
-            rounded = tuple(x.id not in forward for x in t.inputs)
-            ops = [n if r else operand(x, n) for x, n, r in zip(t.inputs, ins, rounded)]
-            return codegen.matmul.accelerate(*ops, t.attrs["ta"], t.attrs["tb"], f16_round=rounded)
         if _accelerated_backward(t, forward):
+            if t.op == "matmul" and _depth(t) <= BACKWARD_ROUND_MAX_K:
+                # gradient operands stay f32, rounded to f16 by the product's loads
+                rounded = tuple(x.id not in forward for x in t.inputs)
+                ops = [n if r else operand(x, n) for x, n, r in zip(t.inputs, ins, rounded)]
+                return codegen.matmul.accelerate(*ops, t.attrs["ta"], t.attrs["tb"], f16_round=rounded)
             ops, unscale = [], []
             for x, n in zip(t.inputs, ins):
                 if x.id in forward:
