@@ -1,8 +1,9 @@
 """Accelerated precision runs large backward matmuls on f16 operands too. Gradients are
 often far below f16's range: a matmul reads its gradient operand in f32 and rounds it to f16
 precision in its loads (the tensor-core kernel scales it into f16's range by a power of two),
-a convolution's gradient operand is scaled by its largest magnitude before the cast and the
-product unscaled after; forward values are cast as in the forward pass. Checked against the strict session on the device, with gradients scaled down to
+and so does a convolution's product its cotangent; deeper products scale a gradient operand by
+its largest magnitude before the cast and unscale the product after; forward values are cast
+as in the forward pass. Checked against the strict session on the device, with gradients scaled down to
 where unscaled f16 would flush them to zero."""
 import numpy as np
 import pytest
@@ -164,20 +165,72 @@ def _conv_grads(precision, loss_scale):
         return s.grads(), list(s.executor.plans["grads"].names), s.executor.plans["grads"]
 
 
-@pytest.mark.parametrize("loss_scale,coopmat", [(1.0, "auto"), (1e-9, "auto"), (1.0, "emulate")])
+# 1e-9: a cotangent far below f16's smallest normal, which the rounding's scale brings back
+@pytest.mark.parametrize("loss_scale,coopmat", [(1.0, "auto"), (1e-9, "auto"), (1e37, "auto"),
+                                                (1.0, "emulate"), (1e-9, "emulate")])
 def test_backward_convolutions_on_f16_match_strict(monkeypatch, loss_scale, coopmat):
     """Both gradients of a convolution (its input's, a matmul then col2im; its weight's, a
-    matmul over the columns computed in the loads) read f16 operands, the cotangent scaled;
-    on the Vulkan backend also with the cooperative-matrix kernels (emulated: any device)."""
-    monkeypatch.setattr(compiler, "BACKWARD_F16_MIN_MACS", 0)
+    matmul over the columns computed in the loads) read the cotangent in f32, rounded to f16
+    in the product's loads, and their forward operand in f16: no max reduction, no scaled
+    cast; on the Vulkan backend also with the cooperative-matrix kernels (emulated: any device)."""
+    monkeypatch.setattr(compiler, "BACKWARD_MATMUL_F16_MIN_MACS", 0)
     want, got, names, plan, swapped = _strict_and_accelerated(_conv_grads, loss_scale, coopmat, monkeypatch)
     if coopmat == "emulate":
         assert swapped == 5
+    assert not any("reduce_max" in n for n in names), names
+    products = [(d.kernel.name, [v.dtype.name for v in d.kernel.reads[:2]], d.kernel.spec.get("f16_round"))
+                for d in plan.kernel_plan.dispatches if d.kernel.archetype == "matmul"]
+    # the forward convolutions (f16 x f16), the input gradient of the second (weight x
+    # cotangent), both weight gradients (cotangent x the columns, computed in the loads)
+    assert sum(r is None and t == ["f16", "f16"] and "im2col" in n for n, t, r in products) == 2, products
+    assert sum(r == (False, True) and t == ["f16", "f32"] for n, t, r in products) == 1, products
+    assert sum(r == (True, False) and t[0] == "f32" and "im2col" in n for n, t, r in products) == 2, products
+    _close_to_strict(want, got)
+
+
+def test_deep_backward_convolutions_take_the_scaled_cast(monkeypatch):
+    """A convolution gradient deeper than BACKWARD_ROUND_MAX_K scales its cotangent by its
+    peak and casts it before the product (a max reduction), as before rounding in the loads."""
+    monkeypatch.setattr(compiler, "BACKWARD_MATMUL_F16_MIN_MACS", 0)
+    monkeypatch.setattr(compiler, "BACKWARD_F16_MIN_MACS", 0)
+    monkeypatch.setattr(compiler, "BACKWARD_CONV_ROUND_MAX_K", 5)     # the input gradient's K is 6
+    want, got, names, plan, _ = _strict_and_accelerated(_conv_grads, 1e-9, "auto", monkeypatch)
     assert any("reduce_max" in n for n in names), names
     f16_reads = [d.kernel.name for d in plan.kernel_plan.dispatches if d.kernel.archetype == "matmul"
                  and [v.dtype.name for v in d.kernel.reads[:2]] == ["f16", "f16"]]
     # the forward convolutions, the input gradient of the second, both weight gradients
     assert len(f16_reads) == 5 and sum("im2col" in n for n in f16_reads) == 4, names
+    _close_to_strict(want, got)
+
+
+def _close_to_strict(want, got, tol=2e-3):
     for name, w in want.items():
-        err = np.linalg.norm(got[name].astype(np.float64) - w) / np.linalg.norm(w)
-        assert err < 2e-3, (name, err)
+        assert np.abs(w).max() > 0, name
+        g64, w64 = got[name].astype(np.float64), w.astype(np.float64)      # norms of 1e35 overflow f32
+        err = np.linalg.norm(g64 - w64) / np.linalg.norm(w64)
+        assert err < tol, (name, err)
+
+
+def _conv1d_grads(precision, loss_scale):
+    rng = np.random.default_rng(2)
+    g = mg.Graph()
+    x = g.input("x", (2, 6, 40))
+    h = mg.ops.gelu(mg.ops.conv1d(x, g.parameter("w1", (8, 6, 3)), g.parameter("b1", (8,)), padding=1))
+    y = mg.ops.conv1d(h, g.parameter("w2", (5, 8, 3)), stride=2, padding=1)
+    loss = mg.ops.mean(y * y) * loss_scale
+    with mg.compile(g, loss=loss, precision=precision, seed=3, backend="gpu") as s:
+        s.compute_grads({"x": rng.standard_normal((2, 6, 40)).astype(np.float32)})
+        return s.grads(), list(s.executor.plans["grads"].names), s.executor.plans["grads"]
+
+
+@pytest.mark.parametrize("coopmat", ["auto", "emulate"])
+def test_backward_conv1d_rounds_its_cotangent(monkeypatch, coopmat):
+    """A 1-D convolution is a 2-D one over reshaped views: its gradients' products still find
+    the cotangent behind them (a reshape of a reshape folds into one) and round it in their
+    loads; cast unscaled, gradients this small would be flushed to zero."""
+    monkeypatch.setattr(compiler, "BACKWARD_MATMUL_F16_MIN_MACS", 0)
+    want, got, names, plan, _ = _strict_and_accelerated(_conv1d_grads, 1e-9, coopmat, monkeypatch)
+    rounded = [d.kernel.spec.get("f16_round") for d in plan.kernel_plan.dispatches if d.kernel.archetype == "matmul"]
+    assert rounded.count((True, False)) == 2 and rounded.count((False, True)) == 1, (rounded, names)
+    assert not any(n == "cast" or "reduce_max" in n for n in names), names
+    _close_to_strict(want, got)

@@ -111,6 +111,19 @@ def _conv_macs(t) -> int:
     return (t if t.op == "conv2d" else ct).size * w.shape[1] * w.shape[2] * w.shape[3]
 
 
+def _conv_depth(t) -> int:
+    """K of a convolution gradient's matmul as its decomposition (``ops.conv``) forms it: the
+    input gradient's contracts the output channels of a group; the weight gradient's the
+    positions of an image, or of the whole batch where it takes one product for it."""
+    if t.op == "conv2d_input_grad":
+        return t.inputs[1].shape[0] // t.attrs["groups"]
+    x, ct = t.inputs
+    n, c = x.shape[:2]
+    positions = ct.shape[2] * ct.shape[3]
+    k = c // t.attrs["groups"] * t.attrs["kernel"][0] * t.attrs["kernel"][1]
+    return n * positions if t.attrs["groups"] == 1 and n > 1 and k > positions else positions
+
+
 def _viewed_parameter(x):
     """(parameter, layout ops from it to ``x``, outermost first) when ``x`` is an f32
     parameter or a layout view of one, else (None, [])."""
@@ -150,22 +163,30 @@ GRAD_SCALE_TARGET = 2.0 ** 14
 # after the outputs fusion (2^20 here) 1259 -> 1734 launches lost, 8.85 -> 9.49 ms, although
 # its matmuls' GPU time fell 5.32 -> 3.91 ms.
 BACKWARD_F16_MIN_MACS = 2 ** 28
-# A backward matmul (not a convolution's) takes its gradient operands in f32 and rounds them
+# A backward matmul or convolution takes its gradient operands in f32 and rounds them
 # to f16 precision in its loads (``codegen.matmul.ROUND_F16``: the tensor-core kernel scales
 # its share of each into f16's range by a power of two), so it needs no launch of its own to
 # scale them: from this many multiply-adds on it runs on f16 operands.
 BACKWARD_MATMUL_F16_MIN_MACS = 2 ** 20
-# ... up to this depth (K): deeper, the scaled cast as for convolutions. The tensor-core kernel
+# ... up to this depth (K): deeper, the scaled cast. The tensor-core kernel
 # keeps a K split of up to coopmat.RAW_CHUNKS chunks in registers to take the rounded
 # operand's peak, and reads a longer one twice (a pre-pass), which a deep product pays more
 # than the two launches of the cast.
 BACKWARD_ROUND_MAX_K = 4096
+# ... and a convolution's product up to this depth: its weight gradient's K (an image's
+# positions, or the batch's) is split few ways, and a long split reads the rounded operand
+# twice (a pre-pass for its peak). H200, accelerated train steps at 4096 / 1024 / 512:
+# ResNet-50 7.09 / 7.16 / 7.44 ms, U-Net 4.04 / 3.99 / 4.07, Whisper 4.49 / 4.46 / 4.44
+# (its 1500-deep weight gradient took 124.7 us rounded, 59.4 cast; the cast's launches
+# about 92 more); with the scaled cast for every convolution 7.48-7.55 / 4.27-4.29 / 4.43-4.48.
+BACKWARD_CONV_ROUND_MAX_K = 1024
 
 
 def precision_constants() -> tuple:
     """The module constants that decide accelerated precision's rewrite: part of the plan
     cache's key (a test or benchmark that changes one never reads another's plan)."""
-    return GRAD_SCALE_TARGET, BACKWARD_F16_MIN_MACS, BACKWARD_MATMUL_F16_MIN_MACS, BACKWARD_ROUND_MAX_K
+    return (GRAD_SCALE_TARGET, BACKWARD_F16_MIN_MACS, BACKWARD_MATMUL_F16_MIN_MACS, BACKWARD_ROUND_MAX_K,
+            BACKWARD_CONV_ROUND_MAX_K)
 
 
 def _accelerated_backward(t, forward) -> bool:
@@ -175,18 +196,42 @@ def _accelerated_backward(t, forward) -> bool:
     if t.op not in ("matmul",) + CONV_OPS or t.id in forward or t.id not in t.graph.backward_ids \
             or t.dtype.name != "f32" or t.attrs.get("out_dtype"):
         return False
-    if t.op != "matmul":
-        return _conv_macs(t) >= BACKWARD_F16_MIN_MACS
-    # rounded in the loads up to BACKWARD_ROUND_MAX_K deep; deeper, the scaled cast, which
-    # pays from BACKWARD_F16_MIN_MACS on as for a convolution
-    least = BACKWARD_MATMUL_F16_MIN_MACS if _depth(t) <= BACKWARD_ROUND_MAX_K else BACKWARD_F16_MIN_MACS
-    return t.size * _depth(t) >= least
+    # rounded in the loads up to BACKWARD_ROUND_MAX_K deep; otherwise the scaled cast, which
+    # pays from BACKWARD_F16_MIN_MACS on
+    least = BACKWARD_MATMUL_F16_MIN_MACS if _rounds_in_loads(t, forward) else BACKWARD_F16_MIN_MACS
+    return (t.size * _depth(t) if t.op == "matmul" else _conv_macs(t)) >= least
 
 
 def _depth(t) -> int:
     """K of matmul ``t``."""
     a = t.inputs[0]
     return a.shape[-2] if t.attrs["ta"] else a.shape[-1]
+
+
+# the operand of a convolution gradient that is the cotangent (the other is a forward value)
+_COTANGENT = {"conv2d_input_grad": 0, "conv2d_weight_grad": 1}
+
+
+def _rounds_in_loads(t, forward) -> bool:
+    """Backward matmul or convolution ``t`` reads its gradient operands in f32, rounded to f16
+    by its product's loads (``f16_round``), rather than scaled and cast before it: up to
+    BACKWARD_ROUND_MAX_K deep (a convolution's product: BACKWARD_CONV_ROUND_MAX_K), and for a
+    convolution only where its one gradient operand is
+    the cotangent, which reaches the product through views alone (the other operand, the
+    weight or the im2col of the input, is a forward value)."""
+    if t.op == "matmul":
+        return _depth(t) <= BACKWARD_ROUND_MAX_K
+    at = _COTANGENT.get(t.op)
+    return at is not None and _conv_depth(t) <= BACKWARD_CONV_ROUND_MAX_K and \
+        [x.id in forward for x in t.inputs] == [i != at for i in range(len(t.inputs))]
+
+
+def _view_root(x):
+    """The tensor that layout ops (reshape, permute, ...) make ``x`` a view of."""
+    from .schedule import VIEW_OPS
+    while x.op in VIEW_OPS:
+        x = x.inputs[0]
+    return x
 
 
 def _accelerated_attention_grad(t) -> bool:
@@ -209,7 +254,8 @@ def accelerated_rewrite(forward_targets, f16_weights=frozenset()):
     ``f16_copy_name``) rather than cast on every call. Backward matmuls cast forward values
     alike and read gradient operands in f32, rounded to f16 precision as the kernel loads
     them (``f16_round``: the tensor-core kernel scales each workgroup's share into f16's
-    range by a power of two and unscales its product). Backward convolutions
+    range by a power of two and unscales its product); so do backward convolutions, whose
+    cotangent reaches the product through views (``_rounds_in_loads``). Deeper products
     scale each gradient operand by GRAD_SCALE_TARGET over its
     largest magnitude before the cast (one max reduction per gradient, shared by the
     matmuls that read it), dividing the product by the scales after. A gradient holding an
@@ -275,11 +321,23 @@ def accelerated_rewrite(forward_targets, f16_weights=frozenset()):
         if _accelerated_attention_grad(t):
             return attention_grad(t, ins)
         if _accelerated_backward(t, forward):
-            if t.op == "matmul" and _depth(t) <= BACKWARD_ROUND_MAX_K:
+            if _rounds_in_loads(t, forward):
                 # gradient operands stay f32, rounded to f16 by the product's loads
                 rounded = tuple(x.id not in forward for x in t.inputs)
                 ops = [n if r else operand(x, n) for x, n, r in zip(t.inputs, ins, rounded)]
-                return codegen.matmul.accelerate(*ops, t.attrs["ta"], t.attrs["tb"], f16_round=rounded)
+                if t.op == "matmul":
+                    return codegen.matmul.accelerate(*ops, t.attrs["ta"], t.attrs["tb"], f16_round=rounded)
+                # the cotangent by the tensor it views: layout ops fold (a reshape of a reshape
+                # is one), so the product's operand may view it through another chain
+                grads = {_view_root(n).id for n, r in zip(ops, rounded) if r}
+
+                def rounding_product(a, b, ta=False, tb=False):
+                    flags = tuple(_view_root(v).id in grads for v in (a, b))
+                    if flags.count(True) != 1:      # an unscaled cast would flush small gradients
+                        raise RuntimeError(f"{t.op}: the product's operands {a.op} and {b.op} do not view the "
+                                           "cotangent once")
+                    return codegen.matmul.accelerate(a, b, ta, tb, f16_round=flags)
+                return OPS[t.op].extra["decompose"](*ops, **t.attrs, product=rounding_product)
             ops, unscale = [], []
             for x, n in zip(t.inputs, ins):
                 if x.id in forward:

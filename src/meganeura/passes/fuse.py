@@ -474,12 +474,15 @@ def fuse_reduce_prologue(kernels, max_bindings):
 def _load_operand(m, gk, max_bindings):
     """The operand (0 or 1) of tiled matmul ``m`` that is ``gk``'s output, when ``m`` can
     compute it in its loads from ``gk``'s reads instead (one operand, read once, no other
-    prologue, bindings to spare), else None."""
+    prologue, bindings to spare), else None. An operand rounded to f16 in the loads
+    (``f16_round``: the tensor-core kernel scales it by its stored share's peak) is not
+    computed there; the other operand may be (a convolution's weight gradient: the columns)."""
     if m.archetype != "matmul" or m.spec.get("gemv") or "tile" not in m.spec \
-            or any(key in m.spec for key in ("parts", "prologue", "gathers", "f16_round")):
+            or any(key in m.spec for key in ("parts", "prologue", "gathers")):
         return None
     ops = [j for j in (0, 1) if m.reads[j].buf is gk.out.buf]
-    if len(ops) != 1 or sum(v.buf is gk.out.buf for v in m.read_views()) != 1 \
+    if len(ops) != 1 or (m.spec.get("f16_round") or (False, False))[ops[0]] \
+            or sum(v.buf is gk.out.buf for v in m.read_views()) != 1 \
             or any(v.buf is m.reads[1 - ops[0]].buf for v in gk.reads) \
             or len({id(v.buf) for v in m.read_views() + gk.reads}
                    | {id(b) for b in m.written_bufs()}) > max_bindings:
