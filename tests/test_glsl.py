@@ -86,7 +86,10 @@ def test_every_workload_kernel_compiles_to_spirv():
             for d in kp.dispatches:
                 seen.setdefault(d.wgsl, d.kernel.name)
     assert len(seen) > 300
+    from meganeura.codegen.glsl import _tokenize_text, tokenize
     for text, kname in seen.items():
+        # tokens from the cache of lines are the whole text's
+        assert [(t.kind, t.text) for t in tokenize(text)] == [(t.kind, t.text) for t in _tokenize_text(text)], kname
         # as hardware drivers get them: with [[unroll]] hints (lavapipe runs them without)
         spirv = compile_glsl(to_glsl(text, kname, unroll=True), name=kname, disk_cache=False)
         assert spirv[:4] == b"\x03\x02\x23\x07"      # the SPIR-V magic number

@@ -141,6 +141,37 @@ def _kind(text: str) -> str:
 
 
 def tokenize(src: str) -> list[Tok]:
+    """``src``'s tokens, then EOF_TOK. No token spans lines, so each distinct line is
+    tokenized once per process (``_line_tokens``): a plan's kernels repeat most of their lines
+    (U-Net's 410 training kernels: 48813 lines, 7605 distinct; tokenizing 0.40 -> 0.1 s)."""
+    toks = []
+    for line in src.split("\n"):
+        found = _line_tokens(line)
+        if found is None:          # a character outside the language: the whole text says where
+            return _tokenize_text(src)
+        toks.extend(found)
+    toks.append(EOF_TOK)
+    return toks
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _line_tokens(line: str) -> tuple | None:
+    """The tokens of one line (Toks shared by text, as they are never changed), or None where
+    it holds a character no token takes."""
+    toks = tuple(map(_tok, filter(None, _TOKEN.findall(line))))
+    if any(len(t.text) == 1 and t.kind == "op" and t.text not in _OP_CHARS for t in toks):
+        return None
+    return toks
+
+
+@functools.lru_cache(maxsize=1 << 12)
+def _tok(text: str) -> Tok:
+    return Tok(_kind(text), text)
+
+
+def _tokenize_text(src: str) -> list[Tok]:
+    """``tokenize`` of the whole text at once: raises, naming the line of the first character
+    outside the language."""
     found = _TOKEN.findall(src)
     seen = {t: Tok(_kind(t), t) for t in set(found) if t}
     toks = list(map(seen.__getitem__, filter(None, found)))      # (in C, as findall)
