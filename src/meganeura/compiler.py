@@ -216,9 +216,9 @@ def _rounds_in_loads(t, forward) -> bool:
     """Backward matmul or convolution ``t`` reads its gradient operands in f32, rounded to f16
     by its product's loads (``f16_round``), rather than scaled and cast before it: up to
     BACKWARD_ROUND_MAX_K deep (a convolution's product: BACKWARD_CONV_ROUND_MAX_K), and for a
-    convolution only where its one gradient operand is
-    the cotangent, which reaches the product through views alone (the other operand, the
-    weight or the im2col of the input, is a forward value)."""
+    convolution only where its one gradient operand is the cotangent, which reaches the
+    product through views alone (the other operand, the weight or the im2col of the input,
+    is a forward value)."""
     if t.op == "matmul":
         return _depth(t) <= BACKWARD_ROUND_MAX_K
     at = _COTANGENT.get(t.op)
