@@ -111,27 +111,21 @@ def _conv_macs(t) -> int:
     return (t if t.op == "conv2d" else ct).size * w.shape[1] * w.shape[2] * w.shape[3]
 
 
-def _conv_depth(t) -> int:
-    """K of a convolution gradient's matmul as its decomposition (``ops.conv``) forms it: the
-    input gradient's contracts the output channels of a group; the weight gradient's the
-    positions of an image, or of the whole batch where it takes one product for it."""
-    if t.op == "conv2d_input_grad":
-        return t.inputs[1].shape[0] // t.attrs["groups"]
-    x, ct = t.inputs
-    n, c = x.shape[:2]
-    positions = ct.shape[2] * ct.shape[3]
-    k = c // t.attrs["groups"] * t.attrs["kernel"][0] * t.attrs["kernel"][1]
-    return n * positions if t.attrs["groups"] == 1 and n > 1 and k > positions else positions
-
-
-def _viewed_parameter(x):
-    """(parameter, layout ops from it to ``x``, outermost first) when ``x`` is an f32
-    parameter or a layout view of one, else (None, [])."""
+def _layout_chain(x):
+    """(the tensor that layout ops (reshape, permute, ...) make ``x`` a view of, those ops from
+    it to ``x``, outermost first)."""
     from .schedule import VIEW_OPS
     chain = []
     while x.op in VIEW_OPS:
         chain.append(x)
         x = x.inputs[0]
+    return x, chain
+
+
+def _viewed_parameter(x):
+    """(parameter, layout ops from it to ``x``, outermost first) when ``x`` is an f32
+    parameter or a layout view of one, else (None, [])."""
+    x, chain = _layout_chain(x)
     if x.op == "parameter" and x.dtype.name == "f32":
         return x, chain
     return None, []
@@ -189,17 +183,21 @@ def precision_constants() -> tuple:
             BACKWARD_CONV_ROUND_MAX_K)
 
 
-def _accelerated_backward(t, forward) -> bool:
-    """``t`` is a backward f32 matmul or convolution (one the autodiff added) large enough
-    that accelerated precision gives it f16 operands, the gradient ones scaled. Matmuls that
-    only a state update or the optimizer reads stay f32."""
+def _backward_f16(t, forward) -> str | None:
+    """How accelerated precision gives backward f32 matmul or convolution ``t`` (one the
+    autodiff added) f16 operands: "round" (its gradient operands read in f32 and rounded in
+    its product's loads, ``_rounds_in_loads``: from BACKWARD_MATMUL_F16_MIN_MACS on), "scale"
+    (scaled and cast before it: from BACKWARD_F16_MIN_MACS on), or None where it stays f32
+    (too small, or not such a product). Matmuls that only a state update or the optimizer
+    reads stay f32."""
     if t.op not in ("matmul",) + CONV_OPS or t.id in forward or t.id not in t.graph.backward_ids \
             or t.dtype.name != "f32" or t.attrs.get("out_dtype"):
-        return False
-    # rounded in the loads up to BACKWARD_ROUND_MAX_K deep; otherwise the scaled cast, which
-    # pays from BACKWARD_F16_MIN_MACS on
-    least = BACKWARD_MATMUL_F16_MIN_MACS if _rounds_in_loads(t, forward) else BACKWARD_F16_MIN_MACS
-    return (t.size * _depth(t) if t.op == "matmul" else _conv_macs(t)) >= least
+        return None
+    rounds = _rounds_in_loads(t, forward)
+    macs = t.size * _depth(t) if t.op == "matmul" else _conv_macs(t)
+    if macs < (BACKWARD_MATMUL_F16_MIN_MACS if rounds else BACKWARD_F16_MIN_MACS):
+        return None
+    return "round" if rounds else "scale"
 
 
 def _depth(t) -> int:
@@ -221,17 +219,10 @@ def _rounds_in_loads(t, forward) -> bool:
     is a forward value)."""
     if t.op == "matmul":
         return _depth(t) <= BACKWARD_ROUND_MAX_K
+    from .ops.conv import gradient_product_depth
     at = _COTANGENT.get(t.op)
-    return at is not None and _conv_depth(t) <= BACKWARD_CONV_ROUND_MAX_K and \
+    return at is not None and gradient_product_depth(t) <= BACKWARD_CONV_ROUND_MAX_K and \
         [x.id in forward for x in t.inputs] == [i != at for i in range(len(t.inputs))]
-
-
-def _view_root(x):
-    """The tensor that layout ops (reshape, permute, ...) make ``x`` a view of."""
-    from .schedule import VIEW_OPS
-    while x.op in VIEW_OPS:
-        x = x.inputs[0]
-    return x
 
 
 def _accelerated_attention_grad(t) -> bool:
@@ -320,24 +311,25 @@ def accelerated_rewrite(forward_targets, f16_weights=frozenset()):
             return apply(t, [operand(x, n) for x, n in zip(t.inputs, ins)])
         if _accelerated_attention_grad(t):
             return attention_grad(t, ins)
-        if _accelerated_backward(t, forward):
-            if _rounds_in_loads(t, forward):
-                # gradient operands stay f32, rounded to f16 by the product's loads
-                rounded = tuple(x.id not in forward for x in t.inputs)
-                ops = [n if r else operand(x, n) for x, n, r in zip(t.inputs, ins, rounded)]
-                if t.op == "matmul":
-                    return codegen.matmul.accelerate(*ops, t.attrs["ta"], t.attrs["tb"], f16_round=rounded)
-                # the cotangent by the tensor it views: layout ops fold (a reshape of a reshape
-                # is one), so the product's operand may view it through another chain
-                grads = {_view_root(n).id for n, r in zip(ops, rounded) if r}
+        path = _backward_f16(t, forward)
+        if path == "round":
+            # gradient operands stay f32, rounded to f16 by the product's loads
+            rounded = tuple(x.id not in forward for x in t.inputs)
+            ops = [n if r else operand(x, n) for x, n, r in zip(t.inputs, ins, rounded)]
+            if t.op == "matmul":
+                return codegen.matmul.accelerate(*ops, t.attrs["ta"], t.attrs["tb"], f16_round=rounded)
+            # the cotangent by the tensor it views: layout ops fold (a reshape of a reshape
+            # is one), so the product's operand may view it through another chain
+            grads = {_layout_chain(n)[0].id for n, r in zip(ops, rounded) if r}
 
-                def rounding_product(a, b, ta=False, tb=False):
-                    flags = tuple(_view_root(v).id in grads for v in (a, b))
-                    if flags.count(True) != 1:      # an unscaled cast would flush small gradients
-                        raise RuntimeError(f"{t.op}: the product's operands {a.op} and {b.op} do not view the "
-                                           "cotangent once")
-                    return codegen.matmul.accelerate(a, b, ta, tb, f16_round=flags)
-                return OPS[t.op].extra["decompose"](*ops, **t.attrs, product=rounding_product)
+            def rounding_product(a, b, ta=False, tb=False):
+                flags = tuple(_layout_chain(v)[0].id in grads for v in (a, b))
+                if flags.count(True) != 1:      # an unscaled cast would flush small gradients
+                    raise RuntimeError(f"{t.op}: the product's operands {a.op} and {b.op} do not view the "
+                                       "cotangent once")
+                return codegen.matmul.accelerate(a, b, ta, tb, f16_round=flags)
+            return OPS[t.op].extra["decompose"](*ops, **t.attrs, product=rounding_product)
+        if path == "scale":
             ops, unscale = [], []
             for x, n in zip(t.inputs, ins):
                 if x.id in forward:

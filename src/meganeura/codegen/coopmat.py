@@ -34,7 +34,7 @@ import numpy as np
 
 from .common import Bindings, contiguous_batch_strides
 from .expr import OutputStore
-from .matmul import k_step, operand_function, split_k
+from .matmul import k_step, operand_function, rounded_operands, split_k
 
 FRAG = 16          # the fragment shape: 16x16x16
 SUBGROUP = 32      # lanes per subgroup the kernel is written for
@@ -222,7 +222,7 @@ def select(kernel, workgroup_storage=None, emulate=False) -> str:
             if s.get(what):
                 return f"a {what}"
         a, b = p.reads[:2]
-        rounded = s.get("f16_round") or (False, False)
+        rounded = rounded_operands(s)
         if any(x.dtype.name != ("f32" if r else "f16") for x, r in zip((a, b), rounded)):
             return f"operands {a.dtype.name} x {b.dtype.name} (f16 x f16 needed, or f32 rounded to f16 in the loads)"
         if s.get("tile") not in CONFIGS:
@@ -502,7 +502,7 @@ class _Part:
                           *loads.get(0, ("", 0)), convs.get(0, ()))
         self.B = _Operand(b, index(1, b), self.tb, self.N, BN, self.K, "n0", self.N % BN != 0, False, False,
                           *loads.get(1, ("", 0)), convs.get(1, ()))
-        for operand, rounded, name in zip((self.A, self.B), s.get("f16_round") or (False, False), ("sca", "scb")):
+        for operand, rounded, name in zip((self.A, self.B), rounded_operands(s), ("sca", "scb")):
             if rounded:
                 operand.scale = name
         self.store = OutputStore(kernel, bind, name=f"store_out{j}")

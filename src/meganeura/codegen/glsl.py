@@ -159,9 +159,12 @@ def _line_tokens(line: str) -> tuple | None:
     """The tokens of one line (Toks shared by text, as they are never changed), or None where
     it holds a character no token takes."""
     toks = tuple(map(_tok, filter(None, _TOKEN.findall(line))))
-    if any(len(t.text) == 1 and t.kind == "op" and t.text not in _OP_CHARS for t in toks):
-        return None
-    return toks
+    return None if any(_stray(t.text) for t in toks) else toks
+
+
+def _stray(text: str) -> bool:
+    """``text`` is a character no token takes (``_TOKEN``'s catch-all)."""
+    return len(text) == 1 and _KIND.get(text) is None and text not in _OP_CHARS
 
 
 @functools.lru_cache(maxsize=1 << 12)
@@ -175,7 +178,7 @@ def _tokenize_text(src: str) -> list[Tok]:
     found = _TOKEN.findall(src)
     seen = {t: Tok(_kind(t), t) for t in set(found) if t}
     toks = list(map(seen.__getitem__, filter(None, found)))      # (in C, as findall)
-    bad = [t for t in seen if len(t) == 1 and _KIND.get(t) is None and t not in _OP_CHARS]
+    bad = [t for t in seen if _stray(t)]
     if bad:
         k = next(i for i, t in enumerate(toks) if t.text in bad)
         raise GlslTranslationError(f"line {token_line(src, k)}: unexpected character {toks[k].text!r}")

@@ -478,6 +478,11 @@ def operand_function(kernel, j, op, gs, bind):
     return fname, make(gs, kernel.reads[gs["first"]:gs["first"] + gs["n"]], bind, fname)
 
 
+def rounded_operands(spec) -> tuple:
+    """(a, b): which operands of a matmul's ``spec`` are rounded to f16 in its loads."""
+    return spec.get("f16_round") or (False, False)
+
+
 def _round_f16_load(value, vec):
     """``_operand``'s transform of an operand rounded to f16 precision (``ROUND_F16``)."""
     return f"round_f16v({value})" if vec else f"round_f16({value})"
@@ -518,7 +523,7 @@ def _tiled_part(kernel, bind, j, block, peel):
     if "prologue" in kernel.spec:
         a_vec0 = K % 4 == 0 and a.offset % 4 == 0 and a.dtype.name == "f32" and ab != bb
         pro_lines, transform = _tiled_norm_prologue(kernel, bind, M, K, TM, th, ab, a_vec0)
-    round_a, round_b = kernel.spec.get("f16_round") or (False, False)
+    round_a, round_b = rounded_operands(kernel.spec)
     b_transform = _round_f16_load if round_b else None
     if round_a:
         assert transform is None, f"{kernel.name}: a norm prologue on an operand rounded to f16"

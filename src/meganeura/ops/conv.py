@@ -327,15 +327,33 @@ def _weight_grad_ref(x, ct, kernel, stride, padding, dilation, groups):
     return dw.reshape((o, c // groups) + tuple(kernel))
 
 
+def _folds_batch(n, k, positions, groups) -> bool:
+    """A weight gradient with more weights (``k`` a group) than positions per image takes one
+    matmul over the whole batch (K = N*L) instead of N products written out and summed."""
+    return groups == 1 and n > 1 and k > positions
+
+
+def gradient_product_depth(t) -> int:
+    """K of the matmul that the decomposition of convolution gradient ``t`` forms: the
+    input gradient's contracts a group's output channels, the weight gradient's the positions
+    of an image, or of the whole batch where it folds it (``_folds_batch``)."""
+    if t.op == "conv2d_input_grad":
+        return t.inputs[1].shape[0] // t.attrs["groups"]
+    x, ct = t.inputs
+    groups, (kh, kw) = t.attrs["groups"], t.attrs["kernel"]
+    positions = ct.shape[2] * ct.shape[3]
+    folds = _folds_batch(x.shape[0], x.shape[1] // groups * kh * kw, positions, groups)
+    return x.shape[0] * positions if folds else positions
+
+
 def _weight_grad_decompose(x, ct, kernel, stride, padding, dilation, groups, product=_product):
     from . import permute, reduce_sum, reshape
     n, c = x.shape[:2]
     o, ho, wo = ct.shape[1:]
     k = c // groups * kernel[0] * kernel[1]
-    if groups == 1 and n > 1 and k > ho * wo:
-        # more weights than positions per image: one matmul over the whole batch (K = N*L)
-        # instead of N products written out and summed; the cotangent is transposed to
-        # (O, N, L) for it (a copy of N*O*L, against N*O*K partials)
+    if _folds_batch(n, k, ho * wo, groups):
+        # the cotangent is transposed to (O, N, L) for the one matmul over the batch (a copy
+        # of N*O*L, against N*O*K partials)
         ct_t = reshape(permute(reshape(ct, (n, o, ho * wo)), (1, 0, 2)), (o, n * ho * wo))
         dw = product(ct_t, _im2col(x, kernel, stride, padding, dilation, fold_batch=True), tb=True)
         return reshape(dw, (o, c) + tuple(kernel))

@@ -31,7 +31,7 @@ from collections import defaultdict
 import numpy as np
 
 from ..codegen.common import broadcast_view_strides
-from ..codegen.matmul import block_of
+from ..codegen.matmul import block_of, rounded_operands
 from ..schedule import Kernel, View, contiguous_strides, reshape_view
 from ..ops.registry import OPS
 
@@ -481,7 +481,7 @@ def _load_operand(m, gk, max_bindings):
             or any(key in m.spec for key in ("parts", "prologue", "gathers")):
         return None
     ops = [j for j in (0, 1) if m.reads[j].buf is gk.out.buf]
-    if len(ops) != 1 or (m.spec.get("f16_round") or (False, False))[ops[0]] \
+    if len(ops) != 1 or rounded_operands(m.spec)[ops[0]] \
             or sum(v.buf is gk.out.buf for v in m.read_views()) != 1 \
             or any(v.buf is m.reads[1 - ops[0]].buf for v in gk.reads) \
             or len({id(v.buf) for v in m.read_views() + gk.reads}
