@@ -52,13 +52,10 @@ def test_backward_matmuls_on_f16_match_strict(monkeypatch, loss_scale, coopmat):
     assert not any("reduce_max" in n for n in names), names
     rounded = [u.spec.get("f16_round") for u in _matmul_parts(kp)]
     assert rounded.count((True, False)) == 3 and rounded.count(None) == 2, rounded
-    for name, w in want.items():
-        assert np.abs(w).max() > 0, name
-        if loss_scale < 1:      # unscaled f16 would hold none of these values
+    if loss_scale < 1:      # unscaled f16 would hold none of these values
+        for name, w in want.items():
             assert np.abs(w).max() < 6e-8 * 2 ** 10, name
-        g64, w64 = got[name].astype(np.float64), w.astype(np.float64)      # norms of 1e35 overflow f32
-        err = np.linalg.norm(g64 - w64) / np.linalg.norm(w64)
-        assert err < 2e-3, (name, err)
+    _close_to_strict(want, got)
 
 
 def test_small_backward_matmuls_stay_f32():
@@ -203,12 +200,13 @@ def test_deep_backward_convolutions_take_the_scaled_cast(monkeypatch):
     _close_to_strict(want, got)
 
 
-def _close_to_strict(want, got, tol=2e-3):
+def _close_to_strict(want, got):
+    """Every accelerated gradient within 2e-3 (relative L2, in f64) of the strict one."""
     for name, w in want.items():
         assert np.abs(w).max() > 0, name
         g64, w64 = got[name].astype(np.float64), w.astype(np.float64)      # norms of 1e35 overflow f32
         err = np.linalg.norm(g64 - w64) / np.linalg.norm(w64)
-        assert err < tol, (name, err)
+        assert err < 2e-3, (name, err)
 
 
 def _conv1d_grads(precision, loss_scale):
