@@ -349,6 +349,18 @@ def _case(name):
         from meganeura.ops.linalg import round_f16_precision as rnd
         ra, rb = rnd(A).astype(np.float64), (rnd(B) if B.dtype == np.float32 else B).astype(np.float64)
         return g, [y], {"a": A, "b": B}, [(ra.T if name == "round_ta" else ra) @ rb], env
+    if name == "merged_rows":         # a gradient's two products in one launch: 40 and 48 rows, one row tile
+        G = r(40, 48) * np.float32(1e-9)
+        W, X = r(48, 24).astype(np.float16), r(40, 24).astype(np.float16)
+        env["MEGANEURA_MATMUL_TILE"] = "64"
+        gi = g.input("g", G.shape)
+        outs = [mg.ops.emit("matmul", [gi, g.input("w", W.shape, "f16")], ta=False, tb=False, out_dtype="f32",
+                            f16_round=(True, False)),
+                mg.ops.emit("matmul", [gi, g.input("x", X.shape, "f16")], ta=True, tb=False, out_dtype="f32",
+                            f16_round=(True, False))]
+        from meganeura.ops.linalg import round_f16_precision as rnd
+        rg = rnd(G).astype(np.float64)
+        return g, outs, {"g": G, "w": W, "x": X}, [rg @ W.astype(np.float64), rg.T @ X.astype(np.float64)], env
     raise KeyError(name)
 
 
@@ -363,7 +375,8 @@ def _conv(x, w, stride, pad, dilation=(1, 1)):
 
 
 CASES = ["plain", "tb_batch_epilogue", "ta_broadcast", "odd_split_k", "merged_parts", "tile64", "tile128", "rect_tile",
-         "depth2", "depth3", "wide", "conv", "conv_groups", "conv1x1", "round_split", "round_ta", "round_odd"]
+         "depth2", "depth3", "wide", "conv", "conv_groups", "conv1x1", "round_split", "round_ta", "round_odd",
+         "merged_rows"]
 
 
 def _run_case(runtime, name, mode, monkeypatch):
@@ -385,6 +398,11 @@ def _run_case(runtime, name, mode, monkeypatch):
         assert groups != tuple(d.groups)
         if name == "wide":
             assert groups[:2] == (2, 3) and tuple(d.groups[:2]) == (4, 3)
+    if name == "merged_rows":        # the WGSL kernel binds g twice (vec4 and scalar); the variant keeps both places
+        (d,) = [d for d in compile_plan(outs, n_forward=2, options=ACCEL).dispatches if d.kernel.archetype == "matmul"]
+        assert len(d.kernel.spec["parts"]) == 2 and len(d.bufs) == len({id(b) for b in d.bufs}) + 1
+        src, bufs, _ = coopmat.render(d.kernel, emulate=True, bufs=d.bufs)
+        assert len(bufs) == len(d.bufs) and all(a is b for a, b in zip(bufs, d.bufs))
     got, swapped, _ = run_accelerated(runtime, g, outs, feeds)
     assert swapped > 0, "no matmul ran on the cooperative-matrix kernel"
     for g_, w_ in zip(got, want):

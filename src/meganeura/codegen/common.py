@@ -32,8 +32,12 @@ def literal(value, dtype) -> str:
 class Bindings:
     """Distinct logical buffers a kernel touches, numbered in order of first use."""
 
-    def __init__(self):
-        self.bufs, self.types, self.written = [], [], set()
+    def __init__(self, order=()):
+        """``order``: buffers bound at fixed positions (another kernel's bindings, which a
+        variant must keep); each position is claimed by the first use of its buffer, and a
+        position never claimed (a buffer the other kernel binds twice) is declared as
+        words, unused (a Vulkan kernel's bindings run 0..N-1)."""
+        self.bufs, self.types, self.written = list(order), [None] * len(order), set()
         self.scalar = set()          # bindings read element by element elsewhere: never vec4
         self.helpers_done = set()    # WGSL helper functions already in the module
         self.enable_f16 = False      # a function of the module computes in f16 without an f16 binding
@@ -41,9 +45,15 @@ class Bindings:
     def index(self, buf, dtype, write=False) -> int:
         if write:
             self.written.add(id(buf))
+        free = None
         for k, b in enumerate(self.bufs):
             if b is buf and self.types[k] == dtype.wgsl:
                 return k
+            if b is buf and self.types[k] is None and free is None:
+                free = k
+        if free is not None:
+            self.types[free] = dtype.wgsl
+            return free
         self.bufs.append(buf)
         self.types.append(dtype.wgsl)
         return len(self.bufs) - 1
@@ -51,10 +61,10 @@ class Bindings:
     def decls(self) -> str:
         """Buffers the kernel only reads are declared ``read``: wgpu then needs no barrier
         between two dispatches that both only read them."""
-        enable = ["enable f16;"] if self.enable_f16 or any("f16" in t for t in self.types) else []
+        enable = ["enable f16;"] if self.enable_f16 or any("f16" in (t or "") for t in self.types) else []
         return "\n".join(enable + [
             f"@group(0) @binding({k}) var<storage, {'read_write' if id(b) in self.written else 'read'}> "
-            f"b{k}: array<{ty}>;" for k, (b, ty) in enumerate(zip(self.bufs, self.types))])
+            f"b{k}: array<{ty or 'u32'}>;" for k, (b, ty) in enumerate(zip(self.bufs, self.types))])
 
 
 def grid(n_groups: int) -> tuple[int, int, int]:

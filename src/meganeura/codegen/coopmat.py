@@ -208,7 +208,8 @@ def select(kernel, workgroup_storage=None, emulate=False) -> str:
     is checked by ``render``, which picks the tile by it): it must be a tiled
     matmul (not a GEMV) whose A and B are f16 views (or computed in its loads: an implicit-GEMM
     convolution's columns), without a norm prologue or a paired product, and merged parts must
-    share their tile, rows and batch."""
+    share their tile, count of row tiles (the grid puts them side by side along x), split
+    and batch size."""
     if kernel.archetype != "matmul":
         return f"archetype {kernel.archetype!r}"
     parts = kernel.spec.get("parts", [kernel])
@@ -227,10 +228,10 @@ def select(kernel, workgroup_storage=None, emulate=False) -> str:
             return f"operands {a.dtype.name} x {b.dtype.name} (f16 x f16 needed, or f32 rounded to f16 in the loads)"
         if s.get("tile") not in CONFIGS:
             return f"tile {s.get('tile')}"
-    shape = {(p.spec["tile"], p.spec.get("split", 1), p.shape[-2], tuple(p.spec.get("batch", p.shape[:-2])))
-             for p in parts}
+    shape = {(p.spec["tile"], p.spec.get("split", 1), -(-p.shape[-2] // configs()[p.spec["tile"]][0]),
+              int(np.prod(p.spec.get("batch", p.shape[:-2]), dtype=np.int64))) for p in parts}
     if len(shape) > 1:
-        return "merged parts of different tiles, rows or batch"
+        return "merged parts of different tiles, row tiles, splits or batch sizes"
     return ""
 
 
@@ -516,11 +517,13 @@ class _Part:
         return -(-self.N // self.B.own_tile), -(-self.M // self.A.own_tile), self.nb * self.S
 
 
-def render(kernel, workgroup_storage=49152, emulate=False):
+def render(kernel, workgroup_storage=49152, emulate=False, bufs=()):
     """(GLSL text, bound logical buffers in binding order, workgroup counts) of ``kernel`` on
     cooperative matrices; raises ValueError when it cannot (see ``select``) or when its
     workgroup memory exceeds ``workgroup_storage`` bytes. ``emulate``: the same kernel with
-    the fragment operations as plain loops (``EmulatedOps``), for devices without them."""
+    the fragment operations as plain loops (``EmulatedOps``), for devices without them.
+    ``bufs``: the WGSL kernel's bound buffers, kept at their positions (it binds a buffer
+    that parts read in different layouts once per layout; this kernel binds it once)."""
     why = select(kernel)
     if why:
         raise ValueError(f"kernel {kernel.name!r} cannot run on cooperative matrices: {why}")
@@ -531,7 +534,7 @@ def render(kernel, workgroup_storage=49152, emulate=False):
     narrow, wide = configs()[tile], wide_configs().get(tile)
     for config in ([wide] if wide else []) + [narrow]:
         BM, BN, SG_M, SG_N, BK, DEPTH = config
-        bind = Bindings()
+        bind = Bindings(bufs)
         parts = [_Part(p, bind, j, BM, BN) for j, p in enumerate(parts_ir)]
         if config is narrow or (_wide_pays(parts, BK, narrow[1])
                                 and _workgroup_bytes(parts, BK, SG_M * SG_N) <= workgroup_storage):
@@ -549,6 +552,8 @@ def render(kernel, workgroup_storage=49152, emulate=False):
             op.vec = vec
         if vec:      # f16 as 8 halves, or f32 (rounded in the loads) as 4 floats
             bind.types[k] = "vec4<f32>" if used[0].scale else "vec4<u32>"
+    if len({p.groups()[1:] for p in parts}) > 1:
+        raise ValueError(f"kernel {kernel.name!r}: merged parts of different row tiles on a {BM}-row tile")
     for p in parts:        # K is guarded where a split is not whole chunks, or the last split is short
         p.A.chk_k = p.B.chk_k = p.K % p.KC != 0 or p.KC % BK != 0
     size_a = max(p.A.size(BK) for p in parts)

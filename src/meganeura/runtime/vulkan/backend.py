@@ -598,7 +598,8 @@ class VulkanRuntime:
         if renderer.select(kernel, storage, emulate):
             return None
         try:
-            glsl, vbufs, groups = renderer.render(kernel, storage, emulate)
+            glsl, vbufs, groups = renderer.render(kernel, storage, emulate, **(
+                {"bufs": bufs} if kernel.archetype == "matmul" else {}))
         except ValueError:          # more workgroup memory than the device has: the WGSL kernel
             return None
         # the variant binds the WGSL kernel's buffers in the same order (checked here, so that
