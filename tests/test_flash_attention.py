@@ -30,6 +30,7 @@ CASES = {
 def flash_only(monkeypatch):
     """Small shapes take the flash kernel instead of the one-row kernel."""
     monkeypatch.setattr(attn, "MAX_ROW_WORK", 0)
+    monkeypatch.setattr(attn, "ACCELERATED_MAX_ROW_WORK", 0)
 
 
 def _case(name):
@@ -105,6 +106,11 @@ def test_routing_short_flash_decomposition():
     assert compile_plan([mg.ops.scaled_dot_product_attention(q, k, v)]).names == ["attention"]
     q = g.input("q128", (1, 6, 128, 64))      # a 128-token prefill: Lq * Lk within MAX_ROW_WORK
     assert compile_plan([mg.ops.scaled_dot_product_attention(q, q, q)]).names == ["attention"]
+    # in accelerated precision the flash kernels run on tensor cores and take it (not a decode)
+    accel = CompileOptions(precision="accelerated")
+    assert compile_plan([mg.ops.scaled_dot_product_attention(q, q, q)], options=accel).names[-1] == "flash_attention"
+    q1 = g.input("q1", (1, 6, 1, 64))
+    assert compile_plan([mg.ops.scaled_dot_product_attention(q1, k, v)], options=accel).names[-1] == "attention"
     g = mg.Graph()
     long = 64 * (flash.LOOP_BOUND // 40)        # more key tiles than the loop bound allows
     q, k, v = g.input("q", (1, 1, 64, 64)), g.input("k", (1, 1, long, 64)), g.input("v", (1, 1, long, 64))

@@ -31,6 +31,7 @@ CASES = {
 @pytest.fixture
 def flash_only(monkeypatch):
     monkeypatch.setattr(attn, "MAX_ROW_WORK", 0)
+    monkeypatch.setattr(attn, "ACCELERATED_MAX_ROW_WORK", 0)
 
 
 def _feeds(name):

@@ -26,6 +26,7 @@ CASES = [n for n, c in FLASH_CASES.items() if max(c[0][-1], c[2]) <= flash_coop.
 def flash_only(monkeypatch):
     """Small shapes take the flash kernel instead of the one-row kernel."""
     monkeypatch.setattr(attn, "MAX_ROW_WORK", 0)
+    monkeypatch.setattr(attn, "ACCELERATED_MAX_ROW_WORK", 0)
 
 
 def _flash(targets, options=ACCEL):

@@ -407,7 +407,12 @@ def compile_plan(targets, n_forward=None, options: CompileOptions | None = None,
                 return plan
         if on_compile is not None:
             on_compile()
-        plan = _compile_plan(targets, n_forward, opts, updates)
+        # attention routes by precision (``attention.ACCELERATED_MAX_ROW_WORK``)
+        accelerated = codegen.attention.ACCELERATED.set(opts.precision == "accelerated")
+        try:
+            plan = _compile_plan(targets, n_forward, opts, updates)
+        finally:
+            codegen.attention.ACCELERATED.reset(accelerated)
         if key is not None:
             plan.stats["key"] = key
             plan_cache.store(key, plan)

@@ -39,7 +39,7 @@ def routing_constants() -> tuple:
     matmul tiles): part of the plan cache's key, so that a benchmark or test that changes
     one (the decomposed attention baseline) never reads a plan compiled under another."""
     from . import flash, flash_split
-    return (attention.MAX_ROW_WORK, flash.LOOP_BOUND, matmul.TARGET_GROUPS, matmul.MAX_SPLIT, matmul.BLOCKS,
+    return (attention.MAX_ROW_WORK, attention.ACCELERATED_MAX_ROW_WORK, flash.LOOP_BOUND, matmul.TARGET_GROUPS, matmul.MAX_SPLIT, matmul.BLOCKS,
             matmul.DEEP_BLOCK, matmul.DEEP_MIN_K, matmul.DEEP_MIN_OUTPUTS, sorted(matmul.K_STEPS.items()),
             matmul.PEELED_ROWS, matmul.GEMV_MAX_ROWS, flash_split.AUTO_SPLIT, flash_split.TARGET_GROUPS,
             flash_split.MAX_SPLIT)
