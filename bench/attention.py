@@ -104,8 +104,9 @@ def ours(feeds, causal, decompose, samples, warmup, backward=False, want=None, s
     """(wall-time samples per call, GPU timestamp seconds or None, max relative error,
     dispatch names, per-dispatch GPU seconds or None, dispatches on cooperative matrices).
     ``split``: key splits of the flash forward (1: none)."""
-    saved = attn.MAX_ROW_WORK, flash.LOOP_BOUND, os.environ.get("MEGANEURA_FLASH_SPLIT")
-    attn.MAX_ROW_WORK = 0         # the flash kernels also at tiny size (the one-row kernel declines)
+    saved = attn.MAX_ROW_WORK, flash.LOOP_BOUND, os.environ.get("MEGANEURA_FLASH_SPLIT"), attn.ACCELERATED_MAX_ROW_WORK
+    # the flash kernels also at tiny size (the one-row kernel declines, in either precision)
+    attn.MAX_ROW_WORK = attn.ACCELERATED_MAX_ROW_WORK = 0
     if decompose:                 # both attention kernels decline: matmuls and a softmax
         flash.LOOP_BOUND = 0
     os.environ["MEGANEURA_FLASH_SPLIT"] = str(split)     # read when the plan is compiled
@@ -119,6 +120,7 @@ def ours(feeds, causal, decompose, samples, warmup, backward=False, want=None, s
         got = sess.run(feeds)
     finally:
         attn.MAX_ROW_WORK, flash.LOOP_BOUND = saved[:2]
+        attn.ACCELERATED_MAX_ROW_WORK = saved[3]
         if saved[2] is None:
             os.environ.pop("MEGANEURA_FLASH_SPLIT", None)
         else:
