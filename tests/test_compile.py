@@ -177,3 +177,36 @@ def test_gc_is_paused_while_compiling_and_restored_after():
         assert not gc.isenabled()              # a caller's choice is kept
     finally:
         gc.enable()
+
+
+@pytest.mark.parametrize("workload,phase,precision", [("smollm2", "train_step", "strict"),
+                                                      ("unet", "flb", "accelerated")])
+def test_repeated_kernels_render_once_and_bind_their_own_buffers(workload, phase, precision):
+    """A kernel whose structure an earlier one had takes that one's text (codegen.fingerprint):
+    every dispatch must be what rendering it alone gives, buffers in the same places."""
+    from meganeura import codegen
+    from meganeura.compiler import f16_weights
+    targets, n_forward, updates = phase_targets(make(workload, "tiny", device="cpu"), phase)
+    opts = CompileOptions(max_bindings=1 << 16, precision=precision)
+    if precision == "accelerated":
+        opts.f16_weights = f16_weights(targets[:n_forward])
+    kp = compile_plan(targets, n_forward=n_forward, options=opts, updates=updates)
+    assert kp.stats["rendered_once"] > 0
+    for d in kp.dispatches:
+        text, bufs, groups = codegen.render(d.kernel)
+        assert (d.wgsl, d.groups) == (text, groups), d.kernel.name
+        assert [id(b) for b in d.bufs] == [id(b) for b in bufs], d.kernel.name
+
+
+def test_fingerprints_keep_numbers_types_and_unknown_objects_apart():
+    from meganeura.codegen.fingerprint import _Walk
+
+    def fp(x):
+        return _Walk().fp(x)
+    distinct = [0, 0.0, -0.0, False, 1, 1.0, True, np.float32(1), np.float64(1), np.int32(1), "1",
+                np.zeros(3, np.float32), np.zeros(3, np.float16), (1,), [1]]
+    keys = [fp(x) for x in distinct]
+    assert len(set(keys)) == len(distinct)
+    assert fp(object()) != fp(object())
+    big = np.zeros(1000, np.float32)        # large arrays are never compared by content
+    assert fp(big) != fp(big.copy()) and fp(np.ones(3)) == fp(np.ones(3))

@@ -16,6 +16,7 @@ import time
 from dataclasses import dataclass, field
 
 from . import codegen
+from .codegen.fingerprint import RenderCache
 from .memplan import (MemoryPlan, move_value, plan_memory, reads_only_own_element, touching_units,
                       write_over_dying_operands)
 from .passes import lower_to_primitives
@@ -458,8 +459,10 @@ def _compile_plan(targets, n_forward, opts, updates) -> KernelPlan:
         kernels = store_copies_with_writers(kernels, set(kp_copies), opts.max_bindings)
     clock.lap("in_place")
     dispatches = []
+    # a repeated layer's kernels render once (``codegen.fingerprint``)
+    render = RenderCache(codegen.render)
     for k in kernels:
-        wgsl, bufs, groups = codegen.render(k)
+        wgsl, bufs, groups = render(k)
         dispatches.append(Dispatch(k, wgsl, bufs, groups))
     clock.lap("render")
     used = {id(b) for d in dispatches for b in d.bufs}
@@ -477,7 +480,7 @@ def _compile_plan(targets, n_forward, opts, updates) -> KernelPlan:
     clock.lap("memory")
     return KernelPlan(dispatches, bufs, memory, locs, clock.total(),
                       {"scheduled": n_scheduled, "fused": n_scheduled - len(kernels), "in_place": n_in_place,
-                       "written_over_operands": n_over, "seconds": clock.laps},
+                       "written_over_operands": n_over, "rendered_once": render.hits, "seconds": clock.laps},
                       kp_copies)
 
 
