@@ -27,23 +27,22 @@ class _Walk:
 
     def __init__(self):
         self.bufs = []          # the Bufs, in order of first appearance
-        self.ids = {}           # id(Buf / Tensor / Node) -> ("B" | "T" | "N", index)
+        self.ids = {}           # id(Buf / Tensor / Node) -> its key ("B" | "N", index, ...)
 
     def buf(self, b):
         found = self.ids.get(id(b))
         if found is None:
-            found = self.ids[id(b)] = ("B", len(self.bufs), b.kind, b.nbytes,
-                                       b.dtype.name if isinstance(b.dtype, DType) else self.fp(b.dtype),
-                                       None if b.value is None else self.fp(b.value))
+            found = self.ids[id(b)] = ("B", len(self.bufs), b.kind, b.nbytes, self.fp(b.dtype), self.fp(b.value))
             self.bufs.append(b)
         return found
 
     def node(self, x, fields):
         found = self.ids.get(id(x))
         if found is None:
-            # the index is taken before the fields are walked (a node is never its own field)
-            self.ids[id(x)] = ("N", len(self.ids))
-            found = self.ids[id(x)] = ("N", len(self.ids) - 1, fields())
+            # the index is taken before the fields are walked, which may meet other nodes
+            index = len(self.ids)
+            self.ids[id(x)] = ("N", index)
+            found = self.ids[id(x)] = ("N", index, fields())
         return found
 
     def fp(self, x):
