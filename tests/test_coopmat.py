@@ -105,7 +105,7 @@ def test_configs_and_mode_switches(monkeypatch):
 def test_every_workload_coop_kernel_compiles_to_spirv():
     """Every tiled f16 matmul of the five workloads at real size (the H200's plans; inference
     and minimal: the forward matmuls and convolutions) renders for cooperative matrices with the WGSL kernel's bindings and
-    grid, and glslang accepts it."""
+    grid, and glslang accepts it (SPIRV-Tools' validator too)."""
     pytest.importorskip("vulkan", reason="the vulkan extra (pip install 'meganeura[vulkan]')")
     from meganeura.bench.dispatches import BINDINGS, phase_targets
     from meganeura.bench.workloads import WORKLOADS, make
@@ -127,7 +127,7 @@ def test_every_workload_coop_kernel_compiles_to_spirv():
                 per_workload[name] = per_workload.get(name, 0) + 1
     assert set(per_workload) == set(WORKLOADS), per_workload    # ResNet-50's: its convolutions
     for src, kname in seen.items():
-        info = spirv.reflect(compile_glsl(src, name=kname, target="vulkan1.3", disk_cache=False))
+        info = spirv.reflect(compile_glsl(src, name=kname, target="vulkan1.3", disk_cache=False, validate=True))
         assert "CooperativeMatrixKHR" in info["capabilities"], kname
 
 

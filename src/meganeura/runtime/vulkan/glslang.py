@@ -53,7 +53,12 @@ void glslang_program_delete(glslang_program_t* program);
 void glslang_program_add_shader(glslang_program_t* program, glslang_shader_t* shader);
 int glslang_program_link(glslang_program_t* program, int messages);
 const char* glslang_program_get_info_log(glslang_program_t* program);
-void glslang_program_SPIRV_generate(glslang_program_t* program, int stage);
+typedef struct {
+    bool generate_debug_info; bool strip_debug_info; bool disable_optimizer; bool optimize_size;
+    bool disassemble; bool validate; bool emit_nonsemantic_shader_debug_info;
+    bool emit_nonsemantic_shader_debug_source; bool compile_only;
+} glslang_spv_options_t;
+void glslang_program_SPIRV_generate_with_options(glslang_program_t* program, int stage, glslang_spv_options_t* o);
 size_t glslang_program_SPIRV_get_size(glslang_program_t* program);
 void glslang_program_SPIRV_get(glslang_program_t* program, unsigned int* out);
 const char* glslang_program_SPIRV_get_messages(glslang_program_t* program);
@@ -149,7 +154,7 @@ class _Glslang:
         self.lock = threading.Lock()
         self.warm = False
 
-    def compile(self, source, preamble, name, target):
+    def compile(self, source, preamble, name, target, validate=False):
         ffi, g = self.ffi, self.glslang
         client_version, spv_version = TARGETS[target]
         code = ffi.new("char[]", source.encode())
@@ -173,11 +178,18 @@ class _Glslang:
                 g.glslang_program_add_shader(program, shader)
                 if not g.glslang_program_link(program, _MSG_SPV_RULES | _MSG_VULKAN_RULES):
                     raise GlslError(name, "link", _text(ffi, g.glslang_program_get_info_log(program)), source)
-                self.spirv.glslang_program_SPIRV_generate(program, _STAGE_COMPUTE)
+                # SPIRV-Tools' validator took half of glslang's time (its messages were never
+                # read): only on request, and then its errors raise
+                opts = ffi.new("glslang_spv_options_t*")
+                opts.disable_optimizer = True
+                opts.validate = validate
+                self.spirv.glslang_program_SPIRV_generate_with_options(program, _STAGE_COMPUTE, opts)
                 n = self.spirv.glslang_program_SPIRV_get_size(program)
                 msgs = _text(ffi, self.spirv.glslang_program_SPIRV_get_messages(program))
                 if n == 0:
                     raise GlslError(name, "generate SPIR-V", msgs or "no SPIR-V produced", source)
+                if validate and "error" in msgs.lower():
+                    raise GlslError(name, "validate SPIR-V", msgs, source)
                 words = ffi.new("unsigned int[]", n)
                 self.spirv.glslang_program_SPIRV_get(program, words)
                 self.warm = True
@@ -270,29 +282,38 @@ def spirv_key(source, defines=None, target="vulkan1.2", version=None) -> str:
     return h.hexdigest()
 
 
+def validate_switch() -> bool:
+    """MEGANEURA_SPIRV_VALIDATE=1: run SPIRV-Tools' validator on every compile (off by
+    default: it doubled glslang's time)."""
+    return os.environ.get("MEGANEURA_SPIRV_VALIDATE", "").strip().lower() in ("1", "true", "on", "yes")
+
+
 def compile_glsl(source: str, defines=None, name: str = "kernel", target: str = "vulkan1.2",
-                 disk_cache: bool | None = None) -> bytes:
+                 disk_cache: bool | None = None, validate: bool | None = None) -> bytes:
     """SPIR-V (bytes) of the GLSL compute shader ``source`` (with its ``#version`` line),
     ``defines`` prepended as ``#define`` lines. ``name`` names the kernel in errors.
-    ``disk_cache``: None follows ``MEGANEURA_NO_DISK_CACHE``."""
+    ``disk_cache``: None follows ``MEGANEURA_NO_DISK_CACHE``. ``validate``: check the SPIR-V
+    with SPIRV-Tools' validator and raise ``GlslError`` on its errors, compiling even when
+    cached (None follows ``MEGANEURA_SPIRV_VALIDATE``)."""
     if target not in TARGETS:
         raise ValueError(f"kernel {name!r}: unknown target {target!r}; known: {sorted(TARGETS)}")
     gl = _glslang()
     pre = preamble(defines)
     key = spirv_key(source, defines, target, gl.version)
-    hit = _memory.get(key)
+    validate = validate_switch() if validate is None else validate
+    hit = None if validate else _memory.get(key)
     if hit is not None:
         STATS["memory_hits"] += 1
         return hit
     use_disk = disk_cache_enabled() if disk_cache is None else disk_cache
     path = cache_dir() / "spirv" / f"{key}.spv"
-    if use_disk and path.exists():
+    if use_disk and not validate and path.exists():
         data = path.read_bytes()
         if len(data) >= 20 and len(data) % 4 == 0 and int.from_bytes(data[:4], "little") == SPIRV_MAGIC:
             STATS["disk_hits"] += 1
             _memory[key] = data
             return data
-    data = gl.compile(source, pre, name, target)
+    data = gl.compile(source, pre, name, target, validate)
     STATS["compiles"] += 1
     _memory[key] = data
     if use_disk:
