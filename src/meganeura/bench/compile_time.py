@@ -274,7 +274,9 @@ def host_reference(threads=None) -> dict:
     times move by up to 2x between runs of the same code on one machine type) can be set side
     by side: seconds to translate a 256^3 matmul kernel to GLSL and compile it with glslang
     ``REFERENCE_COMPILES`` times on one thread, and as many times on each of ``threads``
-    (``backends.compile_threads``) threads at once. Empty without glslang."""
+    (``backends.compile_threads``) threads at once. Empty without glslang. The SPIR-V is
+    validated, as every compile was before the runtime turned the validator off, so the job
+    stays the one earlier runs recorded."""
     from concurrent.futures import ThreadPoolExecutor
 
     import meganeura as mg
@@ -290,7 +292,8 @@ def host_reference(threads=None) -> dict:
 
     def job(i):
         # the trailing comment makes each source new to glslang's in-memory cache
-        compile_glsl(to_glsl(wgsl, "reference", unroll=True) + f"\n// {i}\n", name="reference", disk_cache=False)
+        compile_glsl(to_glsl(wgsl, "reference", unroll=True) + f"\n// {i}\n", name="reference", disk_cache=False,
+                     validate=True)
     try:
         job(-1)                 # glslang's process set-up
     except GlslangUnavailable:
