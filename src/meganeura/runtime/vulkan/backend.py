@@ -636,9 +636,12 @@ class VulkanRuntime:
     def prepare_compile(self):
         """A plan is being compiled (not read from the plan cache): glslang's first compile of
         the process, which runs alone, starts now beside the compiler passes instead of
-        holding up the first of the new kernels (``glslang.start_warm_up``)."""
+        holding up the first of the new kernels (``glslang.start_warm_up``); the translation
+        workers (``translators``) start too."""
+        from . import translators
         from .glslang import start_warm_up
         start_warm_up(_prompt_gil_handoff)
+        translators.start()         # the translation workers, if any, boot beside the passes
 
     def _kernel_set_key(self, texts) -> str:
         """The key of the compiled kernels of ``texts`` (``cache.kernel_set_key``)."""
@@ -673,8 +676,9 @@ class VulkanRuntime:
         set, written once a request of at least ``cache.SET_MIN_KERNELS`` kernels is made)
         one file is read. Those pipelines are created in ``CACHED_PIPELINE_THREADS`` batches
         (one ``vkCreateComputePipelines`` each) on as many threads, each batch as soon as it
-        is read. The others stream: this thread translates each to GLSL (Python), longest
-        text first, and hands it at once to the pool of ``threads`` threads
+        is read. The others stream: each is translated to GLSL (by the translation workers,
+        ``translators``, for a large request, else on this thread), longest text first, and
+        handed as soon as it is to the pool of ``threads`` threads
         (``backends.compile_threads``) that compile it with glslang and create its pipeline,
         so the driver compiles while the rest are translated and the longest compiles do not
         come last. A failure raises once every job has ended and leaves no pipeline behind."""
@@ -707,7 +711,6 @@ class VulkanRuntime:
         seconds translating to GLSL, CPU seconds in all) for ``entries`` [(text, label)];
         ``stored``: their compiled kernels, in order, where a kernel set had them."""
         from concurrent.futures import ThreadPoolExecutor
-        from ...codegen.glsl import to_glsl
         from ..backends import compile_threads
         from .cache import load_kernel
 
@@ -768,12 +771,8 @@ class VulkanRuntime:
                 # first; while they compile, the GIL changes hands promptly (until every job ends)
                 if workers > 1 and misses:
                     inside.enter_context(_prompt_gil_handoff())
-                for text, label, key in sorted(misses, key=lambda m: -len(m[0])):
-                    if failed.is_set():
-                        break
-                    t = time.perf_counter()
-                    glsl = text if text.startswith("#version") else to_glsl(text, label, unroll=self.unroll_loops)
-                    glsl_s += time.perf_counter() - t
+                for text, label, key, glsl, seconds in self._translated(misses, failed):
+                    glsl_s += seconds
                     jobs.append(pool.submit(compile_and_create, text, glsl, label, key))
                     texts.append([text])
             except BaseException as e:      # a translation failed: let the submitted jobs end
@@ -793,6 +792,44 @@ class VulkanRuntime:
         made = [(text, k) for ts, (kernels, _) in zip(texts, results) for text, k in zip(ts, kernels)]
         cpu_s = glsl_s + sum(t for _, t in results) + sum(k.create_seconds for _, k in made)
         return made, compiled, from_disk, glsl_s, cpu_s
+
+    def _translated(self, misses, failed):
+        """(text, label, key, GLSL, seconds translating) of ``misses`` [(text, label, key)], in
+        the order they are ready, the longest texts (the longest compiles) first: by the
+        translation workers (``translators``) for a large request, else here. Stops once
+        ``failed`` is set; a kernel a lost worker held is translated here."""
+        from concurrent.futures import as_completed
+
+        from ...codegen.glsl import to_glsl
+        from . import translators
+
+        def here(text, label):
+            t = time.perf_counter()
+            return to_glsl(text, label, unroll=self.unroll_loops), time.perf_counter() - t
+
+        todo = []
+        for text, label, key in sorted(misses, key=lambda m: -len(m[0])):
+            if text.startswith("#version"):         # GLSL already (``kernel_variant``'s)
+                yield text, label, key, text, 0.0
+            else:
+                todo.append((text, label, key))
+        workers = translators.pool_for(len(todo))
+        if workers is None:
+            for text, label, key in todo:
+                if failed.is_set():
+                    return
+                yield (text, label, key) + here(text, label)
+            return
+        asked = {workers.submit(text, label, self.unroll_loops): (text, label, key) for text, label, key in todo}
+        for fut in as_completed(asked):
+            if failed.is_set():
+                return
+            text, label, key = asked[fut]
+            try:
+                glsl, seconds = fut.result()
+            except translators.WorkerLost:
+                glsl, seconds = here(text, label)
+            yield text, label, key, glsl, seconds
 
     def clear_caches(self):
         """Drop the cached kernels (plans that are alive keep their own)."""

@@ -1,0 +1,99 @@
+"""WGSL -> GLSL translation in worker processes (runtime.vulkan.translators): the same GLSL
+as in-process, the translator's errors raised as in-process, a lost worker reported (and its
+kernels translated in-process by the runtime), and a plan compiled through the workers on
+the device."""
+import numpy as np
+import pytest
+
+from meganeura.codegen.glsl import GlslTranslationError, to_glsl
+from meganeura.runtime.vulkan import translators
+
+
+@pytest.fixture
+def two_workers(monkeypatch):
+    translators.stop()
+    monkeypatch.setenv(translators.WORKERS_ENV, "2")
+    yield
+    translators.stop()
+
+
+def _kernels(name="whisper"):
+    from meganeura.bench.dispatches import phase_targets
+    from meganeura.bench.workloads import make
+    from meganeura.compiler import compile_plan
+    targets, n, upd = phase_targets(make(name, size="tiny"), "train_step")
+    return {d.wgsl: d.kernel.name for d in compile_plan(targets, n_forward=n, updates=upd).dispatches}
+
+
+def test_workers_translate_as_in_process(two_workers):
+    kernels = _kernels()
+    assert len(kernels) >= translators.MIN_KERNELS
+    pool = translators.pool_for(len(kernels))
+    assert pool is not None and len(pool.workers) == 2
+    assert translators.pool_for(translators.MIN_KERNELS - 1) is None      # small requests stay here
+    asked = {text: pool.submit(text, name, True) for text, name in kernels.items()}
+    for text, fut in asked.items():
+        glsl, seconds = fut.result(timeout=60)
+        assert glsl == to_glsl(text, kernels[text], unroll=True) and seconds >= 0
+    assert pool.submit(next(iter(kernels)), "k", False).result(timeout=60)[0] == to_glsl(next(iter(kernels)), "k")
+
+
+def test_rejected_kernels_raise_and_lost_workers_are_reported(two_workers):
+    pool = translators.start()
+    with pytest.raises(GlslTranslationError, match="broken_kernel: line 1"):
+        pool.submit("fn main( {", "broken_kernel", True).result(timeout=60)
+    for w in pool.workers:
+        w.proc.kill()
+        w.proc.wait()
+    with pytest.raises(translators.WorkerLost):
+        pool.submit("fn main() {}", "k", True).result(timeout=60)
+    assert not pool.alive()
+    again = translators.start()         # a new pool replaces the dead one
+    assert again is not pool and again.alive()
+
+
+def test_worker_count_switch(monkeypatch):
+    monkeypatch.setenv(translators.WORKERS_ENV, "0")
+    assert translators.worker_count() == 0 and translators.start() is None
+    monkeypatch.setenv(translators.WORKERS_ENV, "many")
+    with pytest.raises(ValueError, match="MEGANEURA_TRANSLATE_WORKERS='many'"):
+        translators.worker_count()
+    monkeypatch.delenv(translators.WORKERS_ENV)
+    assert 0 <= translators.worker_count() <= translators.MAX_WORKERS
+
+
+@pytest.mark.parametrize("lose_workers", [False, True])
+def test_a_plan_compiles_through_the_workers(two_workers, monkeypatch, tmp_path, lose_workers):
+    """A training step compiled with every kernel translated by the workers (or, with the
+    workers killed, here) gives the NumPy reference's losses."""
+    pytest.importorskip("vulkan", reason="the vulkan extra (pip install 'meganeura[vulkan]')")
+    import meganeura as mg
+    from meganeura.runtime.vulkan.backend import get_vulkan_runtime
+    try:
+        get_vulkan_runtime()
+    except Exception as e:           # noqa: BLE001
+        pytest.skip(f"no Vulkan device: {e}")
+    monkeypatch.setenv("MEGANEURA_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("MEGANEURA_NO_DISK_CACHE", "1")
+    monkeypatch.setattr(translators, "MIN_KERNELS", 1)
+    get_vulkan_runtime().clear_caches()
+    pool = translators.start()
+    if lose_workers:
+        for w in pool.workers:
+            w.proc.kill()
+            w.proc.wait()
+        monkeypatch.setattr(translators, "pool_for", lambda n: pool)
+    jobs = pool.jobs
+    rng = np.random.default_rng(3)
+    xb = rng.standard_normal((16, 24)).astype(np.float32)
+    yb = rng.integers(0, 4, 16).astype(np.int32)
+
+    def losses(backend):
+        g = mg.Graph()
+        x, y = g.input("x", (16, 24)), g.input("y", (16,), mg.i32)
+        h = mg.ops.gelu(mg.ops.linear(x, g.parameter("a.weight", (40, 24)), g.parameter("a.bias", (40,))))
+        loss = mg.ops.cross_entropy(mg.ops.linear(mg.ops.layer_norm(h, (40,)), g.parameter("b.weight", (4, 40))), y)
+        with mg.compile(g, loss=loss, optimizer=mg.optim.AdamW(lr=1e-2), backend=backend, plan_cache=False) as s:
+            return np.array([s.step({"x": xb, "y": yb}) for _ in range(3)])
+    np.testing.assert_allclose(losses("vulkan"), losses("numpy"), rtol=1e-5)
+    assert pool.jobs > jobs        # the kernels were asked of the workers
