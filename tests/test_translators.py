@@ -2,6 +2,9 @@
 as in-process, the translator's errors raised as in-process, a lost worker reported (and its
 kernels translated in-process by the runtime), and a plan compiled through the workers on
 the device."""
+import os
+import time
+
 import numpy as np
 import pytest
 
@@ -9,9 +12,13 @@ from meganeura.codegen.glsl import GlslTranslationError, to_glsl
 from meganeura.runtime.vulkan import translators
 
 
+EMPTY = "@compute @workgroup_size(1)\nfn main() {\n}\n"
+
+
 @pytest.fixture
 def two_workers(monkeypatch):
     translators.stop()
+    monkeypatch.setattr(translators, "_cannot_start", False)
     monkeypatch.setenv(translators.WORKERS_ENV, "2")
     yield
     translators.stop()
@@ -44,7 +51,7 @@ def test_rejected_kernels_raise_and_lost_workers_are_reported(two_workers):
         pool.submit("fn main( {", "broken_kernel", True).result(timeout=60)
     for w in pool.workers:
         w.proc.kill()
-        w.proc.wait()
+    assert all(w.wait_lost(timeout=30) for w in pool.workers)
     with pytest.raises(translators.WorkerLost):
         pool.submit("fn main() {}", "k", True).result(timeout=60)
     assert not pool.alive()
@@ -52,9 +59,56 @@ def test_rejected_kernels_raise_and_lost_workers_are_reported(two_workers):
     assert again is not pool and again.alive()
 
 
+def _fake_translator(tmp_path, monkeypatch, body):
+    """The workers run ``body`` (a module defining ``to_glsl``) instead of codegen/glsl.py."""
+    import types
+    path = tmp_path / "fake_glsl.py"
+    path.write_text("class GlslTranslationError(ValueError):\n    pass\n" + body)
+    monkeypatch.setattr(translators, "glsl", types.SimpleNamespace(__file__=str(path),
+                                                                    GlslTranslationError=GlslTranslationError))
+
+
+def test_what_a_worker_prints_does_not_reach_the_answers(two_workers, tmp_path, monkeypatch):
+    _fake_translator(tmp_path, monkeypatch, "print('hello from the translator')\n"
+                     "def to_glsl(wgsl, name, unroll):\n    print('debug', name)\n    return wgsl.upper()\n")
+    pool = translators.start()
+    futs = [pool.submit(f"kernel {i}", f"k{i}", True) for i in range(50)]
+    assert [f.result(timeout=60)[0] for f in futs] == [f"KERNEL {i}" for i in range(50)]
+
+
+def test_workers_that_cannot_start_are_not_started_again(two_workers, tmp_path, monkeypatch):
+    _fake_translator(tmp_path, monkeypatch, "raise ImportError('no translator here')\n")
+    pool = translators.start()
+    with pytest.raises(translators.WorkerLost):
+        pool.submit("k", "k", True).result(timeout=60)
+    assert all(w.wait_lost(timeout=30) for w in pool.workers)
+    assert translators.start() is None and translators.pool_for(1000) is None
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="fork")
+def test_a_forked_child_lets_go_of_the_workers_pipes(two_workers):
+    pool = translators.start()
+    assert "void main()" in pool.submit(EMPTY, "k", False).result(timeout=60)[0]
+    pid = os.fork()
+    if pid == 0:                # the child: alive while the parent ends its workers
+        time.sleep(3)
+        os._exit(0)
+    try:
+        translators.stop()
+        # each worker saw its input end and exited by itself (not killed after the timeout)
+        assert [w.proc.returncode for w in pool.workers] == [0, 0]
+    finally:
+        os.waitpid(pid, 0)
+
+
 def test_worker_count_switch(monkeypatch):
-    monkeypatch.setenv(translators.WORKERS_ENV, "0")
+    translators.stop()
+    monkeypatch.setattr(translators, "_cannot_start", False)
+    monkeypatch.setenv(translators.WORKERS_ENV, "2")
+    assert translators.start() is not None
+    monkeypatch.setenv(translators.WORKERS_ENV, "0")    # off, even with a pool running
     assert translators.worker_count() == 0 and translators.start() is None
+    translators.stop()
     monkeypatch.setenv(translators.WORKERS_ENV, "many")
     with pytest.raises(ValueError, match="MEGANEURA_TRANSLATE_WORKERS='many'"):
         translators.worker_count()

@@ -821,15 +821,19 @@ class VulkanRuntime:
                 yield (text, label, key) + here(text, label)
             return
         asked = {workers.submit(text, label, self.unroll_loops): (text, label, key) for text, label, key in todo}
-        for fut in as_completed(asked):
-            if failed.is_set():
-                return
-            text, label, key = asked[fut]
-            try:
-                glsl, seconds = fut.result()
-            except translators.WorkerLost:
-                glsl, seconds = here(text, label)
-            yield text, label, key, glsl, seconds
+        try:
+            for fut in as_completed(asked):
+                if failed.is_set():
+                    return
+                text, label, key = asked[fut]
+                try:
+                    glsl, seconds = fut.result()
+                except translators.WorkerLost:
+                    glsl, seconds = here(text, label)
+                yield text, label, key, glsl, seconds
+        finally:            # stopped early (a failure): what is not sent yet is not translated
+            for fut in asked:
+                fut.cancel()
 
     def clear_caches(self):
         """Drop the cached kernels (plans that are alive keep their own)."""

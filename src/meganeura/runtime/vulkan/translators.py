@@ -11,9 +11,13 @@ passes, and serve the process's later compiles.
 
 ``MEGANEURA_TRANSLATE_WORKERS=n`` sets how many (0: translate in-process); by default one per
 four CPUs, at most four, so none on a machine of fewer than four. Requests of fewer than
-``MIN_KERNELS`` kernels translate in-process. A worker that dies fails its requests with
-``WorkerLost`` (the caller translates those in-process); a kernel the translator rejects
-raises ``GlslTranslationError`` as in-process.
+``MIN_KERNELS`` kernels translate in-process, and so does everything where this interpreter
+cannot start a plain copy of itself (embedded, frozen, the package inside an archive) or
+where workers died before their first answer. A worker that dies, or whose answers are not
+frames of ours, fails its requests with ``WorkerLost`` (the caller translates those
+in-process); a kernel the translator rejects raises ``GlslTranslationError`` as in-process.
+What a worker prints goes to the null device, not into its answers. A forked child lets go
+of its parent's workers (``os.register_at_fork``).
 """
 from __future__ import annotations
 
@@ -25,7 +29,8 @@ import struct
 import subprocess
 import sys
 import threading
-from concurrent.futures import Future
+import time
+from concurrent.futures import Future, InvalidStateError
 
 from ...codegen import glsl
 
@@ -35,14 +40,25 @@ MIN_KERNELS = 24       # fewer: in-process (the requests' round trips are not wo
 
 # the worker: frames of a little-endian u32 length and a pickle, (job, wgsl, name, unroll) in
 # and (job, status, text, seconds) out; status True: GLSL, False: the translator's error,
-# None: anything else
+# None: anything else. Its first frame says it is ready. The channel is a private copy of
+# fd 1: whatever else writes to stdout goes to stderr (discarded), not into the frames.
 _BOOT = r"""
-import importlib.util, pickle, struct, sys, time
+import importlib.util, os, pickle, struct, sys, time
+out = os.fdopen(os.dup(1), "wb")
+os.dup2(2, 1)
+sys.stdout = sys.stderr
+inp = sys.stdin.buffer
+
+def send(res):
+    data = pickle.dumps(res, protocol=pickle.HIGHEST_PROTOCOL)
+    out.write(struct.pack("<I", len(data)) + data)
+    out.flush()
+
 spec = importlib.util.spec_from_file_location("_meganeura_glsl", sys.argv[1])
 mod = importlib.util.module_from_spec(spec)
 sys.modules[spec.name] = mod
 spec.loader.exec_module(mod)
-inp, out = sys.stdin.buffer, sys.stdout.buffer
+send((0, True, "ready", 0.0))
 while True:
     head = inp.read(4)
     if len(head) < 4:
@@ -55,10 +71,9 @@ while True:
         res = (job, False, str(e))
     except Exception as e:
         res = (job, None, f"{type(e).__name__}: {e}")
-    data = pickle.dumps(res + (time.process_time() - t,), protocol=pickle.HIGHEST_PROTOCOL)
-    out.write(struct.pack("<I", len(data)) + data)
-    out.flush()
+    send(res + (time.process_time() - t,))
 """
+MAX_FRAME = 1 << 28      # a longer frame means the stream is not ours: the worker is dropped
 
 
 class WorkerLost(RuntimeError):
@@ -66,14 +81,33 @@ class WorkerLost(RuntimeError):
 
 
 def worker_count() -> int:
-    """``MEGANEURA_TRANSLATE_WORKERS``, else one per four CPUs up to ``MAX_WORKERS``."""
+    """``MEGANEURA_TRANSLATE_WORKERS``, else one per four CPUs up to ``MAX_WORKERS``; 0 where
+    this interpreter cannot start a plain copy of itself running ``codegen/glsl.py`` (an
+    embedded or frozen one, or a package inside an archive)."""
     raw = os.environ.get(WORKERS_ENV, "").strip()
     if raw:
         try:
-            return max(0, int(raw))
+            n = max(0, int(raw))
         except ValueError:
             raise ValueError(f"{WORKERS_ENV}={raw!r}: expected a number of worker processes (0: none)") from None
-    return min(MAX_WORKERS, (os.cpu_count() or 1) // 4)
+    else:
+        n = min(MAX_WORKERS, (os.cpu_count() or 1) // 4)
+    if not sys.executable or getattr(sys, "frozen", False) or not os.path.isfile(glsl.__file__):
+        return 0
+    return n
+
+
+def _settle(fut: Future, result=None, error=None):
+    """Resolve ``fut`` unless its caller gave up on it (cancelled)."""
+    if fut.done():
+        return
+    try:
+        if error is not None:
+            fut.set_exception(error)
+        else:
+            fut.set_result(result)
+    except InvalidStateError:       # cancelled meanwhile
+        pass
 
 
 class _Worker:
@@ -83,66 +117,89 @@ class _Worker:
         self.lock = threading.Lock()
         self.pending: dict[int, Future] = {}
         self.lost = False
+        self.ready = threading.Event()     # its first frame came
         self.outbox: queue.SimpleQueue = queue.SimpleQueue()
         # requests are written on a thread of their own: a full pipe never blocks the caller
-        threading.Thread(target=self._write, name="translate-write", daemon=True).start()
-        threading.Thread(target=self._read, name="translate-read", daemon=True).start()
+        self.threads = [threading.Thread(target=self._write, name="translate-write", daemon=True),
+                        threading.Thread(target=self._read, name="translate-read", daemon=True)]
+        for t in self.threads:
+            t.start()
 
     def submit(self, job: int, fut: Future, request: bytes):
         with self.lock:
-            if self.lost:
-                fut.set_exception(WorkerLost("a translation worker ended"))
+            if not self.lost:
+                self.pending[job] = fut
+                self.outbox.put((fut, request))
                 return
-            self.pending[job] = fut
-        self.outbox.put(request)
+        _settle(fut, error=WorkerLost("a translation worker ended"))
 
     def _write(self):
         try:
             while True:
-                data = self.outbox.get()
-                if data is None:
+                item = self.outbox.get()
+                if item is None:
                     break
+                fut, data = item
+                if fut.cancelled():         # given up (the compile failed): not sent
+                    continue
                 self.proc.stdin.write(struct.pack("<I", len(data)) + data)
                 self.proc.stdin.flush()
             self.proc.stdin.close()
-        except (OSError, ValueError):      # the worker ended: its reader fails what waits
-            pass
+        except Exception:       # noqa: BLE001 (the pipe or the worker is gone: drop the worker)
+            self._drop()
 
     def _read(self):
-        out = self.proc.stdout
+        out, ended = self.proc.stdout, False
         try:
             while True:
                 head = out.read(4)
                 if len(head) < 4:
+                    ended = True        # the worker exited (its input ended, or it died)
                     break
-                job, status, text, seconds = pickle.loads(out.read(struct.unpack("<I", head)[0]))
+                n = struct.unpack("<I", head)[0]
+                if n > MAX_FRAME:
+                    break
+                job, status, text, seconds = pickle.loads(out.read(n))
+                if not self.ready.is_set():
+                    if (job, status, text) != (0, True, "ready"):
+                        break
+                    self.ready.set()
+                    continue
                 with self.lock:
                     fut = self.pending.pop(job, None)
                 if fut is None:
                     continue
                 if status:
-                    fut.set_result((text, seconds))
+                    _settle(fut, (text, seconds))
                 elif status is False:
-                    fut.set_exception(glsl.GlslTranslationError(text))
+                    _settle(fut, error=glsl.GlslTranslationError(text))
                 else:
-                    fut.set_exception(WorkerLost(f"a translation worker failed: {text}"))
-        except (OSError, ValueError, EOFError, pickle.UnpicklingError):
+                    _settle(fut, error=WorkerLost(f"a translation worker failed: {text}"))
+        except Exception:       # noqa: BLE001 (a stream that is not ours: drop the worker)
             pass
+        self._drop(kill=not ended)
+
+    def _drop(self, kill=True):
+        """The worker is gone or not to be trusted: fail what waits on it, and end it
+        (``kill``) unless it is ending by itself."""
         with self.lock:
             self.lost = True
             waiting, self.pending = list(self.pending.values()), {}
+        if kill:
+            try:
+                self.proc.kill()
+            except OSError:
+                pass
         for fut in waiting:
-            fut.set_exception(WorkerLost("a translation worker ended"))
+            _settle(fut, error=WorkerLost("a translation worker ended"))
 
     def load(self) -> int:
         return len(self.pending)
 
-    def close(self):
-        self.outbox.put(None)
-        try:
-            self.proc.wait(timeout=2)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
+    def wait_lost(self, timeout: float) -> bool:
+        """Whether the worker has been dropped within ``timeout`` seconds (tests)."""
+        self.threads[1].join(timeout)
+        return self.lost
 
 
 class TranslatorPool:
@@ -150,7 +207,13 @@ class TranslatorPool:
 
     def __init__(self, n: int):
         self.pid = os.getpid()
-        self.workers = [_Worker() for _ in range(n)]
+        self.workers: list[_Worker] = []
+        try:
+            for _ in range(n):
+                self.workers.append(_Worker())
+        except BaseException:
+            self.close()
+            raise
         self.jobs = 0
         self.lock = threading.Lock()
 
@@ -161,7 +224,7 @@ class TranslatorPool:
             job = self.jobs
             worker = min((w for w in self.workers if not w.lost), key=_Worker.load, default=None)
         if worker is None:
-            fut.set_exception(WorkerLost("every translation worker ended"))
+            _settle(fut, error=WorkerLost("every translation worker ended"))
         else:
             worker.submit(job, fut, pickle.dumps((job, wgsl, name, unroll), protocol=pickle.HIGHEST_PROTOCOL))
         return fut
@@ -169,29 +232,48 @@ class TranslatorPool:
     def alive(self) -> bool:
         return os.getpid() == self.pid and any(not w.lost for w in self.workers)
 
-    def close(self):
+    def booted(self) -> bool:
+        """Whether any worker ever answered (one that never did cannot start here)."""
+        return any(w.ready.is_set() for w in self.workers)
+
+    def close(self, timeout: float = 1.0):
+        """End the workers: their input closes at once (they exit when it ends); those still
+        running after ``timeout`` seconds are killed."""
         for w in self.workers:
-            w.close()
+            w.outbox.put(None)
+        deadline = time.monotonic() + timeout
+        for w in self.workers:
+            try:
+                w.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                w.proc.kill()
+                w.proc.wait()
 
 
 _pool: TranslatorPool | None = None
 _pool_lock = threading.Lock()
+_cannot_start = False       # workers died before answering once: translate in-process from then on
+_forked_away: list = []     # a forked child's inherited pools (their pipes' fds now the null device)
 
 
 def start() -> TranslatorPool | None:
     """The process's pool, started now if it is not (None with no workers asked for, or
     where they cannot start)."""
-    global _pool
+    global _pool, _cannot_start
+    n = worker_count()
     with _pool_lock:
-        if _pool is not None and _pool.alive():
-            return _pool
-        n = worker_count()
-        if n <= 0:
+        if n <= 0 or _cannot_start:
             return None
+        if _pool is not None:
+            if _pool.alive():
+                return _pool
+            if not _pool.booted():
+                _cannot_start = True
+                return None
         try:
             _pool = TranslatorPool(n)
-        except OSError:
-            _pool = None
+        except Exception:       # noqa: BLE001 (no processes here: translate in-process)
+            _pool, _cannot_start = None, True
         return _pool
 
 
@@ -208,3 +290,29 @@ def stop():
         pool, _pool = _pool, None
     if pool is not None and os.getpid() == pool.pid:
         pool.close()
+
+
+def _after_fork_in_child():
+    """A forked child does not use its parent's workers, and lets go of their pipes at once
+    (held open, a worker would not see its input end when the parent closes it)."""
+    global _pool, _pool_lock
+    _pool_lock = threading.Lock()
+    pool, _pool = _pool, None
+    if pool is not None:
+        _forked_away.append(pool)
+        # the pipes' fds point at the null device instead: released, and never a number
+        # that something else of the child's could be given and have closed under it
+        null = os.open(os.devnull, os.O_RDWR)
+        try:
+            for w in pool.workers:
+                for f in (w.proc.stdin, w.proc.stdout):
+                    try:
+                        os.dup2(null, f.fileno())
+                    except (OSError, ValueError):
+                        pass
+        finally:
+            os.close(null)
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
