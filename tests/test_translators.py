@@ -4,6 +4,7 @@ kernels translated in-process by the runtime), and a plan compiled through the w
 the device."""
 import os
 import time
+import warnings
 
 import numpy as np
 import pytest
@@ -89,7 +90,9 @@ def test_workers_that_cannot_start_are_not_started_again(two_workers, tmp_path, 
 def test_a_forked_child_lets_go_of_the_workers_pipes(two_workers):
     pool = translators.start()
     assert "void main()" in pool.submit(EMPTY, "k", False).result(timeout=60)[0]
-    pid = os.fork()
+    with warnings.catch_warnings():     # Python 3.12 warns of fork() beside threads
+        warnings.simplefilter("ignore", DeprecationWarning)
+        pid = os.fork()
     if pid == 0:                # the child: alive while the parent ends its workers
         time.sleep(3)
         os._exit(0)
