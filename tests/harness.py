@@ -97,6 +97,21 @@ def finite_difference_check(sample, g, feeds, float_inputs, loss, grads, n_point
             assert abs(fd - a) <= tol, f"{sample.name}: input {i} at {idx}: finite difference {fd} vs analytic {a}"
 
 
+def mlp_training_losses(backend, steps=4):
+    """The losses of ``steps`` AdamW steps of a small MLP classifier (linear, GELU, layer
+    norm, linear, cross-entropy; seeded data and weights) compiled for ``backend``."""
+    rng = np.random.default_rng(0)
+    xb = rng.standard_normal((32, 40)).astype(np.float32)
+    yb = rng.integers(0, 5, 32).astype(np.int32)
+    g = mg.Graph()
+    x, y = g.input("x", (32, 40)), g.input("y", (32,), mg.i32)
+    h = mg.ops.gelu(mg.ops.linear(x, g.parameter("a.weight", (64, 40)), g.parameter("a.bias", (64,))))
+    h = mg.ops.layer_norm(h, (64,))
+    loss = mg.ops.cross_entropy(mg.ops.linear(h, g.parameter("b.weight", (5, 64))), y)
+    with mg.compile(g, loss=loss, optimizer=mg.optim.AdamW(lr=1e-2), backend=backend) as s:
+        return np.array([s.step({"x": xb, "y": yb}) for _ in range(steps)])
+
+
 def check_training_graph(label, built, backend, case):
     """A model's training graph (``built.graph``, ``.output``, ``.loss``) against its
     reference ``case`` = (state, feeds, output, loss, gradients): forward, loss (read back

@@ -98,26 +98,12 @@ def test_every_workload_kernel_compiles_to_spirv():
 @pytest.mark.parametrize("backend", ["vulkan", "wgpu"])
 def test_backends_agree_bit_for_bit_on_a_training_step(backend):
     """The same plan through both runtimes: the same kernels, so the same bits."""
-    import meganeura as mg
-    rng = np.random.default_rng(0)
-    xb = rng.standard_normal((32, 40)).astype(np.float32)
-    yb = rng.integers(0, 5, 32).astype(np.int32)
-
-    def losses(be):
-        g = mg.Graph()
-        x, y = g.input("x", (32, 40)), g.input("y", (32,), mg.i32)
-        h = mg.ops.gelu(mg.ops.linear(x, g.parameter("a.weight", (64, 40)), g.parameter("a.bias", (64,))))
-        h = mg.ops.layer_norm(h, (64,))
-        loss = mg.ops.cross_entropy(mg.ops.linear(h, g.parameter("b.weight", (5, 64))), y)
-        s = mg.compile(g, loss=loss, optimizer=mg.optim.AdamW(lr=1e-2), backend=be)
-        out = [s.step({"x": xb, "y": yb}) for _ in range(4)]
-        s.close()
-        return np.array(out)
-    ref = losses("numpy")
-    got = losses(backend)
+    from .harness import mlp_training_losses
+    ref = mlp_training_losses("numpy")
+    got = mlp_training_losses(backend)
     np.testing.assert_allclose(got, ref, rtol=1e-5)
     if backend == "vulkan":
-        np.testing.assert_array_equal(got, losses("wgpu"))
+        np.testing.assert_array_equal(got, mlp_training_losses("wgpu"))
 
 
 def test_signed_remainder_folded_constants_and_saturate_keep_wgsl_meaning():

@@ -12,6 +12,8 @@ import pytest
 from meganeura.codegen.glsl import GlslTranslationError, to_glsl
 from meganeura.runtime.vulkan import translators
 
+from .harness import mlp_training_losses
+
 
 EMPTY = "@compute @workgroup_size(1)\nfn main() {\n}\n"
 
@@ -124,7 +126,6 @@ def test_a_plan_compiles_through_the_workers(two_workers, monkeypatch, tmp_path,
     """A training step compiled with every kernel translated by the workers (or, with the
     workers killed, here) gives the NumPy reference's losses."""
     pytest.importorskip("vulkan", reason="the vulkan extra (pip install 'meganeura[vulkan]')")
-    import meganeura as mg
     from meganeura.runtime.vulkan.backend import get_vulkan_runtime
     try:
         get_vulkan_runtime()
@@ -141,16 +142,5 @@ def test_a_plan_compiles_through_the_workers(two_workers, monkeypatch, tmp_path,
             w.proc.wait()
         monkeypatch.setattr(translators, "pool_for", lambda n: pool)
     jobs = pool.jobs
-    rng = np.random.default_rng(3)
-    xb = rng.standard_normal((16, 24)).astype(np.float32)
-    yb = rng.integers(0, 4, 16).astype(np.int32)
-
-    def losses(backend):
-        g = mg.Graph()
-        x, y = g.input("x", (16, 24)), g.input("y", (16,), mg.i32)
-        h = mg.ops.gelu(mg.ops.linear(x, g.parameter("a.weight", (40, 24)), g.parameter("a.bias", (40,))))
-        loss = mg.ops.cross_entropy(mg.ops.linear(mg.ops.layer_norm(h, (40,)), g.parameter("b.weight", (4, 40))), y)
-        with mg.compile(g, loss=loss, optimizer=mg.optim.AdamW(lr=1e-2), backend=backend, plan_cache=False) as s:
-            return np.array([s.step({"x": xb, "y": yb}) for _ in range(3)])
-    np.testing.assert_allclose(losses("vulkan"), losses("numpy"), rtol=1e-5)
+    np.testing.assert_allclose(mlp_training_losses("vulkan", steps=3), mlp_training_losses("numpy", steps=3), rtol=1e-5)
     assert pool.jobs > jobs        # the kernels were asked of the workers

@@ -52,9 +52,9 @@ def enabled(option=None) -> bool:
     else on unless ``MEGANEURA_NO_DISK_CACHE`` or ``MEGANEURA_NO_PLAN_CACHE`` is set."""
     if option is not None:
         return bool(option)
+    from .runtime.backends import env_flag
     from .runtime.vulkan.cache import disk_cache_enabled
-    off = os.environ.get("MEGANEURA_NO_PLAN_CACHE", "").strip().lower() in ("1", "true", "yes", "on")
-    return disk_cache_enabled() and not off
+    return disk_cache_enabled() and not env_flag("MEGANEURA_NO_PLAN_CACHE")
 
 
 def folder() -> pathlib.Path:

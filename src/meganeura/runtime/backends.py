@@ -19,6 +19,11 @@ KINDS = ("vulkan", "wgpu")
 PIPELINE_CACHE_SIZE = 1024
 
 
+def env_flag(name: str) -> bool:
+    """Whether the switch ``name`` is set on in the environment (1 / true / yes / on)."""
+    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
+
+
 @functools.lru_cache(maxsize=1)
 def vulkan_unavailable_reason(selector=None) -> str | None:
     """None when the direct Vulkan backend can run here, else why not. The check opens the

@@ -25,7 +25,7 @@ import wgpu
 from wgpu.backends.wgpu_native import _api as _wapi
 from wgpu.backends.wgpu_native._ffi import ffi, lib
 
-from .backends import PIPELINE_CACHE_SIZE
+from .backends import PIPELINE_CACHE_SIZE, env_flag
 
 # Features requested when the adapter offers them. `timestamp-query-inside-encoders`
 # comes with `-inside-passes`; `shader-float32-atomic` lets scatter-add kernels use
@@ -88,10 +88,6 @@ STAGING_POOL_BYTES = 64 << 20
 
 def _round4(n):
     return max(4, (int(n) + 3) & ~3)
-
-
-def _env_flag(name):
-    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
 
 
 def adapter_summary(adapter):
@@ -219,7 +215,7 @@ class Device:
         if adapter is None or isinstance(adapter, (int, str)):
             adapter = choose_adapter(selector=adapter)
         self.adapter = adapter
-        self.checked = _env_flag("MEGANEURA_CHECKED") if checked is None else bool(checked)
+        self.checked = env_flag("MEGANEURA_CHECKED") if checked is None else bool(checked)
         a_feats = set(self.adapter.features)
         want = [f for f in WANTED_FEATURES if f in a_feats]
         a_lims = self.adapter.limits

@@ -16,7 +16,7 @@ from ..api import starts_at_zero
 from .. import plan_cache
 from ..compiler import F16_COPY, CompileOptions, compile_plan, f16_weights
 from ..graph import DeviceLimitError, fmt_shape
-from .backends import get_runtime_device, gpu_device, make_recorder, resolve
+from .backends import env_flag, get_runtime_device, gpu_device, make_recorder, resolve
 from .profiler import trace_writer, write_chrome_trace
 
 
@@ -171,7 +171,7 @@ def _read_view(dev, buf, v):
 
 
 def anomaly_from_env() -> bool:
-    return os.environ.get("MEGANEURA_DETECT_ANOMALY", "").strip().lower() in ("1", "true", "yes", "on")
+    return env_flag("MEGANEURA_DETECT_ANOMALY")
 
 
 _trace_ids = itertools.count()

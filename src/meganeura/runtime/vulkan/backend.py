@@ -30,6 +30,7 @@ from collections import OrderedDict
 
 import numpy as np
 
+from ..backends import env_flag
 from .device import VulkanDevice, get_vulkan_device
 from .memory import BufferRange
 from .program import Copy, Dispatch, Program
@@ -344,8 +345,7 @@ class VulkanRuntime:
 
     def __init__(self, vk: VulkanDevice | None = None, checked=None, levels=True):
         self.vk = vk or get_vulkan_device()
-        env = os.environ.get("MEGANEURA_CHECKED", "").strip().lower() in ("1", "true", "yes", "on")
-        self.checked = env if checked is None else bool(checked)
+        self.checked = env_flag("MEGANEURA_CHECKED") if checked is None else bool(checked)
         self.use_levels = levels
         self.backend = "vulkan"
         # a plan's pipelines may be created on another thread while it allocates memory:

@@ -28,9 +28,11 @@ import tempfile
 import zlib
 from dataclasses import dataclass
 
+from ..backends import env_flag
+
 
 def disk_cache_enabled() -> bool:
-    return os.environ.get("MEGANEURA_NO_DISK_CACHE", "").strip().lower() not in ("1", "true", "yes", "on")
+    return not env_flag("MEGANEURA_NO_DISK_CACHE")
 
 
 def cache_dir() -> pathlib.Path:

