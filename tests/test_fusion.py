@@ -274,6 +274,22 @@ def test_common_subexpressions_are_computed_once():
     _assert_gpu_matches_reference(g, [a, b], feeds, rtol=1e-5, atol=1e-6)
 
 
+def test_lowering_merges_equal_targets_and_leaves_no_duplicate_needed():
+    """Targets that compute the same value become one node, and no two needed nodes of the
+    lowered graph are equal (the merge rewires the lowering's graph in place)."""
+    from meganeura import codegen
+    from meganeura.passes.lower import _cse_key, lower_to_primitives
+    from meganeura.reference import needed_nodes
+    g = mg.Graph()
+    x = g.input("x", (4, 8))
+    a = mg.ops.softmax(x * 2.0, -1) + 1.0
+    b = mg.ops.softmax(x * 2.0, -1) + 1.0
+    _, (la, lb) = lower_to_primitives([a, b], keep=codegen.has_kernel)
+    assert la is lb
+    keys = [_cse_key(t, t.inputs) for t in needed_nodes([la]) if t.op not in ("input", "parameter", "state")]
+    assert len(keys) == len(set(keys)) and None not in keys
+
+
 def test_batch_and_group_norm_are_one_row_kernel_with_their_affine():
     """Training-mode batch norm is a layer norm over each channel's transposed rows, group
     norm over (sample, group) rows: one kernel each, the per-channel affine and the

@@ -20,6 +20,8 @@ from .expr import Node
 
 # arrays (constants' values) compared by content up to this many elements
 SMALL_ARRAY = 64
+# types that stand for themselves in a key (bool is not one: True == 1)
+_PLAIN = frozenset({int, str, type(None)})
 
 
 class _Walk:
@@ -47,30 +49,35 @@ class _Walk:
 
     def fp(self, x):
         t = type(x)
-        if t is int or t is str or x is None:
+        if t in _PLAIN:
             return x
         if t is tuple or t is list:
-            return (t is list,) + tuple(self.fp(y) for y in x)
+            # most items are plain (shapes, leaf indices, op names): no call for them
+            fp = self.fp
+            return (t is list, *[y if type(y) in _PLAIN else fp(y) for y in x])
         if t is View:
             return ("V", self.buf(x.buf), x.shape, x.strides, x.offset, x.dtype.name)
         if t is dict:
-            return ("d",) + tuple((self.fp(k), self.fp(v)) for k, v in x.items())
+            fp = self.fp
+            return ("d", *[(k if type(k) in _PLAIN else fp(k), v if type(v) in _PLAIN else fp(v))
+                           for k, v in x.items()])
         if t is DType:
             return ("D", x.name)
+        if t is Node:
+            return self.node(x, lambda: (x.op, ("D", x.dtype.name) if type(x.dtype) is DType else self.fp(x.dtype),
+                                         self.fp(x.attrs), self.fp(x.shape)))
+        if t is Tensor:
+            return self.node(x, lambda: ("T", x.op, self.fp(x.attrs), x.shape, x.dtype.name,
+                                         tuple((i.shape, i.dtype.name) for i in x.inputs)))
+        if t is Kernel:
+            return ("K", x.name, x.archetype, self.fp(x.spec), self.fp(x.out), self.fp(x.reads),
+                    self.fp(x.epilogue), self.fp(x.epi_reads), self.fp(x.outs))
         if t is float:
             return ("f", x.hex())
         if t is bool:
             return ("b", x)
         if t is Buf:
             return self.buf(x)
-        if t is Kernel:
-            return ("K", x.name, x.archetype, self.fp(x.spec), self.fp(x.out), self.fp(x.reads),
-                    self.fp(x.epilogue), self.fp(x.epi_reads), self.fp(x.outs))
-        if t is Node:
-            return self.node(x, lambda: (x.op, self.fp(x.dtype), self.fp(x.attrs), self.fp(x.shape)))
-        if t is Tensor:
-            return self.node(x, lambda: ("T", x.op, self.fp(x.attrs), x.shape, x.dtype.name,
-                                         tuple((i.shape, i.dtype.name) for i in x.inputs)))
         if t is np.ndarray:
             if x.size <= SMALL_ARRAY:
                 return ("A", x.dtype.str, x.shape, x.tobytes())

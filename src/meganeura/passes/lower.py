@@ -51,19 +51,13 @@ def copy_leaf(g: Graph, t: Tensor) -> Tensor:
     return g.constant(t.attrs["value"], t.dtype)
 
 
-def _copy(targets: list[Tensor], keep, rewrite=None, cse=False) -> tuple[Graph, list[Tensor], bool]:
+def _copy(targets: list[Tensor], keep, rewrite=None) -> tuple[Graph, list[Tensor], bool]:
+    """``targets`` copied into a new graph, each node decomposed once where its op has a
+    decomposition and ``keep`` refuses it; ``changed``: something was decomposed."""
     g = Graph()
     m: dict[int, Tensor] = {}
-    seen: dict = {}
     changed = False
     for t in needed_nodes(targets):
-        if cse and t.op not in ("input", "parameter", "state"):
-            key = _cse_key(t, [m[i.id] for i in t.inputs])
-            if key is not None and key in seen:
-                m[t.id] = seen[key]
-                continue
-        else:
-            key = None
         if t.op in LEAVES:
             n = copy_leaf(g, t)
         else:
@@ -80,9 +74,33 @@ def _copy(targets: list[Tensor], keep, rewrite=None, cse=False) -> tuple[Graph, 
                 if n.shape != t.shape or n.dtype is not t.dtype:
                     raise RuntimeError(f"decompose of {t.op} gave {n.shape} {n.dtype}, expected {t.shape} {t.dtype}")
         m[t.id] = n
-        if key is not None:
-            seen[key] = n
     return g, [m[t.id] for t in targets], changed
+
+
+def _merge_common(targets: list[Tensor]) -> list[Tensor]:
+    """Common subexpressions of the lowered graph merged in place: each needed node, in
+    order, whose key (``_cse_key``, over its inputs as merged so far) an earlier needed node
+    has, is replaced by that node in its readers. The first needed occurrence is kept, so
+    the graph's order is what a copy without the duplicates would have; the lowering's own
+    graph is rewired rather than copied once more (SmolLM2's training step: 5.5k nodes)."""
+    seen: dict = {}
+    merged: dict[int, Tensor] = {}          # node id -> the earlier node standing for it
+    for t in needed_nodes(targets):
+        if merged:
+            ins = tuple(merged.get(i.id, i) for i in t.inputs)
+            if any(a is not b for a, b in zip(ins, t.inputs)):
+                t.inputs = ins
+        if t.op in ("input", "parameter", "state"):
+            continue
+        key = _cse_key(t, t.inputs)
+        if key is None:
+            continue
+        found = seen.get(key)
+        if found is None:
+            seen[key] = t
+        else:
+            merged[t.id] = found
+    return [merged.get(t.id, t) for t in targets]
 
 
 def _same_op(g: Graph, t: Tensor, ins) -> Tensor:
@@ -109,9 +127,7 @@ def lower_to_primitives(targets: list[Tensor], keep, rewrite=None) -> tuple[Grap
         done = g
         g, new, changed = _copy(new, keep)
         done._drop_nodes()
-    done = g
-    g, new, _ = _copy(new, keep, cse=True)
-    done._drop_nodes()
+    new = _merge_common(new)
     missing = sorted({t.op for t in needed_nodes(new) if t.op not in ("input", "parameter", "state", "constant")
                       and not keep(t)})
     if missing:
