@@ -210,3 +210,34 @@ def test_fingerprints_keep_numbers_types_and_unknown_objects_apart():
     assert fp(object()) != fp(object())
     big = np.zeros(1000, np.float32)        # large arrays are never compared by content
     assert fp(big) != fp(big.copy()) and fp(np.ones(3)) == fp(np.ones(3))
+
+
+@pytest.mark.parametrize("workload,phase,precision", [("smollm2", "train_step", "strict"),
+                                                      ("unet", "train_step", "accelerated"),
+                                                      ("resnet50", "train_step", "strict")])
+def test_in_place_fusion_passes_keep_their_shared_index_true(workload, phase, precision, monkeypatch):
+    """The in-place fusion passes share one use index (``fuse._in_place``): after each, it
+    must be the index of the kernels as they are, built afresh."""
+    from meganeura.compiler import f16_weights
+    from meganeura.passes import fuse
+    checked = []
+
+    def checking(name, in_place):
+        def run(kernels, uses, max_bindings):
+            in_place(kernels, uses, max_bindings)
+            fresh = fuse._Uses(kernels)
+            for have, want in ((uses.writers, fresh.writers), (uses.readers, fresh.readers)):
+                assert {b: sorted(p) for b, p in have.items() if p} == {b: sorted(p) for b, p in want.items() if p}, name
+            checked.append(name)
+        return run
+    for name, fn in list(fuse.FUSION_PASSES.items()):
+        if hasattr(fn, "in_place"):
+            wrapped = lambda kernels, max_bindings: None     # noqa: E731 (only its in_place is called)
+            wrapped.in_place = checking(name, fn.in_place)
+            monkeypatch.setitem(fuse.FUSION_PASSES, name, wrapped)
+    targets, n_forward, updates = phase_targets(make(workload, "tiny", device="cpu"), phase)
+    opts = CompileOptions(max_bindings=1 << 16, precision=precision)
+    if precision == "accelerated":
+        opts.f16_weights = f16_weights(targets[:n_forward])
+    compile_plan(targets, n_forward=n_forward, options=opts, updates=updates)
+    assert len(checked) == 6, checked

@@ -24,6 +24,7 @@ the memory planner and the runtime need no knowledge of them.
 """
 from __future__ import annotations
 
+import functools
 import itertools
 import os
 from collections import defaultdict
@@ -45,6 +46,8 @@ class _Uses:
     def __init__(self, kernels):
         self.writers, self.readers = writers, readers = defaultdict(list), defaultdict(list)
         for i, k in enumerate(kernels):
+            if k is None:           # fused away by an in-place pass (``_in_place``)
+                continue
             spec = k.spec
             if k.outs or "parts" in spec or "stores" in spec or "gathers" in spec:
                 self.add(i, k)
@@ -81,6 +84,21 @@ class _Uses:
     def read_only_by(self, buf, pos, views) -> bool:
         """``buf`` is read by the kernel at ``pos`` alone, through exactly one of ``views``."""
         return set(self.readers[id(buf)]) == {pos} and sum(v.buf is buf for v in views) == 1
+
+
+def _in_place(fuse):
+    """A pass that fuses in place, ``fuse(kernels, uses, max_bindings)``: kernels keep their
+    positions (None where one was fused away) and ``uses`` is kept up to date, so a run of
+    such passes shares one index (``run_fusion``) instead of each building its own (12 a
+    plan were the largest self-time of SmolLM2's training-step compile). Called as
+    ``fuse_x(kernels, max_bindings)`` it is a pass like the others."""
+    @functools.wraps(fuse)
+    def run(kernels, max_bindings):
+        kernels = list(kernels)
+        fuse(kernels, _Uses(kernels), max_bindings)
+        return [k for k in kernels if k is not None]
+    run.in_place = fuse
+    return run
 
 
 def _relabel(e, leaf_map, rleaf_map=None):
@@ -230,14 +248,12 @@ def _compose_pointwise(k, p, li, leaf, uses, ki, pi, max_bindings, kernels):
     return at
 
 
-def fuse_epilogues(kernels, max_bindings):
-    kernels = list(kernels)
-    uses = _Uses(kernels)
+@_in_place
+def fuse_epilogues(kernels, uses, max_bindings):
     for start in range(len(kernels)):
         pi = start
         while pi is not None:       # a composed pointwise kernel may absorb more producers
             pi = _absorb_producer(kernels, pi, uses, max_bindings)
-    return [k for k in kernels if k is not None]
 
 
 def _absorb_producer(kernels, pi, uses, max_bindings):
@@ -335,15 +351,14 @@ def _stores_f16(k) -> bool:
         and k.out.dtype.name == "f16"
 
 
-def fuse_norm_prologue(kernels, max_bindings):
+@_in_place
+def fuse_norm_prologue(kernels, uses, max_bindings):
     """A layer/RMS norm whose every reader is a matmul reading it as A (the norm before
     the q/k/v or gate/up projections) moves into those matmuls: GEMV workgroups compute
     their few rows' statistics, tiled workgroups their tile's rows', and A is normalised
     as it is loaded. In accelerated precision a norm that stores f16 for GEMVs (decoding)
     moves too: the GEMV then reads the normalised value unrounded, and the launch goes;
     tiled readers keep their f16 operand (tensor-core kernels read f16 tiles)."""
-    kernels = list(kernels)
-    uses = _Uses(kernels)
     for ni, nk in enumerate(kernels):
         if nk is None or nk.archetype != "norm" or (nk.epilogue is not None and not _stores_f16(nk)) \
                 or nk.out.buf.kind != "temp" or not nk.reads[0].is_contiguous() \
@@ -379,7 +394,6 @@ def fuse_norm_prologue(kernels, max_bindings):
             uses.add(i, g)
         uses.remove(ni, nk)
         kernels[ni] = None
-    return [k for k in kernels if k is not None]
 
 
 # elements of a row a norm keeps in workgroup memory: 12 KiB, beside the 3 KiB of its
@@ -393,14 +407,13 @@ def norm_input(k):
     return k.spec["prologue"]["view"] if "prologue" in k.spec else k.reads[0]
 
 
-def fuse_norm_producer(kernels, max_bindings):
+@_in_place
+def fuse_norm_producer(kernels, uses, max_bindings):
     """A norm (one workgroup per row) computes the pointwise kernel that writes its input
     (a residual add after a split-K sum) in its loads and stores that value itself, for
     the input's other readers (the residual stream): one launch instead of two. The row
     is kept in workgroup memory between the statistics and the normalised write, so the
     producer's expression is evaluated once per element."""
-    kernels = list(kernels)
-    uses = _Uses(kernels)
     for ni, nk in enumerate(kernels):
         if nk is None or nk.archetype != "norm" or "stats_only" in nk.spec or "prologue" in nk.spec or nk.outs:
             continue
@@ -436,14 +449,12 @@ def fuse_norm_producer(kernels, max_bindings):
         nk.name = f"{p.name}>{nk.name}"
         kernels[pi] = None
         uses.add(ni, nk)
-    return [k for k in kernels if k is not None]
 
 
-def fuse_reduce_prologue(kernels, max_bindings):
+@_in_place
+def fuse_reduce_prologue(kernels, uses, max_bindings):
     """A pointwise kernel whose only reader is a reduction (a weight gradient's sum of
     ct * x, a mean of squares) is evaluated inside the reduction's loads."""
-    kernels = list(kernels)
-    uses = _Uses(kernels)
     for ri, rk in enumerate(kernels):
         if rk is None or rk.archetype != "reduce" or "prologue" in rk.spec or len(rk.reads) != 1:
             continue
@@ -468,7 +479,6 @@ def fuse_reduce_prologue(kernels, max_bindings):
         rk.name = f"{p.name}>{rk.name}"
         kernels[pi] = None
         uses.add(ri, rk)
-    return [k for k in kernels if k is not None]
 
 
 def _load_operand(m, gk, max_bindings):
@@ -516,33 +526,30 @@ def _compute_in_loads(kernels, gi, uses, max_bindings, operand_spec, accept=None
     return True
 
 
-def fuse_gather_operands(kernels, max_bindings):
+@_in_place
+def fuse_gather_operands(kernels, uses, max_bindings):
     """An im2col read only by tiled matmuls (a convolution's forward and its weight
     gradient) is computed in their operand loads (implicit-GEMM convolution): the column
     matrix is never stored (nor rounded to f16 in memory, where accelerated precision casts
     it: the loads round it)."""
     from ..codegen.gather import inlinable
-    kernels = list(kernels)
-    uses = _Uses(kernels)
     for gi, gk in enumerate(kernels):
         if gk is None or not inlinable(gk) or gk.out.buf.kind != "temp" or not gk.out.is_contiguous():
             continue
         _compute_in_loads(kernels, gi, uses, max_bindings, {"body": gk.spec["body"], "dtype": gk.out.dtype.name,
                                                             "im2col": gk.spec.get("im2col")})
-    return [k for k in kernels if k is not None]
 
 
 MAX_LOAD_RECOMPUTE = 4      # a pointwise operand is evaluated once per output tile across it
 MAX_LOAD_LEAVES = 2
 
 
-def fuse_pointwise_operands(kernels, max_bindings):
+@_in_place
+def fuse_pointwise_operands(kernels, uses, max_bindings):
     """A small pointwise kernel read only by tiled matmuls (GEGLU's gelu(gate) * value
     before the feed-forward's output projection) is evaluated in their operand loads, when
     each value is recomputed by at most MAX_LOAD_RECOMPUTE output tiles: its launch and
     its stored intermediate go."""
-    kernels = list(kernels)
-    uses = _Uses(kernels)
 
     def accept(m, op):
         M, N = m.shape[-2:]
@@ -557,18 +564,18 @@ def fuse_pointwise_operands(kernels, max_bindings):
             continue
         _compute_in_loads(kernels, gi, uses, max_bindings,
                           {"expr": gk.spec["expr"], "shape": tuple(gk.out.shape)}, accept)
-    return [k for k in kernels if k is not None]
 
 
-def fuse_prologues(kernels, max_bindings):
+@_in_place
+def fuse_prologues(kernels, uses, max_bindings):
     """Producers computed inside their consumer's loads: pointwise kernels into the
     reductions and norms that read them, norms into the matmuls that read them, im2col
     and small pointwise kernels into the tiled matmuls that read them."""
     # a norm that absorbs its producer keeps its launch and stores its rows: its readers
     # no longer recompute the statistics (fuse_norm_prologue leaves it alone)
-    kernels = fuse_norm_producer(fuse_reduce_prologue(kernels, max_bindings), max_bindings)
-    kernels = fuse_norm_prologue(kernels, max_bindings)
-    return fuse_pointwise_operands(fuse_gather_operands(kernels, max_bindings), max_bindings)
+    for fuse in (fuse_reduce_prologue, fuse_norm_producer, fuse_norm_prologue, fuse_gather_operands,
+                 fuse_pointwise_operands):
+        fuse.in_place(kernels, uses, max_bindings)
 
 
 def _row_reduction(rk, p, leaf):
@@ -594,12 +601,11 @@ def _row_reduction(rk, p, leaf):
     return dims, (pro["expr"] if pro else ("leaf", 0)), list(rk.reads) if pro else [view]
 
 
-def fuse_rows(kernels, max_bindings):
+@_in_place
+def fuse_rows(kernels, uses, max_bindings):
     """Reductions whose only reader is a pointwise kernel that broadcasts their results back
     over the reduced axes (a norm's backward: mean(dn), mean(dn * n), then dx) become one
     row kernel: each kept position's workgroup reduces, then writes its row."""
-    kernels = list(kernels)
-    uses = _Uses(kernels)
     for pi, p in enumerate(kernels):
         if p is None or p.archetype != "pointwise" or p.spec.get("flat_leaf") or _has_rleaf(p.spec["expr"]):
             continue
@@ -638,7 +644,6 @@ def fuse_rows(kernels, max_bindings):
         uses.remove(pi, p)
         kernels[pi] = fused
         uses.add(pi, fused)
-    return [k for k in kernels if k is not None]
 
 
 def _binding_keys(k) -> set:
@@ -785,7 +790,6 @@ def _inline_cheap_producers(kernels, max_bindings):
     too (SwiGLU's silu(gate), kept for the backward) is recomputed inside that reader, so
     the two no longer depend on each other and can share a launch."""
     kernels = list(kernels)
-    uses = _Uses(kernels)
     for ki in range(len(kernels) - 1):
         k, p = kernels[ki], kernels[ki + 1]
         if k.archetype != "pointwise" or p.archetype != "pointwise" or p.epilogue is not None or p.outs \
@@ -800,12 +804,10 @@ def _inline_cheap_producers(kernels, max_bindings):
         if any(v.buf is k.out.buf for v in others) \
                 or len({id(v.buf) for v in list(k.reads) + others} | {id(p.out.buf)}) > max_bindings:
             continue
-        uses.remove(ki + 1, p)
         leaf_map = _splice(len(p.reads), li[0], k.spec["expr"], len(k.reads))
         p.spec = {**p.spec, "expr": _relabel(p.spec["expr"], leaf_map)}
         p.reads = list(k.reads) + others
         p.name = f"{k.name}+{p.name}"
-        uses.add(ki + 1, p)
     return kernels
 
 
@@ -868,12 +870,11 @@ def _norm_rows_key(k):
             k.spec["row"])
 
 
-def fuse_norm_stats(kernels, max_bindings):
+@_in_place
+def fuse_norm_stats(kernels, uses, max_bindings):
     """A norm statistic the backward reads (``ops.nn.norm_stat``: a stats-only norm kernel)
     over the same rows as an earlier norm kernel is stored by that kernel (``outs``), which
     computes it anyway: the backward does not reduce the input again."""
-    kernels = list(kernels)
-    uses = _Uses(kernels)
     norms = {}          # rows key -> position of the first norm kernel over those rows
     for i, k in enumerate(kernels):
         if k is None or k.archetype != "norm":
@@ -898,7 +899,6 @@ def fuse_norm_stats(kernels, max_bindings):
         n.name = f"{n.name}&{k.name}"
         kernels[i] = None
         uses.add(j, n)
-    return [k for k in kernels if k is not None]
 
 
 def _extent(v) -> tuple:
@@ -940,15 +940,14 @@ def _copy_or_cast(expr) -> bool:
     return expr[0] == "op" and getattr(expr[1], "op", None) == "cast" and list(expr[2]) == [("leaf", 0)]
 
 
-def fuse_copy_stores(kernels, max_bindings):
+@_in_place
+def fuse_copy_stores(kernels, uses, max_bindings):
     """A kernel that only copies another kernel's whole output into part of a larger buffer
     (a concat's slice: a U-Net skip connection, stored long before the decoder reads it), or
     converts it (the f16 copy of an activation that accelerated matmuls read while the
     backward pass reads the f32 one), becomes a second store of that writer
     (``spec["stores"]``, converted as it is stored): the value is stored twice where it is
     computed, and the copy's launch goes."""
-    kernels = list(kernels)
-    uses = _Uses(kernels)
     for pi, p in enumerate(kernels):
         if p is None or p.archetype != "pointwise" or p.epilogue is not None or not _copy_or_cast(p.spec["expr"]) \
                 or len(p.reads) != 1 or p.spec.get("flat_leaf") or p.spec.get("stores") or p.out.buf.kind != "temp":
@@ -977,7 +976,6 @@ def fuse_copy_stores(kernels, max_bindings):
         k.name = f"{k.name}+{p.name}"
         kernels[pi] = None
         uses.add(ki, k)
-    return [k for k in kernels if k is not None]
 
 
 def _plain_pointwise(k) -> bool:
@@ -1016,7 +1014,8 @@ def _view_through(leaf, k, r):
     return View(r.buf, tuple(leaf.shape), tuple(strides), offset, r.dtype)
 
 
-def fuse_producer_outputs(kernels, max_bindings):
+@_in_place
+def fuse_producer_outputs(kernels, uses, max_bindings):
     """A pointwise kernel computes the pointwise kernels that write what it reads (the
     same elements, or a transpose or split of them) and stores their values as further
     outputs (``outs``, each with its expression in ``spec["out_exprs"]``) where something
@@ -1027,8 +1026,6 @@ def fuse_producer_outputs(kernels, max_bindings):
     backward; RoPE sums those of q and k, read by heads. The values are stored where the
     reader runs: nothing else may read them in between, nor write what the producer reads.
     The last reader of a chain takes it."""
-    kernels = list(kernels)
-    uses = _Uses(kernels)
     for pi in range(len(kernels) - 1, -1, -1):
         p = kernels[pi]
         # (a copy or cast of one value is a second store of its writer: ``stores``, and the
@@ -1084,7 +1081,6 @@ def fuse_producer_outputs(kernels, max_bindings):
             kernels[ki] = None
             uses.add(pi, p)
             li = 0              # the producer's own reads may come from kernels to compute too
-    return [k for k in kernels if k is not None]
 
 
 HOIST_MAX_BYTES = 16 << 20     # what hoisted kernels write lives from the start of the call
@@ -1131,7 +1127,18 @@ FUSION_PASSES = {"epilogue": fuse_epilogues, "prologue": fuse_prologues, "rows":
 
 
 def run_fusion(kernels, disabled=frozenset(), max_bindings=8):
+    held = uses = None      # while in-place passes run: the kernels with their holes, and one index
     for name, fn in FUSION_PASSES.items():
-        if name not in disabled:
-            kernels = fn(kernels, max_bindings)
-    return kernels
+        if name in disabled:
+            continue
+        in_place = getattr(fn, "in_place", None)
+        if in_place is not None:
+            if held is None:
+                held = list(kernels)
+                uses = _Uses(held)
+            in_place(held, uses, max_bindings)
+            continue
+        if held is not None:
+            kernels, held = [k for k in held if k is not None], None
+        kernels = fn(kernels, max_bindings)
+    return kernels if held is None else [k for k in held if k is not None]
