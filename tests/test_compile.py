@@ -241,3 +241,35 @@ def test_in_place_fusion_passes_keep_their_shared_index_true(workload, phase, pr
         opts.f16_weights = f16_weights(targets[:n_forward])
     compile_plan(targets, n_forward=n_forward, options=opts, updates=updates)
     assert len(checked) == 6, checked
+
+
+@pytest.mark.parametrize("early", [True, False])
+def test_kernels_start_as_their_plan_renders(early, monkeypatch):
+    """The Vulkan runtime starts each kernel as ``compile_plan`` renders it (``start_kernel``)
+    and the plan's pipelines are those: each made once, none left behind, and training
+    matches NumPy. ``MEGANEURA_EARLY_KERNELS=0`` starts none early, with the same losses."""
+    from meganeura.runtime.backends import get_runtime_device
+    from meganeura.runtime.vulkan import backend as vb
+    from .harness import mlp_training_losses
+    monkeypatch.setenv("MEGANEURA_NO_DISK_CACHE", "1")       # every kernel made in this test
+    monkeypatch.setenv("MEGANEURA_EARLY_KERNELS", "1" if early else "0")
+    taken = []
+    real_take = vb.VulkanRuntime._take_early
+
+    def take(self, texts):
+        done = real_take(self, texts)
+        taken.extend(done)
+        return done
+    monkeypatch.setattr(vb.VulkanRuntime, "_take_early", take)
+    dev = get_runtime_device("vulkan")
+    dev.clear_caches()
+    made = dev.stats["pipelines_compiled"]
+    losses = mlp_training_losses("vulkan", steps=3)
+    np.testing.assert_allclose(losses, mlp_training_losses("numpy", steps=3), rtol=1e-5)
+    assert not dev._early                                   # every kernel started early was taken
+    created = dev.stats["pipelines_compiled"] - made
+    assert len(taken) == len(set(taken))
+    if early:
+        assert 0 < len(taken) <= created, (len(taken), created)
+    else:
+        assert taken == []

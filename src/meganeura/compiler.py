@@ -387,7 +387,7 @@ def gc_paused():
 
 
 def compile_plan(targets, n_forward=None, options: CompileOptions | None = None, updates=None,
-                 cache=False, adapter=None, on_compile=None) -> KernelPlan:
+                 cache=False, adapter=None, on_compile=None, on_render=None) -> KernelPlan:
     """Kernels computing ``targets`` (tensors of one graph). ``n_forward``: how many leading
     targets are forward outputs (accelerated precision applies to what they depend on).
     ``updates``: {target index: parameter/state name} for targets that become that
@@ -396,7 +396,9 @@ def compile_plan(targets, n_forward=None, options: CompileOptions | None = None,
     on, keyed with ``adapter``, the device's description); a plan read from it carries
     each kernel's name, archetype and output but not its IR. ``on_compile()`` is called
     before the compiler passes run (not for a plan from the cache): a runtime starts there
-    what compiling the new kernels will need."""
+    what compiling the new kernels will need. ``on_render(kernel, text)`` is called for each
+    text as it is rendered (each distinct text once; merged launches and matmuls first): a
+    runtime may start making those kernels while the rest of the plan is rendered."""
     opts = options or CompileOptions()
     with gc_paused():
         key = None
@@ -411,7 +413,7 @@ def compile_plan(targets, n_forward=None, options: CompileOptions | None = None,
         # attention routes by precision (``attention.ACCELERATED_MAX_ROW_WORK``)
         accelerated = codegen.attention.ACCELERATED.set(opts.precision == "accelerated")
         try:
-            plan = _compile_plan(targets, n_forward, opts, updates)
+            plan = _compile_plan(targets, n_forward, opts, updates, on_render)
         finally:
             codegen.attention.ACCELERATED.reset(accelerated)
         if key is not None:
@@ -421,7 +423,7 @@ def compile_plan(targets, n_forward=None, options: CompileOptions | None = None,
         return plan
 
 
-def _compile_plan(targets, n_forward, opts, updates) -> KernelPlan:
+def _compile_plan(targets, n_forward, opts, updates, on_render=None) -> KernelPlan:
     clock = _StageClock()
     fwd = targets[:len(targets) if n_forward is None else n_forward]
     accelerated = opts.precision == "accelerated"
@@ -458,12 +460,18 @@ def _compile_plan(targets, n_forward, opts, updates) -> KernelPlan:
     if kp_copies := [updates[i] for i in range(n_given, len(new_targets))]:
         kernels = store_copies_with_writers(kernels, set(kp_copies), opts.max_bindings)
     clock.lap("in_place")
-    dispatches = []
-    # a repeated layer's kernels render once (``codegen.fingerprint``)
-    render = RenderCache(codegen.render)
-    for k in kernels:
+    dispatches = [None] * len(kernels)
+    # a repeated layer's kernels render once (``codegen.fingerprint``); the text does not
+    # depend on the order, so the kernels whose driver compiles take longest (merged
+    # launches, matmuls) render first, for ``on_render`` to start them first
+    render, sent = RenderCache(codegen.render), set()
+    for i in sorted(range(len(kernels)), key=lambda i: _render_rank(kernels[i])):
+        k = kernels[i]
         wgsl, bufs, groups = render(k)
-        dispatches.append(Dispatch(k, wgsl, bufs, groups))
+        dispatches[i] = Dispatch(k, wgsl, bufs, groups)
+        if on_render is not None and wgsl not in sent:
+            sent.add(wgsl)
+            on_render(k, wgsl)
     clock.lap("render")
     used = {id(b) for d in dispatches for b in d.bufs}
     locs = []
@@ -482,6 +490,11 @@ def _compile_plan(targets, n_forward, opts, updates) -> KernelPlan:
                       {"scheduled": n_scheduled, "fused": n_scheduled - len(kernels), "in_place": n_in_place,
                        "written_over_operands": n_over, "rendered_once": render.hits, "seconds": clock.laps},
                       kp_copies)
+
+
+def _render_rank(k) -> int:
+    """Render order: merged launches, then matmuls and attention, then the rest."""
+    return 0 if "parts" in k.spec else 1 if k.archetype in ("matmul", "attention") else 2
 
 
 class _StageClock:

@@ -19,9 +19,11 @@ KINDS = ("vulkan", "wgpu")
 PIPELINE_CACHE_SIZE = 1024
 
 
-def env_flag(name: str) -> bool:
-    """Whether the switch ``name`` is set on in the environment (1 / true / yes / on)."""
-    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
+def env_flag(name: str, default: bool = False) -> bool:
+    """Whether the switch ``name`` is set on in the environment (1 / true / yes / on);
+    ``default`` where it is not set (or empty)."""
+    value = os.environ.get(name, "").strip().lower()
+    return default if not value else value in ("1", "true", "yes", "on")
 
 
 @functools.lru_cache(maxsize=1)

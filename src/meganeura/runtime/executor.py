@@ -45,10 +45,14 @@ class Plan:
         else:
             opts = CompileOptions.from_env(ex.precision, dev.limits)
             opts.f16_weights = ex.f16_weights
+            # kernels start as they are rendered, where the runtime can (not in checked mode:
+            # its kernels are rendered again with the index reports)
+            start = getattr(dev, "start_kernel", None) if not dev.checked and early_kernels() else None
             kp = compile_plan(targets, n_forward=n_fetch, options=opts,
                               updates={base + j: name for j, (name, _) in enumerate(updates)},
                               cache=plan_cache.enabled(ex.plan_cache) and not dev.checked, adapter=dev.adapter_info,
-                              on_compile=getattr(dev, "prepare_compile", None))
+                              on_compile=getattr(dev, "prepare_compile", None),
+                              on_render=start and (lambda k, text: start(k, text, ex.precision)))
         self.kernel_plan, self.memory = kp, kp.memory
         # persistent f16 copies of weights (accelerated precision): those this plan reads,
         # and those it writes beside their master weights (targets after the given ones)
@@ -168,6 +172,13 @@ def _read_view(dev, buf, v):
     raw = dev.readback(buf, _round4(start - lo + span * item), np.uint8, offset=lo)
     flat = raw[start - lo:start - lo + span * item].view(v.dtype.np)
     return np.lib.stride_tricks.as_strided(flat, v.shape, [st * item for st in v.strides])
+
+
+def early_kernels() -> bool:
+    """Whether a runtime starts making a new plan's kernels while the compiler renders the
+    rest of it (``compile_plan``'s ``on_render``); ``MEGANEURA_EARLY_KERNELS=0`` waits for the
+    whole plan (to compare)."""
+    return env_flag("MEGANEURA_EARLY_KERNELS", default=True)
 
 
 def anomaly_from_env() -> bool:

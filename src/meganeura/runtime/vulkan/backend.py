@@ -387,6 +387,8 @@ class VulkanRuntime:
                       "kernel_cache_hits": 0}
         self.coopmat_reason = coopmat_unavailable(self.vk)
         self._variants: dict = {}         # (kernel text, emulate, configs) -> (GLSL, groups) or None
+        self._early: dict = {}            # kernel text -> future of a kernel started early (``start_kernel``)
+        self._early_pool = None
 
     @property
     def name(self) -> str:
@@ -692,7 +694,18 @@ class VulkanRuntime:
             disk = disk_cache_enabled()
             set_key = self._kernel_set_key(missing) if disk and len(entries) >= SET_MIN_KERNELS else None
             stored = load_kernel_set(set_key, len(entries)) if set_key else None
-            made, compiled, from_disk, glsl_s, cpu_s = self._make_kernels(entries, threads, access, disk, stored)
+            early = self._take_early(missing) if access is None and stored is None else {}
+            rest = [e for e in entries if e[0] not in early]
+            try:
+                made, compiled, from_disk, glsl_s, cpu_s = self._make_kernels(rest, threads, access, disk, stored)
+            except BaseException:
+                for _, kernel, _, _, _ in early.values():
+                    kernel.destroy()
+                raise
+            for text, (ck, kernel, from_disk_, glsl_, cpu_) in early.items():
+                made.append((text, kernel))
+                compiled[text] = ck
+                from_disk, glsl_s, cpu_s = from_disk + from_disk_, glsl_s + glsl_, cpu_s + cpu_
             if set_key and stored is None:
                 store_kernel_set(set_key, [compiled[text] for text, _ in entries])
             with self._lock:
@@ -705,6 +718,67 @@ class VulkanRuntime:
                 store_cached(self._pipelines, made, self.pipeline_cache_size, self.stats, found)
         self.stats["pipeline_wall_seconds"] += time.perf_counter() - t0
         return [found[text] for text, _ in shaders]
+
+    def start_kernel(self, kernel, text, precision="strict"):
+        """Start making the pipeline of ``text`` (``kernel``'s rendered text) now, on threads of
+        its own: the executor calls this for each new text while ``compile_plan`` renders the
+        rest of the plan and plans its memory, so the driver is compiling the large kernels by
+        the time ``pipelines`` asks for them (it takes them from here). A kernel this runtime
+        may run its own way (a cooperative-matrix variant) is left for ``pipelines``; a failure
+        too: ``pipelines`` makes that kernel again and raises there."""
+        if self._variant_mode(precision) is not None and kernel.archetype in VARIANT_ARCHETYPES:
+            return
+        with self._lock:
+            if text in self._pipelines or text in self._early:
+                return
+            if self._early_pool is None:
+                from concurrent.futures import ThreadPoolExecutor
+                from ..backends import compile_threads
+                self._early_pool = ThreadPoolExecutor(compile_threads(), thread_name_prefix="vk-early")
+            self._early[text] = self._early_pool.submit(self._make_early, text, kernel.name or "kernel")
+
+    def _make_early(self, text, label):
+        """(CompiledKernel, pipeline, read from disk, seconds translating, CPU seconds) of one
+        kernel started early: read from the disk cache, else translated (by the translation
+        workers where they run), compiled and created."""
+        from . import translators
+        from .cache import disk_cache_enabled, load_kernel
+        disk = disk_cache_enabled()
+        key = self._kernel_key(text)
+        ck = load_kernel(key) if disk else None
+        from_disk, glsl_s, compile_s = ck is not None, 0.0, 0.0
+        if ck is None:
+            glsl = text if text.startswith("#version") else None
+            workers = translators.pool_for(translators.MIN_KERNELS) if glsl is None else None
+            if workers is not None:
+                try:
+                    glsl, glsl_s = workers.submit(text, label, self.unroll_loops).result()
+                except translators.WorkerLost:
+                    glsl = None
+            if glsl is None:
+                from ...codegen.glsl import to_glsl
+                t = time.perf_counter()
+                glsl = to_glsl(text, label, unroll=self.unroll_loops)
+                glsl_s = time.perf_counter() - t
+            t = time.perf_counter()
+            ck = self._compile(glsl, label, key, disk)
+            compile_s = time.perf_counter() - t
+        made = self.vk.kernels([dict(spirv=ck.spirv, name=label, access=None, info=ck.info,
+                                     required_subgroup_size=self._pin(ck))], threads=1)[0]
+        return ck, made, int(from_disk), glsl_s, glsl_s + compile_s + made.create_seconds
+
+    def _take_early(self, texts) -> dict:
+        """{text: ``_make_early``'s result} of the kernels of ``texts`` started early, once each
+        has ended; those that failed are left out (``pipelines`` makes them again)."""
+        with self._lock:
+            futures = {t: self._early.pop(t) for t in texts if t in self._early}
+        done = {}
+        for text, future in futures.items():
+            try:
+                done[text] = future.result()
+            except BaseException:       # noqa: BLE001 (made again by the caller, which raises)
+                pass
+        return done
 
     def _make_kernels(self, entries, threads, access, disk, stored=None):
         """([(text, Kernel)], {text: CompiledKernel}, how many were read compiled from disk,
