@@ -694,8 +694,11 @@ class VulkanRuntime:
             disk = disk_cache_enabled()
             set_key = self._kernel_set_key(missing) if disk and len(entries) >= SET_MIN_KERNELS else None
             stored = load_kernel_set(set_key, len(entries)) if set_key else None
-            early = self._take_early(missing) if access is None and stored is None else {}
+            had_set = stored is not None
+            early = self._take_early(missing) if access is None else {}
             rest = [e for e in entries if e[0] not in early]
+            if stored is not None and early:
+                stored = [ck for (text, _), ck in zip(entries, stored) if text not in early]
             try:
                 made, compiled, from_disk, glsl_s, cpu_s = self._make_kernels(rest, threads, access, disk, stored)
             except BaseException:
@@ -706,7 +709,7 @@ class VulkanRuntime:
                 made.append((text, kernel))
                 compiled[text] = ck
                 from_disk, glsl_s, cpu_s = from_disk + from_disk_, glsl_s + glsl_, cpu_s + cpu_
-            if set_key and stored is None:
+            if set_key and not had_set:
                 store_kernel_set(set_key, [compiled[text] for text, _ in entries])
             with self._lock:
                 self.stats["kernel_cache_hits"] += from_disk
