@@ -388,7 +388,7 @@ class VulkanRuntime:
         self.coopmat_reason = coopmat_unavailable(self.vk)
         self._variants: dict = {}         # (kernel text, emulate, configs) -> (GLSL, groups) or None
         self._early: dict = {}            # kernel text -> future of a kernel started early (``start_kernel``)
-        self._early_pool = None
+        self._early_pool = None           # (pid, the threads that make them)
 
     @property
     def name(self) -> str:
@@ -732,13 +732,15 @@ class VulkanRuntime:
         if self._variant_mode(precision) is not None and kernel.archetype in VARIANT_ARCHETYPES:
             return
         with self._lock:
+            if self._early_pool is not None and self._early_pool[0] != os.getpid():
+                self._early_pool, self._early = None, {}       # a forked child: the threads stayed behind
             if text in self._pipelines or text in self._early:
                 return
             if self._early_pool is None:
                 from concurrent.futures import ThreadPoolExecutor
                 from ..backends import compile_threads
-                self._early_pool = ThreadPoolExecutor(compile_threads(), thread_name_prefix="vk-early")
-            self._early[text] = self._early_pool.submit(self._make_early, text, kernel.name or "kernel")
+                self._early_pool = (os.getpid(), ThreadPoolExecutor(compile_threads(), thread_name_prefix="vk-early"))
+            self._early[text] = self._early_pool[1].submit(self._make_early, text, kernel.name or "kernel")
 
     def _make_early(self, text, label):
         """(CompiledKernel, pipeline, read from disk, seconds translating, CPU seconds) of one
