@@ -273,3 +273,17 @@ def test_kernels_start_as_their_plan_renders(early, monkeypatch):
         assert 0 < len(taken) <= created, (len(taken), created)
     else:
         assert taken == []
+
+
+def test_plan_digests_tell_equal_plans_from_different_ones(monkeypatch):
+    """``bench/compile_time.py --digests``: compiling again gives the same digests; a plan
+    made differently (a fusion pass off) does not."""
+    from meganeura.bench import compile_time
+    from meganeura.passes import fuse
+
+    def plans():
+        return {k: p["digest"] for k, p in compile_time.digests(["whisper"], "tiny", ("strict",)).items()}
+    first = plans()
+    assert len(first) == 3 and first == plans()
+    monkeypatch.delitem(fuse.FUSION_PASSES, "horizontal")
+    assert all(d != first[k] for k, d in plans().items())

@@ -21,6 +21,12 @@ that never calls ``compute_grads`` never waits for it).
 The package's modules are compiled to bytecode first, as an install has them, and the host's
 speed at a fixed compile job is recorded beside the rows (``host_reference``).
 ``--threads N`` sets MEGANEURA_COMPILE_THREADS for the child processes.
+
+``--digests``: a digest of every plan (each workload's inference and training phases, strict
+and accelerated, H200 options) and its compile CPU seconds; ``--against FILE`` names the plans
+that differ from an earlier run's. A change meant to make the compiler faster, not different,
+shows no difference (the names of intermediates and constants are left out: they follow the
+order in which nodes were made).
 """
 from __future__ import annotations
 
@@ -98,6 +104,53 @@ def device_free(name, size, graph, cache_dir) -> dict:
     if all("cached_s" in p for p in row["phases"].values()):
         row["total_cached_s"] = build_s + session_s + sum(p["cached_s"] for p in row["phases"].values())
     return row
+
+
+def plan_digest(kp) -> str:
+    """A digest of everything a plan runs: each dispatch's kernel name, program text, workgroup
+    counts and buffers (by first appearance; kind, size, and the names of inputs, parameters and
+    state; a constant's contents), the memory plan's slots, and where each target lies."""
+    import hashlib
+    h, ids = hashlib.sha256(), {}
+
+    def buf(b):
+        if id(b) not in ids:
+            ids[id(b)] = len(ids)
+        named = b.name if b.kind in ("input", "parameter", "state") else ""
+        value = hashlib.sha256(b.value.tobytes()).hexdigest()[:16] if b.value is not None else ""
+        return f"{ids[id(b)]}:{b.kind}:{named}:{b.nbytes}:{value}"
+    for d in kp.dispatches:
+        h.update(repr((d.kernel.name, d.wgsl, tuple(d.groups), [buf(b) for b in d.bufs])).encode())
+    m = kp.memory
+    h.update(repr(sorted((buf(b), slot) for b, slot in m.slot_of.items())).encode())
+    h.update(repr((m.slot_sizes, m.bytes_without, m.bytes_with, m.persistent_bytes, m.live_peak)).encode())
+    h.update(repr([(buf(b), off, n, str(dt), shape) for b, off, n, dt, shape in kp.target_locs]).encode())
+    h.update(repr(kp.copy_updates).encode())
+    return h.hexdigest()[:16]
+
+
+def digests(names, size, precisions=("strict", "accelerated")) -> dict:
+    """{"workload/graph/precision/phase": {"digest", "dispatches", "cpu_s"}} of every plan."""
+    from ..compiler import CompileOptions, compile_plan, f16_weights
+    out = {}
+    for name in names:
+        w = make(name, size=size, device="cpu")
+        for graph in GRAPHS:
+            for precision in precisions:
+                _, s, _ = _session(w, graph, "numpy")
+                for phase in PHASES[graph]:
+                    fetches, grad_names, upd, targets = s.program.targets(phase)
+                    copies = f16_weights(s.program.fetches) if precision == "accelerated" and s.program.fetches \
+                        else frozenset()
+                    opts = CompileOptions(precision, max_bindings=BINDINGS, workgroup_storage=H200_WORKGROUP_STORAGE,
+                                          f16_weights=copies)
+                    base = len(fetches) + len(grad_names)
+                    c0 = time.process_time()
+                    kp = compile_plan(targets, n_forward=len(fetches), options=opts,
+                                      updates={base + j: n for j, (n, _) in enumerate(upd)})
+                    out[f"{name}/{graph}/{precision}/{phase}"] = {
+                        "digest": plan_digest(kp), "dispatches": kp.n_dispatches, "cpu_s": time.process_time() - c0}
+    return out
 
 
 def print_device_free(rows, baseline=None):
@@ -320,7 +373,24 @@ def main(argv=None):
     ap.add_argument("--out", default=None)
     ap.add_argument("--scaling", action="store_true", help="SmolLM2 train step at 8..64 layers (CPU s per layer)")
     ap.add_argument("--one", nargs=3, metavar=("WORKLOAD", "GRAPH", "MODE"), help=argparse.SUPPRESS)
+    ap.add_argument("--digests", action="store_true", help="a digest of every plan, to compare two versions")
+    ap.add_argument("--against", default=None, help="with --digests: an earlier run's JSON, whose differing plans are named")
     args = ap.parse_args(argv)
+    if args.digests:
+        got = digests(parse_list(args.workloads, WORKLOADS, "workloads"), args.size)
+        before = json.load(open(args.against))["plans"] if args.against else {}
+        for key, p in got.items():
+            was = before.get(key)
+            mark = "" if was is None else " same" if was["digest"] == p["digest"] else \
+                f" DIFFERS (was {was['digest']}, {was['dispatches']} dispatches)"
+            print(f"{key:40} {p['digest']} {p['dispatches']:5d} dispatches {p['cpu_s']:6.2f} s{mark}")
+        print(f"compile CPU seconds, all plans: {sum(p['cpu_s'] for p in got.values()):.2f}"
+              + (f" (before: {sum(p['cpu_s'] for p in before.values()):.2f})" if before else ""))
+        out = args.out or "bench/results/plan_digests.json"
+        with open(out, "w") as f:
+            json.dump({"size": args.size, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "plans": got}, f, indent=1)
+        print(f"wrote {out}")
+        return
     if args.one:
         print(json.dumps(on_device(args.one[0], args.size, args.one[1], args.one[2])))
         return
