@@ -64,8 +64,7 @@ class _Walk:
         if t is DType:
             return ("D", x.name)
         if t is Node:
-            return self.node(x, lambda: (x.op, ("D", x.dtype.name) if type(x.dtype) is DType else self.fp(x.dtype),
-                                         self.fp(x.attrs), self.fp(x.shape)))
+            return self.node(x, lambda: (x.op, self.fp(x.dtype), self.fp(x.attrs), self.fp(x.shape)))
         if t is Tensor:
             return self.node(x, lambda: ("T", x.op, self.fp(x.attrs), x.shape, x.dtype.name,
                                          tuple((i.shape, i.dtype.name) for i in x.inputs)))

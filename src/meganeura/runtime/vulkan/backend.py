@@ -761,15 +761,11 @@ class VulkanRuntime:
                 except translators.WorkerLost:
                     glsl = None
             if glsl is None:
-                from ...codegen.glsl import to_glsl
-                t = time.perf_counter()
-                glsl = to_glsl(text, label, unroll=self.unroll_loops)
-                glsl_s = time.perf_counter() - t
+                glsl, glsl_s = self._glsl_here(text, label)
             t = time.perf_counter()
             ck = self._compile(glsl, label, key, disk)
             compile_s = time.perf_counter() - t
-        made = self.vk.kernels([dict(spirv=ck.spirv, name=label, access=None, info=ck.info,
-                                     required_subgroup_size=self._pin(ck))], threads=1)[0]
+        made = self.vk.kernels([self._kernel_spec(label, ck)], threads=1)[0]
         return ck, made, int(from_disk), glsl_s, glsl_s + compile_s + made.create_seconds
 
     def _take_early(self, texts) -> dict:
@@ -785,6 +781,16 @@ class VulkanRuntime:
                 pass
         return done
 
+    def _kernel_spec(self, label, ck, access=None) -> dict:
+        """What ``VulkanDevice.kernels`` makes a pipeline of, for a compiled kernel."""
+        return dict(spirv=ck.spirv, name=label, access=access, info=ck.info, required_subgroup_size=self._pin(ck))
+
+    def _glsl_here(self, text, label):
+        """(GLSL, seconds) of WGSL ``text`` translated on this thread."""
+        from ...codegen.glsl import to_glsl
+        t = time.perf_counter()
+        return to_glsl(text, label, unroll=self.unroll_loops), time.perf_counter() - t
+
     def _make_kernels(self, entries, threads, access, disk, stored=None):
         """([(text, Kernel)], {text: CompiledKernel}, how many were read compiled from disk,
         seconds translating to GLSL, CPU seconds in all) for ``entries`` [(text, label)];
@@ -792,9 +798,6 @@ class VulkanRuntime:
         from concurrent.futures import ThreadPoolExecutor
         from ..backends import compile_threads
         from .cache import load_kernel
-
-        def spec(label, ck):
-            return dict(spirv=ck.spirv, name=label, access=access, info=ck.info, required_subgroup_size=self._pin(ck))
 
         failed = threading.Event()      # a job raised: translate and hand out no more
 
@@ -809,14 +812,15 @@ class VulkanRuntime:
 
         @flags_failure
         def create(batch):
-            return self.vk.kernels([spec(label, ck) for _, label, ck in batch], threads=1, batch=len(batch)), 0.0
+            return self.vk.kernels([self._kernel_spec(label, ck, access) for _, label, ck in batch], threads=1,
+                                   batch=len(batch)), 0.0
 
         @flags_failure
         def compile_and_create(text, glsl, label, key):
             t = time.perf_counter()
             ck = compiled[text] = self._compile(glsl, label, key, disk)
             t = time.perf_counter() - t
-            return self.vk.kernels([spec(label, ck)], threads=1), t
+            return self.vk.kernels([self._kernel_spec(label, ck, access)], threads=1), t
 
         n = compile_threads(threads)
         # kernels read compiled: a few large batches (the driver serves cached pipelines one
@@ -879,12 +883,7 @@ class VulkanRuntime:
         ``failed`` is set; a kernel a lost worker held is translated here."""
         from concurrent.futures import as_completed
 
-        from ...codegen.glsl import to_glsl
         from . import translators
-
-        def here(text, label):
-            t = time.perf_counter()
-            return to_glsl(text, label, unroll=self.unroll_loops), time.perf_counter() - t
 
         todo = []
         for text, label, key in sorted(misses, key=lambda m: -len(m[0])):
@@ -897,7 +896,7 @@ class VulkanRuntime:
             for text, label, key in todo:
                 if failed.is_set():
                     return
-                yield (text, label, key) + here(text, label)
+                yield (text, label, key) + self._glsl_here(text, label)
             return
         asked = {workers.submit(text, label, self.unroll_loops): (text, label, key) for text, label, key in todo}
         try:
@@ -908,7 +907,7 @@ class VulkanRuntime:
                 try:
                     glsl, seconds = fut.result()
                 except translators.WorkerLost:
-                    glsl, seconds = here(text, label)
+                    glsl, seconds = self._glsl_here(text, label)
                 yield text, label, key, glsl, seconds
         finally:            # stopped early (a failure): what is not sent yet is not translated
             for fut in asked:
