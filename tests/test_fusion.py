@@ -132,6 +132,37 @@ def test_horizontal_merge_of_independent_pointwise_kernels():
     _assert_gpu_matches_reference(g, outs, feeds, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("arrays", [True, False])
+def test_merged_parts_alike_share_one_body_through_arrays_of_buffers(monkeypatch, arrays):
+    """Where the runtime binds arrays of buffers (``CompileOptions.binding_arrays``), the parts
+    of a merged launch that differ only in their buffers and sizes (an update of each
+    parameter) are one body reading and writing through arrays indexed by the part; a buffer
+    every part reads (the step size) stays one binding, and a part of another form keeps its
+    own body. On the Vulkan runtime the results match NumPy with the arrays and without."""
+    from meganeura.runtime.backends import get_runtime_device
+    g = mg.Graph()
+    lr = g.input("lr", (1,))
+    ps = [g.input(f"p{i}", (5 + 300 * i,)) for i in range(4)]
+    gs = [g.input(f"g{i}", (5 + 300 * i,)) for i in range(4)]
+    outs = [p - lr * mg.ops.tanh(gr) for p, gr in zip(ps, gs)] + [g.input("q", (3, 8)) * 2.0]
+    kp = compile_plan(outs, options=CompileOptions(max_bindings=64, binding_arrays=True))
+    (d,) = kp.dispatches
+    assert d.wgsl.count("fn form") == 2 and d.wgsl.count("binding_array<array<f32>, 4>") == 3, d.wgsl
+    assert "b2[0u]" in d.wgsl and len(d.bufs) == 1 + 3 * 4 + 2          # lr once; out, p, g per part; 2q and q
+    assert [b.name for b in d.bufs[4:9]] == ["p0", "p1", "p2", "p3", "lr"]   # an array's buffers in part order
+    dev = get_runtime_device("vulkan")
+    if not arrays or not dev.limits.get("binding-arrays"):
+        monkeypatch.setitem(dev.limits, "binding-arrays", False)
+    rng = np.random.default_rng(3)
+    feeds = {n: rng.standard_normal(t.shape).astype(np.float32) for n, t in g.inputs.items()}
+    want = mg.compile(g, outputs=outs, backend="numpy").run(feeds)
+    with mg.compile(g, outputs=outs, backend="vulkan") as s:
+        texts = [d.wgsl for d in s.executor.plan("run").kernel_plan.dispatches]
+        assert ("binding_array" in texts[0]) == arrays
+        for w, got in zip(want, s.run(feeds)):
+            np.testing.assert_allclose(got, w, rtol=1e-5, atol=1e-6)
+
+
 def test_optimizer_and_cache_updates_are_written_in_place():
     """AdamW's parameter and moment updates, and a decoder's KV-cache blend, write into
     the tensors' own buffers: no copies after the step, and training still matches the

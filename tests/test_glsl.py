@@ -77,7 +77,7 @@ def test_every_workload_kernel_compiles_to_spirv():
     from meganeura.bench.workloads import WORKLOADS, make
     from meganeura.compiler import CompileOptions, compile_plan
     from meganeura.runtime.vulkan.glslang import compile_glsl
-    seen = {}
+    seen, shared = {}, 0
     for name in WORKLOADS:
         w = make(name, size="tiny")
         for phase in ("inference", "train_step"):
@@ -85,7 +85,14 @@ def test_every_workload_kernel_compiles_to_spirv():
             kp = compile_plan(targets, n_forward=n, options=CompileOptions(max_bindings=BINDINGS), updates=upd)
             for d in kp.dispatches:
                 seen.setdefault(d.wgsl, d.kernel.name)
-    assert len(seen) > 300
+            # merged launches whose parts share bodies through arrays of buffers (Vulkan)
+            kp = compile_plan(targets, n_forward=n, updates=upd,
+                              options=CompileOptions(max_bindings=BINDINGS, binding_arrays=True))
+            for d in kp.dispatches:
+                if d.kernel.archetype == "multi":
+                    shared += "binding_array" in d.wgsl
+                    seen.setdefault(d.wgsl, d.kernel.name)
+    assert len(seen) > 300 and shared > 5, (len(seen), shared)
     from meganeura.codegen.glsl import _tokenize_text, tokenize
     for text, kname in seen.items():
         # tokens from the cache of lines are the whole text's
@@ -104,6 +111,22 @@ def test_backends_agree_bit_for_bit_on_a_training_step(backend):
     np.testing.assert_allclose(got, ref, rtol=1e-5)
     if backend == "vulkan":
         np.testing.assert_array_equal(got, mlp_training_losses("wgpu"))
+
+
+def test_arrays_of_buffers_are_blocks_indexed_by_a_uniform_value():
+    """``binding_array<array<T>, N>`` (a merged launch's parts sharing one body) is an array of
+    buffer blocks; indexing it picks a block, whose member is then indexed."""
+    src = ("@group(0) @binding(0) var<storage, read> b0: binding_array<array<f32>, 3>;\n"
+           "@group(0) @binding(1) var<storage, read_write> b1: binding_array<array<vec4<f32>>, 2>;\n"
+           "@compute @workgroup_size(64)\n"
+           "fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) lid: u32) {\n"
+           "    let p = wid.x % 2u;\n"
+           "    b1[p][lid] = vec4<f32>(b0[p + 1u][lid] * 2.0);\n}\n")
+    out = to_glsl(src, "arrays")
+    assert "readonly buffer B0_ { float d[]; } b0[3];" in out and "buffer B1_ { vec4 d[]; } b1[2];" in out
+    assert "b1[p].d[lid] = vec4((b0[(p + 1u)].d[lid] * 2.0));" in out, out
+    with pytest.raises(GlslTranslationError, match="binding_array of"):
+        to_glsl(src.replace("array<f32>, 3>", "array<f32, 4>, 3>"))
 
 
 def test_signed_remainder_folded_constants_and_saturate_keep_wgsl_meaning():

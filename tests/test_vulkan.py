@@ -126,6 +126,13 @@ def test_spirv_reflection_reads_bindings_access_and_push_constants():
     with pytest.raises(spirv.SpirvError, match="not a SPIR-V module"):
         spirv.reflect(b"\0" * 24)
     assert spirv.reflect(glslang.compile_glsl(_shared_kernel(1000), name="shared"))["workgroup_memory"] == 4016
+    # an array of buffers is one binding of several descriptors
+    arrays = ("#version 450\nlayout(local_size_x = 1) in;\n"
+              "layout(set = 0, binding = 0) readonly buffer A { float d[]; } a[3];\n"
+              "layout(set = 0, binding = 1) buffer O { float o[]; };\n"
+              "void main() { o[0] = a[gl_WorkGroupID.x].d[0]; }\n")
+    info = spirv.reflect(glslang.compile_glsl(arrays, name="arrays"))
+    assert info["bindings"] == {0: "read", 1: "rw"} and info["counts"] == {0: 3, 1: 1}
 
 
 def _shared_kernel(n):

@@ -32,6 +32,9 @@ def test_an_entry_reads_back_as_written_and_only_under_its_key():
     assert cache.decode_kernel("k1", bytes(flipped)) is None       # corrupted SPIR-V
     assert cache.decode_kernel("k1", b"garbage") is None
     assert cache.decode_kernel("k1", data[:12]) is None
+    # a binding that is an array of buffers keeps its count
+    arrays = cache.CompiledKernel(ck.spirv, {**ck.info, "counts": {0: 3, 1: 1}}, False)
+    assert cache.decode_kernel("k1", cache.encode_kernel("k1", arrays)) == arrays
 
 
 def test_the_key_follows_everything_that_decides_the_spirv():

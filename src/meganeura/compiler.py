@@ -9,6 +9,7 @@ everything here is testable (kernel counts, WGSL validity) without a GPU.
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import os
 import threading
@@ -35,6 +36,7 @@ class CompileOptions:
     disabled: frozenset = frozenset()    # fusion passes switched off (MEGANEURA_NO_FUSE)
     workgroup_storage: int = 0           # bytes of workgroup memory a kernel may use (0: a portable 32 KiB)
     f16_weights: frozenset = frozenset() # accelerated: parameters read through persistent f16 copies
+    binding_arrays: bool = False         # the runtime binds arrays of buffers: merged parts share bodies
 
     @staticmethod
     def from_env(precision="strict", limits=None):
@@ -51,7 +53,8 @@ class CompileOptions:
                              f"known: {', '.join(known)} or 'all'")
         mb = int((limits or {}).get("max-storage-buffers-per-shader-stage", 8))
         return CompileOptions(precision, mb, frozenset(names),
-                              int((limits or {}).get("max-compute-workgroup-storage-size", 0)))
+                              int((limits or {}).get("max-compute-workgroup-storage-size", 0)),
+                              binding_arrays=bool((limits or {}).get("binding-arrays", False)))
 
 
 @dataclass
@@ -464,7 +467,7 @@ def _compile_plan(targets, n_forward, opts, updates, on_render=None) -> KernelPl
     # a repeated layer's kernels render once (``codegen.fingerprint``); the text does not
     # depend on the order, so the kernels whose driver compiles take longest (merged
     # launches, matmuls) render first, for ``on_render`` to start them first
-    render, sent = RenderCache(codegen.render), set()
+    render, sent = RenderCache(functools.partial(codegen.render, arrays=opts.binding_arrays)), set()
     for i in sorted(range(len(kernels)), key=lambda i: _render_rank(kernels[i])):
         k = kernels[i]
         wgsl, bufs, groups = render(k)

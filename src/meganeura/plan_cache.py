@@ -162,7 +162,7 @@ def _context(options, adapter) -> tuple:
                       if k.startswith("MEGANEURA_") and k not in _NOT_PLAN_SWITCHES)
     return (routing_constants(), precision_constants(),
             (options.precision, options.max_bindings, sorted(options.disabled), options.workgroup_storage,
-             sorted(options.f16_weights)),
+             sorted(options.f16_weights), options.binding_arrays),
             sorted((str(k), str(v)) for k, v in (adapter or {}).items()), switches, package_digest())
 
 

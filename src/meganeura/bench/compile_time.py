@@ -41,6 +41,7 @@ import time
 from .workloads import WORKLOADS, make, parse_list
 
 BINDINGS = 1 << 16      # as bench/dispatches.py: a large GPU's storage-buffer limit
+# the H200's options: its Vulkan runtime binds arrays of buffers (``CompileOptions.binding_arrays``)
 H200_WORKGROUP_STORAGE = 49152
 GRAPHS = ("inference", "train")
 PHASES = {"inference": ("run",), "train": ("grads", "step")}
@@ -69,7 +70,7 @@ def device_free(name, size, graph, cache_dir) -> dict:
     build_s = time.perf_counter() - t0
     _, s, session_s = _session(w, graph, "numpy")
     before_plans_cpu = time.process_time() - c0
-    opts = CompileOptions(max_bindings=BINDINGS, workgroup_storage=H200_WORKGROUP_STORAGE)
+    opts = CompileOptions(max_bindings=BINDINGS, workgroup_storage=H200_WORKGROUP_STORAGE, binding_arrays=True)
     row = {"workload": name, "graph": graph, "build_s": build_s, "session_s": session_s, "phases": {}}
     for phase in PHASES[graph]:
         fetches, grad_names, upd, targets = s.program.targets(phase)
@@ -143,7 +144,7 @@ def digests(names, size, precisions=("strict", "accelerated")) -> dict:
                     copies = f16_weights(s.program.fetches) if precision == "accelerated" and s.program.fetches \
                         else frozenset()
                     opts = CompileOptions(precision, max_bindings=BINDINGS, workgroup_storage=H200_WORKGROUP_STORAGE,
-                                          f16_weights=copies)
+                                          f16_weights=copies, binding_arrays=True)
                     base = len(fetches) + len(grad_names)
                     c0 = time.process_time()
                     kp = compile_plan(targets, n_forward=len(fetches), options=opts,
@@ -180,7 +181,7 @@ def scaling(layers=(8, 16, 32, 64)) -> list:
     from ..compiler import CompileOptions, compile_plan
     from ..models import llama
     cfg0 = make("smollm2", size="real", device="cpu").cfg
-    opts = CompileOptions(max_bindings=BINDINGS, workgroup_storage=H200_WORKGROUP_STORAGE)
+    opts = CompileOptions(max_bindings=BINDINGS, workgroup_storage=H200_WORKGROUP_STORAGE, binding_arrays=True)
     rows = []
     for n in layers:
         g, _, _, loss = llama.build_training(dataclasses.replace(cfg0, num_hidden_layers=n), 1, 128)

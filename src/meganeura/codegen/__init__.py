@@ -20,10 +20,13 @@ for _op, _lower in gather.LOWER.items():
     OPS[_op].lower = _lower
 
 
-def render(kernel, errors=None):
-    """``errors``: checked mode's error buffer for kernels with index checks (gather)."""
+def render(kernel, errors=None, arrays=False):
+    """``errors``: checked mode's error buffer for kernels with index checks (gather);
+    ``arrays``: the runtime binds arrays of buffers (``CompileOptions.binding_arrays``)."""
     if errors is not None:
         return gather.render(kernel, errors)
+    if arrays and kernel.archetype == "multi":
+        return pointwise.render_multi(kernel, arrays=True)
     return RENDER[kernel.archetype](kernel)
 
 

@@ -42,29 +42,49 @@ class Bindings:
         self.helpers_done = set()    # WGSL helper functions already in the module
         self.enable_f16 = False      # a function of the module computes in f16 without an f16 binding
 
+    def array(self, bufs: tuple, ty: str, write=False) -> int:
+        """A binding of the array of buffers ``bufs`` (the parts of a merged launch that share
+        one body, each reading its own buffer through it), elements of WGSL type ``ty``; in the
+        returned binding list it stands for its buffers, in order (``flat``)."""
+        self.bufs.append(tuple(bufs))
+        self.types.append(ty)
+        if write:
+            self.written.add(id(self.bufs[-1]))
+        return len(self.bufs) - 1
+
+    def flat(self) -> list:
+        """The buffers bound, one per descriptor: an array binding's buffers in its place."""
+        return [x for b in self.bufs for x in (b if isinstance(b, tuple) else (b,))]
+
     def index(self, buf, dtype, write=False) -> int:
+        return self.slot(buf, dtype.wgsl, write)
+
+    def slot(self, buf, ty: str, write=False) -> int:
+        """``index`` by the WGSL name of the element type."""
         if write:
             self.written.add(id(buf))
         free = None
         for k, b in enumerate(self.bufs):
-            if b is buf and self.types[k] == dtype.wgsl:
+            if b is buf and self.types[k] == ty:
                 return k
             if b is buf and self.types[k] is None and free is None:
                 free = k
         if free is not None:
-            self.types[free] = dtype.wgsl
+            self.types[free] = ty
             return free
         self.bufs.append(buf)
-        self.types.append(dtype.wgsl)
+        self.types.append(ty)
         return len(self.bufs) - 1
 
     def decls(self) -> str:
         """Buffers the kernel only reads are declared ``read``: wgpu then needs no barrier
         between two dispatches that both only read them."""
         enable = ["enable f16;"] if self.enable_f16 or any("f16" in (t or "") for t in self.types) else []
+        def of(b, ty):
+            return f"binding_array<array<{ty}>, {len(b)}>" if isinstance(b, tuple) else f"array<{ty or 'u32'}>"
         return "\n".join(enable + [
             f"@group(0) @binding({k}) var<storage, {'read_write' if id(b) in self.written else 'read'}> "
-            f"b{k}: array<{ty or 'u32'}>;" for k, (b, ty) in enumerate(zip(self.bufs, self.types))])
+            f"b{k}: {of(b, ty)};" for k, (b, ty) in enumerate(zip(self.bufs, self.types))])
 
 
 def grid(n_groups: int) -> tuple[int, int, int]:

@@ -60,8 +60,9 @@ class GlslTranslationError(ValueError):
 # ----------------------------------------------------------------------------- types
 @dataclass(frozen=True)
 class Ty:
-    """A WGSL type: ``kind`` scalar / vec / array; ``elem`` the scalar name (or the array's
-    element Ty); ``n`` the vector width or array length (None: runtime-sized)."""
+    """A WGSL type: ``kind`` scalar / vec / array / barray (``binding_array``: an array of
+    storage buffers, a module binding only); ``elem`` the scalar name (or the array's element
+    Ty); ``n`` the vector width or array length (None: runtime-sized)."""
     kind: str
     elem: object
     n: int | None = None
@@ -70,7 +71,7 @@ class Ty:
     abstract: bool = field(init=False, repr=False, compare=False)
 
     def __post_init__(self):
-        object.__setattr__(self, "scalar", self.elem if self.kind != "array" else self.elem.scalar)
+        object.__setattr__(self, "scalar", self.elem.scalar if self.kind in ("array", "barray") else self.elem)
         object.__setattr__(self, "abstract", self.kind == "scalar" and self.elem in ("aint", "afloat"))
 
 
@@ -344,6 +345,15 @@ class _Translator:
             el = self.parse_type()
             self.eat_close_angle()
             return make_ty("vec", el.elem, int(name[-1]))
+        if name == "binding_array":     # binding_array<array<T>, N>
+            self.eat("<")
+            el = self.parse_type()
+            self.eat(",")
+            n = int(self.eat(kind="num").text.rstrip("iu"))
+            self.eat_close_angle()
+            if el.kind != "array" or el.n is not None:
+                self.fail(f"binding_array of {el} (runtime-sized arrays only)")
+            return make_ty("barray", el, n)
         if name == "array":
             self.eat("<")
             el = self.parse_type()
@@ -430,6 +440,9 @@ class _Translator:
                 self.i += 1
                 idx = self.expr()
                 self.eat("]")
+                if v.ty.kind == "barray":      # one buffer of the array: its block's member
+                    v = Val(f"{v.text}[{convert(idx, U32).text if idx.ty.abstract else idx.text}].d", v.ty.elem)
+                    continue
                 if v.ty.kind == "array":
                     ty = v.ty.elem
                 elif v.ty.kind == "vec":
@@ -723,8 +736,12 @@ class _Translator:
                     b = int(attrs["binding"][0])
                     g = int(attrs.get("group", ["0"])[0])
                     ro = "readonly " if access in (None, "read") else ""
-                    decls.append(f"layout(std430, set = {g}, binding = {b}) {ro}buffer B{b}_ {{ "
-                                 f"{glsl_type(ty.elem)} {_ident(name)}[]; }};")
+                    if ty.kind == "barray":
+                        decls.append(f"layout(std430, set = {g}, binding = {b}) {ro}buffer B{b}_ {{ "
+                                     f"{glsl_type(ty.elem.elem)} d[]; }} {_ident(name)}[{ty.n}];")
+                    else:
+                        decls.append(f"layout(std430, set = {g}, binding = {b}) {ro}buffer B{b}_ {{ "
+                                     f"{glsl_type(ty.elem)} {_ident(name)}[]; }};")
                 elif space == "workgroup":
                     decls.append(f"shared {glsl_type(ty.elem)} {_ident(name)}[{ty.n}];")
                 else:

@@ -2,8 +2,10 @@
 tree whose leaves are strided (possibly broadcast) views."""
 from __future__ import annotations
 
+import re
+
 from .common import ENTRY, GROUP_INDEX, WG, Bindings, broadcast_view_strides, coalesce, coords, grid, offset_expr
-from .expr import ExprWriter, Node, store_lines
+from .expr import HELPERS, ExprWriter, Node, store_lines
 
 
 def sum_kernel(name, leaves, out):
@@ -106,10 +108,14 @@ def render(kernel) -> tuple[str, list, tuple]:
     return src, b.bufs, grid(-(-n // WG))
 
 
-def render_multi(kernel):
+def render_multi(kernel, arrays=False):
     """Independent pointwise kernels and reductions in one dispatch: each owns a range of
-    workgroups (horizontal fusion: one launch and one barrier instead of one per kernel)."""
+    workgroups (horizontal fusion: one launch and one barrier instead of one per kernel).
+    ``arrays``: the runtime binds arrays of buffers, and parts alike but for their buffers
+    share one body (``_render_shared``)."""
     from . import reduce
+    if arrays:
+        return _render_shared(kernel)
     b = Bindings()
     fns, helpers, branches, g0, scratch = [], {}, [], 0, ""
     for j, part in enumerate(kernel.spec["parts"]):
@@ -132,6 +138,78 @@ def render_multi(kernel):
     src = "\n".join([b.decls()] + list(helpers) + [scratch] + fns) + "\n\n" + ENTRY.format(wg=WG) + \
         f"    let g = {GROUP_INDEX};\n" + "\n".join(branches) + "\n}\n"
     return src, b.bufs, grid(g0)
+
+
+_BUFFER_USE = re.compile(r"\bb(\d+)\[")
+_NOWHERE = 0xFFFFFFFF       # ``locate``'s part id past the last range (a folded grid's spare groups)
+
+
+def _render_shared(kernel):
+    """``render_multi`` with one body per form: pointwise parts whose bodies differ only in
+    the buffers they bind and in their size (the optimizer's update of each parameter; every
+    layer's copy of an elementwise step) become one function ``form{f}(p, i, n)`` that reads
+    and writes its buffers through arrays of buffers indexed by ``p``, the part's position in
+    its form (a role every part binds to the same buffer stays a plain binding). The driver
+    then compiles each body once instead of once per part: SmolLM2's optimizer launch of 64
+    parameter updates is one body. ``locate(g)`` maps the workgroup to (form or reduction,
+    position, first workgroup, size); the index is uniform over the workgroup, as arrays of
+    buffers require."""
+    from . import reduce
+    b = Bindings()
+    parts = kernel.spec["parts"]
+    forms, bodies = {}, {}
+    for j, part in enumerate(parts):
+        if part.archetype != "reduce":
+            pb = Bindings()
+            hs, lines = _body(part, pb)
+            key = (tuple(hs), tuple(lines), tuple(pb.types), tuple(id(x) in pb.written for x in pb.bufs),
+                   pb.enable_f16)
+            members = forms.setdefault(key, [])
+            bodies[j] = key, len(members)       # the form, the part's position in it
+            members.append(pb)
+    fns, helpers, ranges, ids, scratch, g0 = [], {}, [], {}, "", 0
+    for j, part in enumerate(parts):
+        if part.archetype == "reduce":
+            module, fn, n_groups = reduce.part(part, b, str(j))
+            helpers[module] = None
+            fns.append(fn)
+            scratch = reduce.SCRATCH
+            ids[j] = len(ids)
+            call = f"red{j}(g - at.z, lid)"
+            ranges.append((g0 + n_groups, ids[j], 0, g0, 0, call))
+        else:
+            key, slot = bodies[j]
+            members = forms[key]
+            if key not in ids:          # the form's body, bound at its first part
+                ids[key] = len(ids)
+                hs, lines = key[0], key[1]
+                # each helper once in the module: the reductions' modules skip those emitted
+                new = [h for h in HELPERS if HELPERS[h] in hs and h not in b.helpers_done]
+                b.helpers_done.update(new)
+                helpers.update((HELPERS[h], None) for h in new)
+                b.enable_f16 |= key[4]
+                uses = []
+                for r, (ty, written) in enumerate(zip(key[2], key[3])):
+                    bufs = [m.bufs[r] for m in members]
+                    if all(x is bufs[0] for x in bufs):
+                        uses.append(f"b{b.slot(bufs[0], ty, written)}[")
+                    else:
+                        uses.append(f"b{b.array(bufs, ty, written)}[p][")
+                body = _BUFFER_USE.sub(lambda m: uses[int(m.group(1))], "\n".join(lines))
+                fns.append(f"fn form{ids[key]}(p: u32, i: u32, n: u32) {{\n    if (i >= n) {{ return; }}\n{body}\n}}")
+            n_groups = -(-part.out.size // WG)
+            call = f"form{ids[key]}(at.y, (g - at.z) * {WG}u + lid, at.w)"
+            ranges.append((g0 + n_groups, ids[key], slot, g0, part.out.size, call))
+        g0 += n_groups
+    where = [f"    if (g < {end}u) {{ return vec4<u32>({i}u, {slot}u, {start}u, {n}u); }}"
+             for end, i, slot, start, n, _ in ranges]
+    locate = "fn locate(g: u32) -> vec4<u32> {\n" + "\n".join(where) + \
+        f"\n    return vec4<u32>({_NOWHERE}u, 0u, 0u, 0u);\n}}"
+    calls = {i: call for _, i, _, _, _, call in ranges}
+    branches = [f"    if (at.x == {i}u) {{ {call}; return; }}" for i, call in sorted(calls.items())]
+    src = "\n".join([b.decls()] + list(helpers) + [scratch] + fns + [locate]) + "\n\n" + ENTRY.format(wg=WG) + \
+        f"    let g = {GROUP_INDEX};\n    let at = locate(g);\n" + "\n".join(branches) + "\n}\n"
+    return src, b.flat(), grid(g0)
 
 
 def _rleaves(e) -> set:

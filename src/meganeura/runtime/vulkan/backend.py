@@ -370,6 +370,10 @@ class VulkanRuntime:
             "max-buffer-size": int(lim["maxStorageBufferRange"]),
             "max-compute-workgroups-per-dimension": int(min(lim["maxComputeWorkGroupCount"])),
             "max-compute-invocations-per-workgroup": int(lim["maxComputeWorkGroupInvocations"]),
+            # arrays of buffers indexed per workgroup: the parts of a merged launch share bodies
+            # (MEGANEURA_BINDING_ARRAYS=0: one body per part, as on wgpu)
+            "binding-arrays": bool(f.get("shaderStorageBufferArrayDynamicIndexing"))
+                              and env_flag("MEGANEURA_BINDING_ARRAYS", default=True),
         }
         drv = self.vk.driver
         self.adapter_info = {"name": self.vk.name, "backend": "Vulkan (direct)", "type": self.vk.device_type,

@@ -74,7 +74,7 @@ def write_atomic(path: pathlib.Path, data: bytes) -> None:
 # (the text, the GLSL translation switches, the target, the glslang version, the package's
 # source digest), so that a later process finds the SPIR-V without translating the text to
 # GLSL, running glslang or reading the SPIR-V again.
-KERNEL_FORMAT = 1
+KERNEL_FORMAT = 2      # 2: the reflection keeps each binding's count of buffers
 _KERNEL_MAGIC = b"MGKSPV1\n"
 
 
@@ -109,7 +109,8 @@ def kernel_path(key: str) -> pathlib.Path:
 def _head(ck: CompiledKernel) -> dict:
     """A kernel's reflection and SPIR-V size as JSON values."""
     info = ck.info
-    return {"bindings": [[int(b), a] for b, a in info["bindings"].items()],
+    counts = {"counts": [[int(b), int(c)] for b, c in info["counts"].items()]} if "counts" in info else {}
+    return {"bindings": [[int(b), a] for b, a in info["bindings"].items()], **counts,
             "local_size": list(info["local_size"]) if info["local_size"] is not None else None,
             "push_constant_size": int(info["push_constant_size"]), "workgroup_memory": int(info["workgroup_memory"]),
             "capabilities": list(info["capabilities"]), "extensions": list(info["extensions"]),
@@ -124,6 +125,8 @@ def _kernel(head: dict, spirv: bytes) -> CompiledKernel | None:
                 local_size=tuple(head["local_size"]) if head["local_size"] is not None else None,
                 push_constant_size=int(head["push_constant_size"]), workgroup_memory=int(head["workgroup_memory"]),
                 capabilities=list(head["capabilities"]), extensions=list(head["extensions"]))
+    if "counts" in head:            # bindings that are arrays of buffers
+        info["counts"] = {int(b): int(c) for b, c in head["counts"]}
     return CompiledKernel(spirv, info, bool(head["subgroup32"]))
 
 

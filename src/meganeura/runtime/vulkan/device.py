@@ -191,11 +191,15 @@ class Kernel:
         found = info["bindings"]
         if sorted(found) != list(range(len(found))):
             raise ValueError(f"kernel {name!r}: storage bindings must be 0..N-1 in set 0, found {sorted(found)}")
+        # a binding may be an array of buffers: ``access`` and the buffers bound are per
+        # descriptor, the bindings' in order, each array's elements in order
+        counts = info.get("counts") or {}
+        self.counts = tuple(int(counts.get(i, 1)) for i in range(len(found)))
         if access is None:
-            access = [found[i] for i in range(len(found))]
+            access = [found[i] for i in range(len(found)) for _ in range(self.counts[i])]
         access = tuple(access)
-        if len(access) != len(found) or any(a not in ACCESS for a in access):
-            raise ValueError(f"kernel {name!r}: access {access} does not match its {len(found)} bindings "
+        if len(access) != sum(self.counts) or any(a not in ACCESS for a in access):
+            raise ValueError(f"kernel {name!r}: access {access} does not match its {sum(self.counts)} buffers "
                              f"(each one of {ACCESS})")
         self.access, self.local_size = access, info["local_size"]
         self.push_size = info["push_constant_size"] if push_size is None else int(push_size)
@@ -212,7 +216,7 @@ class Kernel:
         if self.required_subgroup_size and not dev.features.get("subgroupSizeControl"):
             raise ValueError(f"kernel {name!r} requires subgroup size {required_subgroup_size}; "
                              "the device has no subgroup size control")
-        self.set_layout, self._set_layouts, self.layout = dev._layouts(len(access), self.push_size)
+        self.set_layout, self._set_layouts, self.layout = dev._layouts(self.counts, self.push_size)
         code = ffi.from_buffer("uint32_t[]", spirv)
         si = new("VkShaderModuleCreateInfo", sType=vk.VK_STRUCTURE_TYPE_SHADER_MODULE_CREATE_INFO,
                  codeSize=len(spirv), pCode=code)
@@ -527,6 +531,7 @@ class VulkanDevice:
         feat = dict(
             shaderInt16=f2.features.shaderInt16, shaderInt64=f2.features.shaderInt64,
             shaderFloat64=f2.features.shaderFloat64,
+            shaderStorageBufferArrayDynamicIndexing=f2.features.shaderStorageBufferArrayDynamicIndexing,
             storageBuffer16BitAccess=q11.storageBuffer16BitAccess,
             shaderFloat16=q12.shaderFloat16, shaderInt8=q12.shaderInt8,
             storageBuffer8BitAccess=q12.storageBuffer8BitAccess,
@@ -617,6 +622,9 @@ class VulkanDevice:
         f2.features.shaderInt16 = f["shaderInt16"]
         f2.features.shaderInt64 = f["shaderInt64"]
         f2.features.shaderFloat64 = f["shaderFloat64"]
+        # arrays of buffers indexed by a workgroup-uniform value (the parts of a merged launch
+        # that share one body, ``codegen.pointwise.render_multi``)
+        f2.features.shaderStorageBufferArrayDynamicIndexing = f["shaderStorageBufferArrayDynamicIndexing"]
         prio = ffi.new("float[1]", [1.0])
         qci = new("VkDeviceQueueCreateInfo", sType=vk.VK_STRUCTURE_TYPE_DEVICE_QUEUE_CREATE_INFO,
                   queueFamilyIndex=self.queue_family, queueCount=1, pQueuePriorities=prio)
@@ -983,11 +991,13 @@ class VulkanDevice:
         _create_pipelines(self, made, threads, batch)
         return made
 
-    def _layouts(self, n_bindings: int, push_size: int):
-        """(descriptor-set layout, a VkDescriptorSetLayout[1] of it, pipeline layout) for
-        ``n_bindings`` storage buffers and ``push_size`` bytes of push constants: made once per
-        device and shared by every kernel with that signature (destroyed with the device)."""
-        key = (int(n_bindings), int(push_size))
+    def _layouts(self, counts, push_size: int):
+        """(descriptor-set layout, a VkDescriptorSetLayout[1] of it, pipeline layout) for storage
+        buffer bindings of ``counts`` descriptors each (an int: that many bindings of one) and
+        ``push_size`` bytes of push constants: made once per device and shared by every kernel
+        with that signature (destroyed with the device)."""
+        counts = (1,) * counts if isinstance(counts, int) else tuple(int(c) for c in counts)
+        key = (counts, int(push_size))
         found = self._layout_cache.get(key)
         if found is not None:
             return found
@@ -996,10 +1006,10 @@ class VulkanDevice:
             found = self._layout_cache.get(key)
             if found is not None:
                 return found
-            n, push = key
+            push, n = int(push_size), len(counts)
             binds = ffi.new("VkDescriptorSetLayoutBinding[]", max(n, 1))
             for i in range(n):
-                binds[i].binding, binds[i].descriptorCount = i, 1
+                binds[i].binding, binds[i].descriptorCount = i, counts[i]
                 binds[i].descriptorType = vk.VK_DESCRIPTOR_TYPE_STORAGE_BUFFER
                 binds[i].stageFlags = vk.VK_SHADER_STAGE_COMPUTE_BIT
             dl = new("VkDescriptorSetLayoutCreateInfo", sType=vk.VK_STRUCTURE_TYPE_DESCRIPTOR_SET_LAYOUT_CREATE_INFO,

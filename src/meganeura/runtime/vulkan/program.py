@@ -185,10 +185,13 @@ class Program:
             if n:
                 infos = ffi.new("VkDescriptorBufferInfo[]", n)
                 wr = ffi.new("VkWriteDescriptorSet[]", n)
-                for b, rng in enumerate(op.buffers):
+                # the buffers in order of the bindings and, within an array of buffers, its elements
+                slots = [(b, e) for b, c in enumerate(op.kernel.counts) for e in range(c)]
+                for b, (rng, (binding, element)) in enumerate(zip(op.buffers, slots)):
                     infos[b].buffer, infos[b].offset, infos[b].range = rng.block.buffer, rng.offset, max(rng.size, 4)
                     wr[b].sType = vk.VK_STRUCTURE_TYPE_WRITE_DESCRIPTOR_SET
-                    wr[b].dstSet, wr[b].dstBinding, wr[b].descriptorCount = s[0], b, 1
+                    wr[b].dstSet, wr[b].dstBinding, wr[b].dstArrayElement = s[0], binding, element
+                    wr[b].descriptorCount = 1
                     wr[b].descriptorType = vk.VK_DESCRIPTOR_TYPE_STORAGE_BUFFER
                     wr[b].pBufferInfo = infos + b
                 lib.vkUpdateDescriptorSets(d, n, wr, 0, ffi.NULL)

@@ -35,7 +35,8 @@ class SpirvError(ValueError):
 
 
 def reflect(code: bytes) -> dict:
-    """{bindings: {binding: 'read' | 'write' | 'rw'} (descriptor set 0), local_size: (x, y, z),
+    """{bindings: {binding: 'read' | 'write' | 'rw'} (descriptor set 0), counts: {binding: its
+    descriptors} (an array of buffers: more than 1), local_size: (x, y, z),
     push_constant_size: bytes, workgroup_memory: bytes of its workgroup (shared) variables,
     capabilities: [names], extensions: [names]}."""
     if len(code) < 20 or len(code) % 4:
@@ -91,7 +92,7 @@ def reflect(code: bytes) -> dict:
             return max((offs.get(m, {}).get(_DEC_OFFSET, 0) + size_of(t) for m, t in enumerate(a)), default=0)
         return 0
 
-    bindings, push, shared = {}, 0, 0
+    bindings, counts, push, shared = {}, {}, 0, 0
     for ptr, vid, sc in variables:
         pointee = types.get(ptr, (None, (0, 0)))[1][1]
         if sc == _SC_PUSH_CONSTANT:
@@ -100,6 +101,9 @@ def reflect(code: bytes) -> dict:
         if sc == _SC_WORKGROUP:
             shared += size_of(pointee)
             continue
+        count = 1
+        if types.get(pointee, (None,))[0] == _OP_TYPE_ARRAY:     # an array of buffers
+            pointee, count = types[pointee][1][0], constants.get(types[pointee][1][1], 1)
         storage = sc == _SC_STORAGE_BUFFER or (sc == _SC_UNIFORM and _DEC_BUFFER_BLOCK in decor.get(pointee, {}))
         if not storage or _DEC_BINDING not in decor.get(vid, {}):
             continue
@@ -113,5 +117,7 @@ def reflect(code: bytes) -> dict:
         ro = ro or _DEC_NON_WRITABLE in decor[vid]
         wo = wo or _DEC_NON_READABLE in decor[vid]
         bindings[decor[vid][_DEC_BINDING]] = "read" if ro else "write" if wo else "rw"
-    return dict(bindings=dict(sorted(bindings.items())), local_size=local_size, push_constant_size=push,
+        counts[decor[vid][_DEC_BINDING]] = count
+    return dict(bindings=dict(sorted(bindings.items())), counts=dict(sorted(counts.items())),
+                local_size=local_size, push_constant_size=push,
                 workgroup_memory=shared, capabilities=caps, extensions=exts)
