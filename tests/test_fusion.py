@@ -150,6 +150,15 @@ def test_merged_parts_alike_share_one_body_through_arrays_of_buffers(monkeypatch
     assert d.wgsl.count("fn form") == 2 and d.wgsl.count("binding_array<array<f32>, 4>") == 3, d.wgsl
     assert "b2[0u]" in d.wgsl and len(d.bufs) == 1 + 3 * 4 + 2          # lr once; out, p, g per part; 2q and q
     assert [b.name for b in d.bufs[4:9]] == ["p0", "p1", "p2", "p3", "lr"]   # an array's buffers in part order
+    # an array binds a buffer two parts share twice: past the bindings the fusion allowed
+    # (which counted it once), the parts keep their own bodies
+    a = [g.input(f"a{i}", (7 + i,)) for i in range(4)]
+    y, z = g.input("y", (1,)), g.input("z", (1,))
+    shared = [v * w for v, w in zip(a, (y, y, z, z))]
+    assert "binding_array" in compile_plan(shared, options=CompileOptions(max_bindings=12, binding_arrays=True)) \
+        .dispatches[0].wgsl
+    (d,) = compile_plan(shared, options=CompileOptions(max_bindings=10, binding_arrays=True)).dispatches
+    assert "binding_array" not in d.wgsl and len(d.bufs) == 10
     dev = get_runtime_device("vulkan")
     if not arrays or not dev.limits.get("binding-arrays"):
         monkeypatch.setitem(dev.limits, "binding-arrays", False)

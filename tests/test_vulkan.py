@@ -485,6 +485,20 @@ def test_dispatch_benchmark_runs_small(dev, tmp_path):
     assert "dependent chain" in r.stdout
 
 
+def test_kernel_past_the_storage_buffer_limit_is_refused(dev):
+    """More buffers than the device binds a kernel (an array of buffers counts each) is
+    refused, naming the kernel: past the limit a software driver crashes as it runs."""
+    limit = dev.limits["maxPerStageDescriptorStorageBuffers"]
+    if limit > 4096:
+        pytest.skip(f"the device binds {limit} buffers a kernel: too many to declare")
+    src = ("#version 450\nlayout(local_size_x = 1) in;\n"
+           "layout(set = 0, binding = 0) buffer A {{ float d[]; }} a[{n}];\n"
+           "void main() {{ a[gl_WorkGroupID.x].d[0] = 1.0; }}\n")
+    dev.kernel(glslang.compile_glsl(src.format(n=limit), name="fits"), name="fits").destroy()
+    with pytest.raises(ValueError, match=f"'many': {limit + 1} storage buffers, the device allows {limit}"):
+        dev.kernel(glslang.compile_glsl(src.format(n=limit + 1), name="many"), name="many")
+
+
 def test_kernel_past_the_workgroup_memory_limit_is_refused(dev):
     """A driver may accept a pipeline with more workgroup memory than it has and lose the
     device when it runs: the runtime refuses it, naming the kernel and the sizes."""

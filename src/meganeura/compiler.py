@@ -467,7 +467,8 @@ def _compile_plan(targets, n_forward, opts, updates, on_render=None) -> KernelPl
     # a repeated layer's kernels render once (``codegen.fingerprint``); the text does not
     # depend on the order, so the kernels whose driver compiles take longest (merged
     # launches, matmuls) render first, for ``on_render`` to start them first
-    render, sent = RenderCache(functools.partial(codegen.render, arrays=opts.binding_arrays)), set()
+    array_limit = opts.max_bindings if opts.binding_arrays else 0
+    render, sent = RenderCache(functools.partial(codegen.render, array_limit=array_limit)), set()
     for i in sorted(range(len(kernels)), key=lambda i: _render_rank(kernels[i])):
         k = kernels[i]
         wgsl, bufs, groups = render(k)

@@ -20,13 +20,14 @@ for _op, _lower in gather.LOWER.items():
     OPS[_op].lower = _lower
 
 
-def render(kernel, errors=None, arrays=False):
+def render(kernel, errors=None, array_limit=0):
     """``errors``: checked mode's error buffer for kernels with index checks (gather);
-    ``arrays``: the runtime binds arrays of buffers (``CompileOptions.binding_arrays``)."""
+    ``array_limit``: the runtime binds arrays of buffers, at most this many buffers a kernel
+    (``CompileOptions.binding_arrays``; 0: it does not)."""
     if errors is not None:
         return gather.render(kernel, errors)
-    if arrays and kernel.archetype == "multi":
-        return pointwise.render_multi(kernel, arrays=True)
+    if array_limit and kernel.archetype == "multi":
+        return pointwise.render_multi(kernel, array_limit)
     return RENDER[kernel.archetype](kernel)
 
 

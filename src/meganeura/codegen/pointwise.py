@@ -108,14 +108,18 @@ def render(kernel) -> tuple[str, list, tuple]:
     return src, b.bufs, grid(-(-n // WG))
 
 
-def render_multi(kernel, arrays=False):
+def render_multi(kernel, array_limit=0):
     """Independent pointwise kernels and reductions in one dispatch: each owns a range of
     workgroups (horizontal fusion: one launch and one barrier instead of one per kernel).
-    ``arrays``: the runtime binds arrays of buffers, and parts alike but for their buffers
-    share one body (``_render_shared``)."""
+    ``array_limit``: the runtime binds arrays of buffers, at most this many buffers a kernel,
+    and parts alike but for their buffers share one body (``_render_shared``) where that
+    stays within the limit (an array binds a buffer two parts share twice, which the fusion
+    passes counted once)."""
     from . import reduce
-    if arrays:
-        return _render_shared(kernel)
+    if array_limit:
+        shared = _render_shared(kernel)
+        if len(shared[1]) <= array_limit:
+            return shared
     b = Bindings()
     fns, helpers, branches, g0, scratch = [], {}, [], 0, ""
     for j, part in enumerate(kernel.spec["parts"]):

@@ -201,6 +201,10 @@ class Kernel:
         if len(access) != sum(self.counts) or any(a not in ACCESS for a in access):
             raise ValueError(f"kernel {name!r}: access {access} does not match its {sum(self.counts)} buffers "
                              f"(each one of {ACCESS})")
+        if len(access) > dev.limits["maxPerStageDescriptorStorageBuffers"]:
+            # past the limit a software driver runs the kernel and crashes
+            raise ValueError(f"kernel {name!r}: {len(access)} storage buffers, the device allows "
+                             f"{dev.limits['maxPerStageDescriptorStorageBuffers']} a kernel")
         self.access, self.local_size = access, info["local_size"]
         self.push_size = info["push_constant_size"] if push_size is None else int(push_size)
         if self.push_size % 4 or self.push_size > dev.limits["maxPushConstantsSize"]:
