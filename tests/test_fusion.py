@@ -172,6 +172,29 @@ def test_merged_parts_alike_share_one_body_through_arrays_of_buffers(monkeypatch
             np.testing.assert_allclose(got, w, rtol=1e-5, atol=1e-6)
 
 
+def test_merged_tiled_matmuls_alike_share_one_body(monkeypatch):
+    """Merged tiled matmuls of the same shapes (sibling projections of one input) share one
+    body through arrays of buffers in strict precision, and match NumPy on the Vulkan runtime;
+    accelerated precision keeps a body per part (its tensor-core variants bind the parts'
+    buffers as the text does)."""
+    g = mg.Graph()
+    x = g.input("x", (64, 96))
+    outs = [x @ g.parameter(f"w{i}", (96, 128)) for i in range(3)] + [x @ g.parameter("w3", (96, 256))]
+    opts = CompileOptions(max_bindings=64, binding_arrays=True)
+    (d,) = compile_plan(outs, options=opts).dispatches
+    assert d.wgsl.count("fn mms") == 2 and "binding_array<array<vec4<f32>>, 3>" in d.wgsl, d.wgsl[:800]
+    acc = compile_plan(outs, options=CompileOptions(precision="accelerated", max_bindings=64, binding_arrays=True))
+    (d,) = [d for d in acc.dispatches if d.kernel.archetype == "matmul"]
+    assert "binding_array" not in d.wgsl and d.wgsl.count("fn mm") == 4
+    rng = np.random.default_rng(0)
+    feeds = {"x": rng.standard_normal((64, 96)).astype(np.float32)}
+    ref = mg.compile(g, outputs=outs, backend="numpy")
+    with mg.compile(g, outputs=outs, backend="vulkan") as s:
+        s.load_state_dict(ref.state_dict())
+        for want, got in zip(ref.run(feeds), s.run(feeds)):
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
 def test_optimizer_and_cache_updates_are_written_in_place():
     """AdamW's parameter and moment updates, and a decoder's KV-cache blend, write into
     the tensors' own buffers: no copies after the step, and training still matches the

@@ -89,8 +89,8 @@ def test_every_workload_kernel_compiles_to_spirv():
             kp = compile_plan(targets, n_forward=n, updates=upd,
                               options=CompileOptions(max_bindings=BINDINGS, binding_arrays=True))
             for d in kp.dispatches:
-                if d.kernel.archetype == "multi":
-                    shared += "binding_array" in d.wgsl
+                if "binding_array" in d.wgsl:
+                    shared += 1
                     seen.setdefault(d.wgsl, d.kernel.name)
     assert len(seen) > 300 and shared > 5, (len(seen), shared)
     from meganeura.codegen.glsl import _tokenize_text, tokenize

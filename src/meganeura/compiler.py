@@ -468,7 +468,8 @@ def _compile_plan(targets, n_forward, opts, updates, on_render=None) -> KernelPl
     # depend on the order, so the kernels whose driver compiles take longest (merged
     # launches, matmuls) render first, for ``on_render`` to start them first
     array_limit = opts.max_bindings if opts.binding_arrays else 0
-    render, sent = RenderCache(functools.partial(codegen.render, array_limit=array_limit)), set()
+    render, sent = RenderCache(functools.partial(codegen.render, array_limit=array_limit,
+                                                 tiled_arrays=opts.precision == "strict")), set()
     for i in sorted(range(len(kernels)), key=lambda i: _render_rank(kernels[i])):
         k = kernels[i]
         wgsl, bufs, groups = render(k)

@@ -20,14 +20,18 @@ for _op, _lower in gather.LOWER.items():
     OPS[_op].lower = _lower
 
 
-def render(kernel, errors=None, array_limit=0):
+def render(kernel, errors=None, array_limit=0, tiled_arrays=False):
     """``errors``: checked mode's error buffer for kernels with index checks (gather);
     ``array_limit``: the runtime binds arrays of buffers, at most this many buffers a kernel
-    (``CompileOptions.binding_arrays``; 0: it does not)."""
+    (``CompileOptions.binding_arrays``; 0: it does not); ``tiled_arrays``: merged tiled
+    matmuls may share bodies too (not where a runtime renders them again its own way, binding
+    their buffers in the same order: the cooperative-matrix variants of accelerated precision)."""
     if errors is not None:
         return gather.render(kernel, errors)
     if array_limit and kernel.archetype == "multi":
         return pointwise.render_multi(kernel, array_limit)
+    if array_limit and tiled_arrays and kernel.archetype == "matmul":
+        return matmul.render(kernel, array_limit)
     return RENDER[kernel.archetype](kernel)
 
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+import re
 
 import numpy as np
 
@@ -161,3 +162,28 @@ def contiguous_batch_strides(shape, batch, mat_size):
         st[d] = 0 if n == 1 else acc
         acc *= n
     return st
+
+
+BUFFER_USE = re.compile(r"\bb(\d+)\[")      # a binding indexed, as every renderer writes it
+
+
+def bind_roles(b: Bindings, members, text: str, index: str) -> str:
+    """``text``, a body rendered on a Bindings of its own (``members[0]``; the other members
+    are the Bindings of bodies of the same text for other parts), with its bindings bound on
+    ``b``: a binding every member gives the same buffer stays one binding, the others become
+    an array of the members' buffers indexed by ``index`` (the part's position among them)."""
+    first, uses = members[0], []
+    for r, ty in enumerate(first.types):
+        bufs = [m.bufs[r] for m in members]
+        written = id(first.bufs[r]) in first.written
+        if all(x is bufs[0] for x in bufs):
+            uses.append(f"b{b.slot(bufs[0], ty, written)}[")
+        else:
+            uses.append(f"b{b.array(bufs, ty, written)}[{index}][")
+    return BUFFER_USE.sub(lambda m: uses[int(m.group(1))], text)
+
+
+def form_key(pb: Bindings, text) -> tuple:
+    """What decides that two parts rendered on Bindings of their own (``pb``) share a body:
+    the text, the element types of its bindings and which it writes."""
+    return (text, tuple(pb.types), tuple(id(x) in pb.written for x in pb.bufs), pb.enable_f16)

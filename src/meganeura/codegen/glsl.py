@@ -744,6 +744,8 @@ class _Translator:
                                      f"{glsl_type(ty.elem)} {_ident(name)}[]; }};")
                 elif space == "workgroup":
                     decls.append(f"shared {glsl_type(ty.elem)} {_ident(name)}[{ty.n}];")
+                elif space == "private" and ty.kind in ("scalar", "vec"):    # set before it is read
+                    decls.append(f"{glsl_type(ty)} {_ident(name)};")
                 else:
                     self.fail(f"module variable in address space {space!r}")
             elif t.text == "fn":

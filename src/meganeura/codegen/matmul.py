@@ -15,7 +15,7 @@ import numpy as np
 
 from ..schedule import Kernel, View, contiguous_strides
 from .expr import OutputStore
-from .common import LOOP_BOUND, Bindings, contiguous_batch_strides
+from .common import LOOP_BOUND, Bindings, bind_roles, contiguous_batch_strides, form_key
 from .gather import as_function as gather_function
 from .pointwise import as_function as pointwise_function, sum_kernel
 
@@ -344,12 +344,18 @@ def _main_loop(nk, TK, SA, VN, fetch, store, fma, peel):
     return _ind(lines, 4)
 
 
-def render(kernel):
+def render(kernel, array_limit=0):
     """Tiled matmul; sibling matmuls that share A (``spec["parts"]``, q/k/v or gate/up
-    projections) run as one launch, each owning a range of x workgroups."""
+    projections) run as one launch, each owning a range of x workgroups. ``array_limit``:
+    the runtime binds arrays of buffers, at most this many buffers a kernel, and alike parts
+    share one body (``_render_shared``) where that stays within the limit."""
     if kernel.spec.get("gemv"):
         return render_gemv(kernel)
     parts = kernel.spec.get("parts", [kernel])
+    if array_limit and len(parts) > 1:
+        shared = _render_shared(kernel)
+        if shared is not None and len(shared[1]) <= array_limit:
+            return shared
     bind = Bindings()
     fns, branches, x0, tks = [], [], 0, set()
     blocks = [_block(p) for p in parts]
@@ -379,6 +385,73 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_id) lid
 }}
 """
     return src, bind.bufs, (x0, gy, gz)
+
+
+def _render_shared(kernel):
+    """``render`` of a merged launch whose parts alike but for their buffers (the same shapes:
+    the U-Net's key and value projections of one context, a layer's weight gradients) share
+    one body ``mms{f}``, reading their buffers through arrays indexed by the module's ``mp``
+    (the part's position in its form, set from the workgroup: uniform over it, as arrays of
+    buffers require); None where no two parts are alike."""
+    from .expr import HELPERS
+    from .pointwise import NOWHERE
+    parts = kernel.spec["parts"]
+    blocks = [_block(p) for p in parts]
+    peel = all(peeled(blk[0], p.spec["ta"], p.spec.get("gathers")) for blk, p in zip(blocks, parts))
+    forms, where = {}, []
+    for part, block in zip(parts, blocks):
+        pb = Bindings()
+        fn, groups, TK = _tiled_part(part, pb, "_", block, peel)
+        key = form_key(pb, fn) + (block, TK)
+        members = forms.setdefault(key, [])
+        where.append((key, len(members), groups))
+        members.append(pb)
+    if len(forms) == len(parts):
+        return None
+    b = Bindings()
+    fns, ids, ranges, x0 = [], {}, [], 0
+    for (key, slot, (gx, gy, gz)), part, block in zip(where, parts, blocks):
+        if key not in ids:          # the form's body, named for it, bound at its first part
+            f = ids[key] = len(ids)
+            pb = Bindings()
+            fn, _, _ = _tiled_part(part, pb, f"s{f}", block, peel)
+            for h in HELPERS:       # each helper once in the module
+                if h in pb.helpers_done:
+                    if h in b.helpers_done:
+                        fn = fn.replace(HELPERS[h] + "\n", "", 1)
+                    b.helpers_done.add(h)
+            b.enable_f16 |= pb.enable_f16
+            fns.append(bind_roles(b, [pb] + forms[key][1:], fn, "mp"))
+        ranges.append((x0 + gx, ids[key], slot, x0))
+        x0 += gx
+    (TM, TN, WY, WX), TK = key[-2:]
+    branch = [f"    if (x < {end}u) {{ return vec3<u32>({f}u, {slot}u, {start}u); }}" for end, f, slot, start in ranges]
+    calls = [f"    if (at.x == {f}u) {{ mms{f}(vec3<u32>(wid.x - at.z, wid.y, wid.z), lid3); return; }}"
+             for f in range(len(ids))]
+    stats = "" if not any("prologue" in p.spec for p in parts) else \
+        f"var<workgroup> pm: array<f32, {TM}>;\nvar<workgroup> pinv: array<f32, {TM}>;\n" \
+        f"var<workgroup> pred: array<f32, {WX * WY}>;\n"
+    if any(p.spec.get("f16_round") for p in parts):
+        stats += ROUND_F16 + "\n"
+    nl = "\n"
+    src = f"""{b.decls()}
+var<workgroup> As: array<vec4<f32>, {2 * TK * (TM // 4 + a_padding(peel))}>;
+var<workgroup> Bs: array<vec4<f32>, {2 * TK * TN // 4}>;
+var<private> mp: u32;
+{stats}{nl.join(fns)}
+fn locate(x: u32) -> vec3<u32> {{
+{nl.join(branch)}
+    return vec3<u32>({NOWHERE}u, 0u, 0u);
+}}
+
+@compute @workgroup_size({WX}, {WY})
+fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_id) lid3: vec3<u32>) {{
+    let at = locate(wid.x);
+    mp = at.y;
+{nl.join(calls)}
+}}
+"""
+    return src, b.flat(), (x0, gy, gz)
 
 
 NORM_LOADS_IN_FLIGHT = 4

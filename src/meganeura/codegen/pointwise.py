@@ -2,9 +2,8 @@
 tree whose leaves are strided (possibly broadcast) views."""
 from __future__ import annotations
 
-import re
-
-from .common import ENTRY, GROUP_INDEX, WG, Bindings, broadcast_view_strides, coalesce, coords, grid, offset_expr
+from .common import (ENTRY, GROUP_INDEX, WG, Bindings, bind_roles, broadcast_view_strides, coalesce, coords, form_key,
+                     grid, offset_expr)
 from .expr import HELPERS, ExprWriter, Node, store_lines
 
 
@@ -144,8 +143,7 @@ def render_multi(kernel, array_limit=0):
     return src, b.bufs, grid(g0)
 
 
-_BUFFER_USE = re.compile(r"\bb(\d+)\[")
-_NOWHERE = 0xFFFFFFFF       # ``locate``'s part id past the last range (a folded grid's spare groups)
+NOWHERE = 0xFFFFFFFF        # ``locate``'s part id past the last range (a folded grid's spare groups)
 
 
 def _render_shared(kernel):
@@ -166,8 +164,7 @@ def _render_shared(kernel):
         if part.archetype != "reduce":
             pb = Bindings()
             hs, lines = _body(part, pb)
-            key = (tuple(hs), tuple(lines), tuple(pb.types), tuple(id(x) in pb.written for x in pb.bufs),
-                   pb.enable_f16)
+            key = form_key(pb, (tuple(hs), tuple(lines)))
             members = forms.setdefault(key, [])
             bodies[j] = key, len(members)       # the form, the part's position in it
             members.append(pb)
@@ -186,20 +183,13 @@ def _render_shared(kernel):
             members = forms[key]
             if key not in ids:          # the form's body, bound at its first part
                 ids[key] = len(ids)
-                hs, lines = key[0], key[1]
+                hs, lines = key[0]
                 # each helper once in the module: the reductions' modules skip those emitted
                 new = [h for h in HELPERS if HELPERS[h] in hs and h not in b.helpers_done]
                 b.helpers_done.update(new)
                 helpers.update((HELPERS[h], None) for h in new)
-                b.enable_f16 |= key[4]
-                uses = []
-                for r, (ty, written) in enumerate(zip(key[2], key[3])):
-                    bufs = [m.bufs[r] for m in members]
-                    if all(x is bufs[0] for x in bufs):
-                        uses.append(f"b{b.slot(bufs[0], ty, written)}[")
-                    else:
-                        uses.append(f"b{b.array(bufs, ty, written)}[p][")
-                body = _BUFFER_USE.sub(lambda m: uses[int(m.group(1))], "\n".join(lines))
+                b.enable_f16 |= key[-1]
+                body = bind_roles(b, members, "\n".join(lines), "p")
                 fns.append(f"fn form{ids[key]}(p: u32, i: u32, n: u32) {{\n    if (i >= n) {{ return; }}\n{body}\n}}")
             n_groups = -(-part.out.size // WG)
             call = f"form{ids[key]}(at.y, (g - at.z) * {WG}u + lid, at.w)"
@@ -208,7 +198,7 @@ def _render_shared(kernel):
     where = [f"    if (g < {end}u) {{ return vec4<u32>({i}u, {slot}u, {start}u, {n}u); }}"
              for end, i, slot, start, n, _ in ranges]
     locate = "fn locate(g: u32) -> vec4<u32> {\n" + "\n".join(where) + \
-        f"\n    return vec4<u32>({_NOWHERE}u, 0u, 0u, 0u);\n}}"
+        f"\n    return vec4<u32>({NOWHERE}u, 0u, 0u, 0u);\n}}"
     calls = {i: call for _, i, _, _, _, call in ranges}
     branches = [f"    if (at.x == {i}u) {{ {call}; return; }}" for i, call in sorted(calls.items())]
     src = "\n".join([b.decls()] + list(helpers) + [scratch] + fns + [locate]) + "\n\n" + ENTRY.format(wg=WG) + \
