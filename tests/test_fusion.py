@@ -150,6 +150,12 @@ def test_merged_parts_alike_share_one_body_through_arrays_of_buffers(monkeypatch
     assert d.wgsl.count("fn form") == 2 and d.wgsl.count("binding_array<array<f32>, 4>") == 3, d.wgsl
     assert "b2[0u]" in d.wgsl and len(d.bufs) == 1 + 3 * 4 + 2          # lr once; out, p, g per part; 2q and q
     assert [b.name for b in d.bufs[4:9]] == ["p0", "p1", "p2", "p3", "lr"]   # an array's buffers in part order
+    # a part past SHARED_MAX_ELEMENTS keeps a body of its own (arrays cost each element a fetch)
+    from meganeura.codegen import pointwise
+    monkeypatch.setattr(pointwise, "SHARED_MAX_ELEMENTS", 600)
+    (big,) = compile_plan(outs, options=CompileOptions(max_bindings=64, binding_arrays=True)).dispatches
+    assert big.wgsl.count("fn form") == 4 and big.wgsl.count("binding_array<array<f32>, 2>") == 3
+    monkeypatch.undo()
     # an array binds a buffer two parts share twice: past the bindings the fusion allowed
     # (which counted it once), the parts keep their own bodies
     a = [g.input(f"a{i}", (7 + i,)) for i in range(4)]

@@ -2,6 +2,8 @@
 tree whose leaves are strided (possibly broadcast) views."""
 from __future__ import annotations
 
+import os
+
 from .common import (ENTRY, GROUP_INDEX, WG, Bindings, bind_roles, broadcast_view_strides, coalesce, coords, form_key,
                      grid, offset_expr)
 from .expr import HELPERS, ExprWriter, Node, store_lines
@@ -143,6 +145,7 @@ def render_multi(kernel, array_limit=0):
     return src, b.bufs, grid(g0)
 
 
+SHARED_MAX_ELEMENTS = int(os.environ.get("MEGANEURA_SHARED_MAX_ELEMENTS", 1 << 16))
 NOWHERE = 0xFFFFFFFF        # ``locate``'s part id past the last range (a folded grid's spare groups)
 
 
@@ -164,7 +167,10 @@ def _render_shared(kernel):
         if part.archetype != "reduce":
             pb = Bindings()
             hs, lines = _body(part, pb)
-            key = form_key(pb, (tuple(hs), tuple(lines)))
+            # a large part keeps a body of its own: reading buffers through an array costs each
+            # element a descriptor fetch (H200: SmolLM2's train step 1% slower with its optimizer
+            # updates of 0.1-28 M elements shared), which only small parts make up for in compile time
+            key = form_key(pb, (tuple(hs), tuple(lines))) + ((j,) if part.out.size > SHARED_MAX_ELEMENTS else ())
             members = forms.setdefault(key, [])
             bodies[j] = key, len(members)       # the form, the part's position in it
             members.append(pb)
@@ -188,7 +194,7 @@ def _render_shared(kernel):
                 new = [h for h in HELPERS if HELPERS[h] in hs and h not in b.helpers_done]
                 b.helpers_done.update(new)
                 helpers.update((HELPERS[h], None) for h in new)
-                b.enable_f16 |= key[-1]
+                b.enable_f16 |= key[3]
                 body = bind_roles(b, members, "\n".join(lines), "p")
                 fns.append(f"fn form{ids[key]}(p: u32, i: u32, n: u32) {{\n    if (i >= n) {{ return; }}\n{body}\n}}")
             n_groups = -(-part.out.size // WG)
