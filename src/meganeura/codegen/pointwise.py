@@ -155,10 +155,10 @@ def _render_shared(kernel):
     layer's copy of an elementwise step) become one function ``form{f}(p, i, n)`` that reads
     and writes its buffers through arrays of buffers indexed by ``p``, the part's position in
     its form (a role every part binds to the same buffer stays a plain binding). The driver
-    then compiles each body once instead of once per part: SmolLM2's optimizer launch of 64
-    parameter updates is one body. ``locate(g)`` maps the workgroup to (form or reduction,
-    position, first workgroup, size); the index is uniform over the workgroup, as arrays of
-    buffers require."""
+    then compiles each body once instead of once per part (the U-Net's copies, zero fills and
+    small parameters' updates); parts past ``SHARED_MAX_ELEMENTS`` keep their own bodies.
+    ``locate(g)`` maps the workgroup to (form or reduction, position, first workgroup, size);
+    the index is uniform over the workgroup, as arrays of buffers require."""
     from . import reduce
     b = Bindings()
     parts = kernel.spec["parts"]
