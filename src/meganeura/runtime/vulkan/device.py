@@ -997,11 +997,10 @@ class VulkanDevice:
 
     def _layouts(self, counts, push_size: int):
         """(descriptor-set layout, a VkDescriptorSetLayout[1] of it, pipeline layout) for storage
-        buffer bindings of ``counts`` descriptors each (an int: that many bindings of one) and
-        ``push_size`` bytes of push constants: made once per device and shared by every kernel
-        with that signature (destroyed with the device)."""
-        counts = (1,) * counts if isinstance(counts, int) else tuple(int(c) for c in counts)
-        key = (counts, int(push_size))
+        buffer bindings of ``counts`` descriptors each and ``push_size`` bytes of push constants:
+        made once per device and shared by every kernel with that signature (destroyed with the
+        device)."""
+        key = (tuple(counts), int(push_size))
         found = self._layout_cache.get(key)
         if found is not None:
             return found
@@ -1010,7 +1009,8 @@ class VulkanDevice:
             found = self._layout_cache.get(key)
             if found is not None:
                 return found
-            push, n = int(push_size), len(counts)
+            counts, push = key
+            n = len(counts)
             binds = ffi.new("VkDescriptorSetLayoutBinding[]", max(n, 1))
             for i in range(n):
                 binds[i].binding, binds[i].descriptorCount = i, counts[i]
