@@ -98,6 +98,7 @@ def grid(n_groups: int) -> tuple[int, int, int]:
 
 
 GROUP_INDEX = "wid.x + wid.y * nwg.x"   # linear workgroup index under ``grid``
+NOWHERE = 0xFFFFFFFF        # a merged launch's ``locate``: the part id past the last range (spare groups)
 
 ENTRY = ("@compute @workgroup_size({wg})\n"
          "fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) lid: u32, "

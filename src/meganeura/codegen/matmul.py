@@ -15,7 +15,7 @@ import numpy as np
 
 from ..schedule import Kernel, View, contiguous_strides
 from .expr import OutputStore
-from .common import LOOP_BOUND, Bindings, bind_roles, contiguous_batch_strides, form_key
+from .common import LOOP_BOUND, NOWHERE, Bindings, bind_roles, contiguous_batch_strides, form_key
 from .gather import as_function as gather_function
 from .pointwise import as_function as pointwise_function, sum_kernel
 
@@ -394,7 +394,6 @@ def _render_shared(kernel):
     (the part's position in its form, set from the workgroup: uniform over it, as arrays of
     buffers require); None where no two parts are alike."""
     from .expr import HELPERS
-    from .pointwise import NOWHERE
     parts = kernel.spec["parts"]
     blocks = [_block(p) for p in parts]
     peel = all(peeled(blk[0], p.spec["ta"], p.spec.get("gathers")) for blk, p in zip(blocks, parts))

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import os
 
-from .common import (ENTRY, GROUP_INDEX, WG, Bindings, bind_roles, broadcast_view_strides, coalesce, coords, form_key,
-                     grid, offset_expr)
+from .common import (ENTRY, GROUP_INDEX, NOWHERE, WG, Bindings, bind_roles, broadcast_view_strides, coalesce, coords,
+                     form_key, grid, offset_expr)
 from .expr import HELPERS, ExprWriter, Node, store_lines
 
 
@@ -119,7 +119,7 @@ def render_multi(kernel, array_limit=0):
     from . import reduce
     if array_limit:
         shared = _render_shared(kernel)
-        if len(shared[1]) <= array_limit:
+        if shared is not None and len(shared[1]) <= array_limit:
             return shared
     b = Bindings()
     fns, helpers, branches, g0, scratch = [], {}, [], 0, ""
@@ -146,7 +146,6 @@ def render_multi(kernel, array_limit=0):
 
 
 SHARED_MAX_ELEMENTS = int(os.environ.get("MEGANEURA_SHARED_MAX_ELEMENTS", 1 << 16))
-NOWHERE = 0xFFFFFFFF        # ``locate``'s part id past the last range (a folded grid's spare groups)
 
 
 def _render_shared(kernel):
@@ -158,7 +157,8 @@ def _render_shared(kernel):
     then compiles each body once instead of once per part (the U-Net's copies, zero fills and
     small parameters' updates); parts past ``SHARED_MAX_ELEMENTS`` keep their own bodies.
     ``locate(g)`` maps the workgroup to (form or reduction, position, first workgroup, size);
-    the index is uniform over the workgroup, as arrays of buffers require."""
+    the index is uniform over the workgroup, as arrays of buffers require. None where no two
+    parts are alike."""
     from . import reduce
     b = Bindings()
     parts = kernel.spec["parts"]
@@ -174,6 +174,8 @@ def _render_shared(kernel):
             members = forms.setdefault(key, [])
             bodies[j] = key, len(members)       # the form, the part's position in it
             members.append(pb)
+    if all(len(members) == 1 for members in forms.values()):
+        return None         # nothing alike: the launch keeps ``render_multi``'s text
     fns, helpers, ranges, ids, scratch, g0 = [], {}, [], {}, "", 0
     for j, part in enumerate(parts):
         if part.archetype == "reduce":
