@@ -155,6 +155,10 @@ def test_merged_parts_alike_share_one_body_through_arrays_of_buffers(monkeypatch
     monkeypatch.setattr(pointwise, "SHARED_MAX_ELEMENTS", 600)
     (big,) = compile_plan(outs, options=CompileOptions(max_bindings=64, binding_arrays=True)).dispatches
     assert big.wgsl.count("fn form") == 4 and big.wgsl.count("binding_array<array<f32>, 2>") == 3
+    # no two parts alike: the launch keeps a function per part, without locate's indirection
+    monkeypatch.setattr(pointwise, "SHARED_MAX_ELEMENTS", 1)
+    (apart,) = compile_plan(outs, options=CompileOptions(max_bindings=64, binding_arrays=True)).dispatches
+    assert "fn locate" not in apart.wgsl and apart.wgsl.count("fn part") == 5 and "binding_array" not in apart.wgsl
     monkeypatch.undo()
     # an array binds a buffer two parts share twice: past the bindings the fusion allowed
     # (which counted it once), the parts keep their own bodies
