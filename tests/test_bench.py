@@ -146,6 +146,20 @@ def test_cached_decoder_keeps_the_cache_on_device():
     assert len(b.state_updates) == 2 * w.cfg.num_hidden_layers
 
 
+def test_compile_time_kernel_code_table(tmp_path):
+    """``--spirv``: each graph's distinct kernels compiled to SPIR-V as for a hardware driver,
+    counted by archetype, with the driver's seconds estimated from their size."""
+    from meganeura.bench.compile_time import DRIVER_MS_PER_KIB, main as compile_main
+    out = tmp_path / "code.json"
+    compile_main(["--spirv", "--size", "tiny", "--workloads", "whisper", "--graphs", "inference", "--out", str(out)])
+    (row,) = json.loads(out.read_text())["rows"]
+    fams = row["families"].values()
+    assert row["kernels"] == sum(f["kernels"] for f in fams) > 1
+    assert row["spirv_kib"] == pytest.approx(sum(f["spirv_kib"] for f in fams))
+    assert 0 < row["largest"]["spirv_kib"] < row["spirv_kib"]
+    assert row["driver_s"] == pytest.approx(row["spirv_kib"] * DRIVER_MS_PER_KIB / 1e3)
+
+
 def test_compile_time_device_free_table(tmp_path):
     """The device-free compile table builds every graph kind (ResNet-50 trains with its
     batch-norm state updates) and writes its JSON."""
