@@ -35,8 +35,9 @@ driver and compiled by glslang, counted in kernels and KiB of SPIR-V by archetyp
 driver's pipeline creation on the H200 grew with that size (``DRIVER_MS_PER_KIB``), so the
 column ``driver`` estimates its seconds summed over threads: a change meant to shorten cold
 compiles can be judged before it reaches the device. The estimate holds for code that does
-work; bytes the driver's own optimizer drops do not count alike (SPIRV-Tools' size passes
-halved the SPIR-V and cut the driver's time by a fifth).
+work, written out: bytes the driver's own optimizer drops do not count alike (SPIRV-Tools'
+size passes halved the SPIR-V and cut the driver's time by a fifth), and a loop marked
+``[[unroll]]`` is in the SPIR-V once, however many times the driver writes it out.
 """
 from __future__ import annotations
 
