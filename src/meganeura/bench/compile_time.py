@@ -75,24 +75,35 @@ def _session(w, graph, backend, precision="strict", **kw):
     return b, s, time.perf_counter() - t0
 
 
+def _h200_options(**kw):
+    """The H200's compile options (bindings, workgroup memory, arrays of buffers), with ``kw``."""
+    from ..compiler import CompileOptions
+    return CompileOptions(max_bindings=BINDINGS, workgroup_storage=H200_WORKGROUP_STORAGE, binding_arrays=True, **kw)
+
+
+def _plan_args(program, phase) -> tuple:
+    """(targets, n_forward, updates) that ``compile_plan`` takes for a session program's phase."""
+    fetches, grad_names, upd, targets = program.targets(phase)
+    base = len(fetches) + len(grad_names)
+    return targets, len(fetches), {base + j: n for j, (n, _) in enumerate(upd)}
+
+
 # --------------------------------------------------------------------------- device-free
 def device_free(name, size, graph, cache_dir) -> dict:
     """Seconds of each device-free compile step for one workload graph (see the module doc)."""
-    from ..compiler import CompileOptions, compile_plan
+    from ..compiler import compile_plan
     w = make(name, size=size, device="cpu")
     c0, t0 = time.process_time(), time.perf_counter()
     w.build(graph)
     build_s = time.perf_counter() - t0
     _, s, session_s = _session(w, graph, "numpy")
     before_plans_cpu = time.process_time() - c0
-    opts = CompileOptions(max_bindings=BINDINGS, workgroup_storage=H200_WORKGROUP_STORAGE, binding_arrays=True)
+    opts = _h200_options()
     row = {"workload": name, "graph": graph, "build_s": build_s, "session_s": session_s, "phases": {}}
     for phase in PHASES[graph]:
-        fetches, grad_names, upd, targets = s.program.targets(phase)
-        base = len(fetches) + len(grad_names)
-        updates = {base + j: n for j, (n, _) in enumerate(upd)}
+        targets, n_forward, updates = _plan_args(s.program, phase)
         c0, t0 = time.process_time(), time.perf_counter()
-        kp = compile_plan(targets, n_forward=len(fetches), options=opts, updates=updates)
+        kp = compile_plan(targets, n_forward=n_forward, options=opts, updates=updates)
         p = {"plan_s": time.perf_counter() - t0, "plan_cpu_s": time.process_time() - c0, "dispatches": kp.n_dispatches,
              "unique_wgsl": len({d.wgsl for d in kp.dispatches}), "stages": kp.stats.get("seconds", {})}
         try:
@@ -102,13 +113,13 @@ def device_free(name, size, graph, cache_dir) -> dict:
         if plan_cache is not None:
             os.environ["MEGANEURA_CACHE_DIR"] = cache_dir        # a folder of this run's own
             t0 = time.perf_counter()
-            key = plan_cache.plan_key(targets, len(fetches), opts, updates)
+            key = plan_cache.plan_key(targets, n_forward, opts, updates)
             p["key_s"] = time.perf_counter() - t0
             t0 = time.perf_counter()
-            compile_plan(targets, n_forward=len(fetches), options=opts, updates=updates, cache=True)
+            compile_plan(targets, n_forward=n_forward, options=opts, updates=updates, cache=True)
             p["miss_s"] = time.perf_counter() - t0          # compile and store
             t0 = time.perf_counter()
-            hit = compile_plan(targets, n_forward=len(fetches), options=opts, updates=updates, cache=True)
+            hit = compile_plan(targets, n_forward=n_forward, options=opts, updates=updates, cache=True)
             p["cached_s"] = time.perf_counter() - t0
             assert hit.stats.get("cache") == "hit" and hit.n_dispatches == kp.n_dispatches, key
             p["entry_bytes"] = (plan_cache.folder() / f"{key}.plan").stat().st_size
@@ -147,7 +158,7 @@ def plan_digest(kp) -> str:
 
 def digests(names, size, precisions=("strict", "accelerated")) -> dict:
     """{"workload/graph/precision/phase": {"digest", "dispatches", "cpu_s"}} of every plan."""
-    from ..compiler import CompileOptions, compile_plan, f16_weights
+    from ..compiler import compile_plan, f16_weights
     out = {}
     for name in names:
         w = make(name, size=size, device="cpu")
@@ -155,15 +166,12 @@ def digests(names, size, precisions=("strict", "accelerated")) -> dict:
             for precision in precisions:
                 _, s, _ = _session(w, graph, "numpy")
                 for phase in PHASES[graph]:
-                    fetches, grad_names, upd, targets = s.program.targets(phase)
+                    targets, n_forward, updates = _plan_args(s.program, phase)
                     copies = f16_weights(s.program.fetches) if precision == "accelerated" and s.program.fetches \
                         else frozenset()
-                    opts = CompileOptions(precision, max_bindings=BINDINGS, workgroup_storage=H200_WORKGROUP_STORAGE,
-                                          f16_weights=copies, binding_arrays=True)
-                    base = len(fetches) + len(grad_names)
+                    opts = _h200_options(precision=precision, f16_weights=copies)
                     c0 = time.process_time()
-                    kp = compile_plan(targets, n_forward=len(fetches), options=opts,
-                                      updates={base + j: n for j, (n, _) in enumerate(upd)})
+                    kp = compile_plan(targets, n_forward=n_forward, options=opts, updates=updates)
                     out[f"{name}/{graph}/{precision}/{phase}"] = {
                         "digest": plan_digest(kp), "dispatches": kp.n_dispatches, "cpu_s": time.process_time() - c0}
     return out
@@ -172,17 +180,15 @@ def digests(names, size, precisions=("strict", "accelerated")) -> dict:
 def kernel_code(name, size, graph) -> dict:
     """The SPIR-V of one workload graph's distinct kernels (see ``--spirv`` in the module doc)."""
     from ..codegen.glsl import to_glsl
-    from ..compiler import CompileOptions, compile_plan
+    from ..compiler import compile_plan
     from ..runtime.vulkan.glslang import compile_glsl
     w = make(name, size=size, device="cpu")
     _, s, _ = _session(w, graph, "numpy")
-    opts = CompileOptions(max_bindings=BINDINGS, workgroup_storage=H200_WORKGROUP_STORAGE, binding_arrays=True)
+    opts = _h200_options()
     texts = {}
     for phase in PHASES[graph]:
-        fetches, grad_names, upd, targets = s.program.targets(phase)
-        base = len(fetches) + len(grad_names)
-        kp = compile_plan(targets, n_forward=len(fetches), options=opts,
-                          updates={base + j: n for j, (n, _) in enumerate(upd)})
+        targets, n_forward, updates = _plan_args(s.program, phase)
+        kp = compile_plan(targets, n_forward=n_forward, options=opts, updates=updates)
         for d in kp.dispatches:
             texts.setdefault(d.wgsl, d.kernel)
     families, largest, glslang_s = {}, (0, ""), 0.0
@@ -235,20 +241,19 @@ def scaling(layers=(8, 16, 32, 64)) -> list:
 
     import meganeura as mg
 
-    from ..compiler import CompileOptions, compile_plan
+    from ..compiler import compile_plan
     from ..models import llama
     cfg0 = make("smollm2", size="real", device="cpu").cfg
-    opts = CompileOptions(max_bindings=BINDINGS, workgroup_storage=H200_WORKGROUP_STORAGE, binding_arrays=True)
+    opts = _h200_options()
     rows = []
     for n in layers:
         g, _, _, loss = llama.build_training(dataclasses.replace(cfg0, num_hidden_layers=n), 1, 128)
         s = mg.compile(g, loss=loss, optimizer=mg.optim.AdamW(lr=1e-4), backend="numpy")
-        fetches, grad_names, upd, targets = s.program.targets("step")
-        updates = {len(fetches) + len(grad_names) + j: name for j, (name, _) in enumerate(upd)}
+        targets, n_forward, updates = _plan_args(s.program, "step")
         best, kp = float("inf"), None
         for _ in range(2):
             c0 = time.process_time()
-            kp = compile_plan(targets, n_forward=len(fetches), options=opts, updates=updates)
+            kp = compile_plan(targets, n_forward=n_forward, options=opts, updates=updates)
             best = min(best, time.process_time() - c0)
         rows.append({"layers": n, "nodes": len(g.nodes), "dispatches": kp.n_dispatches, "cpu_s": best,
                      "ms_per_layer": 1e3 * best / n, "stages": kp.stats.get("seconds", {})})

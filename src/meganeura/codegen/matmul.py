@@ -344,6 +344,27 @@ def _main_loop(nk, TK, SA, VN, fetch, store, fma, peel):
     return _ind(lines, 4)
 
 
+def _launch_form(parts) -> tuple:
+    """(each part's block, peeled): one workgroup memory layout and loop form for a launch,
+    peeled when every part is."""
+    blocks = [_block(p) for p in parts]
+    return blocks, all(peeled(blk[0], p.spec["ta"], p.spec.get("gathers")) for blk, p in zip(blocks, parts))
+
+
+def _workgroup_memory(parts, block, TK, peel) -> tuple:
+    """(the double-buffered A and B tiles, the norm prologue's statistics and the f16 rounding
+    helper where a part has them) of a launch on ``block`` with K step ``TK``."""
+    TM, TN, WY, WX = block
+    tiles = f"var<workgroup> As: array<vec4<f32>, {2 * TK * (TM // 4 + a_padding(peel))}>;\n" \
+        f"var<workgroup> Bs: array<vec4<f32>, {2 * TK * TN // 4}>;"
+    stats = "" if not any("prologue" in p.spec for p in parts) else \
+        f"var<workgroup> pm: array<f32, {TM}>;\nvar<workgroup> pinv: array<f32, {TM}>;\n" \
+        f"var<workgroup> pred: array<f32, {WX * WY}>;\n"
+    if any(p.spec.get("f16_round") for p in parts):
+        stats += ROUND_F16 + "\n"
+    return tiles, stats
+
+
 def render(kernel, array_limit=0):
     """Tiled matmul; sibling matmuls that share A (``spec["parts"]``, q/k/v or gate/up
     projections) run as one launch, each owning a range of x workgroups. ``array_limit``:
@@ -358,9 +379,7 @@ def render(kernel, array_limit=0):
             return shared
     bind = Bindings()
     fns, branches, x0, tks = [], [], 0, set()
-    blocks = [_block(p) for p in parts]
-    # one workgroup memory layout and loop form for the launch: peeled when every part is
-    peel = all(peeled(blk[0], p.spec["ta"], p.spec.get("gathers")) for blk, p in zip(blocks, parts))
+    blocks, peel = _launch_form(parts)
     for j, (part, block) in enumerate(zip(parts, blocks)):
         fn, (gx, gy, gz), TK = _tiled_part(part, bind, j, block, peel)
         tks.add((block, TK))
@@ -368,15 +387,11 @@ def render(kernel, array_limit=0):
         branches.append(f"    if (wid.x < {x0 + gx}u) {{ mm{j}(vec3<u32>(wid.x - {x0}u, wid.y, wid.z), lid3); return; }}")
         x0 += gx
     assert len(tks) == 1, f"merged matmuls with different tiles or K steps: {tks}"   # one workgroup memory layout
-    (TM, TN, WY, WX), TK = tks.pop()
-    stats = "" if not any("prologue" in p.spec for p in parts) else \
-        f"var<workgroup> pm: array<f32, {TM}>;\nvar<workgroup> pinv: array<f32, {TM}>;\n" \
-        f"var<workgroup> pred: array<f32, {WX * WY}>;\n"
-    if any(p.spec.get("f16_round") for p in parts):
-        stats += ROUND_F16 + "\n"
+    (block, TK), = tks
+    tiles, stats = _workgroup_memory(parts, block, TK, peel)
+    WY, WX = block[2:]
     src = f"""{bind.decls()}
-var<workgroup> As: array<vec4<f32>, {2 * TK * (TM // 4 + a_padding(peel))}>;
-var<workgroup> Bs: array<vec4<f32>, {2 * TK * TN // 4}>;
+{tiles}
 {stats}{chr(10).join(fns)}
 
 @compute @workgroup_size({WX}, {WY})
@@ -395,8 +410,7 @@ def _render_shared(kernel):
     buffers require); None where no two parts are alike."""
     from .expr import HELPERS
     parts = kernel.spec["parts"]
-    blocks = [_block(p) for p in parts]
-    peel = all(peeled(blk[0], p.spec["ta"], p.spec.get("gathers")) for blk, p in zip(blocks, parts))
+    blocks, peel = _launch_form(parts)
     forms, where = {}, []
     for part, block in zip(parts, blocks):
         pb = Bindings()
@@ -423,19 +437,15 @@ def _render_shared(kernel):
             fns.append(bind_roles(b, [pb] + forms[key][1:], fn, "mp"))
         ranges.append((x0 + gx, ids[key], slot, x0))
         x0 += gx
-    (TM, TN, WY, WX), TK = key[-2:]
+    block, TK = key[-2:]
+    WY, WX = block[2:]
     branch = [f"    if (x < {end}u) {{ return vec3<u32>({f}u, {slot}u, {start}u); }}" for end, f, slot, start in ranges]
     calls = [f"    if (at.x == {f}u) {{ mms{f}(vec3<u32>(wid.x - at.z, wid.y, wid.z), lid3); return; }}"
              for f in range(len(ids))]
-    stats = "" if not any("prologue" in p.spec for p in parts) else \
-        f"var<workgroup> pm: array<f32, {TM}>;\nvar<workgroup> pinv: array<f32, {TM}>;\n" \
-        f"var<workgroup> pred: array<f32, {WX * WY}>;\n"
-    if any(p.spec.get("f16_round") for p in parts):
-        stats += ROUND_F16 + "\n"
+    tiles, stats = _workgroup_memory(parts, block, TK, peel)
     nl = "\n"
     src = f"""{b.decls()}
-var<workgroup> As: array<vec4<f32>, {2 * TK * (TM // 4 + a_padding(peel))}>;
-var<workgroup> Bs: array<vec4<f32>, {2 * TK * TN // 4}>;
+{tiles}
 var<private> mp: u32;
 {stats}{nl.join(fns)}
 fn locate(x: u32) -> vec3<u32> {{
