@@ -49,14 +49,18 @@ class RMSNorm(nn.Module):
         return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
 
 
-def rope(x, theta):
-    """Llama rotate-half rotary embedding on (B, H, L, D), positions 0..L-1."""
-    d, n = x.shape[-1], x.shape[-2]
+def rope_angles(n, d, theta):
+    """(n, d) rotary angles of positions 0..n-1 (float64, as the model's tables are made)."""
     inv = 1.0 / theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d)
     ang = torch.outer(torch.arange(n, dtype=torch.float64), inv)
-    ang = torch.cat([ang, ang], -1).to(device=x.device, dtype=x.dtype)
+    return torch.cat([ang, ang], -1)
+
+
+def rope(x, cos, sin):
+    """Llama rotate-half rotary embedding on (B, H, L, D) with (>= L, D) cos/sin tables."""
+    d, n = x.shape[-1], x.shape[-2]
     x1, x2 = x[..., : d // 2], x[..., d // 2:]
-    return x * ang.cos() + torch.cat([-x2, x1], -1) * ang.sin()
+    return x * cos[:n] + torch.cat([-x2, x1], -1) * sin[:n]
 
 
 class Attention(nn.Module):
@@ -68,6 +72,12 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(kv_in, cfg.num_kv_heads * cfg.head_dim, bias=False)
         self.v_proj = nn.Linear(kv_in, cfg.num_kv_heads * cfg.head_dim, bias=False)
         self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=False)
+        if not cross:
+            # device buffers (not in the state dict), so the forward copies nothing from the
+            # host and can be captured in a CUDA graph
+            ang = rope_angles(cfg.chunk_size, cfg.head_dim, cfg.rope_theta)
+            self.register_buffer("rope_cos", ang.cos().float(), persistent=False)
+            self.register_buffer("rope_sin", ang.sin().float(), persistent=False)
 
     def forward(self, x, vlm):
         c = self.cfg
@@ -77,7 +87,7 @@ class Attention(nn.Module):
         k = self.k_proj(src).view(b, src.shape[1], c.num_kv_heads, c.head_dim).transpose(1, 2)
         v = self.v_proj(src).view(b, src.shape[1], c.num_kv_heads, c.head_dim).transpose(1, 2)
         if not self.cross:
-            q, k = rope(q, c.rope_theta), rope(k, c.rope_theta)
+            q, k = rope(q, self.rope_cos, self.rope_sin), rope(k, self.rope_cos, self.rope_sin)
         o = F.scaled_dot_product_attention(q, k, v, enable_gqa=c.num_heads != c.num_kv_heads)
         return self.o_proj(o.transpose(1, 2).reshape(b, n, c.num_heads * c.head_dim))
 

@@ -32,6 +32,9 @@ def parser():
     r.add_argument("--quick", action="store_true", help="2 warm-ups and 5 samples instead of 5 and 20")
     r.add_argument("--device", default=None, help="torch device (default: cuda when available, else cpu)")
     r.add_argument("--no-torch-compile", action="store_true", help="time PyTorch eager only")
+    r.add_argument("--torch-variants", default=None,
+                   help="comma-separated PyTorch baselines beside eager (default all: torch_compile,torch_graph,"
+                        "torch_compile_graphs,torch_bf16_graph)")
     r.add_argument("--no-progress", action="store_true", help="no progress bar")
     r.add_argument("--no-fresh-process", action="store_true",
                    help="compile phase: time in this process only (no cold / warm child processes)")

@@ -1,5 +1,8 @@
-"""The timing harness: our GPU backend side by side with PyTorch (eager and torch.compile)
-on the same weights and inputs, in one process.
+"""The timing harness: our GPU backend side by side with PyTorch on the same weights and
+inputs, in one process: eager, torch.compile and, on CUDA, the CUDA-graph variants of
+``baselines`` (eager captured whole, reduce-overhead, and bf16 autocast captured in
+accelerated mode). ``ratio_best`` is ours over the fastest valid one, named per cell in
+``best_baseline``.
 
 Per workload and precision mode, phases:
   inference   full-shape forward            ours: Session.run (outputs kept on the device)   torch: no_grad forward
@@ -26,6 +29,7 @@ import traceback
 
 import numpy as np
 
+from . import baselines as B
 from . import gates as G
 from .workloads import WORKLOADS, make, parse_list
 
@@ -255,6 +259,54 @@ class Runner:
             tc[g] = res
         torch._dynamo.reset()
 
+    def _wanted(self, variant) -> bool:
+        only = getattr(self.o, "torch_variants", None)
+        return not only or variant in only
+
+    def _check(self, w, phase, model, fn, timed):
+        """Mark ``timed`` (a variant's stats) valid or not by ``baselines.check``."""
+        try:
+            timed["check"] = B.check(w, phase, model, fn)
+            timed["valid"] = bool(timed["check"]["pass"])
+        except Exception as e:
+            timed["check"] = {"error": _short_error(e)}
+            timed["valid"] = False
+
+    def _time_variant(self, w, phase, model, variant) -> dict:
+        """One CUDA-graph variant of ``baselines``: built, first call timed apart (capture or
+        compile), then timed as the others and checked against eager."""
+        if not self.t.cuda:
+            return {"skipped": "no CUDA device: CUDA graphs are only timed on GPUs"}
+        if not self._wanted(variant):
+            return {"skipped": "not asked for (--torch-variants)"}
+        if variant == B.COMPILE_GRAPHS and self.t.compile_reason:
+            return {"skipped": self.t.compile_reason}
+        torch, fn = self.t.torch, None
+        try:
+            t0 = time.perf_counter()
+            if variant == B.COMPILE_GRAPHS:
+                fn = B.reduce_overhead(w, phase, model, lr=TRAIN_LR)
+                if getattr(fn, "prepare", None):
+                    fn.prepare()
+                fn()
+            else:
+                fn = B.captured(w, phase, model, bf16=variant == B.BF16_GRAPH, lr=TRAIN_LR)
+            self.t.sync()
+            first = time.perf_counter() - t0
+            st = self._time_torch(fn)
+            st["first_call_s"] = first
+            self._check(w, phase, model, fn, st)
+            return st
+        except Exception as e:
+            if self.o.debug:
+                traceback.print_exc()
+            return {"error": _short_error(e)}
+        finally:
+            del fn
+            gc.collect()
+            if self.t.cuda:
+                torch.cuda.empty_cache()
+
     def _time_torch(self, fn):
         self.t.reset_peak()
         st = measure(fn, self.o.warmup, self.o.samples, self.t.sync)
@@ -332,8 +384,9 @@ class Runner:
             except Exception as e:
                 cell["torch_eager"] = {"error": _short_error(e)}
             # torch.compile
-            if self.t.compile_reason:
-                cell["torch_compile"] = {"skipped": self.t.compile_reason}
+            fn = None
+            if self.t.compile_reason or not self._wanted("torch_compile"):
+                cell["torch_compile"] = {"skipped": self.t.compile_reason or "not asked for (--torch-variants)"}
             else:
                 try:
                     if id(model) not in compiled:
@@ -349,9 +402,17 @@ class Runner:
                     cell["torch_compile"]["first_call_s"] = first
                 except Exception as e:
                     cell["torch_compile"] = {"error": _short_error(e)}
+            if "median_ms" in cell["torch_compile"]:
+                self._check(w, phase, model, fn, cell["torch_compile"])
+            for v in B.graph_variants(mode):
+                cell[v] = self._time_variant(w, phase, model, v)
             for ref in ("torch_eager", "torch_compile"):
                 a, b = cell["ours"].get("median_ms"), cell[ref].get("median_ms")
                 cell[f"ratio_{ref.split('_')[1]}"] = a / b if a and b else None
+            best, best_ms = B.best(cell)
+            a = cell["ours"].get("median_ms")
+            cell["best_baseline"] = best
+            cell["ratio_best"] = a / best_ms if a and best_ms else None
             result["cells"].append(cell)
             self._tick(f"{w.name} {mode} {phase}")
         if "compile" in phases:
@@ -380,6 +441,9 @@ def run(opts, log=print) -> dict:
         else list(opts.workloads)
     opts.phases = parse_list(opts.phases, PHASES, "phases") if isinstance(opts.phases, str) else list(opts.phases)
     opts.modes = parse_list(opts.modes, MODES, "modes") if isinstance(opts.modes, str) else list(opts.modes)
+    tv = getattr(opts, "torch_variants", None)
+    if isinstance(tv, str):
+        opts.torch_variants = parse_list(tv, B.VARIANTS[1:], "torch variants")
     if opts.device is None:
         from .workloads import default_device
         opts.device = default_device()
@@ -389,6 +453,7 @@ def run(opts, log=print) -> dict:
               "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
               "options": {k: getattr(opts, k) for k in ("size", "workloads", "phases", "modes", "warmup", "samples",
                                                         "seed", "device", "quick")},
+              "torch_variants": getattr(opts, "torch_variants", None) or list(B.VARIANTS),
               "environment": report.environment("gpu"), "workloads": {}, "cells": []}
     if not opts.device.startswith("cuda"):
         result["note"] = ("torch ran on the CPU: ratios are not GPU performance"

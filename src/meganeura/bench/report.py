@@ -10,6 +10,8 @@ import platform
 import subprocess
 import sys
 
+from .baselines import COMPILE, EAGER, SHORT, VARIANTS, graph_variants
+
 PHASE_ORDER = ("inference", "minimal", "flb", "train_step")
 
 
@@ -115,6 +117,52 @@ def _time_cell(c, ref):
     return text
 
 
+def _best_cell(c):
+    """``ours / strongest (ratio) winner``; the winner is the fastest valid baseline."""
+    if c is None:
+        return ""
+    if "error" in c.get("ours", {}):
+        return "error"
+    best = c.get("best_baseline")
+    if best is None or c.get("ratio_best") is None:
+        return f"{_ms(c.get('ours', {}).get('median_ms'))} / - (no valid baseline)"
+    text = (f"{_ms(c['ours'].get('median_ms'))} / {_ms(c[best]['median_ms'])} "
+            f"({c['ratio_best']:.2f}x, {SHORT[best]})")
+    if c["ratio_best"] > 1:
+        text = f"**{text}**"
+    return text if c.get("valid") else f"~~{text}~~ invalid"
+
+
+def _median(vals):
+    vals = sorted(v for v in vals if v)
+    if not vals:
+        return None
+    n = len(vals)
+    return vals[n // 2] if n % 2 else 0.5 * (vals[n // 2 - 1] + vals[n // 2])
+
+
+def best_section(result, cells, phases) -> list:
+    """Per mode: ours against the fastest valid PyTorch variant of each cell, the winner
+    named, and the median ratio per phase. Empty for results without the variants."""
+    if not any("best_baseline" in c for c in cells.values()):
+        return []
+    o, lines = result["options"], []
+    for mode in o["modes"]:
+        names = ", ".join(SHORT[v] for v in VARIANTS if v in (EAGER, COMPILE) or v in graph_variants(mode))
+        lines += [f"## {mode}: ours vs the strongest PyTorch (ms)", "",
+                  f"Per cell, the fastest valid of: {names} (CUDA graphs and reduce-overhead on CUDA only). "
+                  "Bold: we are slower. A baseline whose output or loss departs from eager's beyond the gate "
+                  "tolerance does not count.", "",
+                  "| workload | " + " | ".join(phases) + " |", "|---|" + "---|" * len(phases)]
+        for name in o["workloads"]:
+            lines.append(f"| {name} | " + " | ".join(_best_cell(cells.get((name, mode, p))) for p in phases) + " |")
+        meds = [_median(c.get("ratio_best") for (n, m, ph), c in cells.items() if m == mode and ph == p
+                        and c.get("valid")) for p in phases]
+        lines.append("| median | " + " | ".join("-" if v is None else f"{v:.2f}x" for v in meds) + " |")
+        lines.append("")
+    return lines
+
+
 def _cells(result):
     return {(c["workload"], c["mode"], c["phase"]): c for c in result.get("cells", [])}
 
@@ -133,6 +181,7 @@ def bench_markdown(result: dict) -> str:
     if result.get("note"):
         lines += [f"**Note:** {result['note']}.", ""]
     phases = [p for p in PHASE_ORDER if p in o["phases"]]
+    lines += best_section(result, cells, phases)
     for mode in o["modes"]:
         for ref, label in (("torch_eager", "PyTorch eager"), ("torch_compile", "torch.compile")):
             if ref == "torch_compile" and all("skipped" in c.get(ref, {}) for c in cells.values()
@@ -265,7 +314,7 @@ def chart(result: dict, out) -> str | None:
     for c in result.get("cells", []):
         if c["phase"] == "compile":
             continue
-        for ref in ("eager", "compile"):
+        for ref in ("best", "eager", "compile"):
             r = c.get(f"ratio_{ref}")
             if r:
                 series.append((f"{c['workload']} {c['phase']} ({c['mode'][:3]}, {ref})", r, bool(c.get("valid"))))
