@@ -22,6 +22,7 @@ beside. Every cell carries its gate result and is invalid when the gate fails.
 """
 from __future__ import annotations
 
+import copy
 import gc
 import platform
 import time
@@ -282,6 +283,11 @@ class Runner:
         if variant == B.COMPILE_GRAPHS and self.t.compile_reason:
             return {"skipped": self.t.compile_reason}
         torch, fn = self.t.torch, None
+        if phase in ("flb", "train_step"):
+            # a copy with fresh leaves: the originals' gradient accumulators were made on the
+            # default stream by the variants before (and cudagraph trees keep them alive),
+            # which breaks a capture on another stream
+            model = copy.deepcopy(model)
         try:
             t0 = time.perf_counter()
             if variant == B.COMPILE_GRAPHS:
@@ -300,9 +306,9 @@ class Runner:
         except Exception as e:
             if self.o.debug:
                 traceback.print_exc()
-            return {"error": _short_error(e)}
+            return {"error": _short_error(e), "traceback": traceback.format_exc()[-2000:]}
         finally:
-            del fn
+            del fn, model
             gc.collect()
             if self.t.cuda:
                 torch.cuda.empty_cache()
@@ -358,6 +364,7 @@ class Runner:
             graph, key = OURS[phase]
             gate = gates.get(graph, {"pass": False, "error": "not compiled"})
             cell = {"workload": w.name, "mode": mode, "phase": phase, "gate": gate, "valid": bool(gate.get("pass"))}
+            result["cells"].append(cell)       # now: a process that dies later keeps what this cell has
             if graph in sessions:
                 sess, feeds = sessions[graph]
                 try:
@@ -413,7 +420,6 @@ class Runner:
             a = cell["ours"].get("median_ms")
             cell["best_baseline"] = best
             cell["ratio_best"] = a / best_ms if a and best_ms else None
-            result["cells"].append(cell)
             self._tick(f"{w.name} {mode} {phase}")
         if "compile" in phases:
             compile_cell["gate"] = {g: v.get("pass", False) for g, v in gates.items()}
