@@ -12,7 +12,7 @@ for spec in "$@"; do
   modes=${modes:-strict,accelerated}; secs=${secs:-$limit}
   for m in ${modes//,/ }; do
     echo "== $w $m $(date +%T)"
-    timeout "$secs" python3 -m meganeura.bench run --size real --workloads "$w" --modes "$m" \
+    timeout -s INT -k 30 "$secs" python3 -m meganeura.bench run --size real --workloads "$w" --modes "$m" \
       --phases inference,flb,train_step,minimal --warmup 3 --samples 10 --no-progress \
       --out "/tmp/strongest/$w-$m" 2>&1 | grep -v "^\s*$" | tail -40
     cp "/tmp/strongest/$w-$m/bench.json" "$out/$w-$m.json" 2>/dev/null || echo "$w $m: no result"

@@ -476,6 +476,11 @@ def run(opts, log=print) -> dict:
     for name in opts.workloads:
         try:
             runner.run_workload(name, result)
+        except KeyboardInterrupt:
+            # Ctrl-C (or a time limit's SIGINT): the cells timed so far are still written
+            result["interrupted"] = f"during {name}"
+            runner.log(f"{name}: interrupted; writing the cells timed so far")
+            break
         except Exception as e:
             result["workloads"].setdefault(name, {})["error"] = _short_error(e)
             runner.log(f"{name}: failed: {_short_error(e)}")
