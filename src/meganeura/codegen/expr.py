@@ -139,7 +139,8 @@ def _literal_value(e):
 def ieee_guard(t, kids, args, used):
     """f32 text for an add, sub, mul or div whose IEEE result a driver folds away, else None.
     Drivers fold ``x * 0.0`` to 0, ``x / 0.0`` to anything (llvmpipe: 0), ``x - x`` to 0
-    and ``x + 0.0`` to x (wrong for -0.0), whatever the value of x; float controls stop the
+    and ``x + 0.0`` to x (wrong for -0.0), whatever the value of x, and ``x * NaN`` or
+    ``x * inf`` to what a constant x would give (0 * NaN folds to 0 once x is known 0); float controls stop the
     last two only where a device offers them, and never on the WGSL path, so these are
     computed on the bits (helpers ``mul_zero_f``, ``div_zero_f``, ``sub_self_f``, ``add_zero_f``)."""
     if t.op not in ("add", "sub", "mul", "div") or t.dtype.name != "f32" or len(kids) != 2:
@@ -147,7 +148,21 @@ def ieee_guard(t, kids, args, used):
     vals = [_literal_value(k) for k in kids]
     sign = lambda v: "0x80000000u" if math.copysign(1.0, v) < 0 else "0u"   # noqa: E731
     text = None
-    if t.op == "mul" and 0.0 in vals:
+    if None not in vals:
+        # literals on both sides with a non-finite result (WGSL refuses 0.0 / 0.0): folded
+        # here as IEEE says; finite ones are left to the shader compiler
+        import numpy as np
+        a, b = np.float32(vals[0]), np.float32(vals[1])
+        with np.errstate(all="ignore"):
+            v = {"add": a + b, "sub": a - b, "mul": a * b, "div": a / b}[t.op]
+        return literal(v, t.dtype) if not np.isfinite(v) or (t.op == "div" and b == 0) else None
+    if any(v is not None and math.isnan(v) for v in vals):
+        # NaN whatever the other operand (a folded 0 * NaN would be 0)
+        return literal(float("nan"), t.dtype)
+    if t.op == "mul" and any(v is not None and math.isinf(v) for v in vals) and None in vals:
+        x = vals.index(None)
+        text, name = f"div_zero_f({args[x]}, {sign(vals[1 - x])})", "div_zero_f"   # x * inf == x / 0
+    elif t.op == "mul" and 0.0 in vals:
         z = vals.index(0.0)
         if vals[1 - z] is None:
             text, name = f"mul_zero_f({args[1 - z]}, {sign(vals[z])})", "mul_zero_f"
