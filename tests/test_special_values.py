@@ -169,3 +169,60 @@ def test_attention_nan_score_and_masked_row(shader_mode):
     want = F.scaled_dot_product_attention(T(q), T(k), T(v), T(mask)).numpy()
     want[:, :, 4, :] = 0.0                  # torch gives NaN there; ours (and the op's doc) zeros
     check(got, want, "attention")
+
+
+BACKENDS = ["numpy", "gpu", "wgpu"]
+X_SPECIAL = np.array([1.0, -1.0, 0.0, -0.0, INF, -INF, NAN, 3.5], np.float32)
+
+
+def run_on(backend, fn, *arrays):
+    g = mg.Graph()
+    xs = [g.input(f"x{i}", a.shape) for i, a in enumerate(arrays)]
+    outs = fn(*xs)
+    return mg.compile(g, outputs=outs, backend=backend).run({f"x{i}": a for i, a in enumerate(arrays)})
+
+
+def check_bits(got, want, what):
+    """Same value, NaN where NaN, and the same sign of zero."""
+    want = np.asarray(want, np.float32)
+    check(got, want, what)
+    zero = want == 0
+    np.testing.assert_array_equal(np.signbit(got[zero]), np.signbit(want[zero]), err_msg=f"{what}: signs of zeros")
+
+
+SCALAR_FOLDS = [
+    ("div_zero", lambda x: x / 0.0, lambda x: x / 0.0),
+    ("div_neg_zero", lambda x: x / -0.0, lambda x: x / -0.0),
+    ("mul_zero", lambda x: x * 0.0, lambda x: x * 0.0),
+    ("zero_mul_neg", lambda x: -0.0 * x, lambda x: -0.0 * x),
+    ("sub_self", lambda x: x - x, lambda x: x - x),
+    ("add_zero", lambda x: x + 0.0, lambda x: x + 0.0),
+    ("sub_neg_zero", lambda x: x - (-0.0), lambda x: x - (-0.0)),
+    ("chain", lambda x: (x * 2.0) / 0.0 + (x - x), lambda x: (x * 2.0) / 0.0 + (x - x)),
+]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("name,ours,theirs", SCALAR_FOLDS, ids=[s[0] for s in SCALAR_FOLDS])
+def test_scalar_folds_keep_ieee_results(name, ours, theirs, backend):
+    """``x / 0.0``, ``x * 0.0``, ``x - x``, ``x + 0.0`` with Inf, NaN and signed zeros: as
+    torch, on every backend (drivers fold these to 0 or x unless the kernels keep them)."""
+    got = run_on(backend, lambda x: [ours(x)], X_SPECIAL)[0]
+    check_bits(got, theirs(T(X_SPECIAL)).numpy(), f"{name} on {backend}")
+
+
+def test_glsl_kernels_ask_the_driver_to_preserve_inf_nan_and_signed_zero():
+    """The direct Vulkan backend's kernels carry SignedZeroInfNanPreserve for f32, and the
+    device (lavapipe in CI) reports the float control it needs."""
+    from meganeura.codegen.glsl import to_glsl
+    from meganeura.runtime.vulkan import _vk
+    from meganeura.runtime.vulkan._vk import new
+    from meganeura.runtime.vulkan.device import VulkanDevice
+    wgsl = "@compute @workgroup_size(1)\nfn main() {\n}\n"
+    assert "spirv_execution_mode(" in to_glsl(wgsl) and "4461, 32" in to_glsl(wgsl)
+    assert "spirv_execution_mode(" not in to_glsl(wgsl, preserve_ieee=False)
+    vk = _vk.vk
+    p12 = new("VkPhysicalDeviceVulkan12Properties", sType=vk.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_VULKAN_1_2_PROPERTIES)
+    p2 = new("VkPhysicalDeviceProperties2", sType=vk.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_PROPERTIES_2, pNext=p12)
+    _vk.lib.vkGetPhysicalDeviceProperties2(VulkanDevice().physical, p2)
+    assert p12.shaderSignedZeroInfNanPreserveFloat32

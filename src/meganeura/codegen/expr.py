@@ -8,6 +8,7 @@ the nodes' dtypes; mixed f16/f32 operands are converted where a node's inputs di
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from ..ops.registry import OPS
@@ -44,6 +45,21 @@ HELPERS = {
     let t = tanh_f(c * (x + 0.044715 * x * x * x));
     return 0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * c * (1.0 + 3.0 * 0.044715 * x * x);
 }""",
+    # products, quotients and differences whose value a driver would fold (see ieee_guard),
+    # computed on the bits: exact as IEEE 754 defines them, with no float operation to fold
+    "mul_zero_f": """fn mul_zero_f(x: f32, sign: u32) -> f32 {
+    let b = bitcast<u32>(x);
+    return select(bitcast<f32>((b & 0x80000000u) ^ sign), bitcast<f32>(0x7fc00000u), (b & 0x7fffffffu) >= 0x7f800000u);
+}""",
+    "div_zero_f": """fn div_zero_f(x: f32, sign: u32) -> f32 {
+    let b = bitcast<u32>(x);
+    let m = b & 0x7fffffffu;
+    return select(bitcast<f32>(((b & 0x80000000u) ^ sign) | 0x7f800000u), bitcast<f32>(0x7fc00000u), m == 0u || m > 0x7f800000u);
+}""",
+    "sub_self_f": """fn sub_self_f(x: f32) -> f32 {
+    return select(0.0, bitcast<f32>(0x7fc00000u), (bitcast<u32>(x) & 0x7fffffffu) >= 0x7f800000u);
+}""",
+    "add_zero_f": """fn add_zero_f(x: f32) -> f32 { return select(x, 0.0, x == 0.0); }""",
 }
 HELPER_DEPS = {"gelu_erf": ["erf_f", "isnan_f"], "gelu_erf_grad": ["erf_f", "isnan_f"],
                "gelu_tanh": ["tanh_f", "isnan_f"], "gelu_tanh_grad": ["tanh_f", "isnan_f"],
@@ -111,6 +127,61 @@ def op_text(t, args, arg_dtypes, used):
     return ex.format(*args)
 
 
+def _literal_value(e):
+    """The value of a literal expression (a ``lit`` or a scalar ``const``), else None."""
+    if e[0] == "lit":
+        return float(e[1])
+    if e[0] == "const" and e[1].dtype.is_float:
+        return float(e[1].attrs["value"].reshape(-1)[0])
+    return None
+
+
+def ieee_guard(t, kids, args, used):
+    """f32 text for an add, sub, mul or div whose IEEE result a driver folds away, else None.
+    Drivers fold ``x * 0.0`` to 0, ``x / 0.0`` to anything (llvmpipe: 0), ``x - x`` to 0
+    and ``x + 0.0`` to x (wrong for -0.0), whatever the value of x, and ``x * NaN`` or
+    ``x * inf`` to what a constant x would give (0 * NaN folds to 0 once x is known 0); float controls stop the
+    last two only where a device offers them, and never on the WGSL path, so these are
+    computed on the bits (helpers ``mul_zero_f``, ``div_zero_f``, ``sub_self_f``, ``add_zero_f``)."""
+    if t.op not in ("add", "sub", "mul", "div") or t.dtype.name != "f32" or len(kids) != 2:
+        return None
+    vals = [_literal_value(k) for k in kids]
+    sign = lambda v: "0x80000000u" if math.copysign(1.0, v) < 0 else "0u"   # noqa: E731
+    text = None
+    if None not in vals:
+        # literals on both sides with a non-finite result (WGSL refuses 0.0 / 0.0): folded
+        # here as IEEE says; finite ones are left to the shader compiler
+        import numpy as np
+        a, b = np.float32(vals[0]), np.float32(vals[1])
+        with np.errstate(all="ignore"):
+            v = {"add": a + b, "sub": a - b, "mul": a * b, "div": a / b}[t.op]
+        return literal(v, t.dtype) if not np.isfinite(v) or (t.op == "div" and b == 0) else None
+    if any(v is not None and math.isnan(v) for v in vals):
+        # NaN whatever the other operand (a folded 0 * NaN would be 0)
+        return literal(float("nan"), t.dtype)
+    if t.op == "mul" and any(v is not None and math.isinf(v) for v in vals) and None in vals:
+        x = vals.index(None)
+        text, name = f"div_zero_f({args[x]}, {sign(vals[1 - x])})", "div_zero_f"   # x * inf == x / 0
+    elif t.op == "mul" and 0.0 in vals:
+        z = vals.index(0.0)
+        if vals[1 - z] is None:
+            text, name = f"mul_zero_f({args[1 - z]}, {sign(vals[z])})", "mul_zero_f"
+    elif t.op == "div" and vals[1] == 0.0 and vals[0] is None:
+        text, name = f"div_zero_f({args[0]}, {sign(vals[1])})", "div_zero_f"
+    elif t.op == "sub" and args[0] == args[1] and vals[0] is None:
+        text, name = f"sub_self_f({args[0]})", "sub_self_f"
+    elif t.op in ("add", "sub") and None in vals:
+        x = vals.index(None)
+        other = vals[1 - x]
+        # x + 0.0 and x - (-0.0) are x except that -0.0 becomes +0.0
+        plus_zero = other == 0.0 and (math.copysign(1.0, other) > 0) == (t.op == "add")
+        if plus_zero and (t.op == "add" or x == 0):
+            text, name = f"add_zero_f({args[x]})", "add_zero_f"
+    if text is not None:
+        used.add(name)
+    return text
+
+
 def _as_f32(t):
     """``t`` as an f32 node (same op and attributes) for rendering its f32 arithmetic."""
     return Node(t.op, _F32, dict(t.attrs), tuple(t.shape))
@@ -145,6 +216,9 @@ class ExprWriter:
             # the operand was read at (j + h) mod 2h; the first half is negated
             a = args[0][0]
             text = f"select({a}, -{a}, {self.last_coord} < {t.shape[-1] // 2}u)"
+        elif (guarded := ieee_guard(t, kids, [a for a, d in args], self.used)) is not None and \
+                all(d.name == "f32" for _, d in args):
+            text = guarded
         elif t.dtype.name == "f16" and t.op not in ("cast", "where"):
             # half-precision maths runs in f32 and rounds once per op (as NumPy and
             # PyTorch's CPU kernels do); the helpers are f32 functions

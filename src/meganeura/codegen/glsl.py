@@ -32,6 +32,16 @@ import os
 import re
 from dataclasses import dataclass, field
 
+# IEEE semantics as torch has them: Vulkan lets a driver assume no Inf/NaN and ignore the
+# sign of zero (Mesa folds ``x - x`` to 0 for an inf x) unless a shader asks to preserve
+# them. SignedZeroInfNanPreserve (execution mode 4461, capability 4466, core in SPIR-V 1.4,
+# which the Vulkan 1.2 target is past) for 32-bit floats, through GL_EXT_spirv_intrinsics;
+# devices report it as VkPhysicalDeviceVulkan12Properties.shaderSignedZeroInfNanPreserveFloat32
+# (lavapipe, NVIDIA, AMD and Intel do). The WGSL path cannot ask for it (naga writes no
+# float controls): there ``expr.ieee_guard`` keeps the folds we know of exact instead.
+IEEE_PRESERVE = ["#extension GL_EXT_spirv_intrinsics : require",
+                 'spirv_execution_mode(extensions = ["SPV_KHR_float_controls"], capabilities = [4466], 4461, 32);']
+
 # Loops of a few constant trips can be marked [[unroll]]: NVIDIA's compiler left the tiled
 # matmul's inner K loop rolled, and unrolled it ran 31.3 -> 37.8 TFLOP/s at 4096^3 on an
 # H200. A software rasterizer's LLVM compiles unrolled kernels far more slowly (lavapipe: a
@@ -294,8 +304,8 @@ class Fn:
 
 
 class _Translator:
-    def __init__(self, src: str, name: str, unroll: bool = False):
-        self.unroll = unroll
+    def __init__(self, src: str, name: str, unroll: bool = False, preserve_ieee: bool = True):
+        self.unroll, self.preserve_ieee = unroll, preserve_ieee
         self.src, self.toks, self.splits = src, tokenize(src), []
         self.i = 0
         self.name = name
@@ -765,6 +775,7 @@ class _Translator:
                 "#extension GL_EXT_shader_explicit_arithmetic_types_float16 : require" if self.uses_f16 else "",
                 "#extension GL_EXT_shader_16bit_storage : require" if self.uses_f16 else "",
                 "#extension GL_EXT_control_flow_attributes : require" if self.unrolled else "",
+                *(IEEE_PRESERVE if self.preserve_ieee else []),
                 f"layout(local_size_x = {local_size[0]}, local_size_y = {local_size[1]}, "
                 f"local_size_z = {local_size[2]}) in;"]
         return "\n".join([h for h in head if h] + decls + protos + bodies) + "\n"
@@ -861,12 +872,14 @@ class _Translator:
         return "\n".join(out)
 
 
-def to_glsl(wgsl: str, name: str = "kernel", unroll: bool | None = None) -> str:
+def to_glsl(wgsl: str, name: str = "kernel", unroll: bool | None = None, preserve_ieee: bool = True) -> str:
     """GLSL 4.50 (Vulkan semantics) for a kernel rendered in our WGSL subset. ``unroll``:
-    mark loops of at most 32 constant trips ``[[unroll]]`` (None: MEGANEURA_GLSL_UNROLL, else no)."""
+    mark loops of at most 32 constant trips ``[[unroll]]`` (None: MEGANEURA_GLSL_UNROLL, else no).
+    ``preserve_ieee``: ask the driver to keep Inf, NaN and signed zeros (``IEEE_PRESERVE``;
+    a runtime passes False for a device whose shaderSignedZeroInfNanPreserveFloat32 is off)."""
     if unroll is None:
         unroll = bool(unroll_switch())
-    return _Translator(wgsl, name, unroll).translate()
+    return _Translator(wgsl, name, unroll, preserve_ieee).translate()
 
 
 @dataclass
@@ -881,7 +894,8 @@ class GlslLibrary:
 
 def to_glsl_library(wgsl: str, name: str = "kernel") -> GlslLibrary:
     """Translate the declarations and functions of ``wgsl`` (no ``@compute`` function)."""
-    text = _Translator(wgsl + "\n@compute @workgroup_size(1)\nfn main() {\n}\n", name).translate()
+    # the kernel that includes the library writes its own header (and execution modes)
+    text = _Translator(wgsl + "\n@compute @workgroup_size(1)\nfn main() {\n}\n", name, preserve_ieee=False).translate()
     lines = text.splitlines()
     if lines[-2:] != ["void main() {", "}"]:
         raise GlslTranslationError(f"{name}: the module has an entry point of its own")

@@ -31,7 +31,16 @@ def lower_reduce(t, ins, out, materialize, temp):
     dims = tuple(t.attrs["dims"])
     v = ins[0]
     r = int(np.prod([v.shape[d] for d in dims], dtype=np.int64))
-    n_out = v.size // max(r, 1)
+    n_out = int(np.prod([n for d, n in enumerate(v.shape) if d not in dims], dtype=np.int64))
+    if r == 0 and n_out:
+        # over an empty axis: the value of no elements (torch's: 0, NaN for the mean, and
+        # max is refused when the graph is built), a constant that fusion folds into the
+        # consumers, where the expression writer keeps IEEE results (0 / 0 is NaN) that a
+        # driver folding a loop of no trips would lose
+        value = {"sum": 0.0, "mean": float("nan"), "max": float("-inf")}[kind]
+        if not out.dtype.is_float:
+            value = 0
+        return [Kernel(t.op, "pointwise", {"expr": ("lit", value, out.dtype), "dtype": out.dtype}, out, [])]
     if r == 1 and v.size:
         # over size-1 dims only (an unbroadcast of a batch of one): a copy, which fusion
         # folds into the producer's store
@@ -77,7 +86,9 @@ def _sizes(kernel):
     v = kernel.spec["prologue"]["view"] if "prologue" in kernel.spec else kernel.reads[0]
     dims = kernel.spec["dims"]
     r = int(np.prod([v.shape[d] for d in dims], dtype=np.int64))
-    return v.size // max(r, 1) if v.size else 0, r
+    # the kept axes' product, not size // r: over an empty axis every output still gets
+    # the reduction's value of no elements (0 for sum, NaN for mean)
+    return int(np.prod([n for d, n in enumerate(v.shape) if d not in dims], dtype=np.int64)), r
 
 
 def _form(n_out, r) -> str:
@@ -142,7 +153,9 @@ def part(kernel, b, suffix):
     if kind == "max" and dt.is_float:      # a NaN anywhere in the row gives NaN, as torch
         comb = f"fmax_{dt.name}({{a}}, {{b}})"
         store.require(f"fmax_{dt.name}")
-    fin = "acc" if kind != "mean" else f"acc * {literal(1.0 / max(spec.get('count', r), 1), dt)}"
+    count = spec.get("count", r)
+    # the mean of no elements is NaN (0 / 0), as torch's
+    fin = "acc" if kind != "mean" else f"acc * {literal(1.0 / count, dt)}" if count else literal(float("nan"), dt)
     rows = coords("o", kshape, prefix="k")
     inner = coords("j", rshape, prefix="r")
     load = load_at(f"base + {step}")

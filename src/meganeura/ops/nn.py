@@ -178,7 +178,8 @@ def _ce_ref(logits, labels, ignore_index, reduction, label_smoothing):
     q = (np.where(valid, lab, -1)[:, None] == np.arange(c)).astype(dt)
     if label_smoothing:
         q = q * dt.type(1 - label_smoothing) + valid[:, None].astype(dt) * dt.type(label_smoothing / c)
-    loss = -np.sum(q * _log_softmax_ref(logits, 1), axis=1, dtype=dt)
+    with np.errstate(invalid="ignore"):
+        loss = -np.sum(_target_terms_ref(q, _log_softmax_ref(logits, 1)), axis=1, dtype=dt)
     if reduction == "none":
         return loss
     total = np.sum(loss, dtype=dt)
@@ -186,6 +187,17 @@ def _ce_ref(logits, labels, ignore_index, reduction, label_smoothing):
         return total
     with np.errstate(invalid="ignore", divide="ignore"):  # every row ignored: nan, as torch
         return np.asarray(total / dt.type(valid.sum()), dtype=dt)
+
+
+def _target_terms_ref(q, logp):
+    """q * log p, 0 where q is 0: a class masked out with a -inf logit (log p = -inf) that is
+    not the target adds nothing, as in torch (0 * -inf would be NaN)."""
+    return np.where(q != 0, q * logp, q.dtype.type(0))
+
+
+def _target_terms(q, logp):
+    """The graph of ``_target_terms_ref``."""
+    return where(ne(q, 0.0), q * logp, 0.0)
 
 
 def _ce_target(logits, labels, ignore_index, label_smoothing):
@@ -202,7 +214,7 @@ def _ce_target(logits, labels, ignore_index, label_smoothing):
 
 def _ce_graph(logits, labels, ignore_index, reduction, label_smoothing):
     q, oh = _ce_target(logits, labels, ignore_index, label_smoothing)
-    loss = neg(reduce_sum(q * _log_softmax_graph(logits, 1), (1,)))
+    loss = neg(reduce_sum(_target_terms(q, _log_softmax_graph(logits, 1)), (1,)))
     if reduction == "none":
         return loss
     total = reduce_sum(loss, (0,))
@@ -294,14 +306,15 @@ def _ce_general(input, target, weight, ignore_index, reduction, label_smoothing)
         if reduction == "none":
             return reshape(loss, rows)
         total = reduce_sum(loss, (0,))
-        return total if reduction == "sum" else total * (1.0 / max(logits.shape[0], 1))
+        # the mean over no rows is NaN, as torch's
+        return total if reduction == "sum" else total * (1.0 / logits.shape[0] if logits.shape[0] else float("nan"))
     if target.shape != rows:
         raise op_error("cross_entropy", f"target must have shape {fmt_shape(rows)} for input "
                        f"{fmt_shape(input.shape)}", input, target)
     labels = reshape(target, (logits.shape[0],))
     oh = _ce_target(logits, labels, ignore_index, 0.0)[1]            # zero rows where ignored
     w_row = reduce_sum(oh * weight, (1,))                            # weight of each row's class, 0 if ignored
-    loss = neg(reduce_sum(oh * wlogp, (1,)))
+    loss = neg(reduce_sum(_target_terms(oh, wlogp), (1,)))
     if label_smoothing:
         valid = reduce_sum(oh, (1,))
         smooth = neg(reduce_sum(wlogp, (1,))) * valid

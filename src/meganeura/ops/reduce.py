@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from .registry import emit, norm_dims, register, require_float
+from ..graph import fmt_shape
+from .registry import emit, norm_dims, op_error, register, require_float
 
 
 def _reduce_infer(name):
@@ -11,6 +12,10 @@ def _reduce_infer(name):
         x = ins[0]
         if name != "reduce_sum":
             require_float(name, x)
+        if name == "reduce_max" and any(x.shape[d] == 0 for d in dims):
+            # torch: "Expected reduction dim to have non-zero size"; there is no maximum of nothing
+            raise op_error("amax", f"cannot reduce over an empty axis (dims {tuple(dims)} of shape "
+                           f"{fmt_shape(x.shape)})", x)
         return tuple(1 if i in dims else s for i, s in enumerate(x.shape) if keepdim or i not in dims), x.dtype
     return infer
 

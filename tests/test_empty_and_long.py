@@ -1,0 +1,104 @@
+"""Empty tensors and long chains on every backend, against torch's rules: reductions over
+an empty axis give the value of no elements (0 for sum, NaN for mean and var, the mean
+cross-entropy of no rows NaN), a masked (-inf) logit that is not the target adds nothing
+to cross_entropy, and long elementwise chains build and compile without recursion."""
+import numpy as np
+import pytest
+
+import meganeura as mg
+
+BACKENDS = ["numpy", "gpu", "wgpu"]
+NAN, INF = float("nan"), float("inf")
+
+
+def run(backend, build, feeds, dtypes=None):
+    g = mg.Graph()
+    xs = {k: g.input(k, v.shape, (dtypes or {}).get(k, mg.f32)) for k, v in feeds.items()}
+    outs = build(**xs)
+    return mg.compile(g, outputs=outs, backend=backend).run(feeds)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_merged_reductions_over_an_empty_axis(backend):
+    """Two reductions of a (0, 5) input in one launch: the sum of nothing is 0 everywhere
+    (the output count is the kept axes' product, not size // row = 0)."""
+    x = np.zeros((0, 5), np.float32)
+    a, b = run(backend, lambda x: [mg.ops.sum(x * 1.0) + 2.0, mg.ops.sum(x * 1.0, 0) + 1.0], {"x": x})
+    np.testing.assert_array_equal(a, 2.0)
+    np.testing.assert_array_equal(b, np.ones(5, np.float32))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_mean_var_std_over_an_empty_axis_are_nan(backend):
+    x = np.zeros((0, 3), np.float32)
+    outs = run(backend, lambda x: [mg.ops.mean(x * 1.0, 0), mg.ops.var(x * 1.0, 0), mg.ops.std(x * 1.0, 0),
+                                   mg.ops.mean(x * 1.0), mg.ops.sum(x * 1.0, 1)], {"x": x})
+    for o in outs[:4]:
+        assert np.isnan(o).all(), o
+    assert outs[0].shape == (3,) and outs[3].shape == () and outs[4].shape == (0,)
+
+
+def test_max_over_an_empty_axis_is_refused_as_torch_does():
+    g = mg.Graph()
+    x = g.input("x", (0, 3))
+    with pytest.raises(mg.ShapeError, match="amax: cannot reduce over an empty axis"):
+        mg.ops.amax(x, 0)
+    assert mg.ops.amax(x, 1).shape == (0,)       # rows of three: nothing to refuse
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_cross_entropy_of_an_empty_batch(backend):
+    """Mean over no rows: NaN (torch); sum: 0; none: an empty vector."""
+    feeds = {"x": np.zeros((0, 4), np.float32), "y": np.zeros(0, np.int32)}
+    outs = run(backend, lambda x, y: [mg.ops.cross_entropy(x * 1.0, y), mg.ops.cross_entropy(x * 1.0, y, reduction="sum"),
+                                      mg.ops.cross_entropy(x * 1.0, y, reduction="none")], feeds, {"y": mg.i32})
+    assert np.isnan(outs[0]) and outs[1] == 0.0 and outs[2].shape == (0,)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_layer_norm_gradients_over_an_empty_batch_are_zero(backend):
+    """The weight and bias gradients sum over no rows: zeros, beside a norm over real rows
+    whose kernels share the launch."""
+    rng = np.random.default_rng(0)
+    g = mg.Graph()
+    x, z = g.input("x", (0, 6)), g.input("z", (5, 6))
+    w, b, w2 = (g.input(n, (6,)) for n in ("w", "b", "w2"))
+    loss = mg.ops.sum(mg.ops.layer_norm(x * 1.0, (6,), w, b) ** 2) + mg.ops.sum(mg.ops.layer_norm(z * 1.5, (6,), w2) ** 3)
+    grads = mg.grad(loss, [w, b, w2])
+    feeds = {"x": np.zeros((0, 6), np.float32), "z": rng.standard_normal((5, 6)).astype(np.float32),
+             **{n: rng.uniform(0.5, 1.5, 6).astype(np.float32) for n in ("w", "b", "w2")}}
+    gw, gb, gw2 = mg.compile(g, outputs=grads, backend=backend).run(feeds)
+    np.testing.assert_array_equal(gw, 0.0)
+    np.testing.assert_array_equal(gb, 0.0)
+    assert np.abs(gw2).max() > 0
+
+
+MASKED = np.array([[-INF, 0, 1, 2], [0.5, -INF, .1, .2]], np.float32)
+LABELS = np.array([1, 0], np.int32)
+# torch.nn.functional.cross_entropy(MASKED, LABELS) and its gradient
+TORCH_LOSS = 1.6438525
+TORCH_GRAD = np.array([[0.0, -0.45498472, 0.12236423, 0.33262047], [-0.29262906, 0.0, 0.13900489, 0.15362416]],
+                      np.float32)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_cross_entropy_with_a_masked_logit_that_is_not_the_target(backend):
+    """A -inf logit adds 0 (not 0 * -inf = NaN) to the loss, and its softmax, so its
+    gradient, is 0; the class weights path too."""
+    def build(x, y):
+        loss = mg.ops.cross_entropy(x * 1.0, y)
+        weighted = mg.ops.cross_entropy(x * 1.0, y, weight=np.ones(4, np.float32))
+        return [loss, weighted, mg.grad(loss, [x])[0]]
+    loss, weighted, grad = run(backend, build, {"x": MASKED, "y": LABELS}, {"y": mg.i32})
+    np.testing.assert_allclose(loss, TORCH_LOSS, rtol=1e-6)
+    np.testing.assert_allclose(weighted, TORCH_LOSS, rtol=1e-6)
+    np.testing.assert_allclose(grad, TORCH_GRAD, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_cross_entropy_with_a_masked_target_is_inf(backend):
+    """The target's own logit -inf: an infinite loss, as torch gives."""
+    labels = np.array([0, 0], np.int32)
+    loss, = run(backend, lambda x, y: [mg.ops.cross_entropy(x * 1.0, y, reduction="none")],
+                {"x": MASKED, "y": labels}, {"y": mg.i32})
+    assert loss[0] == INF and np.isfinite(loss[1])
