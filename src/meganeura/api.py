@@ -19,7 +19,7 @@ from collections.abc import MutableMapping
 import numpy as np
 
 from .autodiff import grad as _grad
-from .graph import Graph, Tensor, cast_exact, fmt_shape
+from .graph import Graph, Tensor, cast_exact, fmt_shape, trainable
 from .optim import SCALAR_PREFIX, Optimizer
 
 BACKENDS = ("numpy", "gpu", "vulkan", "wgpu")   # "gpu": the Vulkan backend or wgpu, see runtime.backends
@@ -225,8 +225,11 @@ def _build_program(graph, fetches, loss, optimizer, accumulate, separate_update,
     updates = {ph: dict(u) for ph, u in updates.items()}
     grads = {}
     if loss is not None:
-        params = [p for p in graph.parameters.values() if p.dtype.is_float]
-        gs = _grad(loss, params)
+        # frozen parameters (requires_grad=False) and those the optimizer's params leave
+        # out get no gradient kernels and no optimizer state
+        params = [p for p in graph.parameters.values()
+                  if trainable(p) and (not isinstance(optimizer, Optimizer) or optimizer.trains(p))]
+        gs = _grad(loss, params) if params else []
         grads = {p.name: gr for p, gr in zip(params, gs)}
         if optimizer is not None:
             if not isinstance(optimizer, Optimizer):
@@ -321,6 +324,8 @@ def _from_manifest(graph, fetches, optimizer, backend, precision, plan_cache, bu
     from .runtime.backends import get_runtime_device, resolve
     dev = get_runtime_device(resolve(backend))
     if not isinstance(optimizer, Optimizer) or not pc.enabled(plan_cache) or getattr(dev, "checked", False):
+        return None, None
+    if optimizer._groups is not None:       # which parameters train is not in the key
         return None, None
     # what the session keeps beside optimizer state: every parameter and state
     kept = list(graph.parameters.values()) + [t for t in graph.states.values() if not t.attrs.get("optimizer_state")]

@@ -55,6 +55,12 @@ def _flatten(out):
     raise TypeError(f"jit: the function must return Tensors (or tuples, lists, dicts of them), got {type(out).__name__}")
 
 
+def _modes(mods) -> tuple:
+    """What else selects a program: each module's train/eval mode and which of its
+    parameters are frozen (a frozen one has no gradient kernels)."""
+    return tuple((m.training, tuple(p.requires_grad for p in m._parameters.values() if p is not None)) for m in mods)
+
+
 class Jit:
     """See the module docstring. ``sessions``: {signature: Session}, one compiled program each."""
 
@@ -103,7 +109,7 @@ class Jit:
 
     def _lookup(self, key):
         for mods, modes, sess, rebuild in self._entries.get(key, ()):
-            if tuple(m.training for m in mods) == modes:
+            if _modes(mods) == modes:
                 return sess, rebuild
         return None
 
@@ -141,7 +147,7 @@ class Jit:
         if anchor is None:
             self._shared["anchor"] = sess
         self.sessions[key] = sess
-        self._entries.setdefault(key, []).append((mods, tuple(m.training for m in mods), sess, rebuild))
+        self._entries.setdefault(key, []).append((mods, _modes(mods), sess, rebuild))
         return sess, rebuild
 
     # ------------------------------------------------------------------------ call

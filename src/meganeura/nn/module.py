@@ -42,7 +42,8 @@ class Parameter:
     from ``nn.init``'s generator."""
 
     def __init__(self, data=None, requires_grad=True, *, shape=None, init=None):
-        self.requires_grad = requires_grad
+        self.requires_grad = bool(requires_grad)
+        self.graph_names = set()       # the names modules gave it in graphs (optimizer groups find it so)
         self._data, self.init = None, init
         if data is None:
             if shape is None:
@@ -75,6 +76,11 @@ class Parameter:
     @property
     def dtype(self):
         return np.dtype(np.float32) if self._data is None else self._data.dtype
+
+    def requires_grad_(self, requires_grad=True):
+        """Freeze (False) or unfreeze it for training, as torch; returns it."""
+        self.requires_grad = bool(requires_grad)
+        return self
 
     def graph_init(self):
         """What ``Graph.parameter`` takes as ``init``: the rule while deferred, else a copy."""
@@ -199,9 +205,11 @@ class Module:
         full = self._prefix + name
         if kind == "parameter":
             value = self._parameters[name]
+            value.graph_names.add(full)
             t = g.parameters.get(full)
             if t is None:
-                return g.parameter(full, value.shape, value.dtype, init=value.graph_init())
+                return g.parameter(full, value.shape, value.dtype, init=value.graph_init(),
+                                   requires_grad=value.requires_grad)
         else:
             value = self._buffers[name]
             if value is None or value.dtype.kind not in "fiu":
@@ -263,6 +271,12 @@ class Module:
 
     def modules(self):
         return [m for _, m in self.named_modules()]
+
+    def requires_grad_(self, requires_grad=True):
+        """Freeze (False) or unfreeze every parameter of this module, as torch; returns it."""
+        for p in self.parameters():
+            p.requires_grad_(requires_grad)
+        return self
 
     def children(self):
         return [m for m in self._modules.values() if m is not None]
