@@ -29,6 +29,23 @@ GRAD_SCALE = "grad_scale"
 PRECISIONS = ("strict", "accelerated")
 
 
+@functools.lru_cache(maxsize=1)
+def default_backend() -> str:
+    """What ``backend=None`` runs on (``mg.compile``, ``mg.jit``): ``"gpu"`` where one of
+    the GPU backends finds a hardware GPU, or ``MEGANEURA_BACKEND`` names one; else
+    ``"numpy"``. A software Vulkan device (lavapipe) counts as none: on a CPU the
+    interpreter runs small graphs sooner than kernels are compiled for it."""
+    import os
+    if os.environ.get("MEGANEURA_BACKEND", "").strip():
+        return "gpu"
+    try:
+        from .runtime.backends import gpu_device
+        dev = gpu_device()
+    except Exception:       # no wgpu, no Vulkan loader or no adapter: nothing to run kernels on
+        return "numpy"
+    return "numpy" if getattr(dev, "is_software", True) else "gpu"
+
+
 def default_init(t: Tensor, seed: int) -> np.ndarray:
     """Deterministic per-name initial value: PyTorch's Linear/Conv rule (uniform in
     +-1/sqrt(fan_in)) for rank >= 2, zeros for rank < 2 unless ``init`` says otherwise."""
@@ -463,7 +480,8 @@ class Session:
         ``strict=False`` unknown names are skipped and missing ones keep their values.
         Shapes must match either way. Every problem is reported at once, and a prefix that
         every unknown name carries (or lacks) is named. Returns (missing_keys, unexpected_keys)."""
-        from .nn.module import IncompatibleKeys, to_numpy
+        from .nn.module import IncompatibleKeys, check_state_mapping, to_numpy
+        check_state_mapping("Session.load_state_dict", state)
         kept = {t.name: t for t in self.program.kept}
         problems, arrays = [], {}
         unexpected = [n for n in state if n not in kept]
@@ -595,14 +613,14 @@ class Session:
         return float(outs[-1])
 
 
-def compile(graph: Graph, outputs=None, loss=None, optimizer=None, backend="numpy",
+def compile(graph: Graph, outputs=None, loss=None, optimizer=None, backend=None,
             precision="strict", seed=0, accumulate=1, state_updates=None, share_with=None,
             eager=True, detect_anomaly=None, plan_cache=None) -> Session:
     """Compile ``graph`` for inference (``outputs``) or training (``loss`` + ``optimizer``).
 
     backend: "numpy" (the reference interpreter) or "gpu" (the direct Vulkan backend or wgpu:
     ``MEGANEURA_BACKEND=vulkan|wgpu`` chooses; see ``meganeura.runtime.backends``); "vulkan"
-    or "wgpu" ask for one of them.
+    or "wgpu" ask for one of them; None: ``default_backend()`` ("gpu" on a hardware GPU).
     precision: "strict" (f32 everywhere) or "accelerated" (f16 operands for forward matmuls).
     accumulate: optimizer update every ``accumulate`` calls of ``step`` with the mean gradient.
     state_updates: {state tensor: new value} applied by every ``run`` (e.g. a KV cache).
@@ -625,6 +643,7 @@ def compile(graph: Graph, outputs=None, loss=None, optimizer=None, backend="nump
     """
     if outputs is None and loss is None:
         raise ValueError("compile: give outputs= (inference) and/or loss= (training)")
+    backend = default_backend() if backend is None else backend
     if isinstance(outputs, Tensor):
         outputs = [outputs]
     from .compiler import gc_paused
