@@ -63,9 +63,11 @@ def _flatten(out):
 
 
 def _modes(mods) -> tuple:
-    """What else selects a program: each module's train/eval mode and which of its
-    parameters are frozen (a frozen one has no gradient kernels)."""
-    return tuple((m.training, tuple(p.requires_grad for p in m._parameters.values() if p is not None)) for m in mods)
+    """What else selects a program: each module's train/eval mode, which of its parameters
+    are frozen (a frozen one has no gradient kernels) and its own ``trace_variant`` (a
+    merged LoRA layer)."""
+    return tuple((m.training, tuple(p.requires_grad for p in m._parameters.values() if p is not None),
+                  getattr(m, "trace_variant", None)) for m in mods)
 
 
 class _Live:

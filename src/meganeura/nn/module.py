@@ -339,6 +339,15 @@ class Module:
             p.requires_grad_(requires_grad)
         return self
 
+    def get_submodule(self, target: str) -> "Module":
+        """The module at dotted path ``target`` ("" is this one), as torch."""
+        m = self
+        for part in target.split(".") if target else ():
+            if part not in m._modules or m._modules[part] is None:
+                raise AttributeError(f"{type(m).__name__} has no submodule {part!r} (looking up {target!r})")
+            m = m._modules[part]
+        return m
+
     def children(self):
         return [m for m in self._modules.values() if m is not None]
 
