@@ -136,3 +136,82 @@ def test_schedule_values_and_errors():
         mg.optim.linear(total_steps=5, warmup_steps=6)
     with pytest.raises(TypeError, match="schedule must be a function"):
         mg.optim.SGD(lr=0.1, schedule=0.5)
+
+
+def _bn_model():
+    nn.init.manual_seed(1)
+    return nn.Sequential(nn.Linear(5, 6), nn.BatchNorm1d(6), nn.Tanh(), nn.Linear(6, 3))
+
+
+@pytest.mark.parametrize("backend", ["numpy", "gpu"])
+def test_module_state_dict_holds_trained_weights_without_write_back(backend, tmp_path):
+    model = _bn_model()
+    before = model.state_dict()
+    step = mg.jit(lambda x, y: mg.ops.cross_entropy(model(x), y), optimizer=mg.optim.AdamW(lr=0.05), backend=backend)
+    rng = np.random.default_rng(3)
+    x, y = rng.standard_normal((8, 5)).astype(np.float32), rng.integers(0, 3, 8).astype(np.int32)
+    for _ in range(3):
+        step(x, y)
+    trained, ours = step.state_dict(), model.state_dict()
+    assert set(ours) == set(before)
+    for k in ours:
+        np.testing.assert_array_equal(ours[k], trained[k], err_msg=k)
+    assert not np.array_equal(ours["0.weight"], before["0.weight"])
+    assert not np.array_equal(ours["1.running_mean"], before["1.running_mean"]) and int(ours["1.num_batches_tracked"]) == 3
+    np.testing.assert_array_equal(model[3].weight.data, trained["3.weight"])
+    # Module.save / load and Jit.save / load
+    model.save(tmp_path / "m.safetensors")
+    fresh = _bn_model()
+    fresh.load(tmp_path / "m.safetensors")
+    for k, v in fresh.state_dict().items():
+        np.testing.assert_array_equal(v, ours[k], err_msg=k)
+    step.save(tmp_path / "j.safetensors")
+    step(x, y)
+    step.load(tmp_path / "j.safetensors")
+    assert step.steps_done == 3
+    for k, v in step.state_dict(include_optimizer=True).items():
+        np.testing.assert_array_equal(v, model.state_dict().get(k, v), err_msg=k)
+    np.testing.assert_array_equal(model.state_dict()["0.weight"], ours["0.weight"])
+    # values assigned to the module after training reach the program
+    model.load_state_dict({k: v * 0 for k, v in before.items() if k.endswith("weight")}, strict=False)
+    model.eval()
+    predict = mg.jit(model, share_with=step, backend=backend)
+    np.testing.assert_allclose(predict(x), np.broadcast_to(model.state_dict()["3.bias"], (8, 3)), atol=1e-6)
+
+
+def test_load_state_dict_of_a_list_names_what_it_expects():
+    model = _model()
+    values = list(model.state_dict().values())
+    with pytest.raises(TypeError, match="expected a dict of name -> array.*got list"):
+        model.load_state_dict(values)
+    step = mg.jit(model, backend="numpy")
+    step(np.ones((2, 5), np.float32))
+    with pytest.raises(TypeError, match="Jit.load_state_dict: expected a dict"):
+        step.load_state_dict(values)
+    with pytest.raises(TypeError, match="Session.load_state_dict: expected a dict"):
+        next(iter(step.sessions.values())).load_state_dict(values)
+    with pytest.raises(TypeError, match="load a file with .load"):
+        model.load_state_dict("weights.safetensors")
+
+
+def test_default_backend_is_gpu_on_hardware_only(monkeypatch):
+    from meganeura import api
+    from meganeura.runtime import backends
+
+    class Dev:
+        is_software = False
+    monkeypatch.delenv("MEGANEURA_BACKEND", raising=False)
+    for software, want in ((False, "gpu"), (True, "numpy")):
+        Dev.is_software = software
+        monkeypatch.setattr(backends, "gpu_device", lambda: Dev())
+        api.default_backend.cache_clear()
+        assert api.default_backend() == want
+    monkeypatch.setattr(backends, "gpu_device", lambda: (_ for _ in ()).throw(RuntimeError("no adapter")))
+    api.default_backend.cache_clear()
+    assert api.default_backend() == "numpy"
+    monkeypatch.setenv("MEGANEURA_BACKEND", "vulkan")
+    api.default_backend.cache_clear()
+    assert api.default_backend() == "gpu"
+    api.default_backend.cache_clear()
+    monkeypatch.delenv("MEGANEURA_BACKEND")
+    assert mg.jit(_model()).backend == api.default_backend()

@@ -19,7 +19,7 @@ from collections.abc import MutableMapping
 import numpy as np
 
 from .autodiff import grad as _grad
-from .graph import Graph, Tensor, cast_exact, fmt_shape
+from .graph import Graph, Tensor, cast_exact, fmt_shape, trainable
 from .optim import SCALAR_PREFIX, Optimizer
 
 BACKENDS = ("numpy", "gpu", "vulkan", "wgpu")   # "gpu": the Vulkan backend or wgpu, see runtime.backends
@@ -27,6 +27,23 @@ BACKENDS = ("numpy", "gpu", "vulkan", "wgpu")   # "gpu": the Vulkan backend or w
 GRAD_FEED = SCALAR_PREFIX + "grad."
 GRAD_SCALE = "grad_scale"
 PRECISIONS = ("strict", "accelerated")
+
+
+@functools.lru_cache(maxsize=1)
+def default_backend() -> str:
+    """What ``backend=None`` runs on (``mg.compile``, ``mg.jit``): ``"gpu"`` where one of
+    the GPU backends finds a hardware GPU, or ``MEGANEURA_BACKEND`` names one; else
+    ``"numpy"``. A software Vulkan device (lavapipe) counts as none: on a CPU the
+    interpreter runs small graphs sooner than kernels are compiled for it."""
+    import os
+    if os.environ.get("MEGANEURA_BACKEND", "").strip():
+        return "gpu"
+    try:
+        from .runtime.backends import gpu_device
+        dev = gpu_device()
+    except Exception:       # no wgpu, no Vulkan loader or no adapter: nothing to run kernels on
+        return "numpy"
+    return "numpy" if getattr(dev, "is_software", True) else "gpu"
 
 
 def default_init(t: Tensor, seed: int) -> np.ndarray:
@@ -225,8 +242,11 @@ def _build_program(graph, fetches, loss, optimizer, accumulate, separate_update,
     updates = {ph: dict(u) for ph, u in updates.items()}
     grads = {}
     if loss is not None:
-        params = [p for p in graph.parameters.values() if p.dtype.is_float]
-        gs = _grad(loss, params)
+        # frozen parameters (requires_grad=False) and those the optimizer's params leave
+        # out get no gradient kernels and no optimizer state
+        params = [p for p in graph.parameters.values()
+                  if trainable(p) and (not isinstance(optimizer, Optimizer) or optimizer.trains(p))]
+        gs = _grad(loss, params) if params else []
         grads = {p.name: gr for p, gr in zip(params, gs)}
         if optimizer is not None:
             if not isinstance(optimizer, Optimizer):
@@ -321,6 +341,8 @@ def _from_manifest(graph, fetches, optimizer, backend, precision, plan_cache, bu
     from .runtime.backends import get_runtime_device, resolve
     dev = get_runtime_device(resolve(backend))
     if not isinstance(optimizer, Optimizer) or not pc.enabled(plan_cache) or getattr(dev, "checked", False):
+        return None, None
+    if optimizer._groups is not None:       # which parameters train is not in the key
         return None, None
     # what the session keeps beside optimizer state: every parameter and state
     kept = list(graph.parameters.values()) + [t for t in graph.states.values() if not t.attrs.get("optimizer_state")]
@@ -458,7 +480,8 @@ class Session:
         ``strict=False`` unknown names are skipped and missing ones keep their values.
         Shapes must match either way. Every problem is reported at once, and a prefix that
         every unknown name carries (or lacks) is named. Returns (missing_keys, unexpected_keys)."""
-        from .nn.module import IncompatibleKeys, to_numpy
+        from .nn.module import IncompatibleKeys, check_state_mapping, to_numpy
+        check_state_mapping("Session.load_state_dict", state)
         kept = {t.name: t for t in self.program.kept}
         problems, arrays = [], {}
         unexpected = [n for n in state if n not in kept]
@@ -590,14 +613,14 @@ class Session:
         return float(outs[-1])
 
 
-def compile(graph: Graph, outputs=None, loss=None, optimizer=None, backend="numpy",
+def compile(graph: Graph, outputs=None, loss=None, optimizer=None, backend=None,
             precision="strict", seed=0, accumulate=1, state_updates=None, share_with=None,
             eager=True, detect_anomaly=None, plan_cache=None) -> Session:
     """Compile ``graph`` for inference (``outputs``) or training (``loss`` + ``optimizer``).
 
     backend: "numpy" (the reference interpreter) or "gpu" (the direct Vulkan backend or wgpu:
     ``MEGANEURA_BACKEND=vulkan|wgpu`` chooses; see ``meganeura.runtime.backends``); "vulkan"
-    or "wgpu" ask for one of them.
+    or "wgpu" ask for one of them; None: ``default_backend()`` ("gpu" on a hardware GPU).
     precision: "strict" (f32 everywhere) or "accelerated" (f16 operands for forward matmuls).
     accumulate: optimizer update every ``accumulate`` calls of ``step`` with the mean gradient.
     state_updates: {state tensor: new value} applied by every ``run`` (e.g. a KV cache).
@@ -620,6 +643,7 @@ def compile(graph: Graph, outputs=None, loss=None, optimizer=None, backend="nump
     """
     if outputs is None and loss is None:
         raise ValueError("compile: give outputs= (inference) and/or loss= (training)")
+    backend = default_backend() if backend is None else backend
     if isinstance(outputs, Tensor):
         outputs = [outputs]
     from .compiler import gc_paused

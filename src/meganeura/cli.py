@@ -57,6 +57,8 @@ def cmd_info(args):
             "f16 cooperative matrices for accelerated-precision matmuls"
         print(f"tensor cores: {tc}")
     print(f"backend='gpu' runs on: {resolve('gpu')} (MEGANEURA_BACKEND=vulkan|wgpu overrides)")
+    from .api import default_backend
+    print(f"mg.jit / mg.compile without backend= run on: {default_backend()!r} (a software device counts as no GPU)")
 
 
 def cmd_train_demo(args):

@@ -202,14 +202,17 @@ class Graph:
         self.inputs[name] = t
         return t
 
-    def parameter(self, name, shape, dtype=f32, init=None) -> Tensor:
+    def parameter(self, name, shape, dtype=f32, init=None, requires_grad=True) -> Tensor:
         """A trainable value kept by the session. ``init``: None (default rule), 'zeros',
-        'ones', 'normal' (std 0.02), a float (filled), or an array."""
+        'ones', 'normal' (std 0.02), a float (filled), or an array. ``requires_grad=False``:
+        frozen, kept but never differentiated nor updated (see ``trainable``)."""
         shape = _check_shape(shape, name)
         dtype = dtype_of(dtype)
         if isinstance(init, np.ndarray) and tuple(init.shape) != shape:
             raise ShapeError(f"parameter {name!r}: init array has shape {fmt_shape(init.shape)}, expected {fmt_shape(shape)}")
         t = self._append("parameter", (), {"init": init}, shape, dtype, self._claim(name, "parameter"))
+        if not requires_grad:
+            t.attrs["requires_grad"] = False
         self.parameters[name] = t
         return t
 
@@ -273,6 +276,11 @@ class Graph:
             if t.name == name:
                 return t
         raise KeyError(f"no tensor named {name!r} in this graph")
+
+
+def trainable(t: Tensor) -> bool:
+    """A float parameter not frozen (``requires_grad=False``): what training differentiates."""
+    return t.op == "parameter" and t.dtype.is_float and t.attrs.get("requires_grad", True)
 
 
 def _check_shape(shape, name):

@@ -19,6 +19,13 @@ step; without, each call is inference and returns arrays in the function's struc
 In training mode, batch norm's running statistics are updated (and its
 ``num_batches_tracked`` counted) and dropout masks are drawn fresh (on the host, from
 ``seed``) on every call.
+
+The weights live in the sessions while they train, and the modules read them from there:
+after training, ``model.state_dict()``, ``model.save(path)`` and ``p.data`` give the trained
+values (read back when first asked for after a step), and assigning or loading values into
+the module puts them into the sessions too. ``backend=None`` (the default) is
+``mg.api.default_backend()``: ``"gpu"`` where a hardware GPU runs one of the GPU backends,
+else the NumPy interpreter.
 """
 from __future__ import annotations
 
@@ -26,7 +33,7 @@ import inspect
 
 import numpy as np
 
-from .api import compile as _compile
+from .api import check_array, compile as _compile, default_backend
 from .graph import Graph, Tensor, dtype_of
 from .nn import module as _nnm
 from .optim import Optimizer
@@ -55,16 +62,50 @@ def _flatten(out):
     raise TypeError(f"jit: the function must return Tensors (or tuples, lists, dicts of them), got {type(out).__name__}")
 
 
+def _modes(mods) -> tuple:
+    """What else selects a program: each module's train/eval mode, which of its parameters
+    are frozen (a frozen one has no gradient kernels) and its own ``trace_variant`` (a
+    merged LoRA layer)."""
+    return tuple((m.training, tuple(p.requires_grad for p in m._parameters.values() if p is not None),
+                  getattr(m, "trace_variant", None)) for m in mods)
+
+
+class _Live:
+    """The sessions of jit functions sharing weights, as the modules they trace see them:
+    ``version`` moves with every call that changes values, so a module reads a value back
+    only when asked for it after a step (``Parameter.link``)."""
+
+    def __init__(self):
+        self.version, self.sessions = 0, []
+
+    def _keeper(self, name):
+        for s in self.sessions:
+            if not s.closed and any(t.name == name for t in s.program.kept):
+                return s
+        return None
+
+    def read(self, name):
+        s = self._keeper(name)
+        return None if s is None else np.array(s.executor.get_value(name))
+
+    def write(self, name, value):
+        s = self._keeper(name)
+        if s is not None:          # shared sessions hold one copy: setting it once sets it for all
+            t = next(t for t in s.program.kept if t.name == name)
+            s.assign({name: check_array("parameter", t, value)})
+
+
 class Jit:
     """See the module docstring. ``sessions``: {signature: Session}, one compiled program each."""
 
-    def __init__(self, fn, optimizer=None, backend="numpy", precision="strict", seed=0, share_with=None):
+    def __init__(self, fn, optimizer=None, backend=None, precision="strict", seed=0, share_with=None):
         if not callable(fn):
             raise TypeError(f"jit: expected a function or an mg.nn.Module, got {type(fn).__name__}")
         if optimizer is not None and not isinstance(optimizer, Optimizer):
             raise TypeError(f"jit: optimizer must be an mg.optim optimizer, got {type(optimizer).__name__}")
         if share_with is not None and not isinstance(share_with, Jit):
             raise TypeError(f"jit: share_with must be another mg.jit function, got {type(share_with).__name__}")
+        backend = default_backend() if backend is None else backend
         self.fn, self.optimizer, self.backend, self.precision, self.seed = fn, optimizer, backend, precision, seed
         target = fn.forward if isinstance(fn, _nnm.Module) else fn
         try:
@@ -75,7 +116,8 @@ class Jit:
         self.sessions: dict = {}
         self._entries: dict = {}                     # signature -> [(modules, their modes, Session, ...)]
         # one anchor session and one step counter for every jit sharing weights
-        self._shared = share_with._shared if share_with is not None else {"anchor": None, "steps": 0, "buffers": {}}
+        self._shared = share_with._shared if share_with is not None else \
+            {"anchor": None, "steps": 0, "buffers": {}, "live": _Live()}
         if share_with is not None and share_with.backend != backend:
             raise ValueError(f"jit: share_with runs on {share_with.backend!r}, this one on {backend!r}")
         self._rng = np.random.default_rng(seed)
@@ -103,7 +145,7 @@ class Jit:
 
     def _lookup(self, key):
         for mods, modes, sess, rebuild in self._entries.get(key, ()):
-            if tuple(m.training for m in mods) == modes:
+            if _modes(mods) == modes:
                 return sess, rebuild
         return None
 
@@ -120,10 +162,15 @@ class Jit:
         finally:
             _nnm._CALLED.remove(seen)
         mods = list({id(m): m for m in seen}.values())
+        live = self._shared["live"]
         for m in mods:          # module buffers by state-dict name: graph state, or (integers) the module's own
             for n, b in m._buffers.items():
                 if b is not None and n not in m._non_persistent:
                     self._shared["buffers"][m._prefix + n] = (m, n)
+                    m.link_buffer(n, live, m._prefix + n)
+            for n, p in m._parameters.items():
+                if p is not None:
+                    p.link(live, m._prefix + n)
         updates = _nnm.state_updates(g)
         anchor = self._shared["anchor"]
         common = dict(backend=self.backend, precision=self.precision, seed=self.seed, share_with=anchor)
@@ -140,8 +187,9 @@ class Jit:
             sess = _compile(g, outputs=outs, state_updates=updates or None, **common)
         if anchor is None:
             self._shared["anchor"] = sess
+        live.sessions.append(sess)
         self.sessions[key] = sess
-        self._entries.setdefault(key, []).append((mods, tuple(m.training for m in mods), sess, rebuild))
+        self._entries.setdefault(key, []).append((mods, _modes(mods), sess, rebuild))
         return sess, rebuild
 
     # ------------------------------------------------------------------------ call
@@ -153,9 +201,14 @@ class Jit:
         feeds = {n: v for n, v in feeds.items() if n in sess.feeds}
         if self.optimizer is None:
             out = rebuild(sess.run(feeds))
+            if sess.program.updates.get("run"):
+                self._shared["live"].version += 1
         else:
             sess.steps_done = self._shared["steps"]  # Adam's bias correction counts every signature's steps
-            out = sess.step(feeds)
+            try:
+                out = sess.step(feeds)
+            finally:
+                self._shared["live"].version += 1
             self._shared["steps"] = sess.steps_done
         return out
 
@@ -188,6 +241,7 @@ class Jit:
 
     def load_state_dict(self, state: dict, strict=True):
         """Load values by name into the shared store (and the module, if one is wrapped)."""
+        _nnm.check_state_mapping("Jit.load_state_dict", state)
         res = None
         if isinstance(self.fn, _nnm.Module):
             res = self.fn.load_state_dict(state, strict)
@@ -196,11 +250,37 @@ class Jit:
             kept = {t.name for t in s.program.kept}
             sess_res = s.load_state_dict({k: v for k, v in vals.items() if k in kept}, strict=False)
             res = res or sess_res
+        self._shared["live"].version += 1
+        return res
+
+    def save(self, path, include_optimizer=True):
+        """Write the current parameters and buffers (and the optimizer state and step count)
+        to a safetensors checkpoint (``meganeura.checkpoint``), as ``Session.save``."""
+        from . import checkpoint
+        return checkpoint.save(_JitSnapshot(self), path, include_optimizer)
+
+    def load(self, path, strict=True):
+        """Load a checkpoint written by ``save`` (or a module's, or any safetensors file of
+        parameters by name); optimizer state in it sets the step count too."""
+        from . import checkpoint
+        state = self.state_dict(include_optimizer=True)
+        tensors, meta = checkpoint.read(path)
+        params = set(self.state_dict())
+        if strict:
+            missing = sorted(params - set(tensors))
+            unexpected = sorted(set(tensors) - set(state))
+            if missing or unexpected:
+                from .api import describe_key_mismatch
+                raise checkpoint.CheckpointError(f"cannot load {path!r}: " + describe_key_mismatch(missing, unexpected))
+        res = self.load_state_dict({k: v for k, v in tensors.items() if k in state}, strict=False)
+        if self.optimizer is not None and any(k in state and k not in params for k in tensors):
+            self._shared["steps"] = checkpoint._count(path, meta, "step", 0)
         return res
 
     def write_back(self, module=None):
-        """Copy the current values into ``module`` (default: the wrapped one), so its
-        ``state_dict()`` shows what training changed."""
+        """Copy the current values into ``module`` (default: the wrapped one). The modules
+        a jit function traces read their trained values by themselves; this is for another
+        module of the same names."""
         module = module if module is not None else self.fn
         if not isinstance(module, _nnm.Module):
             raise TypeError("write_back: give the mg.nn.Module to update")
@@ -210,9 +290,22 @@ class Jit:
         return module
 
 
-def jit(fn=None, *, optimizer=None, backend="numpy", precision="strict", seed=0, share_with=None):
+class _JitSnapshot:
+    """What ``checkpoint.save`` reads of a session, for a jit function."""
+
+    def __init__(self, j):
+        self.j, self.optimizer, self.steps_done = j, j.optimizer, j.steps_done
+        self.parameter_names = list(dict.fromkeys(n for s in j._all_sessions() for n in s.graph.parameters)) \
+            if j._shared["anchor"] is not None else list(j.state_dict())
+
+    def state_dict(self, include_optimizer=False):
+        return self.j.state_dict(include_optimizer)
+
+
+def jit(fn=None, *, optimizer=None, backend=None, precision="strict", seed=0, share_with=None):
     """Wrap ``fn`` (a function of Tensors, or an mg.nn.Module) so it runs on arrays, with
-    one compiled program per input signature; usable as ``@mg.jit`` or ``@mg.jit(backend=...)``."""
+    one compiled program per input signature; usable as ``@mg.jit`` or ``@mg.jit(backend=...)``.
+    ``backend=None``: ``mg.api.default_backend()``."""
     if fn is None:
         return lambda f: Jit(f, optimizer, backend, precision, seed, share_with)
     return Jit(fn, optimizer, backend, precision, seed, share_with)

@@ -3,6 +3,13 @@ so the same kernels machinery runs them on the GPU in the step's own submit.
 
 Hyperparameters that change between steps (learning rate, Adam's bias corrections) are
 scalar inputs fed by the session each step, so schedules never recompile.
+
+``params`` (the first argument, as torch's) is optional: without it every parameter that
+is not frozen trains with the optimizer's own hyperparameters. Given, only what it names
+trains: a list of parameters (``mg.nn.Parameter`` objects, graph Tensors or names), or
+torch's parameter groups, dicts of ``params`` and the hyperparameters they override
+(``[{"params": decay}, {"params": norms_and_biases, "weight_decay": 0.0}]``). Each group's
+learning rate is its own scalar input (``param_groups[k]["lr"]`` may change between steps).
 """
 from __future__ import annotations
 
@@ -32,9 +39,10 @@ def hyper(owner, name, value, lo=None, hi=None, lo_open=False, hi_open=False) ->
 class Optimizer:
     """Base: ``lr`` is the peak learning rate; ``schedule`` (optional) maps the 0-based
     update index to a factor of it (see ``cosine``, ``linear``, ``step``), fed to the
-    compiled step as a scalar input: no recompiling."""
+    compiled step as a scalar input: no recompiling. ``params``: see the module docstring."""
+    _tag = ""               # a parameter group's scalar inputs are named optim.group<k>.<name>
 
-    def __init__(self, lr, clip_grad_norm=None, schedule=None):
+    def __init__(self, lr, clip_grad_norm=None, schedule=None, params=None):
         owner = type(self).__name__
         if schedule is not None and not callable(schedule):
             raise TypeError(f"schedule must be a function of the update index, got {type(schedule).__name__}")
@@ -42,6 +50,43 @@ class Optimizer:
         self.clip_grad_norm = None if clip_grad_norm is None else \
             hyper(owner, "clip_grad_norm", clip_grad_norm, 0, lo_open=True)
         self.schedule = schedule
+        self._groups = None if params is None else _param_groups(owner, params, self.config())
+        for k in range(len(self._groups or ())):
+            self._for_group(k)          # a bad hyperparameter in a group is refused here
+
+    def config(self) -> dict:
+        """The hyperparameters a parameter group may override, as the constructor takes them."""
+        return {"lr": self.lr}
+
+    @property
+    def param_groups(self) -> list:
+        """torch's ``param_groups``: one dict per group (its ``params`` and every
+        hyperparameter); a single group of everything trainable when ``params`` was not given."""
+        if self._groups is None:
+            return [{"params": None, **self.config()}]
+        return self._groups
+
+    def trains(self, p: Tensor) -> bool:
+        """Whether the parameter ``p`` is updated (and so differentiated) by this optimizer."""
+        return self._groups is None or self._group_index(p) is not None
+
+    def _group_index(self, p):
+        for k, grp in enumerate(self._groups):
+            if p.name in grp["_names"]:
+                return k
+        return None
+
+    def _for_group(self, k):
+        """The optimizer that updates group ``k``'s parameters: this one's type with the
+        group's hyperparameters (checked as the constructor checks them), its own scalars."""
+        cache = self.__dict__.setdefault("_group_opts", {})
+        grp = self._groups[k]
+        cfg = {n: grp[n] for n in self.config()}
+        if k not in cache or cache[k][0] != cfg:
+            opt = type(self)(**cfg, schedule=self.schedule)
+            opt._tag = f"group{k}."
+            cache[k] = (cfg, opt)
+        return cache[k][1]
 
     def lr_at(self, step: int) -> float:
         """The learning rate of update number ``step`` (1-based, as ``scalars``); checked
@@ -51,12 +96,20 @@ class Optimizer:
         return hyper(type(self).__name__, f"learning rate of update {step}", lr, 0)
 
     def scalar(self, g, name):
-        key = SCALAR_PREFIX + name
+        key = SCALAR_PREFIX + self._tag + name
         return g.inputs[key] if key in g.inputs else g.input(key, ())
 
     def scalars(self, step: int) -> dict:
         """Host-computed scalars for update number ``step`` (1-based)."""
-        return {SCALAR_PREFIX + "lr": self.lr_at(step)}
+        if self._groups is not None:
+            out = {}
+            for k in range(len(self._groups)):
+                out.update(self._for_group(k).scalars(step))
+            return out
+        return self._own_scalars(step)
+
+    def _own_scalars(self, step: int) -> dict:
+        return {SCALAR_PREFIX + self._tag + "lr": self.lr_at(step)}
 
     def clip(self, grads):
         if self.clip_grad_norm is None:
@@ -70,12 +123,18 @@ class Optimizer:
         """Returns {state or parameter tensor: its new value}."""
         grads = self.clip(grads)
         updates = {}
-        self._shared = {}       # scalar expressions every parameter's update reads, built once
+        opts = [self] if self._groups is None else [self._for_group(k) for k in range(len(self._groups))]
+        for o in opts:
+            o._shared = {}      # scalar expressions every parameter's update reads, built once
         try:
             for p, gr in zip(params, grads):
-                updates.update(self.update(p, gr))
+                k = None if self._groups is None else self._group_index(p)
+                if self._groups is not None and k is None:
+                    raise ValueError(f"{type(self).__name__}: parameter {p.name!r} is in no parameter group")
+                updates.update((self if k is None else opts[k]).update(p, gr))
         finally:
-            del self._shared
+            for o in opts:
+                del o._shared
         return updates
 
     def shared(self, g, key, make):
@@ -91,6 +150,65 @@ class Optimizer:
 
     def update(self, p, gr) -> dict:
         raise NotImplementedError
+
+
+def _lr_arg(owner, params, lr):
+    """``lr``, refusing a number given where torch's first argument (``params``) goes."""
+    if isinstance(params, numbers.Number):
+        raise TypeError(f"{owner}: the first argument is params (as in torch); pass the learning rate as lr=")
+    return lr
+
+
+def _param_names(owner, where, params) -> list:
+    """Graph parameter names of ``params``: mg.nn Parameters (named where a module put them
+    in a graph, so resolved when the step is built), graph Tensors or names."""
+    from .nn.module import Parameter
+    out = []
+    for p in (params,) if isinstance(params, (str, Tensor, Parameter)) else params:
+        if isinstance(p, str):
+            out.append(p)
+        elif isinstance(p, Tensor):
+            if p.op != "parameter":
+                raise TypeError(f"{owner}: {where} holds {p.name!r}, a {p.op} tensor, not a parameter")
+            out.append(p.name)
+        elif isinstance(p, Parameter):
+            out.append(p)
+        else:
+            raise TypeError(f"{owner}: {where} must hold mg.nn Parameters, graph parameter Tensors or their names, "
+                            f"got {type(p).__name__}")
+    return out
+
+
+class _Names:
+    """A group's parameters by graph name; mg.nn Parameter objects resolve to the name
+    their module gave them in the graph being built (``Parameter.graph_names``)."""
+
+    def __init__(self, items):
+        self.items = items
+
+    def __contains__(self, name):
+        return any(name == p if isinstance(p, str) else name in p.graph_names for p in self.items)
+
+
+def _param_groups(owner, params, defaults) -> list:
+    """torch's parameter groups: dicts with every hyperparameter filled from ``defaults``."""
+    params = list(params)
+    if not params:
+        raise ValueError(f"{owner}: params is empty (an optimizer needs something to train)")
+    if not all(isinstance(p, dict) for p in params):
+        if any(isinstance(p, dict) for p in params):
+            raise TypeError(f"{owner}: params mixes parameter-group dicts with parameters")
+        params = [{"params": params}]
+    groups = []
+    for k, grp in enumerate(params):
+        if "params" not in grp:
+            raise ValueError(f"{owner}: parameter group {k} has no 'params'")
+        unknown = sorted(set(grp) - set(defaults) - {"params"})
+        if unknown:
+            raise ValueError(f"{owner}: parameter group {k} sets {unknown}; a group may set {sorted(defaults)}")
+        items = _param_names(owner, f"parameter group {k}", grp["params"])
+        groups.append({**defaults, **grp, "params": items, "_names": _Names(items)})
+    return groups
 
 
 def _state(g, name, like):
@@ -112,20 +230,24 @@ def sum_all(xs):
 class SGD(Optimizer):
     """torch.optim.SGD: momentum, dampening, nesterov, weight decay."""
 
-    def __init__(self, lr=0.01, momentum=0.0, dampening=0.0, nesterov=False, weight_decay=0.0, clip_grad_norm=None,
-                 schedule=None):
-        super().__init__(lr, clip_grad_norm, schedule)
+    def __init__(self, params=None, lr=0.01, momentum=0.0, dampening=0.0, nesterov=False, weight_decay=0.0,
+                 clip_grad_norm=None, schedule=None):
         momentum = hyper("SGD", "momentum", momentum, 0)
         dampening = hyper("SGD", "dampening", dampening)
         weight_decay = hyper("SGD", "weight_decay", weight_decay, 0)
         if nesterov and (momentum <= 0 or dampening != 0):
             raise ValueError("nesterov needs momentum > 0 and dampening = 0")
         self.momentum, self.dampening, self.nesterov, self.weight_decay = momentum, dampening, bool(nesterov), weight_decay
+        super().__init__(_lr_arg("SGD", params, lr), clip_grad_norm, schedule, params)
 
-    def scalars(self, step):
-        s = super().scalars(step)
+    def config(self):
+        return {"lr": self.lr, "momentum": self.momentum, "dampening": self.dampening, "nesterov": self.nesterov,
+                "weight_decay": self.weight_decay}
+
+    def _own_scalars(self, step):
+        s = super()._own_scalars(step)
         # torch sets the buffer to the first gradient (no dampening) on the first step
-        s[SCALAR_PREFIX + "damp"] = 1.0 if step == 1 else 1.0 - self.dampening
+        s[SCALAR_PREFIX + self._tag + "damp"] = 1.0 if step == 1 else 1.0 - self.dampening
         return s
 
     def update(self, p, gr):
@@ -145,9 +267,8 @@ class Adam(Optimizer):
     """torch.optim.Adam (L2 weight decay added to the gradient)."""
     decoupled = False
 
-    def __init__(self, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, clip_grad_norm=None,
+    def __init__(self, params=None, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, clip_grad_norm=None,
                  schedule=None):
-        super().__init__(lr, clip_grad_norm, schedule)
         owner = type(self).__name__
         try:
             b1, b2 = betas
@@ -157,11 +278,15 @@ class Adam(Optimizer):
         self.b2 = hyper(owner, "betas[1]", b2, 0, 1, hi_open=True)
         self.eps = hyper(owner, "eps", eps, 0)
         self.weight_decay = hyper(owner, "weight_decay", weight_decay, 0)
+        super().__init__(_lr_arg(owner, params, lr), clip_grad_norm, schedule, params)
 
-    def scalars(self, step):
-        s = super().scalars(step)
-        s[SCALAR_PREFIX + "step_size"] = self.lr_at(step) / (1 - self.b1 ** step)
-        s[SCALAR_PREFIX + "inv_sqrt_bc2"] = 1.0 / math.sqrt(1 - self.b2 ** step)
+    def config(self):
+        return {"lr": self.lr, "betas": (self.b1, self.b2), "eps": self.eps, "weight_decay": self.weight_decay}
+
+    def _own_scalars(self, step):
+        s = super()._own_scalars(step)
+        s[SCALAR_PREFIX + self._tag + "step_size"] = self.lr_at(step) / (1 - self.b1 ** step)
+        s[SCALAR_PREFIX + self._tag + "inv_sqrt_bc2"] = 1.0 / math.sqrt(1 - self.b2 ** step)
         return s
 
     def update(self, p, gr):
@@ -185,9 +310,9 @@ class AdamW(Adam):
     """torch.optim.AdamW (decoupled weight decay, default 0.01)."""
     decoupled = True
 
-    def __init__(self, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01, clip_grad_norm=None,
+    def __init__(self, params=None, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01, clip_grad_norm=None,
                  schedule=None):
-        super().__init__(lr, betas, eps, weight_decay, clip_grad_norm, schedule)
+        super().__init__(params, lr, betas, eps, weight_decay, clip_grad_norm, schedule)
 
 
 # ------------------------------------------------------------------ learning-rate schedules

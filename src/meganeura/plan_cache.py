@@ -194,7 +194,9 @@ def session_key(targets, params, optimizer, options, adapter=None, updated=()) -
     state = {k: v for k, v in vars(optimizer).items() if k not in ("lr", "schedule") and not k.startswith("_")}
     if not _attr_text(state, hyper):
         return None
-    desc = repr(("session", g, [(p.name, p.shape, p.dtype.name) for p in params], list(updated), "".join(hyper),
+    entries = [(p.name, p.shape, p.dtype.name) + (("frozen",) if p.attrs.get("requires_grad") is False else ())
+               for p in params]         # a frozen parameter (no gradient, no update) is marked
+    desc = repr(("session", g, entries, list(updated), "".join(hyper),
                  _context(options, adapter)))
     return hashlib.sha256(desc.encode()).hexdigest()
 

@@ -17,3 +17,4 @@ from .layers import (AdaptiveAvgPool2d, AvgPool2d, BatchNorm1d, BatchNorm2d, Con
                      MultiheadAttention, ReLU, RMSNorm, SiLU, Sigmoid, Softmax, Tanh, Upsample)
 from .module import (IncompatibleKeys, Module, ModuleDict, ModuleList, Parameter, Sequential,  # noqa: F401
                      random_feeds, state_updates)
+from . import lora  # noqa: F401,E402

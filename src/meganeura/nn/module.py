@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import weakref
 from collections import OrderedDict, namedtuple
+from collections.abc import Mapping
 
 import numpy as np
 
@@ -42,7 +43,8 @@ class Parameter:
     from ``nn.init``'s generator."""
 
     def __init__(self, data=None, requires_grad=True, *, shape=None, init=None):
-        self.requires_grad = requires_grad
+        self.requires_grad = bool(requires_grad)
+        self.graph_names = set()       # the names modules gave it in graphs (optimizer groups find it so)
         self._data, self.init = None, init
         if data is None:
             if shape is None:
@@ -57,6 +59,12 @@ class Parameter:
 
     @property
     def data(self) -> np.ndarray:
+        live = self.__dict__.get("_live")
+        if live is not None and live.version != self._live_seen:
+            value = live.read(self._live_name)        # trained since last read: the session's value
+            if value is not None:
+                self._data, self._shape, self.init = value, value.shape, None
+            self._live_seen = live.version
         if self._data is None:
             from .init import draw
             self._data = draw(self._shape, self.init)
@@ -67,6 +75,20 @@ class Parameter:
         arr = np.asarray(value)
         self._data = np.array(arr, dtype=arr.dtype if arr.dtype == np.float16 else np.float32)
         self._shape, self.init = self._data.shape, None
+        live = self.__dict__.get("_live")
+        if live is not None:                        # the sessions training it take it too
+            live.write(self._live_name, self._data)
+            self._live_seen = live.version
+
+    def link(self, live, name):
+        """Values now live in ``live``'s sessions under ``name`` (``mg.jit`` training): read
+        through it after each step, and written to it on assignment."""
+        self._live, self._live_name, self._live_seen = live, name, live.version
+
+    def __getstate__(self):
+        if "_live" in self.__dict__:
+            self.data                   # pulled from a session first; the link is not copied
+        return {k: v for k, v in self.__dict__.items() if not k.startswith("_live")}
 
     @property
     def shape(self):
@@ -76,8 +98,15 @@ class Parameter:
     def dtype(self):
         return np.dtype(np.float32) if self._data is None else self._data.dtype
 
+    def requires_grad_(self, requires_grad=True):
+        """Freeze (False) or unfreeze it for training, as torch; returns it."""
+        self.requires_grad = bool(requires_grad)
+        return self
+
     def graph_init(self):
         """What ``Graph.parameter`` takes as ``init``: the rule while deferred, else a copy."""
+        if "_live" in self.__dict__:
+            self.data                   # a value another session trained
         return self.init if self._data is None else self._data.copy()
 
     def __repr__(self):
@@ -91,6 +120,13 @@ def to_numpy(v) -> np.ndarray:
     if hasattr(v, "detach") and hasattr(v, "cpu"):
         v = v.detach().cpu().numpy()
     return np.array(v)
+
+
+def check_state_mapping(owner, state):
+    """Refuse a state dict that is not a mapping (a list of arrays, a file name), naming it."""
+    if not isinstance(state, Mapping):
+        raise TypeError(f"{owner}: expected a dict of name -> array (as state_dict() gives), "
+                        f"got {type(state).__name__}" + (" (load a file with .load(path))" if isinstance(state, str) else ""))
 
 
 def state_updates(graph: Graph) -> dict:
@@ -165,7 +201,7 @@ class Module:
         if name in d.get("_parameters", ()):
             return self._tensor(name, "parameter") if _TRACE else d["_parameters"][name]
         if name in d.get("_buffers", ()):
-            return self._tensor(name, "buffer") if _TRACE else d["_buffers"][name]
+            return self._tensor(name, "buffer") if _TRACE else self._buffer(name)
         if name in d.get("_modules", ()):
             return d["_modules"][name]
         raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
@@ -176,6 +212,37 @@ class Module:
                 del d[name]
                 return
         object.__delattr__(self, name)
+
+    def _buffer(self, name):
+        """A buffer's array, read from the session training it (``link_buffer``) when a step
+        ran since it was last read."""
+        links = self.__dict__.get("_live_buffers")
+        if links and name in links:
+            live, full, seen = links[name]
+            if live.version != seen:
+                value = live.read(full)
+                if value is not None:
+                    self._buffers[name] = value.astype(self._buffers[name].dtype)
+                links[name] = (live, full, live.version)
+        return self._buffers[name]
+
+    def link_buffer(self, name, live, full):
+        """The buffer ``name`` lives in ``live``'s sessions as ``full`` (see Parameter.link)."""
+        self.__dict__.setdefault("_live_buffers", {})[name] = (live, full, live.version)
+
+    def _set_buffer(self, name, value):
+        self._buffers[name] = value
+        links = self.__dict__.get("_live_buffers")
+        if links and name in links:
+            live, full, _ = links[name]
+            live.write(full, value)
+            links[name] = (live, full, live.version)
+
+    def __getstate__(self):
+        for n in self._buffers:
+            if self._buffers[n] is not None:
+                self._buffer(n)
+        return {k: v for k, v in self.__dict__.items() if k != "_live_buffers"}
 
     def register_buffer(self, name, value, persistent=True):
         """A non-trained array saved in the state dict (float ones are graph state)."""
@@ -199,9 +266,11 @@ class Module:
         full = self._prefix + name
         if kind == "parameter":
             value = self._parameters[name]
+            value.graph_names.add(full)
             t = g.parameters.get(full)
             if t is None:
-                return g.parameter(full, value.shape, value.dtype, init=value.graph_init())
+                return g.parameter(full, value.shape, value.dtype, init=value.graph_init(),
+                                   requires_grad=value.requires_grad)
         else:
             value = self._buffers[name]
             if value is None or value.dtype.kind not in "fiu":
@@ -264,6 +333,21 @@ class Module:
     def modules(self):
         return [m for _, m in self.named_modules()]
 
+    def requires_grad_(self, requires_grad=True):
+        """Freeze (False) or unfreeze every parameter of this module, as torch; returns it."""
+        for p in self.parameters():
+            p.requires_grad_(requires_grad)
+        return self
+
+    def get_submodule(self, target: str) -> "Module":
+        """The module at dotted path ``target`` ("" is this one), as torch."""
+        m = self
+        for part in target.split(".") if target else ():
+            if part not in m._modules or m._modules[part] is None:
+                raise AttributeError(f"{type(m).__name__} has no submodule {part!r} (looking up {target!r})")
+            m = m._modules[part]
+        return m
+
     def children(self):
         return [m for m in self._modules.values() if m is not None]
 
@@ -285,7 +369,7 @@ class Module:
         for mp, m in self.named_modules(prefix):
             for n, b in m._buffers.items():
                 if b is not None:
-                    yield (f"{mp}.{n}" if mp else n), b
+                    yield (f"{mp}.{n}" if mp else n), m._buffer(n)
 
     def _entries(self):
         """{state-dict name: (owner module, attribute, is_parameter)}."""
@@ -302,13 +386,14 @@ class Module:
 
     def state_dict(self) -> dict:
         """{name: NumPy copy} of parameters and persistent buffers, torch's names and order."""
-        return {k: (m._parameters[n].data if isp else m._buffers[n]).copy()
+        return {k: (m._parameters[n].data if isp else m._buffer(n)).copy()
                 for k, (m, n, isp) in self._entries().items()}
 
     def load_state_dict(self, state: dict, strict: bool = True) -> IncompatibleKeys:
         """Copy values in by name (torch tensors or arrays). Shapes must match; with
         ``strict`` every name must match too. Returns (missing_keys, unexpected_keys)."""
         from ..api import describe_key_mismatch
+        check_state_mapping(f"{type(self).__name__}.load_state_dict", state)
         entries = self._entries()
         missing = [k for k in entries if k not in state]
         unexpected = [k for k in state if k not in entries]
@@ -333,8 +418,27 @@ class Module:
             if isp:
                 m._parameters[n].data = arr
             else:
-                m._buffers[n] = arr
+                m._set_buffer(n, arr)
         return IncompatibleKeys(missing, unexpected)
+
+    def save(self, path):
+        """Write the parameters and persistent buffers (their trained values, if ``mg.jit``
+        trained them) to a safetensors file by state-dict name (``meganeura.checkpoint``)."""
+        from .. import checkpoint
+        return checkpoint.save(_Snapshot(self), path, include_optimizer=False)
+
+    def load(self, path, strict=True):
+        """Load a safetensors file (``save``'s, a session's or torch's ``save_file``) by name;
+        optimizer state a session saved beside the parameters is skipped."""
+        from .. import checkpoint
+        tensors, meta = checkpoint.read(path)
+        mine = self._entries()
+        listed = checkpoint._parameter_names(path, meta)
+        extra = [k for k in tensors if k not in mine and (listed is None or k in listed)]
+        if strict and extra:
+            raise checkpoint.CheckpointError(f"cannot load {path!r}: unexpected key(s) {extra[:5]} "
+                                             f"(not in this {type(self).__name__})")
+        return self.load_state_dict({k: v for k, v in tensors.items() if k in mine}, strict)
 
     # ------------------------------------------------------------------------ modes
     def train(self, mode: bool = True):
@@ -358,6 +462,18 @@ class Module:
         lines = [f"({n}): " + repr(m).replace("\n", "\n  ") for n, m in self._modules.items()]
         head = f"{type(self).__name__}({self.extra_repr()}"
         return head + ("\n  " + "\n  ".join(lines) + "\n)" if lines else ")")
+
+
+class _Snapshot:
+    """What ``checkpoint.save`` reads of a session, for a module."""
+    optimizer, steps_done = None, 0
+
+    def __init__(self, module):
+        self.module = module
+        self.parameter_names = [n for n, _ in module.named_parameters()]
+
+    def state_dict(self, include_optimizer=False):
+        return self.module.state_dict()
 
 
 class Sequential(Module):
