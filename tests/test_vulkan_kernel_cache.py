@@ -16,10 +16,11 @@ from meganeura.runtime.vulkan import cache
 
 def _spirv(nops=0):
     """A structurally whole compute module (``spirv.validate``): capability, memory model, a
-    GLCompute entry point "main", and ``nops`` OpNops."""
+    GLCompute entry point "main", ``nops`` OpNops and the function (void %1() {})."""
     import struct
-    words = [0x07230203, 0x00010300, 0, 4, 0, (2 << 16) | 17, 1, (3 << 16) | 14, 0, 1,
-             (5 << 16) | 15, 5, 1, *struct.unpack("<2I", b"main\0\0\0\0"), *[(1 << 16)] * nops]
+    words = [0x07230203, 0x00010300, 0, 5, 0, (2 << 16) | 17, 1, (3 << 16) | 14, 0, 1,
+             (5 << 16) | 15, 5, 1, *struct.unpack("<2I", b"main\0\0\0\0"), *[(1 << 16)] * nops,
+             (5 << 16) | 54, 2, 1, 0, 3, (1 << 16) | 56]
     return struct.pack(f"<{len(words)}I", *words)
 
 
