@@ -12,7 +12,7 @@ import pytest
 from safetensors.numpy import save_file
 
 import meganeura as mg
-from meganeura import checkpoint
+from meganeura import checkpoint, disk
 from meganeura.checkpoint import CheckpointError
 
 
@@ -133,18 +133,27 @@ def test_saved_file_mode_follows_the_umask(tmp_path):
     assert os.stat(path).st_mode & 0o777 == 0o600
 
 
+def _ours(folder, name="model.safetensors"):
+    return sorted(p.name for p in folder.iterdir() if p.name.startswith(f".{name}{disk.TMP_MARK}"))
+
+
 def test_temp_files_of_killed_saves_are_removed_by_the_next_save(tmp_path):
-    """A child process is killed (SIGKILL) in the middle of writing a checkpoint; the next
-    save to that path removes its temp file, and leaves a running process's alone."""
+    """A child process is killed (SIGKILL) in the middle of writing a checkpoint: the old
+    checkpoint is intact, the temp file left is ours (named after the checkpoint) and the
+    next save removes it, leaving a running process's alone."""
     target = tmp_path / "model.safetensors"
+    old = _trainer()
+    old.save(target)
+    before = target.read_bytes()
     script = textwrap.dedent(f"""
-        import os, signal, numpy as np, safetensors.numpy as stn
+        import os, signal
         import meganeura as mg
-        def die(*a, **k):    # the process dies while the temp file is being written
-            open(a[1], "ab").write(b"partial")
-            os.kill(os.getpid(), signal.SIGKILL)
         import meganeura.checkpoint as ck
-        ck.save_file = die
+        def die(f, tensors, meta):    # the process dies while the temp file is being written
+            f.write(b"partial" * 1000)
+            f.flush()
+            os.kill(os.getpid(), signal.SIGKILL)
+        ck.write_safetensors = die
         g = mg.Graph()
         g.parameter("w", (1000, 100))
         s = mg.compile(g, outputs=[g["w"]], backend="numpy")
@@ -152,13 +161,53 @@ def test_temp_files_of_killed_saves_are_removed_by_the_next_save(tmp_path):
     """)
     r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert r.returncode == -signal.SIGKILL, r.stderr
-    left = [p.name for p in tmp_path.iterdir()]
-    assert len(left) == 1 and left[0].startswith(".model.safetensors.") and left[0].endswith(".tmp"), left
-    assert not target.exists()
-    live = tmp_path / f".model.safetensors.{os.getppid()}.abcd.tmp"      # a save running elsewhere
+    assert len(_ours(tmp_path)) == 1 and target.read_bytes() == before
+    live = tmp_path / f".model.safetensors{disk.TMP_MARK}{os.getppid()}-abcd"      # a save running elsewhere
     live.write_bytes(b"in progress")
-    s = _trainer()
-    s.save(target)
+    legacy = tmp_path / ".model.safetensors.999999999.abcd.tmp"                  # an earlier version's, dead
+    legacy.write_bytes(b"left")
+    old.save(target)
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([target.name, live.name])
     checkpoint.clean_temp_files(target)
     assert live.exists()
+
+
+def test_saves_killed_at_random_leave_the_checkpoint_whole_and_no_temp_after_the_next_load(tmp_path):
+    """kill -9 at a random moment (seeded) of a child saving a 24 MB checkpoint over and over:
+    the checkpoint always reads whole (the old one or a newer one), and the next load
+    removes the temp file a kill left."""
+    import time
+    target = tmp_path / "model.safetensors"
+    g = mg.Graph()
+    g.parameter("w", (2000, 3000))
+    s = mg.compile(g, outputs=[g["w"]], backend="numpy")
+    s.assign({"w": np.zeros((2000, 3000), np.float32)})
+    s.save(target)
+    script = textwrap.dedent(f"""
+        import numpy as np
+        import meganeura as mg
+        g = mg.Graph()
+        g.parameter("w", (2000, 3000))
+        s = mg.compile(g, outputs=[g["w"]], backend="numpy")
+        print("ready", flush=True)
+        k = 0
+        while True:
+            k += 1
+            s.assign({{"w": np.full((2000, 3000), k, np.float32)}})
+            s.save(r"{target}")
+    """)
+    rng = np.random.default_rng(7)
+    kills, left_by_kills = 4, 0
+    for _ in range(kills):
+        child = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+        assert child.stdout.readline().strip() == "ready"
+        time.sleep(float(rng.uniform(0.05, 0.6)))
+        child.kill()
+        child.wait()
+        child.stdout.close()
+        left_by_kills += len(list(tmp_path.iterdir())) - 1
+        w = checkpoint.read(target)[0]["w"]         # whole: one value throughout
+        assert w.shape == (2000, 3000) and np.all(w == w.flat[0])
+        assert [p.name for p in tmp_path.iterdir()] == [target.name]     # the load cleaned the dead save's temp
+    s.load(target)
+    print(f"{kills} kills, {left_by_kills} temp files left by them, all removed")

@@ -132,3 +132,85 @@ def test_weights_of_the_wrong_shape_or_missing_are_refused(tmp_path):
     with pytest.raises(ValueError, match=r"'model.layers.0.mlp.gate_proj.weight' has shape \(64, 32\), the config "
                                          r"implies \(96, 32\)"):
         load_hf(tmp_path)
+
+
+# ------------------------------------------------------------------ the hub cache layout
+def _hub(tmp_path, shards=2, outside=None):
+    """A tiny Llama in the Hugging Face hub cache layout: ``models--org--tiny/blobs/<sha>``
+    files and ``snapshots/<rev>/`` symlinks into ``../../blobs/``, sharded into ``shards``
+    files with an index (1: model.safetensors alone). ``outside``: a shard's link points
+    there instead. Returns (the snapshot folder, the weights)."""
+    import hashlib
+    repo = tmp_path / "hub" / "models--org--tiny"
+    blobs, snap = repo / "blobs", repo / "snapshots" / "0123abcd"
+    blobs.mkdir(parents=True)
+    snap.mkdir(parents=True)
+    work = tmp_path / "work"
+    work.mkdir()
+    weights = _folder(work)
+    names = sorted(weights)
+    files = {"config.json": (work / "config.json").read_bytes()}
+    if shards == 1:
+        files["model.safetensors"] = (work / "model.safetensors").read_bytes()
+    else:
+        weight_map = {}
+        for k in range(shards):
+            shard = f"model-{k + 1:05d}-of-{shards:05d}.safetensors"
+            part = {n: weights[n] for n in names[k::shards]}
+            save_file(part, str(work / shard))
+            files[shard] = (work / shard).read_bytes()
+            weight_map.update(dict.fromkeys(part, shard))
+        files["model.safetensors.index.json"] = json.dumps({"weight_map": weight_map}).encode()
+    for name, data in files.items():
+        sha = hashlib.sha256(data).hexdigest()
+        (blobs / sha).write_bytes(data)
+        target = f"../../blobs/{sha}"
+        if outside is not None and name.startswith("model-00001"):
+            target = str(outside)
+        (snap / name).symlink_to(target)
+    return snap, weights
+
+
+@pytest.mark.parametrize("shards", [1, 3])
+def test_a_hub_cache_snapshot_loads(tmp_path, shards):
+    snap, weights = _hub(tmp_path, shards)
+    assert all((snap / f).is_symlink() for f in ("config.json",))
+    cfg, state = load_hf(snap)
+    assert cfg == LlamaConfig.tiny() and sorted(state) == sorted(weights)
+    assert all(np.array_equal(state[n], weights[n]) for n in weights)
+
+
+def test_hub_links_that_escape_the_cache_are_refused(tmp_path):
+    stray = tmp_path / "stray.safetensors"
+    save_file({"x": np.zeros(2, np.float32)}, str(stray))
+    snap, _ = _hub(tmp_path, 2, outside=stray)
+    with pytest.raises(ValueError, match=r"model.safetensors.index.json: shard 'model-00001-of-00002.safetensors' "
+                                         r"lies outside the model folder"):
+        load_hf(snap)
+    # the same links in a folder that is not a hub snapshot: blobs are outside it
+    plain = tmp_path / "plain"
+    snap2, _ = _hub(tmp_path / "b", 2)
+    plain.mkdir()
+    for p in snap2.iterdir():
+        (plain / p.name).symlink_to(p.resolve())
+    with pytest.raises(ValueError, match=r"lies outside the model folder"):
+        load_hf(plain)
+
+
+@pytest.mark.parametrize("field,value", [("rms_norm_eps", -1), ("rms_norm_eps", 0), ("rms_norm_eps", "abc"),
+                                         ("rms_norm_eps", float("nan")), ("rms_norm_eps", float("inf")),
+                                         ("rms_norm_eps", True), ("rope_theta", 0), ("rope_theta", -10000.0),
+                                         ("rope_theta", "abc"), ("max_position_embeddings", 0),
+                                         ("tie_word_embeddings", "yes")])
+def test_config_values_that_would_give_nan_logits_name_the_file_and_field(tmp_path, field, value):
+    _folder(tmp_path, config_edit=lambda d: d.update({field: value}))
+    with pytest.raises(ValueError, match=rf"config.json: {field} must be "):
+        load_hf(tmp_path)
+
+
+def test_rope_parameters_theta_is_checked_too(tmp_path):
+    _folder(tmp_path, config_edit=lambda d: (d.pop("rope_theta"), d.update(rope_parameters={"rope_theta": -1.0})))
+    with pytest.raises(ValueError, match=r"config.json: rope_parameters.rope_theta must be a positive finite"):
+        load_hf(tmp_path)
+    with pytest.raises(ValueError, match=r"LlamaConfig: rms_norm_eps must be a positive finite number, got -1"):
+        LlamaConfig(**{**LlamaConfig.tiny().__dict__, "rms_norm_eps": -1})

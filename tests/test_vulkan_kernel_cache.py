@@ -14,8 +14,18 @@ from meganeura.runtime.vulkan import cache
 # ------------------------------------------------------------------ device-free: entries
 
 
+def _spirv(nops=0):
+    """A structurally whole compute module (``spirv.validate``): capability, memory model, a
+    GLCompute entry point "main", ``nops`` OpNops and the function (void %1() {})."""
+    import struct
+    words = [0x07230203, 0x00010300, 0, 5, 0, (2 << 16) | 17, 1, (3 << 16) | 14, 0, 1,
+             (5 << 16) | 15, 5, 1, *struct.unpack("<2I", b"main\0\0\0\0"), *[(1 << 16)] * nops,
+             (5 << 16) | 54, 2, 1, 0, 3, (1 << 16) | 56]
+    return struct.pack(f"<{len(words)}I", *words)
+
+
 def _entry():
-    spirv = b"\x03\x02\x23\x07" + bytes(range(4, 40))
+    spirv = _spirv(nops=5)
     info = dict(bindings={0: "read", 1: "rw"}, local_size=(64, 1, 1), push_constant_size=8, workgroup_memory=256,
                 capabilities=["Shader"], extensions=[])
     return cache.CompiledKernel(spirv, info, True)
@@ -49,7 +59,7 @@ def test_the_key_follows_everything_that_decides_the_spirv():
 def test_a_kernel_set_reads_back_whole_and_the_oldest_sets_go(tmp_path, monkeypatch):
     import os
     monkeypatch.setenv("MEGANEURA_CACHE_DIR", str(tmp_path))
-    ks = [_entry(), cache.CompiledKernel(_entry().spirv + b"\0" * 8, {**_entry().info, "local_size": None}, False)]
+    ks = [_entry(), cache.CompiledKernel(_spirv(nops=7), {**_entry().info, "local_size": None}, False)]
     assert cache.store_kernel_set("s1", ks)
     assert cache.load_kernel_set("s1", 2) == ks
     assert cache.load_kernel_set("s1", 3) is None and cache.load_kernel_set("s2", 2) is None
@@ -58,7 +68,7 @@ def test_a_kernel_set_reads_back_whole_and_the_oldest_sets_go(tmp_path, monkeypa
     for bad in (data[:-4], data[:-5] + bytes([data[-5] ^ 1]) + data[-4:], b""):
         path.write_bytes(bad)
         assert cache.load_kernel_set("s1", 2) is None
-    path.unlink()
+        assert not path.exists()                    # a bad entry is deleted (rewritten by the next store)
     # past SET_MAX_BYTES the least recently written sets are deleted
     monkeypatch.setattr(cache, "SET_MAX_BYTES", 2 * len(data))
     for i, key in enumerate(("a", "b", "c")):

@@ -1,61 +1,86 @@
 """Checkpoints in safetensors: parameters under their own names, optimizer state under
 theirs (``<param>.exp_avg`` ...), and metadata (format version, step, optimizer).
 
-Writes are atomic (a temp file in the same folder, fsync, rename), so a crash never leaves
-a half-written checkpoint; the temp files of saves that were killed are removed by the next
-save to the same path. Files get the mode the umask gives (as ``open`` would). Loading
-validates the file, its metadata and every name, shape and dtype before anything reaches
-the session, and reports every mismatch at once, naming the file.
+Writes are atomic: the file is written here (the safetensors layout: an 8-byte header
+length, a JSON header, the tensors' bytes) into a temp file of ours in the same folder,
+``.<name>.meganeura-tmp-<pid>-<nonce>``, flushed to disk and renamed over the checkpoint, so a
+crash never leaves a half-written checkpoint; the temp files of saves that were killed are
+removed by the next save or load of that path. Files get the mode the umask gives (as
+``open`` would). Loading validates the file, its metadata and every name, shape and dtype
+before anything reaches the session, and reports every mismatch at once, naming the file.
 """
 from __future__ import annotations
 
 import json
 import os
 import re
-import secrets
+import struct
 
 import numpy as np
 from safetensors import safe_open
-from safetensors.numpy import load_file, save_file
+from safetensors.numpy import load_file
+
+from . import disk
 
 FORMAT = "meganeura-checkpoint"
 FORMAT_VERSION = 1
-_TMP_SUFFIX = ".tmp"
+_LEGACY_TMP_SUFFIX = ".tmp"          # temp files of earlier versions: ".<name>.<pid>.<hex>.tmp"
+# numpy dtype -> safetensors dtype
+_SAFETENSORS_DTYPES = {"f8": "F64", "f4": "F32", "f2": "F16", "i8": "I64", "i4": "I32", "i2": "I16", "i1": "I8",
+                       "u8": "U64", "u4": "U32", "u2": "U16", "u1": "U8", "b1": "BOOL"}
 
 
 class CheckpointError(ValueError):
     pass
 
 
-def _tmp_prefix(path):
-    # hidden, named after the checkpoint and the writing process: ".model.safetensors.<pid>."
+def _legacy_tmp_prefix(path):
     return f".{os.path.basename(path)}."
-
-
-def _process_alive(pid):
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:     # someone else's process
-        return True
-    return True
 
 
 def clean_temp_files(path):
     """Remove the temp files of saves to ``path`` whose process no longer runs (killed
     mid-save); saves in progress, here or in another process, are left alone."""
     folder = os.path.dirname(os.path.abspath(path))
-    prefix = _tmp_prefix(path)
-    for name in os.listdir(folder):
-        if not (name.startswith(prefix) and name.endswith(_TMP_SUFFIX)):
+    disk.clean_temp_files(folder, os.path.basename(path))
+    prefix = _legacy_tmp_prefix(path)
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return
+    for name in names:
+        if not (name.startswith(prefix) and name.endswith(_LEGACY_TMP_SUFFIX)):
             continue
         pid = name[len(prefix):].split(".", 1)[0]
-        if pid.isdigit() and int(pid) != os.getpid() and not _process_alive(int(pid)):
+        if pid.isdigit() and int(pid) != os.getpid() and not disk._pid_alive(int(pid)):
             try:
                 os.unlink(os.path.join(folder, name))
-            except FileNotFoundError:
+            except OSError:
                 pass
+
+
+def write_safetensors(f, tensors: dict, metadata: dict) -> None:
+    """Write ``tensors`` (name -> numpy array) and ``metadata`` (str -> str) to the binary
+    file ``f`` in the safetensors layout, one tensor at a time (no copy of the whole file)."""
+    header, arrays, at = {}, [], 0
+    for name in sorted(tensors):
+        # asarray keeps 0-d tensors (a batch counter) 0-d; ascontiguousarray would make them (1,)
+        arr = np.asarray(tensors[name], order="C")
+        code = _SAFETENSORS_DTYPES.get(f"{arr.dtype.kind}{arr.dtype.itemsize}")
+        if code is None:
+            raise CheckpointError(f"tensor {name!r}: dtype {arr.dtype} cannot be saved in safetensors")
+        arr = arr.astype(arr.dtype.newbyteorder("<"), copy=False)
+        header[name] = {"dtype": code, "shape": list(arr.shape), "data_offsets": [at, at + arr.nbytes]}
+        arrays.append(arr)
+        at += arr.nbytes
+    header["__metadata__"] = dict(metadata)
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)                 # the data section starts 8-byte aligned
+    f.write(struct.pack("<Q", len(text)))
+    f.write(text)
+    for arr in arrays:
+        if arr.nbytes:
+            f.write(memoryview(np.ascontiguousarray(arr)).cast("B"))
 
 
 def save(session, path, include_optimizer=True):
@@ -68,45 +93,17 @@ def save(session, path, include_optimizer=True):
             "parameters": json.dumps(sorted(session.parameter_names)),
             "optimizer": type(session.optimizer).__name__ if session.optimizer is not None else ""}
     folder = os.path.dirname(os.path.abspath(path))
-    os.makedirs(folder, exist_ok=True)
-    clean_temp_files(path)
-    tmp = os.path.join(folder, f"{_tmp_prefix(path)}{os.getpid()}.{secrets.token_hex(4)}{_TMP_SUFFIX}")
     try:
-        # 0o666 less the umask, as open() gives any new file (mkstemp and the safetensors
-        # writer force 0600): the mode is taken from this placeholder and set again below
-        os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
+        os.makedirs(folder, exist_ok=True)
+        clean_temp_files(path)
+        with disk.atomic_file(path) as f:
+            write_safetensors(f, tensors, meta)
     except OSError as e:
-        raise type(e)(e.errno, f"cannot write checkpoint {path!r}: {e.strerror}") from e
-    try:
-        mode = os.stat(tmp).st_mode & 0o777
-        # asarray keeps 0-d tensors (a batch counter) 0-d; ascontiguousarray would make them (1,)
-        save_file({k: np.asarray(v, order="C") for k, v in tensors.items()}, tmp, metadata=meta)
-        os.chmod(tmp, mode)
-        with open(tmp, "rb") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException as e:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        if isinstance(e, Exception) and not isinstance(e, OSError):
-            raise CheckpointError(f"cannot write checkpoint {path!r}: {e}") from e
-        raise
-    _fsync_folder(folder)
+        raise type(e)(e.errno, f"cannot write checkpoint {path!r}: {e.strerror or e}") from e
+    except CheckpointError as e:
+        raise CheckpointError(f"cannot write checkpoint {path!r}: {e}") from e
+    disk.fsync_folder(folder)
     return path
-
-
-def _fsync_folder(folder):
-    """Make the rename itself durable (where the platform allows opening a folder)."""
-    try:
-        fd = os.open(folder, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 def read(path):
@@ -114,6 +111,7 @@ def read(path):
     path = os.fspath(path)
     if not os.path.exists(path):
         raise FileNotFoundError(f"checkpoint {path!r} does not exist")
+    clean_temp_files(path)
     if os.path.isdir(path):
         raise IsADirectoryError(f"checkpoint {path!r} is a folder, not a safetensors file")
     try:

@@ -8,8 +8,12 @@ f32: bf16 is the top half of an f32, so widening is a 16-bit shift.
 Nothing in a file is trusted: the header's byte ranges must lie in the data section,
 match the dtype and shape and not overlap; an index may only name shards inside the
 folder; a config must give the model's sizes; and weights the config does not use are
-refused unless ``allow_unused``. Every error names the file. Errors about the files' contents
-are ``ModelFileError`` (a ValueError).
+refused unless ``allow_unused``. Every error names the file (and the field). Errors about the
+files' contents are ``ModelFileError`` (a ValueError).
+
+A snapshot folder of the Hugging Face hub cache (``models--org--name/snapshots/<rev>/``, whose
+files are symlinks into ``../../blobs/``) loads as any folder: a shard may resolve into the
+repository's ``blobs`` folder, and nowhere else outside the model folder.
 """
 from __future__ import annotations
 
@@ -42,6 +46,10 @@ class ModelFileError(ValueError):
 
 def _is_count(v):
     return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+
+def _is_positive_number(v):
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0
 
 
 def _read_header(path, f, size):
@@ -129,13 +137,31 @@ def _read_json(path, what):
     return d
 
 
+def _hub_blobs(folder):
+    """The real ``blobs`` folder of the hub-cache repository whose snapshot ``folder`` is
+    (``<repo>/snapshots/<rev>``, with ``<repo>/blobs`` beside), else None."""
+    snapshots = os.path.dirname(os.path.abspath(folder))
+    blobs = os.path.join(os.path.dirname(snapshots), "blobs")
+    if os.path.basename(snapshots) == "snapshots" and os.path.isdir(blobs):
+        return os.path.realpath(blobs)
+    return None
+
+
+def _inside(root, full):
+    return os.path.commonpath([root, full]) == root and full != root
+
+
 def _shard_path(folder, index, file):
-    """The shard ``file`` of an index, refused unless it is a relative path inside ``folder``."""
+    """The shard ``file`` of an index, refused unless it is a relative path inside ``folder``
+    that resolves inside it, or (a hub-cache snapshot) inside its repository's blobs."""
     if not isinstance(file, str) or not file or os.path.isabs(file):
         raise ModelFileError(f"{index}: shard {file!r} must be a file name relative to the model folder")
+    named = os.path.normpath(os.path.join(os.path.abspath(folder), file))
+    full = os.path.realpath(named)
     root = os.path.realpath(folder)
-    full = os.path.realpath(os.path.join(folder, file))
-    if os.path.commonpath([root, full]) != root or full == root:
+    blobs = _hub_blobs(folder)
+    if not _inside(os.path.abspath(folder), named) or not (
+            _inside(root, full) or (blobs is not None and _inside(blobs, full))):
         raise ModelFileError(f"{index}: shard {file!r} lies outside the model folder {folder}")
     return full
 
@@ -182,10 +208,20 @@ def load_config(path):
         missing = [k for k in REQUIRED_SIZES["LlamaForCausalLM"] if k not in d]
         if missing:
             raise ModelFileError(f"{file}: lacks the size field(s) {missing}; refusing to guess the model's size")
-        for k in REQUIRED_SIZES["LlamaForCausalLM"] + ("num_key_value_heads", "head_dim"):
+        for k in REQUIRED_SIZES["LlamaForCausalLM"] + ("num_key_value_heads", "head_dim", "max_position_embeddings"):
             v = d.get(k)
             if v is not None and not (_is_count(v) and v > 0):
                 raise ModelFileError(f"{file}: {k} must be a positive integer, got {v!r}")
+        rope = d.get("rope_parameters")
+        if rope is not None and not isinstance(rope, dict):
+            raise ModelFileError(f"{file}: rope_parameters must be an object, got {rope!r}")
+        for k, v in (("rms_norm_eps", d.get("rms_norm_eps")), ("rope_theta", d.get("rope_theta")),
+                     ("rope_parameters.rope_theta", (rope or {}).get("rope_theta"))):
+            if v is not None and not _is_positive_number(v):
+                raise ModelFileError(f"{file}: {k} must be a positive finite number, got {v!r}")
+        tie = d.get("tie_word_embeddings")
+        if tie is not None and not isinstance(tie, bool):
+            raise ModelFileError(f"{file}: tie_word_embeddings must be true or false, got {tie!r}")
         try:
             return LlamaConfig.from_hf_dict(d)
         except (TypeError, ValueError) as e:

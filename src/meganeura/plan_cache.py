@@ -8,14 +8,17 @@ workgroup-memory limits, switched-off passes), the adapter (name, driver, backen
 ``MEGANEURA_*`` switches the code generators read, and the package: its version and the size
 and modification time of its source files, so an edited compiler never reads old plans.
 
-Entries live in ``cache_dir()/plans`` (the user cache folder, ``MEGANEURA_CACHE_DIR``), are
-written atomically, and hold their key: a corrupt, truncated or foreign entry is ignored and
-rewritten, never an error. ``MEGANEURA_NO_DISK_CACHE=1`` (every disk cache) or
-``MEGANEURA_NO_PLAN_CACHE=1`` (this one), or ``mg.compile(..., plan_cache=False)``, turn it off.
+Entries live in ``disk.cache_dir()/plans`` (the user cache folder, ``MEGANEURA_CACHE_DIR``)
+as self-checking ``disk`` entries (a digest of the key and the content): a flipped, truncated,
+foreign or unreadable entry is ignored, deleted and rewritten, never an error and never a
+wrong plan. ``MEGANEURA_NO_DISK_CACHE=1`` (every disk cache) or ``MEGANEURA_NO_PLAN_CACHE=1``
+(this one), or ``mg.compile(..., plan_cache=False)``, turn it off.
 
-An entry is a pickle of the plan with each kernel reduced to what the runtime reads once the
-WGSL is rendered (name, archetype, output view, merged parts); the kernel IR itself is not
-kept. Like any pickle it is trusted: it is read only from the user's own cache folder.
+A plan entry is a pickle of the plan with each kernel reduced to what the runtime reads once
+the WGSL is rendered (name, archetype, output view, merged parts); the kernel IR itself is not
+kept. It is read back only inside a checked entry, and only as data: the unpickler builds
+the package's own classes and numpy's arrays, nothing callable (``_PlanUnpickler``). A
+manifest is JSON.
 
 A training session also leaves a manifest (``session_key``, ``load_manifest``, ``note_phase``),
 keyed before differentiation: the forward graph (outputs, loss, the graph's own state updates),
@@ -28,7 +31,8 @@ key, and differentiates only if a phase is missing (see ``api.CachedProgram``).
 from __future__ import annotations
 
 import hashlib
-import os
+import io
+import json
 import pathlib
 import pickle
 import time
@@ -36,15 +40,12 @@ import weakref
 
 import numpy as np
 
+from . import disk, env
+from .disk import package_digest  # noqa: F401  (the Vulkan caches key by it too)
 from .graph import DType
 
-FORMAT = 2                    # bump when the pickled layout changes
+FORMAT = 3                    # bump when the pickled layout changes (3: self-checking entries)
 MAX_BYTES = 1 << 30           # the oldest entries go once the folder holds more than this
-# switches that never change a plan (they are not part of the key)
-_NOT_PLAN_SWITCHES = {"MEGANEURA_CACHE_DIR", "MEGANEURA_NO_DISK_CACHE", "MEGANEURA_NO_PLAN_CACHE", "MEGANEURA_COMPILE_THREADS",
-                      "MEGANEURA_TRACE", "MEGANEURA_DETECT_ANOMALY", "MEGANEURA_ADAPTER", "MEGANEURA_SPIN_MS"}
-
-_source_digest = None
 
 
 def enabled(option=None) -> bool:
@@ -52,28 +53,11 @@ def enabled(option=None) -> bool:
     else on unless ``MEGANEURA_NO_DISK_CACHE`` or ``MEGANEURA_NO_PLAN_CACHE`` is set."""
     if option is not None:
         return bool(option)
-    from .runtime.backends import env_flag
-    from .runtime.vulkan.cache import disk_cache_enabled
-    return disk_cache_enabled() and not env_flag("MEGANEURA_NO_PLAN_CACHE")
+    return disk.enabled() and not env.flag("MEGANEURA_NO_PLAN_CACHE")
 
 
 def folder() -> pathlib.Path:
-    from .runtime.vulkan.cache import cache_dir
-    return cache_dir() / "plans"
-
-
-def package_digest() -> str:
-    """The package version and its source files' sizes and modification times (once per process)."""
-    global _source_digest
-    if _source_digest is None:
-        from . import __version__
-        root = pathlib.Path(__file__).parent
-        h = hashlib.sha256(f"{__version__} {FORMAT}".encode())
-        for p in sorted(root.rglob("*.py")):
-            st = p.stat()
-            h.update(f"{p.relative_to(root)} {st.st_size} {st.st_mtime_ns}\n".encode())
-        _source_digest = h.hexdigest()
-    return _source_digest
+    return disk.cache_dir() / "plans"
 
 
 _PLAIN = (type(None), bool, int, float, str)
@@ -158,12 +142,10 @@ def _context(options, adapter) -> tuple:
     constants, the compile options, the adapter, the ``MEGANEURA_*`` switches, the package."""
     from .codegen import routing_constants
     from .compiler import precision_constants
-    switches = sorted((k, v) for k, v in os.environ.items()
-                      if k.startswith("MEGANEURA_") and k not in _NOT_PLAN_SWITCHES)
-    return (routing_constants(), precision_constants(),
+    return (FORMAT, routing_constants(), precision_constants(),
             (options.precision, options.max_bindings, sorted(options.disabled), options.workgroup_storage,
              sorted(options.f16_weights), options.binding_arrays),
-            sorted((str(k), str(v)) for k, v in (adapter or {}).items()), switches, package_digest())
+            sorted((str(k), str(v)) for k, v in (adapter or {}).items()), env.plan_keyed(), disk.package_digest())
 
 
 def plan_key(targets, n_forward, options, updates, adapter=None) -> str | None:
@@ -205,13 +187,35 @@ def _manifest_path(key: str) -> pathlib.Path:
     return folder() / f"{key}.session"
 
 
+def _checked_manifest(m) -> dict | None:
+    """The manifest ``m`` read from JSON, with its shapes as tuples, or None where it is not
+    one ``manifest_of`` would write (a digest collision or another version's)."""
+    def names(v):
+        return isinstance(v, list) and all(isinstance(n, str) for n in v)
+    try:
+        states = [(n, tuple(s), d) for n, s, d in m["states"]]
+        ok = (isinstance(m["phases"], dict) and m["phases"] and names(list(m["phases"].values()))
+              and all(isinstance(n, str) and isinstance(d, str) and all(type(x) is int for x in s)
+                      for n, s, d in states)
+              and names(m["scalars"]) and names(m["kept"]) and names(m["grads"])
+              and isinstance(m["updates"], dict) and all(map(names, m["updates"].values())))
+    except (KeyError, TypeError, ValueError):
+        return None
+    return {**m, "states": states} if ok else None
+
+
 def load_manifest(key: str) -> dict | None:
     """The manifest stored under ``key`` (``note_phase``), or None."""
-    try:
-        stored_key, manifest = pickle.loads(_manifest_path(key).read_bytes())
-    except Exception:            # missing, corrupt or truncated: the session differentiates
+    data = disk.load(_manifest_path(key))
+    if data is None:
         return None
-    return manifest if stored_key == key and isinstance(manifest, dict) and manifest.get("phases") else None
+    try:
+        manifest = _checked_manifest(json.loads(data))
+    except (ValueError, UnicodeDecodeError):
+        manifest = None
+    if manifest is None:
+        disk.report(_manifest_path(key), "not a session manifest")
+    return manifest
 
 
 def manifest_of(program) -> dict:
@@ -232,15 +236,11 @@ def note_phase(key: str, program, phase: str, plan_key: str) -> None:
     """Record that ``phase`` of the session ``key`` compiles to the plan ``plan_key``
     (written atomically; any failure to write is ignored; a phase another process noted
     meanwhile may be lost, which costs that phase a differentiation later)."""
-    from .runtime.vulkan.cache import write_atomic
     manifest = load_manifest(key) or manifest_of(program)
     if manifest["phases"].get(phase) == plan_key:
         return
     manifest["phases"][phase] = plan_key
-    try:
-        write_atomic(_manifest_path(key), pickle.dumps((key, manifest), protocol=pickle.HIGHEST_PROTOCOL))
-    except Exception:
-        pass
+    disk.store(_manifest_path(key), json.dumps(manifest).encode())
 
 
 # ----------------------------------------------------------------------------- entries
@@ -257,19 +257,46 @@ def _path(key: str) -> pathlib.Path:
     return folder() / f"{key}.plan"
 
 
+class _PlanUnpickler(pickle.Unpickler):
+    """Builds a plan's data only: the package's classes, numpy's arrays and dtypes and the
+    plain containers; no function, so an entry cannot run code as it is read."""
+    _NUMPY = {("numpy", "dtype"), ("numpy", "ndarray"), ("numpy.core.multiarray", "_reconstruct"),
+              ("numpy._core.multiarray", "_reconstruct"), ("numpy.core.multiarray", "scalar"),
+              ("numpy._core.multiarray", "scalar"), ("numpy.core.numeric", "_frombuffer"),
+              ("numpy._core.numeric", "_frombuffer")}
+    _BUILTINS = {"set", "frozenset", "slice", "complex", "bytearray", "range"}
+    _PACKAGE = {("meganeura.graph", "dtype_of")}       # a DType by name (``DType.__reduce__``)
+
+    def find_class(self, module, name):
+        if (module, name) in self._NUMPY or (module.startswith("numpy.dtypes") and name.endswith("DType")):
+            return super().find_class(module, name)
+        if module == "builtins" and name in self._BUILTINS:
+            return super().find_class(module, name)
+        if module == "copyreg" and name == "_reconstructor":
+            return super().find_class(module, name)
+        if module.startswith("meganeura."):
+            found = super().find_class(module, name)
+            if isinstance(found, type) or (module, name) in self._PACKAGE:
+                return found
+        raise pickle.UnpicklingError(f"a plan entry may not build {module}.{name}")
+
+
 def load(key: str):
-    """The cached KernelPlan of ``key``, or None (missing, unreadable or not this key's)."""
+    """The cached KernelPlan of ``key``, or None (missing, unreadable, corrupt or not this
+    key's: the caller compiles it and ``store`` rewrites it)."""
     from .compiler import KernelPlan
     t0 = time.perf_counter()
-    try:
-        data = _path(key).read_bytes()
-    except OSError:
+    path = _path(key)
+    data = disk.load(path)
+    if data is None:
         return None
     try:
-        stored_key, plan = pickle.loads(data)
-    except Exception:            # corrupt or truncated: rebuilt and rewritten by the caller
+        plan = _PlanUnpickler(io.BytesIO(data)).load()
+    except Exception as e:       # noqa: BLE001 (another version's classes: rebuilt and rewritten)
+        disk.report(path, f"a plan this version cannot read ({type(e).__name__})")
         return None
-    if stored_key != key or not isinstance(plan, KernelPlan):
+    if not isinstance(plan, KernelPlan):
+        disk.report(path, "not a plan")
         return None
     plan.compile_seconds = time.perf_counter() - t0
     plan.stats = {**plan.stats, "cache": "hit", "key": key, "seconds": {"load": plan.compile_seconds}}
@@ -279,39 +306,22 @@ def load(key: str):
 def store(key: str, plan) -> None:
     """Write ``plan`` under ``key`` (atomically; any failure to write is ignored)."""
     from dataclasses import replace
-
-    from .runtime.vulkan.cache import write_atomic
     texts: dict = {}       # equal WGSL as one object: pickled once (a plan has few distinct kernels)
     slim = replace(plan, dispatches=[replace(d, kernel=_slim(d.kernel), wgsl=texts.setdefault(d.wgsl, d.wgsl))
                                      for d in plan.dispatches],
                    stats={k: v for k, v in plan.stats.items() if k != "seconds"})
     try:
-        data = pickle.dumps((key, slim), protocol=pickle.HIGHEST_PROTOCOL)
-        write_atomic(_path(key), data)
+        data = pickle.dumps(slim, protocol=pickle.HIGHEST_PROTOCOL)
+    except Exception:            # noqa: BLE001 (a plan holding something unpicklable is compiled each time)
+        return
+    if disk.store(_path(key), data):
         prune(folder())
-    except Exception:            # a full disk or a read-only cache folder costs a recompile, nothing more
-        pass
 
 
 def prune(root: pathlib.Path, max_bytes: int = MAX_BYTES, patterns=("*.plan", "*.session")) -> None:
     """Delete the least recently written entries (files of ``patterns``) while the folder
-    holds more than ``max_bytes``."""
-    entries = []
-    for p in [p for pattern in patterns for p in root.glob(pattern)]:
-        try:
-            st = p.stat()
-        except OSError:
-            continue
-        entries.append((st.st_mtime, st.st_size, p))
-    total = sum(e[1] for e in entries)
-    for _, size, p in sorted(entries):
-        if total <= max_bytes:
-            break
-        try:
-            p.unlink()
-            total -= size
-        except OSError:
-            pass
+    holds more than ``max_bytes`` (``disk.prune``)."""
+    disk.prune(root, max_bytes, patterns)
 
 
 def clear() -> int:

@@ -18,6 +18,7 @@ Three graphs:
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -55,6 +56,10 @@ class LlamaConfig:
                              f"num_key_value_heads ({self.num_key_value_heads})")
         if self.head_dim % 2:
             raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
+        for name in ("rms_norm_eps", "rope_theta"):         # 0, negative, NaN or inf: NaN logits
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+                raise ValueError(f"LlamaConfig: {name} must be a positive finite number, got {v!r}")
 
     @classmethod
     def smollm2_135m(cls):

@@ -21,7 +21,6 @@ unchanged:
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import threading
 import time
@@ -544,7 +543,7 @@ class VulkanRuntime:
         if emulate is None or not texts:
             return shaders
         from ...codegen.coopmat import config_key
-        from .cache import disk_cache_enabled, write_atomic
+        from .cache import disk_cache_enabled, load_json, store_json
         config = config_key()
         path = self._variant_path(texts, emulate, what="set") if disk_cache_enabled() else None
         with self._lock:
@@ -552,8 +551,8 @@ class VulkanRuntime:
         stored = None
         if missing and path is not None:
             try:
-                stored = json.loads(path.read_text())["variants"]
-            except (OSError, ValueError, KeyError):
+                stored = (load_json(path) or {})["variants"]
+            except (KeyError, TypeError):
                 stored = None
             if stored is not None and len(stored) == len(texts):
                 with self._lock:
@@ -567,12 +566,8 @@ class VulkanRuntime:
             if False not in found:          # every variant known (a plan with IR): store the set
                 from ...plan_cache import prune
                 from .cache import SET_MAX_BYTES
-                try:
-                    write_atomic(path, json.dumps({"variants": [None if v is None else [v[0], list(v[1])]
-                                                                for v in found]}).encode())
-                except OSError:
-                    pass
-                else:                       # variants and sets past the kernel sets' budget: oldest first
+                if store_json(path, {"variants": [None if v is None else [v[0], list(v[1])] for v in found]}):
+                    # variants and sets past the kernel sets' budget: oldest first
                     prune(path.parent, SET_MAX_BYTES, ("*.json",))
         return out
 
@@ -589,15 +584,15 @@ class VulkanRuntime:
 
     def _render_variant(self, kernel, text, bufs, emulate):
         """(GLSL, groups) of ``kernel`` on cooperative matrices, or None."""
-        from .cache import disk_cache_enabled, write_atomic
+        from .cache import disk_cache_enabled, load_json, store_json
         disk = disk_cache_enabled()
         if not _has_ir(kernel):
             if not disk:
                 return None
             try:        # a kernel without IR: the variant stored when its plan was compiled
-                saved = json.loads(self._variant_path(text, emulate).read_text())
+                saved = load_json(self._variant_path(text, emulate))
                 return saved["glsl"], tuple(saved["groups"])
-            except (OSError, ValueError, KeyError):
+            except (KeyError, TypeError):
                 return None
         renderer = _tensor_core_renderer(kernel)
         storage = self.limits["max-compute-workgroup-storage-size"]
@@ -613,10 +608,7 @@ class VulkanRuntime:
         if len(vbufs) != len(bufs) or any(x is not y for x, y in zip(vbufs, bufs)):
             return None
         if disk:
-            try:
-                write_atomic(self._variant_path(text, emulate), json.dumps({"glsl": glsl, "groups": groups}).encode())
-            except OSError:
-                pass
+            store_json(self._variant_path(text, emulate), {"glsl": glsl, "groups": groups})
         return glsl, tuple(groups)
 
     def pipeline(self, text: str, entry="main", access=None, label="", immediate_size=0):

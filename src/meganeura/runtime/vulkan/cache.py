@@ -8,63 +8,66 @@ the driver's pipeline cache.
 - ``kernel_sets/<sha256>.bin``: the compiled kernels of one request for many pipelines (a
   plan's kernels), keyed by all their texts in order: a warm process reads one file where it
   read one per kernel (``load_kernel_set``);
-- ``pipelines/<device>.bin``: the driver's ``VkPipelineCache``.
+- ``coopmat/<sha256>[.set].json``: cooperative-matrix variants of kernel texts (``load_json``);
+- ``pipelines/<device>.bin``: the driver's ``VkPipelineCache`` (checked by the driver).
 
-The folder is ``$MEGANEURA_CACHE_DIR`` when set, else the platform's user cache folder
-(``$XDG_CACHE_HOME/meganeura`` or ``~/.cache/meganeura`` on Linux, ``~/Library/Caches/
-meganeura`` on macOS, ``%LOCALAPPDATA%\\meganeura\\Cache`` on Windows). Setting
-``MEGANEURA_NO_DISK_CACHE=1`` turns every disk cache off (everything is rebuilt each process).
+Every entry of ours is a self-checking ``disk`` entry (a digest of its name and content), and
+the SPIR-V in it is checked whole (``spirv.validate``) before a driver gets it: a flipped,
+truncated, foreign or unreadable entry is a miss, compiled again and rewritten. The folder is
+``disk.cache_dir()``; ``MEGANEURA_NO_DISK_CACHE=1`` turns every disk cache off.
 """
 from __future__ import annotations
 
 import hashlib
 import itertools
 import json
-import os
 import pathlib
 import struct
-import sys
-import tempfile
-import zlib
 from dataclasses import dataclass
 
-from ..backends import env_flag
+from ... import disk
+from ...disk import cache_dir, write_atomic  # noqa: F401  (the device's pipeline cache writes through it)
+from .spirv import is_whole
 
 
 def disk_cache_enabled() -> bool:
-    return not env_flag("MEGANEURA_NO_DISK_CACHE")
+    return disk.enabled()
 
 
-def cache_dir() -> pathlib.Path:
-    """The user cache folder of meganeura (not created here)."""
-    env = os.environ.get("MEGANEURA_CACHE_DIR")
-    if env:
-        return pathlib.Path(env).expanduser()
-    home = pathlib.Path.home()
-    if sys.platform == "darwin":
-        return home / "Library" / "Caches" / "meganeura"
-    if os.name == "nt":
-        base = os.environ.get("LOCALAPPDATA") or str(home / "AppData" / "Local")
-        return pathlib.Path(base) / "meganeura" / "Cache"
-    base = os.environ.get("XDG_CACHE_HOME") or str(home / ".cache")
-    return pathlib.Path(base) / "meganeura"
+# ------------------------------------------------------------------ SPIR-V
+def spirv_path(key: str) -> pathlib.Path:
+    return cache_dir() / "spirv" / f"{key}.spv"
 
 
-def write_atomic(path: pathlib.Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` through a temporary file and a rename, so a concurrent
-    reader never sees a half-written file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
+def load_spirv(key: str) -> bytes | None:
+    """glslang's stored output of ``key`` (``glslang.spirv_key``), whole, or None."""
+    path = spirv_path(key)
+    code = disk.load(path)
+    if code is not None and not is_whole(code):
+        disk.report(path, "SPIR-V that is not a whole module")
+        return None
+    return code
+
+
+def store_spirv(key: str, code: bytes) -> bool:
+    return disk.store(spirv_path(key), code)
+
+
+# ------------------------------------------------------------------ JSON tables
+def load_json(path):
+    """The JSON value stored at ``path`` (``store_json``), or None."""
+    data = disk.load(path)
+    if data is None:
+        return None
     try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
+        return json.loads(data)
+    except (ValueError, UnicodeDecodeError):
+        disk.report(path, "not JSON")
+        return None
+
+
+def store_json(path, value) -> bool:
+    return disk.store(path, json.dumps(value, separators=(",", ":")).encode())
 
 
 # ------------------------------------------------------------------ compiled kernels
@@ -74,8 +77,7 @@ def write_atomic(path: pathlib.Path, data: bytes) -> None:
 # (the text, the GLSL translation switches, the target, the glslang version, the package's
 # source digest), so that a later process finds the SPIR-V without translating the text to
 # GLSL, running glslang or reading the SPIR-V again.
-KERNEL_FORMAT = 2      # 2: the reflection keeps each binding's count of buffers
-_KERNEL_MAGIC = b"MGKSPV1\n"
+KERNEL_FORMAT = 3      # 2: the reflection keeps each binding's count of buffers; 3: ``disk`` entries
 
 
 @dataclass(frozen=True)
@@ -118,8 +120,9 @@ def _head(ck: CompiledKernel) -> dict:
 
 
 def _kernel(head: dict, spirv: bytes) -> CompiledKernel | None:
-    """The kernel of ``_head``'s ``head`` and its SPIR-V, or None where they disagree."""
-    if len(spirv) != head["spirv_bytes"] or len(spirv) < 20 or len(spirv) % 4 or spirv[:4] != b"\x03\x02\x23\x07":
+    """The kernel of ``_head``'s ``head`` and its SPIR-V, or None where they disagree or the
+    SPIR-V is not a whole module."""
+    if len(spirv) != head["spirv_bytes"] or not is_whole(spirv):
         return None
     info = dict(bindings={int(b): str(a) for b, a in head["bindings"]},
                 local_size=tuple(head["local_size"]) if head["local_size"] is not None else None,
@@ -130,56 +133,62 @@ def _kernel(head: dict, spirv: bytes) -> CompiledKernel | None:
     return CompiledKernel(spirv, info, bool(head["subgroup32"]))
 
 
+def _with_head(head: dict, body: bytes) -> bytes:
+    """An entry's content: a JSON head (its length first) and the SPIR-V."""
+    text = json.dumps(head, separators=(",", ":")).encode()
+    return struct.pack("<I", len(text)) + text + body
+
+
+def _split_head(content: bytes) -> tuple[dict, memoryview]:
+    (n,) = struct.unpack_from("<I", content)
+    return json.loads(content[4:4 + n]), memoryview(content)[4 + n:]
+
+
 def encode_kernel(key: str, ck: CompiledKernel) -> bytes:
-    head = json.dumps({"key": key, **_head(ck), "crc32": zlib.crc32(ck.spirv)}, separators=(",", ":")).encode()
-    return _KERNEL_MAGIC + struct.pack("<I", len(head)) + head + ck.spirv
+    """The entry of ``key``'s kernel as it is stored (``disk.encode`` under its file name)."""
+    return disk.encode(kernel_path(key).name, _with_head(_head(ck), ck.spirv))
+
+
+def _kernel_of(content: bytes | None) -> CompiledKernel | None:
+    if content is None:
+        return None
+    try:
+        head, spirv = _split_head(content)
+        return _kernel(head, bytes(spirv))
+    except (ValueError, KeyError, TypeError, struct.error):
+        return None
 
 
 def decode_kernel(key: str, data: bytes) -> CompiledKernel | None:
     """The entry in ``data`` if it is whole and ``key``'s, else None."""
-    try:
-        m = len(_KERNEL_MAGIC)
-        if data[:m] != _KERNEL_MAGIC:
-            return None
-        (n,) = struct.unpack_from("<I", data, m)
-        head = json.loads(data[m + 4:m + 4 + n])
-        spirv = data[m + 4 + n:]
-        if head["key"] != key or zlib.crc32(spirv) != head["crc32"]:
-            return None
-        return _kernel(head, spirv)
-    except (ValueError, KeyError, TypeError, struct.error):
-        return None
+    return _kernel_of(disk.decode(kernel_path(key).name, data))
 
 
 def load_kernel(key: str) -> CompiledKernel | None:
     """The stored entry of ``key``, or None (missing, unreadable, corrupt or another key's:
     the caller compiles it again and rewrites it)."""
-    try:
-        data = kernel_path(key).read_bytes()
-    except OSError:
-        return None
-    return decode_kernel(key, data)
+    path = kernel_path(key)
+    content = disk.load(path)
+    ck = _kernel_of(content)
+    if ck is None and content is not None:
+        disk.report(path, "a kernel entry whose head or SPIR-V is not whole")
+    return ck
 
 
 def store_kernel(key: str, ck: CompiledKernel) -> bool:
     """Write the entry of ``key`` atomically; False when it could not be written (a read-only
     or full cache folder only costs a compile in the next process)."""
-    try:
-        write_atomic(kernel_path(key), encode_kernel(key, ck))
-        return True
-    except OSError:
-        return False
+    return disk.store(kernel_path(key), _with_head(_head(ck), ck.spirv))
 
 
 # ------------------------------------------------------------------ kernel sets
 # The kernels of a request for many pipelines, one file: U-Net's training plan read its 448
 # kernel entries one by one in 31-41 ms on the H200 host, on the thread that then creates the
 # pipelines, before the first was created. A set is written once all of its kernels are made:
-# one header (each kernel's reflection and SPIR-V size) and the SPIR-V, checked whole by one
-# CRC when read.
+# one head (each kernel's reflection and SPIR-V size) and the SPIR-V, checked whole by the
+# entry's digest and each module by ``spirv.validate`` when read.
 SET_MIN_KERNELS = 8               # fewer: the kernels' own entries are read
 SET_MAX_BYTES = 1 << 30           # the oldest sets go once the folder holds more than this
-_SET_MAGIC = b"MGKSET1\n"
 
 
 def kernel_set_key(texts, *, unroll: bool, target: str, glslang: str, package: str) -> str:
@@ -195,38 +204,36 @@ def kernel_set_path(key: str) -> pathlib.Path:
 def load_kernel_set(key: str, n: int) -> list[CompiledKernel] | None:
     """The ``n`` kernels stored under ``key``, in order, or None (missing, unreadable, corrupt,
     another key's or of another length)."""
+    path = kernel_set_path(key)
+    content = disk.load(path)
+    if content is None:
+        return None
     try:
-        data = kernel_set_path(key).read_bytes()
-        m = len(_SET_MAGIC)
-        if data[:m] != _SET_MAGIC:
-            return None
-        size, crc = struct.unpack_from("<II", data, m)
-        head = json.loads(data[m + 8:m + 8 + size])
-        body = memoryview(data)[m + 8 + size:]
-        if head["key"] != key or len(head["kernels"]) != n or zlib.crc32(body) != crc:
+        head, body = _split_head(content)
+        if len(head["kernels"]) != n:
             return None
         out, at = [], 0
         for h in head["kernels"]:
             ck = _kernel(h, bytes(body[at:at + h["spirv_bytes"]]))
             if ck is None:
-                return None
+                break
             out.append(ck)
             at += len(ck.spirv)
-        return out if at == len(body) else None
-    except (OSError, ValueError, KeyError, TypeError, struct.error):
-        return None
+        else:
+            if at == len(body):
+                return out
+    except (ValueError, KeyError, TypeError, struct.error):
+        pass
+    disk.report(path, "a kernel set whose head or SPIR-V is not whole")
+    return None
 
 
 def store_kernel_set(key: str, kernels: list[CompiledKernel]) -> bool:
     """Write the set ``key`` atomically, then drop the oldest sets past ``SET_MAX_BYTES``;
     False when it could not be written."""
-    from ...plan_cache import prune
-    body = b"".join(ck.spirv for ck in kernels)
-    head = json.dumps({"key": key, "kernels": [_head(ck) for ck in kernels]}, separators=(",", ":")).encode()
     path = kernel_set_path(key)
-    try:
-        write_atomic(path, _SET_MAGIC + struct.pack("<II", len(head), zlib.crc32(body)) + head + body)
-    except OSError:
+    if not disk.store(path, _with_head({"kernels": [_head(ck) for ck in kernels]},
+                                       b"".join(ck.spirv for ck in kernels))):
         return False
-    prune(path.parent, SET_MAX_BYTES, ("*.bin",))
+    disk.prune(path.parent, SET_MAX_BYTES, ("*.bin",))
     return True

