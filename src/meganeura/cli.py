@@ -22,6 +22,23 @@ class CliError(Exception):
     """A user mistake, reported as one line."""
 
 
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows each option's default after its help, except for switches (False) and options
+    with no default (None), where "(default: None)" would say nothing."""
+
+    def _get_help_string(self, action):
+        if any(action.default is v for v in (None, False, argparse.SUPPRESS)) or "%(default)" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
+
+
+BACKEND_HELP = ("gpu: the direct Vulkan backend where the 'vulkan' extra and a Vulkan driver are present "
+                "(lavapipe runs it on the CPU when there is no GPU), else wgpu; MEGANEURA_BACKEND=vulkan|wgpu "
+                "overrides. vulkan: the direct Vulkan backend only (GLSL compiled to SPIR-V). wgpu: WGSL through "
+                "wgpu (Vulkan, Metal or DX12), the runtime browsers use. numpy: the reference interpreter on the "
+                "CPU (slow; the oracle of the tests)")
+
+
 def need(what, *modules):
     """Fail with the install line when an optional package is missing."""
     for m in modules:
@@ -34,31 +51,58 @@ def need(what, *modules):
 
 
 def _folder_file(path, what):
+    """``path`` can be written as a file: its folder exists and it is not a folder itself."""
+    if os.path.isdir(path):
+        raise CliError(f"{what} {path!r} is a folder; give a file name")
     parent = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(parent):
         raise CliError(f"{what} {path!r}: folder {parent!r} does not exist")
 
 
 def cmd_info(args):
+    """The backend that ``backend='gpu'`` runs on and its device first, then each runtime's
+    details (``--vulkan``: the direct Vulkan backend's whole report)."""
     if args.vulkan:
         from .runtime.vulkan import describe as describe_vulkan
         print(describe_vulkan())
         return
-    from .runtime import describe
-    from .runtime.backends import resolve, vulkan_unavailable_reason
-    print(describe())
+    from .runtime.backends import get_runtime_device, resolve, vulkan_unavailable_reason
+    kind = resolve("gpu")
+    dev = get_runtime_device(kind)
+    where = "a software driver on the CPU: timings are not GPU performance" if dev.is_software else "a hardware GPU"
+    runtime = "the direct Vulkan backend" if kind == "vulkan" else "wgpu"
+    print(f"backend='gpu' runs on: {runtime}, device {dev.name} ({where}); "
+          "MEGANEURA_BACKEND=vulkan|wgpu overrides")
+    from .api import default_backend
+    print(f"mg.jit / mg.compile without backend= run on: {default_backend()!r} (a software device counts as no GPU)")
     why = vulkan_unavailable_reason()
-    print(f"direct Vulkan backend: {'available (meganeura info --vulkan for details)' if why is None else why}")
     if why is None:
         from .runtime.vulkan.backend import coopmat_mode, get_vulkan_runtime
         rt, mode = get_vulkan_runtime(), coopmat_mode()
         tc = "off (MEGANEURA_COOPMAT=off)" if mode == "off" else "emulated (MEGANEURA_COOPMAT=emulate)" \
             if mode == "emulate" else f"not available: {rt.coopmat_reason}" if rt.coopmat_reason else \
             "f16 cooperative matrices for accelerated-precision matmuls"
-        print(f"tensor cores: {tc}")
-    print(f"backend='gpu' runs on: {resolve('gpu')} (MEGANEURA_BACKEND=vulkan|wgpu overrides)")
-    from .api import default_backend
-    print(f"mg.jit / mg.compile without backend= run on: {default_backend()!r} (a software device counts as no GPU)")
+        print(f"direct Vulkan backend: available on {rt.name} (meganeura info --vulkan for its details)")
+        print(f"  tensor cores: {tc}")
+    else:
+        print(f"direct Vulkan backend: not available: {why}")
+    from .runtime.device import get_device
+    print("wgpu (backend='wgpu'):")
+    print("\n".join("  " + line for line in _wgpu_report(get_device()).splitlines()))
+
+
+def _wgpu_report(dev):
+    """``runtime.describe`` of the wgpu device, where the adapter's ``pipeline-cache``
+    feature is named beside the disk cache it would give rather than among the features
+    used, when wgpu-native offers no way to use it."""
+    from .runtime import describe
+    text = describe(dev)
+    if "pipeline-cache" in dev.features and not dev.disk_pipeline_cache:
+        listed = "  features: " + ", ".join(sorted(dev.features))
+        text = text.replace(listed, "  features: " + ", ".join(sorted(dev.features - {"pipeline-cache"})))
+        text = text.replace("  disk pipeline cache: off (",
+                            "  disk pipeline cache: off, though the adapter offers the pipeline-cache feature (")
+    return text
 
 
 def cmd_train_demo(args):
@@ -69,20 +113,25 @@ def cmd_train_demo(args):
     for name in ("epochs", "batch", "hidden"):
         if getattr(args, name) < 1:
             raise CliError(f"--{name} must be >= 1, got {getattr(args, name)}")
+    if not args.lr > 0:
+        raise CliError(f"--lr must be > 0, got {args.lr}")
     import numpy as np
     from tqdm import tqdm
 
     from . import compile, optim
     from .models.mlp import build_mlp, load_digits_split
 
+    (xtr, ytr), (xte, yte) = load_digits_split()
+    batch = args.batch
+    if batch > len(xtr):
+        raise CliError(f"--batch {batch} is larger than the training set ({len(xtr)} digits): "
+                       f"give at most {len(xtr)}")
     if args.backend != "numpy":
         from .runtime.backends import get_runtime_device, resolve
         kind = resolve(args.backend)
         dev = get_runtime_device(kind)
         note = " (a software Vulkan driver on the CPU: no GPU found)" if dev.is_software else ""
         print(f"device: {dev.name}{note}, {'the direct Vulkan backend' if kind == 'vulkan' else 'wgpu'}")
-    (xtr, ytr), (xte, yte) = load_digits_split()
-    batch = args.batch
     g, _, _, logits, loss = build_mlp(batch=batch, n_in=64, hidden=args.hidden, n_out=10)
     t0 = time.perf_counter()
     tr = compile(g, outputs=[logits], loss=loss, optimizer=optim.AdamW(lr=args.lr, weight_decay=1e-4),
@@ -160,6 +209,9 @@ def cmd_export(args):
         raise CliError(f"--web {out!r}: folder {parent!r} does not exist")
     if args.max_len < 2:
         raise CliError(f"--max-len must be >= 2, got {args.max_len}")
+    for name in ("epochs", "hidden"):
+        if getattr(args, name) < 1:
+            raise CliError(f"--{name} must be >= 1, got {getattr(args, name)}")
     model = args.model
     if model == "digits-mlp":
         return export_digits(args)
@@ -196,12 +248,18 @@ def export_digits(args):
     if args.checkpoint:
         if not os.path.isfile(args.checkpoint):
             raise CliError(f"--checkpoint {args.checkpoint!r} does not exist")
-        from safetensors import safe_open
-        with safe_open(args.checkpoint, "np") as f:
-            if "0.weight" not in f.keys():
-                raise CliError(f"--checkpoint {args.checkpoint!r} has no '0.weight': not a digits MLP checkpoint "
-                               "(meganeura train-demo writes one)")
-            hidden = f.get_slice("0.weight").get_shape()[0]
+        from .checkpoint import CheckpointError, read
+        try:
+            tensors, _ = read(args.checkpoint)
+        except CheckpointError as e:
+            if e.__cause__ is None:      # a safetensors file, but not one of ours
+                raise CliError(f"--checkpoint: {e}") from e
+            raise CliError(f"--checkpoint {args.checkpoint!r} is not a safetensors checkpoint "
+                           f"(meganeura train-demo writes one): {e.__cause__}") from e
+        if "0.weight" not in tensors:
+            raise CliError(f"--checkpoint {args.checkpoint!r} has no '0.weight': not a digits MLP checkpoint "
+                           "(meganeura train-demo writes one)")
+        hidden = tensors["0.weight"].shape[0]
     else:
         hidden, batch = args.hidden, 64
         g, _, _, logits, loss = build_mlp(batch=batch, n_in=64, hidden=hidden, n_out=10)
@@ -244,17 +302,36 @@ def check_model_folder(path):
         raise CliError(f"--model {path!r} has no model.safetensors (or model.safetensors.index.json)")
 
 
+def check_bench_json(path):
+    """A file ``bench report`` can merge (what ``bench run`` writes), or one line saying why not."""
+    import json
+    if not os.path.isfile(path):
+        raise CliError(f"bench report: file {path!r} does not exist")
+    try:
+        with open(path) as f:
+            result = json.load(f)
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise CliError(f"bench report: {path!r} is not a JSON file: {e}") from e
+    missing = [k for k in ("options", "cells") if not isinstance(result, dict) or k not in result]
+    if missing:
+        raise CliError(f"bench report: {path!r} has no {' or '.join(map(repr, missing))}: not a result "
+                       "of meganeura bench run")
+    lacking = [k for k in ("workloads", "phases", "modes") if k not in result["options"]]
+    if lacking:
+        raise CliError(f"bench report: {path!r}: its options lack {', '.join(map(repr, lacking))}")
+
+
 def cmd_bench(argv):
     from .bench.__main__ import COMMANDS, main as bench_main
     helping = any(a in ("-h", "--help") for a in argv)
     if not helping:
         if argv[:1] == ["report"]:
             for f in argv[1:]:
-                if not f.startswith("-") and f.endswith(".json") and not os.path.isfile(f):
-                    raise CliError(f"bench report: file {f!r} does not exist")
+                if not f.startswith("-") and f.endswith(".json"):
+                    check_bench_json(f)
         else:
             need("bench" if not argv or argv[0] not in COMMANDS else f"bench {argv[0]}", "torch", "transformers")
-    return bench_main(argv)
+    return bench_main(argv, prog="meganeura bench")
 
 
 def _report(cmd, e):
@@ -289,51 +366,56 @@ def main(argv=None):
 def _main(argv):
     if argv[:1] == ["bench"]:          # the benchmark harness has its own options
         return cmd_bench(argv[1:])
-    p = argparse.ArgumentParser(prog="meganeura", description="Portable GPU training and inference (Vulkan directly, or wgpu for Metal, DX12 and browsers).")
+    p = argparse.ArgumentParser(prog="meganeura", formatter_class=HelpFormatter,
+                                description="Portable GPU training and inference (Vulkan directly, or wgpu "
+                                            "for Metal, DX12 and browsers).")
     sub = p.add_subparsers(dest="cmd", required=True)
-    info = sub.add_parser("info", help="list adapters, the chosen one, its features and limits")
+
+    def command(name, fn, help):
+        c = sub.add_parser(name, help=help, description=help, formatter_class=HelpFormatter)
+        c.set_defaults(fn=fn)
+        return c
+
+    info = command("info", cmd_info, "the backend that runs backend='gpu' and its device, then each runtime's "
+                   "adapters, features and limits")
     info.add_argument("--vulkan", action="store_true",
                       help="report the direct Vulkan backend instead: device, features, cooperative matrices, caches")
-    info.set_defaults(fn=cmd_info)
     sub.add_parser("bench", help="benchmark the five workloads against PyTorch (see: meganeura bench --help)")
-    d = sub.add_parser("train-demo", help="train a small MLP on the digits, save, reload, evaluate")
-    d.add_argument("--backend", default="gpu", choices=["gpu", "vulkan", "wgpu", "numpy"],
-                   help="gpu (WGSL through wgpu; lavapipe when there is no GPU) or numpy (the reference)")
-    d.add_argument("--epochs", type=int, default=20, help="passes over the training set (default 20)")
-    d.add_argument("--batch", type=int, default=64, help="batch size (default 64)")
-    d.add_argument("--hidden", type=int, default=128, help="hidden width of the MLP (default 128)")
-    d.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate (default 3e-3)")
+    d = command("train-demo", cmd_train_demo, "train a small MLP on scikit-learn's 8x8 digits, save a "
+                "checkpoint, reload it into an inference program, report test accuracy")
+    d.add_argument("--backend", default="gpu", choices=["gpu", "vulkan", "wgpu", "numpy"], help=BACKEND_HELP)
+    d.add_argument("--epochs", type=int, default=20, help="passes over the training set")
+    d.add_argument("--batch", type=int, default=64, help="batch size (at most the size of the training set)")
+    d.add_argument("--hidden", type=int, default=128, help="hidden width of the MLP")
+    d.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate")
     d.add_argument("--seed", type=int, default=0, help="seed of the initialisation and the shuffling")
-    d.add_argument("--out", default="digits_mlp.safetensors", help="checkpoint path (default digits_mlp.safetensors)")
+    d.add_argument("--out", default="digits_mlp.safetensors", help="checkpoint path")
     d.add_argument("--quiet", action="store_true", help="no progress bar")
-    d.set_defaults(fn=cmd_train_demo)
-    gen = sub.add_parser("generate", help="generate text with a Hugging Face Llama-family model folder")
+    gen = command("generate", cmd_generate, "generate text with a Hugging Face Llama-family model folder")
     gen.add_argument("--model", required=True, help="folder with config.json, model.safetensors, tokenizer.json")
     gen.add_argument("--prompt", required=True, help="text to continue")
-    gen.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate at most (default 64)")
-    gen.add_argument("--temperature", type=float, default=0.0, help="0 means greedy")
+    gen.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate at most")
+    gen.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0 means greedy")
     gen.add_argument("--top-k", type=int, default=None, help="sample among the k most likely tokens")
     gen.add_argument("--top-p", type=float, default=None, help="sample within the top-p probability mass")
     gen.add_argument("--seed", type=int, default=0, help="sampling seed")
-    gen.add_argument("--backend", default="gpu", choices=["gpu", "vulkan", "wgpu", "numpy"], help="gpu (vulkan or wgpu, see MEGANEURA_BACKEND), vulkan, wgpu or numpy (the reference)")
+    gen.add_argument("--backend", default="gpu", choices=["gpu", "vulkan", "wgpu", "numpy"], help=BACKEND_HELP)
     gen.add_argument("--precision", default="strict", choices=["strict", "accelerated"],
                      help="strict: f32 everywhere; accelerated: f16 operands for forward matmuls")
-    gen.set_defaults(fn=cmd_generate)
-    ex = sub.add_parser("export", help="export a model to run in the browser with WebGPU (--web DIR)")
+    ex = command("export", cmd_export, "export a model to run in the browser with WebGPU (--web DIR)")
     ex.add_argument("--web", metavar="DIR", help="folder to write: plan.json, weights.safetensors, meganeura.js, "
                     "index.html (serve it over http and open it)")
     ex.add_argument("--model", default="digits-mlp",
-                    help="digits-mlp (default: --checkpoint, else trained here), llama-tiny (random weights), "
+                    help="digits-mlp (from --checkpoint, else trained here), llama-tiny (random weights), "
                          "or a Hugging Face Llama-family folder (SmolLM2) for text generation")
     ex.add_argument("--checkpoint", help="digits-mlp: a checkpoint written by train-demo")
     ex.add_argument("--epochs", type=int, default=20, help="digits-mlp without --checkpoint: training epochs")
     ex.add_argument("--hidden", type=int, default=128, help="digits-mlp without --checkpoint: hidden width")
-    ex.add_argument("--max-len", type=int, default=128, help="text models: key/value cache positions (default 128)")
+    ex.add_argument("--max-len", type=int, default=128, help="text models: key/value cache positions")
     ex.add_argument("--prompt", default=None, help="text models: the page's initial prompt")
     ex.add_argument("--precision", default="strict", choices=["strict", "accelerated"],
                     help="accelerated adds an f16 plan, used where the browser's adapter has shader-f16")
     ex.add_argument("--seed", type=int, default=0, help="seed of the initialisation and the training")
-    ex.set_defaults(fn=cmd_export)
     args = p.parse_args(argv)
     return args.fn(args) or 0
 

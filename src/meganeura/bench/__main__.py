@@ -1,16 +1,25 @@
-"""``python -m meganeura.bench [run|gates|train|report] ...``; ``run`` is the default.
-
-  run     time the workloads against PyTorch (JSON, Markdown, ratio chart, top kernels)
-  gates   forward/backward accuracy gates per workload and precision mode
-  train   N AdamW steps of ours vs torch's on the same data: loss curves side by side
-  report  merge bench JSON files (e.g. one per workload) and re-render the table and chart
-"""
+"""``meganeura bench [run|gates|train|report] ...`` (or ``python -m meganeura.bench``); ``run``
+is the default. See ``DESCRIPTION``."""
 from __future__ import annotations
 
 import argparse
 import sys
 
+from ..cli import HelpFormatter
+
 COMMANDS = ("run", "gates", "train", "report")
+DESCRIPTION = """The five workloads against PyTorch on the same device; run is the default command.
+
+  run     time the workloads against PyTorch (JSON, Markdown, ratio chart, top kernels)
+  gates   forward/backward accuracy gates per workload and precision mode
+  train   N AdamW steps of ours vs torch's on the same data: loss curves side by side
+  report  merge bench JSON files (e.g. one per workload) and re-render the table and chart
+
+Try it on any machine: meganeura bench --size tiny --quick"""
+
+
+class _Help(argparse.RawDescriptionHelpFormatter, HelpFormatter):
+    """The description as written, each option's default after its help."""
 
 
 def _common(p, modes_default="strict,accelerated"):
@@ -22,11 +31,14 @@ def _common(p, modes_default="strict,accelerated"):
     p.add_argument("--out", default="bench/results/latest", help="output folder")
 
 
-def parser():
-    p = argparse.ArgumentParser(prog="python -m meganeura.bench", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+def parser(prog="python -m meganeura.bench"):
+    p = argparse.ArgumentParser(prog=prog, description=DESCRIPTION, formatter_class=_Help)
     sub = p.add_subparsers(dest="command")
-    r = sub.add_parser("run", help="time the workloads against PyTorch")
+
+    def command(name, help):
+        return sub.add_parser(name, help=help, description=help, formatter_class=_Help)
+
+    r = command("run", "time the workloads against PyTorch")
     _common(r)
     r.add_argument("--phases", default="all", help="comma-separated: inference,minimal,flb,train_step,compile")
     r.add_argument("--quick", action="store_true", help="2 warm-ups and 5 samples instead of 5 and 20")
@@ -39,27 +51,30 @@ def parser():
     r.add_argument("--no-fresh-process", action="store_true",
                    help="compile phase: time in this process only (no cold / warm child processes)")
     r.add_argument("--debug", action="store_true", help="print tracebacks of failures")
-    r.add_argument("--warmup", type=int, default=None, help=argparse.SUPPRESS)
-    r.add_argument("--samples", type=int, default=None, help=argparse.SUPPRESS)
-    g = sub.add_parser("gates", help="accuracy gates against PyTorch")
+    r.add_argument("--warmup", type=int, default=None,
+                   help="untimed calls before the samples (default 5, 2 with --quick; the committed H200 tables used 3)")
+    r.add_argument("--samples", type=int, default=None,
+                   help="timed calls, of which the median is reported (default 20, 5 with --quick; the committed "
+                        "H200 tables used 10)")
+    g = command("gates", "accuracy gates against PyTorch")
     _common(g)
-    g.add_argument("--backend", choices=("gpu", "numpy"), default="gpu", help="our backend to check (default gpu)")
-    t = sub.add_parser("train", help="N AdamW steps, ours vs torch's loss curve")
+    g.add_argument("--backend", choices=("gpu", "numpy"), default="gpu", help="our backend to check")
+    t = command("train", "N AdamW steps, ours vs torch's loss curve")
     _common(t, modes_default="strict")
-    t.add_argument("--backend", choices=("gpu", "numpy"), default="gpu", help="our backend (default gpu)")
-    t.add_argument("--steps", type=int, default=50, help="AdamW steps (default 50)")
-    t.add_argument("--lr", type=float, default=1e-4, help="learning rate (default 1e-4)")
-    m = sub.add_parser("report", help="merge bench JSON files and re-render the Markdown and chart")
+    t.add_argument("--backend", choices=("gpu", "numpy"), default="gpu", help="our backend")
+    t.add_argument("--steps", type=int, default=50, help="AdamW steps")
+    t.add_argument("--lr", type=float, default=1e-4, help="learning rate")
+    m = command("report", "merge bench JSON files and re-render the Markdown and chart")
     m.add_argument("files", nargs="+", help="bench JSON files to merge")
     m.add_argument("--out", required=True, help="output folder")
     return p
 
 
-def main(argv=None) -> int:
+def main(argv=None, prog="python -m meganeura.bench") -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] not in COMMANDS + ("-h", "--help"):
         argv = ["run"] + argv
-    args = parser().parse_args(argv)
+    args = parser(prog).parse_args(argv)
     if args.command == "gates":
         from .gates import cmd_gates
         return cmd_gates(args)
