@@ -130,6 +130,9 @@ def _best_cell(c):
             f"({c['ratio_best']:.2f}x, {SHORT[best]})")
     if c["ratio_best"] > 1:
         text = f"**{text}**"
+    failed = [SHORT[v] for v in VARIANTS if "error" in c.get(v, {}) or c.get(v, {}).get("valid") is False]
+    if failed:      # the strongest may be among these: the reader should know
+        text += f" ({', '.join(failed)}: failed)"
     return text if c.get("valid") else f"~~{text}~~ invalid"
 
 
@@ -152,7 +155,8 @@ def best_section(result, cells, phases) -> list:
         lines += [f"## {mode}: ours vs the strongest PyTorch (ms)", "",
                   f"Per cell, the fastest valid of: {names} (CUDA graphs and reduce-overhead on CUDA only). "
                   "Bold: we are slower. A baseline whose output or loss departs from eager's beyond the gate "
-                  "tolerance does not count.", "",
+                  "tolerance, or that could not be captured or compiled, does not count and is named "
+                  "after the cell (the JSON keeps its error).", "",
                   "| workload | " + " | ".join(phases) + " |", "|---|" + "---|" * len(phases)]
         for name in o["workloads"]:
             lines.append(f"| {name} | " + " | ".join(_best_cell(cells.get((name, mode, p))) for p in phases) + " |")
