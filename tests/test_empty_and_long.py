@@ -142,3 +142,36 @@ def test_a_chain_of_10000_steps_compiles_runs_and_differentiates(backend):
     g = mg.Graph()
     plan = mg.compiler.compile_plan([_affine_chain(g.input("x", (8,)), 10000)])
     assert max(expr_depth(d.kernel.spec.get("expr")) for d in plan.dispatches) <= MAX_INLINE_DEPTH
+
+
+# torch.var / torch.std overloads: (ours, torch's) on one (3, 4) input
+VAR_CALLS = [
+    ("var_unbiased_positional", lambda o, x: o.var(x, True), lambda t, x: t.var(x, True)),
+    ("var_biased_positional", lambda o, x: o.var(x, False), lambda t, x: t.var(x, False)),
+    ("std_unbiased_positional", lambda o, x: o.std(x, True), lambda t, x: t.std(x, True)),
+    ("var_dim_unbiased_keepdim", lambda o, x: o.var(x, 1, False, True), lambda t, x: t.var(x, 1, False, True)),
+    ("var_correction_none", lambda o, x: o.var(x, 0, correction=None), lambda t, x: t.var(x, 0, correction=None)),
+    ("std_keywords", lambda o, x: o.std(x, dim=(0, 1), correction=2, keepdim=True),
+     lambda t, x: t.std(x, dim=(0, 1), correction=2, keepdim=True)),
+    ("var_unbiased_keyword", lambda o, x: o.var(x, dim=0, unbiased=False), lambda t, x: t.var(x, dim=0, unbiased=False)),
+    # n - correction <= 0: inf (the deviations are not all 0), as torch
+    ("var_correction_past_n", lambda o, x: o.var(x, 0, correction=3), lambda t, x: t.var(x, 0, correction=3)),
+]
+
+
+@pytest.mark.parametrize("backend", ["numpy", "gpu"])
+@pytest.mark.parametrize("name,ours,theirs", VAR_CALLS, ids=[c[0] for c in VAR_CALLS])
+def test_var_and_std_read_arguments_as_torch(name, ours, theirs, backend):
+    import torch
+    x = np.random.default_rng(3).standard_normal((3, 4)).astype(np.float32)
+    want = theirs(torch, torch.tensor(x)).numpy()
+    got = run(backend, lambda x: [ours(mg.ops, x * 1.0)], {"x": x})[0]
+    assert got.shape == want.shape, (got.shape, want.shape)
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+
+
+def test_var_refuses_unbiased_twice():
+    g = mg.Graph()
+    x = g.input("x", (3,))
+    with pytest.raises(TypeError, match="var: give correction= or unbiased="):
+        mg.ops.var(x, 0, correction=1, unbiased=True)
