@@ -175,3 +175,14 @@ def test_var_refuses_unbiased_twice():
     x = g.input("x", (3,))
     with pytest.raises(TypeError, match="var: give correction= or unbiased="):
         mg.ops.var(x, 0, correction=1, unbiased=True)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_float64_feed_that_overflows_f32_is_refused_by_name(backend):
+    """1e39 has no f32: a clear error naming the input and the value, not a silent inf;
+    an inf that is fed stays inf."""
+    g = mg.Graph()
+    s = mg.compile(g, outputs=[g.input("x", (3,)) * 2.0], backend=backend)
+    with pytest.raises(ValueError, match=r"input 'x': value 1e\+39 overflows f32"):
+        s.run({"x": np.array([1.0, 1e39, 2.0])})
+    np.testing.assert_array_equal(s.run({"x": np.array([1.0, INF, 3e38 / 2])})[0], [2.0, INF, np.float32(3e38)])
