@@ -186,3 +186,14 @@ def test_a_float64_feed_that_overflows_f32_is_refused_by_name(backend):
     with pytest.raises(ValueError, match=r"input 'x': value 1e\+39 overflows f32"):
         s.run({"x": np.array([1.0, 1e39, 2.0])})
     np.testing.assert_array_equal(s.run({"x": np.array([1.0, INF, 3e38 / 2])})[0], [2.0, INF, np.float32(3e38)])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_softmax_over_an_empty_axis_is_empty(backend):
+    """(3, 0) along its empty axis: an empty result (the interpreter raised on the maximum
+    of nothing), and its gradient."""
+    def build(x):
+        y = mg.ops.log_softmax(x * 1.0, 1) + mg.ops.softmax(x * 1.0, 1) + mg.ops.safe_softmax(x * 1.0, 1)
+        return [y, mg.grad(mg.ops.sum(y), [x])[0]]
+    y, gx = run(backend, build, {"x": np.zeros((3, 0), np.float32)})
+    assert y.shape == gx.shape == (3, 0)
