@@ -197,3 +197,42 @@ def test_softmax_over_an_empty_axis_is_empty(backend):
         return [y, mg.grad(mg.ops.sum(y), [x])[0]]
     y, gx = run(backend, build, {"x": np.zeros((3, 0), np.float32)})
     assert y.shape == gx.shape == (3, 0)
+
+
+def _z(*shape):
+    return np.zeros(shape, np.float32)
+
+
+# empty shapes as torch defines them: (name, build, feeds, expected shapes)
+EMPTY_SHAPES = [
+    ("batch_norm_train_empty_batch", lambda x, w: [mg.ops.batch_norm(x, None, None, w, training=True)]
+     + mg.grad(mg.ops.sum(mg.ops.batch_norm(x, None, None, w, training=True)), [x, w]),
+     {"x": _z(0, 3, 2), "w": np.ones(3, np.float32)}, [(0, 3, 2), (0, 3, 2), (3,)]),
+    ("batch_norm_eval_empty_batch", lambda x, m: [mg.ops.batch_norm(x, m, m + 1.0)], {"x": _z(0, 3), "m": _z(3)},
+     [(0, 3)]),
+    ("gather_empty_index", lambda x, i: [mg.ops.gather(x * 1.0, 0, i), mg.grad(mg.ops.sum(mg.ops.gather(x, 0, i)), [x])[0]],
+     {"x": _z(5), "i": np.zeros(0, np.int32)}, [(0,), (5,)]),
+    ("gather_from_an_empty_axis", lambda x, i: [mg.ops.gather(x * 1.0, 0, i)], {"x": _z(0), "i": np.zeros(0, np.int32)},
+     [(0,)]),
+    ("gather_empty_rows", lambda x, i: [mg.ops.gather(x * 1.0, 1, i)], {"x": _z(0, 4), "i": np.zeros((0, 2), np.int32)},
+     [(0, 2)]),
+    ("cat_skips_a_legacy_empty_vector", lambda a, b: [mg.ops.cat([a * 1.0, b * 1.0]), mg.ops.cat([b * 1.0, a * 1.0], 1)],
+     {"a": _z(0), "b": np.ones((2, 3), np.float32)}, [(2, 3), (2, 3)]),
+    ("cat_of_empty_parts", lambda a, b: [mg.ops.cat([a * 1.0, b * 1.0], 1)] + mg.grad(mg.ops.sum(mg.ops.cat([a, b], 1) ** 2), [a, b]),
+     {"a": _z(2, 0), "b": np.ones((2, 3), np.float32)}, [(2, 3), (2, 0), (2, 3)]),
+]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("name,build,feeds,shapes", EMPTY_SHAPES, ids=[e[0] for e in EMPTY_SHAPES])
+def test_empty_shapes_in_batch_norm_gather_and_cat(name, build, feeds, shapes, backend):
+    """torch gives these shapes (and zero gradients); batch_norm refused an empty training
+    batch, gather an empty axis, and cat a 1-D empty tensor beside 2-D ones."""
+    dtypes = {k: mg.i32 for k, v in feeds.items() if v.dtype == np.int32}
+    outs = run(backend, build, feeds, dtypes)
+    assert [o.shape for o in outs] == shapes
+    for o in outs:
+        if o.size and name != "cat_skips_a_legacy_empty_vector" and name != "cat_of_empty_parts":
+            np.testing.assert_array_equal(o, 0.0)      # gradients of nothing gathered or normalised
+    if name == "cat_of_empty_parts":
+        np.testing.assert_array_equal(outs[2], 2.0)

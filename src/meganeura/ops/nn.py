@@ -684,7 +684,7 @@ def batch_norm(input, running_mean, running_var, weight=None, bias=None, trainin
         if t is not None and t.shape != (c,):
             raise op_error(op, f"{what} must have shape ({c},)", input, t)
     if training:
-        if input.size // max(c, 1) <= 1:
+        if input.size // max(c, 1) == 1:      # (an empty batch is an empty result, as torch)
             raise op_error(op, "training needs more than 1 value per channel", input)
         ins, flags = _affine_inputs(input, weight, bias)
         return emit(op, ins, eps=float(eps), **flags)
