@@ -161,8 +161,8 @@ def check_array(kind, t: Tensor, value) -> np.ndarray:
             raise TypeError(f"{kind} {t.name!r}: got float dtype {arr.dtype}, expected integer {t.dtype.name}")
         if arr.dtype.kind not in "iub":
             raise TypeError(f"{kind} {t.name!r}: got dtype {arr.dtype}, expected {t.dtype.name}")
-        return cast_exact(arr, t.dtype, f"{kind} {t.name!r}")    # int64 ids beyond i32 never wrap
-    return np.asarray(arr, dtype=t.dtype.np, order="C")
+    # int64 ids beyond i32 never wrap, a float64 1e39 never becomes a silent f32 inf
+    return cast_exact(arr, t.dtype, f"{kind} {t.name!r}")
 
 
 def _prefixes(names) -> list:

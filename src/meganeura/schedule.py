@@ -191,6 +191,23 @@ def _broadcasts(a, b) -> bool:
     return lead >= 0 and all(n == 1 or n == m for n, m in zip(a, b[lead:]))
 
 
+# the deepest elementwise expression a kernel carries (nested ops): the schedule and the
+# fusion passes store a value rather than inline past it
+MAX_INLINE_DEPTH = 64
+
+
+def expr_depth(e) -> int:
+    """Nesting depth of ops in expression ``e`` (0 for a leaf, literal or None), walked with
+    an explicit stack."""
+    best, stack = 0, [(e, 0)]
+    while stack:
+        x, d = stack.pop()
+        if x is not None and x[0] == "op":
+            best = max(best, d + 1)
+            stack.extend((k, d + 1) for k in x[2])
+    return best
+
+
 def is_pointwise(op):
     return "wgsl" in OPS[op].extra and op not in VIEW_OPS
 
@@ -231,8 +248,8 @@ def build_schedule(graph, targets: list[Tensor], target_kinds=None, max_bindings
         return b
 
     # which elementwise nodes are inlined into their consumer's pointwise kernel
-    def fusible(t):
-        if t.id in target_ids or not is_pointwise(t.op):
+    def inlinable(t):
+        if t.id in target_ids or t.op not in OPS or not is_pointwise(t.op):
             return False
         cs = consumers[t.id]
         # ops that read their operand at other indices (INDEXED_READS) need it in memory;
@@ -240,6 +257,18 @@ def build_schedule(graph, targets: list[Tensor], target_kinds=None, max_bindings
         # broadcast is modest (one new KV-cache row blended into the cache)
         return (len(cs) == 1 and is_pointwise(cs[0].op) and cs[0].op not in INDEXED_READS
                 and (cs[0].shape == t.shape or _cheap_broadcast(t, cs[0])))
+
+    # a chain of inlined producers is cut every MAX_INLINE_DEPTH ops (that node is stored):
+    # expressions stay shallow for every pass that walks them, and a 10,000-op chain is a
+    # few hundred kernels (alike, so rendered once) instead of one that no driver compiles
+    depth: dict[int, int] = {}
+    for t in nodes:
+        if inlinable(t):
+            d = 1 + max((depth.get(i.id, 0) for i in t.inputs), default=0)
+            depth[t.id] = d if d < MAX_INLINE_DEPTH else 0
+
+    def fusible(t):
+        return depth.get(t.id, 0) > 0
 
     def emit_pointwise(t, kind="temp"):
         """``t``'s pointwise kernel; a producer meant to be inlined that the consumer has no

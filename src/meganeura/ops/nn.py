@@ -57,22 +57,30 @@ def _float_infer(op):
 
 # --------------------------------------------------------------------------- softmax
 def _softmax_ref(x, dim):
+    if x.size == 0:             # (no maximum over an empty axis): an empty result, as torch
+        return np.empty_like(x)
     e = np.exp(x - np.max(x, axis=dim, keepdims=True))
     return e / np.sum(e, axis=dim, keepdims=True, dtype=x.dtype)
 
 
 def _log_softmax_ref(x, dim):
+    if x.size == 0:
+        return np.empty_like(x)
     z = x - np.max(x, axis=dim, keepdims=True)
     return z - np.log(np.sum(np.exp(z), axis=dim, keepdims=True, dtype=x.dtype))
 
 
 # the max only shifts for stability: its gradient cancels, so it is cut from autodiff
 def _softmax_graph(x, dim):
+    if x.size == 0:             # an empty result (amax refuses an empty axis)
+        return x * 1.0
     e = exp(x - stop_gradient(amax(x, dim, keepdim=True)))
     return e / _ksum(e, (dim,))
 
 
 def _log_softmax_graph(x, dim):
+    if x.size == 0:
+        return x * 1.0
     z = x - stop_gradient(amax(x, dim, keepdim=True))
     return z - log(_ksum(exp(z), (dim,)))
 
@@ -84,6 +92,8 @@ register("log_softmax", _float_infer("log_softmax"), _log_softmax_ref,
 
 
 def _safe_softmax_ref(x, dim):
+    if x.size == 0:
+        return np.empty_like(x)
     m = np.max(x, axis=dim, keepdims=True)
     live = m > -np.inf
     e = np.exp(x - np.where(live, m, 0))
@@ -91,6 +101,8 @@ def _safe_softmax_ref(x, dim):
 
 
 def _safe_softmax_graph(x, dim):
+    if x.size == 0:
+        return x * 1.0
     m = stop_gradient(amax(x, dim, keepdim=True))
     live = m > float("-inf")                 # the row has a position left
     e = exp(x - where(live, m, 0.0))         # all zeros in a fully masked row
@@ -672,7 +684,7 @@ def batch_norm(input, running_mean, running_var, weight=None, bias=None, trainin
         if t is not None and t.shape != (c,):
             raise op_error(op, f"{what} must have shape ({c},)", input, t)
     if training:
-        if input.size // max(c, 1) <= 1:
+        if input.size // max(c, 1) == 1:      # (an empty batch is an empty result, as torch)
             raise op_error(op, "training needs more than 1 value per channel", input)
         ins, flags = _affine_inputs(input, weight, bias)
         return emit(op, ins, eps=float(eps), **flags)

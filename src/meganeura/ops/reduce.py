@@ -100,20 +100,42 @@ def min(x, dim=None, keepdim=False):
     return amin(x, dim, keepdim)
 
 
-def var(x, dim=None, correction=1, keepdim=False, unbiased=None):
-    """torch.var: mean squared deviation over ``dim`` times n / (n - correction)
-    (``unbiased=False`` is correction 0); nan where n <= correction, as torch."""
-    from .registry import norm_dims
+def _correction(op, dim, correction, unbiased):
+    """(dim, correction) from torch's overloads: ``var(x, unbiased)``, ``var(x, dim,
+    unbiased, keepdim)`` and ``var(x, dim, correction=, keepdim=)`` (None is 1)."""
+    if isinstance(dim, bool):                   # torch.var(x, True): the bool is unbiased
+        if unbiased is not None:
+            raise TypeError(f"{op}: unbiased given twice (positionally as {dim} and as unbiased={unbiased})")
+        dim, unbiased = None, dim
+    if isinstance(correction, bool):            # torch.var(x, dim, unbiased)
+        if unbiased is not None:
+            raise TypeError(f"{op}: unbiased given twice ({correction} and unbiased={unbiased})")
+        correction, unbiased = None, correction
     if unbiased is not None:
+        if correction is not None:
+            raise TypeError(f"{op}: give correction= or unbiased=, not both")
         correction = 1 if unbiased else 0
+    if correction is None:
+        correction = 1
+    if not isinstance(correction, (int, float, np.integer, np.floating)):
+        raise TypeError(f"{op}: correction must be a number, got {type(correction).__name__}")
+    return dim, float(correction)
+
+
+def var(x, dim=None, correction=None, keepdim=False, unbiased=None):
+    """torch.var: the sum of squared deviations over ``dim`` divided by n - correction
+    (``unbiased=False`` is correction 0; ``var(x, True)`` reads the bool as ``unbiased``,
+    as torch does). As torch: n - correction <= 0 gives inf (NaN where every deviation is 0,
+    and over an empty axis)."""
+    dim, correction = _correction("var", dim, correction, unbiased)
     dims = norm_dims("var", dim, x.ndim, x)
     n = _count(x, dims) if dims else 1
     d = x - mean(x, dims, keepdim=True)
     ss = emit("reduce_sum", [d * d], dims=dims, keepdim=bool(keepdim))
-    return ss * (1.0 / (n - correction) if n > correction else float("nan"))
+    return ss * (1.0 / (n - correction) if n > correction else float("inf"))
 
 
-def std(x, dim=None, correction=1, keepdim=False, unbiased=None):
-    """torch.std: the square root of ``var``."""
+def std(x, dim=None, correction=None, keepdim=False, unbiased=None):
+    """torch.std: the square root of ``var`` (the same arguments)."""
     from .elementwise import sqrt
     return sqrt(var(x, dim, correction, keepdim, unbiased))

@@ -222,6 +222,8 @@ def concat(tensors, dim=0):
     tensors = list(tensors)
     if not tensors:
         raise ValueError("concat: needs at least one tensor")
+    if any(t.ndim != 1 for t in tensors):       # torch skips 1-D empty tensors beside others
+        tensors = [t for t in tensors if t.shape != (0,)] or tensors[:1]
     if len(tensors) == 1:
         return tensors[0]
     return emit("concat", tensors, dim=norm_dim("concat", dim, tensors[0].ndim, tensors[0]))
@@ -264,6 +266,8 @@ def gather(input, dim, index):
         if a != d and x.shape[a] != index.shape[a]:
             x = slice(x, a, 0, index.shape[a])
     n = input.shape[d]
+    if index.size == 0:                 # nothing gathered (from an empty axis too): empty
+        return broadcast_to(reshape(reduce_sum(input, tuple(range(input.ndim))), (1,) * input.ndim), index.shape)
     oh = one_hot(index, n, input.dtype)                  # index.shape + (n,)
     return reduce_sum(oh * _align_for_gather(x, d), (input.ndim,))
 

@@ -33,7 +33,7 @@ import numpy as np
 
 from ..codegen.common import broadcast_view_strides
 from ..codegen.matmul import block_of, rounded_operands
-from ..schedule import Kernel, View, contiguous_strides, reshape_view
+from ..schedule import MAX_INLINE_DEPTH, Kernel, View, contiguous_strides, expr_depth, reshape_view
 from ..ops.registry import OPS
 
 # archetypes whose renderers end in ``store_out`` (codegen.expr.OutputStore)
@@ -264,11 +264,15 @@ def _absorb_producer(kernels, pi, uses, max_bindings):
         return None
     if _has_rleaf(p.spec["expr"]):
         return None         # indexed reads need the pointwise kernel's own coordinates
+    p_depth = expr_depth(p.spec["expr"])
     for li, leaf in enumerate(p.reads):
         ki = uses.producer(leaf.buf, pi)
         if ki is None:
             continue
         k = kernels[ki]
+        # a long chain stays cut where the schedule cut it (shallow expressions)
+        if p_depth + expr_depth(k.spec["expr"] if k.archetype == "pointwise" else k.epilogue) > MAX_INLINE_DEPTH:
+            continue
         if k.archetype == "pointwise":
             at = _compose_pointwise(k, p, li, leaf, uses, ki, pi, max_bindings, kernels)
             if at is not None:
@@ -1042,7 +1046,8 @@ def fuse_producer_outputs(kernels, uses, max_bindings):
                     or k.dtype is not leaf.dtype or sum(v.buf is leaf.buf for v in p.reads) != 1 \
                     or any(ki < j < pi for j in uses.readers[id(leaf.buf)]) \
                     or any(uses.touched_between(v.buf, ki + 1, pi, writes_only=True) for v in k.reads) \
-                    or any(v.buf is p.out.buf for v in k.reads):
+                    or any(v.buf is p.out.buf for v in k.reads) \
+                    or expr_depth(p.spec["expr"]) + expr_depth(k.spec["expr"]) > MAX_INLINE_DEPTH:
                 li += 1
                 continue
             # ``leaf`` reads every element of k's output once (so nothing is computed twice,
