@@ -240,3 +240,14 @@ def stop_gradient(x):
 
 
 detach = stop_gradient
+
+# ------------------------------------------------------------------------------ recompute
+# The input of a checkpointed region as its recomputation in the backward pass reads it
+# (autodiff.checkpoint): an identity whose ``region`` attribute keeps the recomputed nodes
+# apart from the forward ones, which merging common subexpressions would otherwise undo.
+register("recompute", lambda ins, region: (ins[0].shape, ins[0].dtype), lambda x, region: x, None,
+         differentiable=False, wgsl="{0}")
+
+
+def recompute(x, region: int):
+    return emit("recompute", [x], region=int(region))
