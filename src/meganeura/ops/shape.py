@@ -344,3 +344,124 @@ expand = broadcast_to
 def broadcast_tensors(*ts: Tensor):
     shape = broadcast_shapes("broadcast_tensors", *ts)
     return [broadcast_to(t, shape) for t in ts]
+
+
+# ---------------------------------------------------- flip, roll, repeat, pad, tril/triu
+# Built from the layout ops above (their gradients come with them): index_select with a
+# constant index, slices joined by concat, broadcasts of inserted axes.
+def _const_index(x, idx):
+    return x.graph.constant(np.asarray(idx, np.int32))
+
+
+def _dims(op, dims, x):
+    dims = (dims,) if isinstance(dims, (int, np.integer)) else tuple(dims)
+    out = [norm_dim(op, int(d), x.ndim, x) for d in dims]
+    if len(set(out)) != len(out):
+        raise op_error(op, f"dims {dims} name a dimension twice", x)
+    return out
+
+
+def flip(x, dims):
+    """torch.flip: reverse the order along each of ``dims``."""
+    for d in _dims("flip", dims, x):
+        if x.shape[d] > 1:
+            x = index_select(x, d, _const_index(x, np.arange(x.shape[d] - 1, -1, -1)))
+    return x
+
+
+def roll(x, shifts, dims=None):
+    """torch.roll: elements shifted along ``dims`` (flattened first where dims is None),
+    those pushed past the end coming back at the start."""
+    if dims is None:
+        if not isinstance(shifts, (int, np.integer)) and len(shifts) != 1:
+            raise op_error("roll", f"without dims, shifts must be one number, got {shifts!r}", x)
+        s = int(shifts if isinstance(shifts, (int, np.integer)) else shifts[0])
+        return reshape(roll(reshape(x, (-1,)), s, 0), x.shape)
+    shifts = (shifts,) if isinstance(shifts, (int, np.integer)) else tuple(shifts)
+    dims = (dims,) if isinstance(dims, (int, np.integer)) else tuple(dims)
+    if len(shifts) != len(dims):
+        raise op_error("roll", f"shifts {shifts} and dims {dims} differ in length", x)
+    for s, dim in zip(shifts, dims):
+        d = _axis("roll", dim, x)
+        n = x.shape[d]
+        k = int(s) % n if n else 0
+        if k:
+            x = concat([slice(x, d, n - k, n), slice(x, d, 0, n - k)], d)
+    return x
+
+
+def repeat(x, *sizes):
+    """torch.Tensor.repeat: tile ``x`` sizes[i] times along dim i (extra leading sizes
+    add dimensions)."""
+    sizes = tuple(sizes[0]) if len(sizes) == 1 and isinstance(sizes[0], (tuple, list)) else sizes
+    sizes = int_dims("repeat", sizes)
+    if len(sizes) < x.ndim:
+        raise op_error("repeat", f"{len(sizes)} repeat sizes for a rank-{x.ndim} tensor (need at least {x.ndim})", x)
+    shape = (1,) * (len(sizes) - x.ndim) + x.shape
+    spread = reshape(x, tuple(v for d in shape for v in (1, d)))
+    tiled = broadcast_to(spread, tuple(v for r, d in zip(sizes, shape) for v in (r, d)))
+    return reshape(tiled, tuple(r * d for r, d in zip(sizes, shape)))
+
+
+def _pad_index(n, lo, hi, mode):
+    j = np.arange(-lo, n + hi)
+    if mode == "replicate":
+        return np.clip(j, 0, n - 1)
+    if mode == "circular":
+        return j % n
+    period = 2 * (n - 1)                    # reflect: the edge itself is not repeated
+    j = np.abs(j) % period if period else np.zeros_like(j)
+    return np.where(j >= n, period - j, j)
+
+
+def pad(x, pad, mode="constant", value=None):
+    """torch.nn.functional.pad: ``pad`` = (left, right) of the last dim, then of the one
+    before, ...; negative amounts crop. Modes constant (``value``, default 0), reflect,
+    replicate, circular."""
+    pad = tuple(int(p) for p in pad)
+    if len(pad) % 2 or len(pad) // 2 > x.ndim:
+        raise op_error("pad", f"pad {pad} must have an even length of at most 2 x rank ({2 * x.ndim})", x)
+    if mode not in ("constant", "reflect", "replicate", "circular"):
+        raise ValueError(f"pad: mode must be 'constant', 'reflect', 'replicate' or 'circular', got {mode!r}")
+    if mode != "constant" and value:
+        raise ValueError(f"pad: value is for mode 'constant', not {mode!r}")
+    for i in range(len(pad) // 2):
+        d, lo, hi = x.ndim - 1 - i, pad[2 * i], pad[2 * i + 1]
+        n = x.shape[d]
+        if not lo and not hi:
+            continue
+        if mode in ("constant", "circular") and (lo < 0 or hi < 0):     # a negative amount crops first
+            x = slice(x, d, max(-lo, 0), n - max(-hi, 0))
+            lo, hi, n = max(lo, 0), max(hi, 0), x.shape[d]
+        if mode == "constant":
+            def block(k):
+                fill = x.graph.constant(np.asarray(0 if value is None else value), x.dtype)
+                return broadcast_to(fill, tuple(k if a == d else s for a, s in enumerate(x.shape)))
+            x = concat(([block(lo)] if lo else []) + [x] + ([block(hi)] if hi else []), d)
+        else:
+            # each output position's index in the input (replicate and reflect crop with it)
+            if n == 0 or n + lo + hi < 0 or (mode == "reflect" and max(lo, hi) >= n) or \
+                    (mode == "circular" and max(lo, hi) > n):
+                raise op_error("pad", f"{mode} padding ({lo}, {hi}) of dim {d} needs a larger size than {n}", x)
+            x = index_select(x, d, _const_index(x, _pad_index(n, lo, hi, mode)))
+    return x
+
+
+def _triangle(op, x, diagonal, lower):
+    if x.ndim < 2:
+        raise op_error(op, "needs a tensor of at least 2 dimensions", x)
+    r, c = x.shape[-2:]
+    i, j = np.arange(r)[:, None], np.arange(c)[None, :]
+    keep = (j - i <= diagonal) if lower else (j - i >= diagonal)
+    from .elementwise import where
+    return where(x.graph.constant(keep.astype(np.uint32)), x, 0)
+
+
+def tril(x, diagonal=0):
+    """torch.tril: the elements on and below the ``diagonal``-th diagonal, zeros elsewhere."""
+    return _triangle("tril", x, int(diagonal), True)
+
+
+def triu(x, diagonal=0):
+    """torch.triu: the elements on and above the ``diagonal``-th diagonal, zeros elsewhere."""
+    return _triangle("triu", x, int(diagonal), False)
