@@ -1,6 +1,9 @@
 """Samples for the ops fine-tuning code calls daily: rounding division, alpha, tensor clamp
 bounds, trigonometry and log1p/expm1, rounding, softplus / leaky_relu, masked_fill,
-tril/triu, flip, roll, repeat, pad (every mode), cumsum, prod, logsumexp, argmax/argmin."""
+tril/triu, flip, roll, repeat, pad (every mode), cumsum, prod, logsumexp, argmax/argmin,
+and indexing with lists, integer tensors and NumPy boolean masks."""
+import numpy as np
+
 from .opinfo import F, I, Sample
 
 S = Sample
@@ -74,4 +77,12 @@ SAMPLES = [
       lambda t, x: (t.argmax(x, 1), t.argmin(x, 0, keepdim=True), t.argmax(x)), [F((4, 5))], grad=False),
     S("argmax_ties_first", lambda o, x: o.argmax(o.round(x), -1), lambda t, x: t.argmax(t.round(x), -1),
       [F((3, 8), low=-1.4, high=1.4)], grad=False),
+    # advanced indexing (one list / tensor / mask index beside basic ones)
+    S("index_list", lambda o, x: x[[2, 0, -1, 2]], lambda t, x: x[[2, 0, -1, 2]], [F((4, 3))]),
+    S("index_list_mid_dim", lambda o, x: x[1:, [1, 1, 4], None], lambda t, x: x[1:, [1, 1, 4], None], [F((3, 5, 2))]),
+    S("index_array_2d", lambda o, x: x[..., np.array([[0, 3], [2, 2]])],
+      lambda t, x: x[..., np.array([[0, 3], [2, 2]])], [F((2, 4))]),
+    S("index_bool_mask", lambda o, x: x[np.array([[True, False, True], [False, True, True]])],
+      lambda t, x: x[t.tensor([[True, False, True], [False, True, True]])], [F((2, 3, 2))]),
+    S("index_tensor", lambda o, x, i: x[:, i], lambda t, x, i: x[:, i], [F((3, 5)), I((2, 2), 5, low=-5)]),
 ]

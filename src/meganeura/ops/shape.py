@@ -159,10 +159,80 @@ def slice(x, dim, start=None, end=None, step=1):
 
 
 
+_CMP_OPS = ("lt", "le", "gt", "ge", "eq", "ne")
+
+
+def _is_advanced(i) -> bool:
+    return isinstance(i, (list, Tensor)) or (isinstance(i, np.ndarray) and i.ndim > 0)
+
+
 def getitem(x, idx):
-    """Basic indexing: ints, slices (positive step), None and Ellipsis."""
+    """Indexing as torch: ints, slices (positive step), None and Ellipsis, and one advanced
+    index: a list or array of ints, an integer Tensor (negative positions count from the
+    end), or a NumPy boolean mask over one or more dims (its True positions, known when
+    the graph is built). A boolean mask Tensor selects a number of elements known only when
+    it runs, which a static graph cannot hold: use where(mask, x, 0) instead."""
     if not isinstance(idx, tuple):
         idx = (idx,)
+    adv = [k for k, i in enumerate(idx) if _is_advanced(i)]
+    if adv:
+        return _advanced_getitem(x, idx, adv)
+    return _basic_getitem(x, idx)
+
+
+def _advanced_getitem(x, idx, adv):
+    if len(adv) > 1:
+        raise NotImplementedError(f"getitem: {len(adv)} list/tensor indices in one subscript; index one dim at a "
+                                  "time (or use mg.ops.gather)")
+    k, a = adv[0], idx[adv[0]]
+    if isinstance(a, Tensor):
+        if a.dtype.is_float:
+            raise TypeError(f"getitem: index tensor {a.name!r} has dtype {a.dtype.name}, expected an integer dtype")
+        if a.op in _CMP_OPS:
+            raise TypeError(f"getitem: {a.name!r} is a boolean mask tensor: it selects a number of elements known "
+                            "only at run time, which a static graph cannot hold; use mg.ops.where(mask, x, 0), "
+                            "or a NumPy mask")
+        m = 1
+    else:
+        a = np.asarray(a)
+        if a.dtype == object or a.dtype.kind not in "biu":
+            raise TypeError(f"getitem: an index list/array must hold ints or bools, got dtype {a.dtype}")
+        m = a.ndim if a.dtype == np.bool_ else 1
+    # basic indexing with the advanced entry kept as whole dims; p: where they are in its result
+    y = _basic_getitem(x, idx[:k] + (_py_slice(None),) * m + idx[k + 1:])
+    before = idx[:k]
+    if Ellipsis in before:
+        n_real = sum(1 for i in idx if i is not None and i is not Ellipsis and not _is_advanced(i)) + m
+        before = before[:before.index(Ellipsis)] + (_py_slice(None),) * (x.ndim - n_real) + \
+            before[before.index(Ellipsis) + 1:]
+    p = sum(1 for i in before if i is None or isinstance(i, _py_slice))
+    dims = y.shape[p:p + m]
+    if isinstance(a, Tensor):
+        from .elementwise import where
+        n = dims[0]
+        flat = reshape(a, (-1,))
+        flat = where(flat < 0, flat + n, flat) if a.dtype.name == "i32" else flat
+        out = index_select(y, p, flat)
+        return reshape(out, y.shape[:p] + a.shape + y.shape[p + 1:])
+    if a.dtype == np.bool_:
+        if a.shape != dims:
+            raise op_error("getitem", f"boolean mask of shape {fmt_shape(a.shape)} does not match the indexed dims "
+                                      f"{fmt_shape(dims)}", x)
+        pos, shape = np.flatnonzero(a), (len(np.flatnonzero(a)),)
+        y = reshape(y, y.shape[:p] + (int(np.prod(dims)),) + y.shape[p + m:])
+    else:
+        n = dims[0]
+        if a.size and not (-n <= a.min() and a.max() < n):
+            bad = a[(a < -n) | (a >= n)].flat[0]
+            raise op_error("getitem", f"index {bad} out of range for a dim of size {n}", x)
+        pos, shape = (a.astype(np.int64) % max(n, 1)).ravel(), a.shape
+    if pos.size == 0:
+        return broadcast_to(reshape(slice(y, p, 0, 0), y.shape[:p] + (0,) + y.shape[p + 1:]),
+                            y.shape[:p] + shape + y.shape[p + 1:])
+    return reshape(_take(y, p, pos), y.shape[:p] + shape + y.shape[p + 1:])
+
+
+def _basic_getitem(x, idx):
     n_real = len([i for i in idx if i is not None and i is not Ellipsis])
     if Ellipsis in idx:
         k = idx.index(Ellipsis)
@@ -443,8 +513,30 @@ def pad(x, pad, mode="constant", value=None):
             if n == 0 or n + lo + hi < 0 or (mode == "reflect" and max(lo, hi) >= n) or \
                     (mode == "circular" and max(lo, hi) > n):
                 raise op_error("pad", f"{mode} padding ({lo}, {hi}) of dim {d} needs a larger size than {n}", x)
-            x = index_select(x, d, _const_index(x, _pad_index(n, lo, hi, mode)))
+            x = _take(x, d, _pad_index(n, lo, hi, mode))
     return x
+
+
+def _take(x, d, idx, max_pieces=16):
+    """x's slices at the constant positions ``idx`` along ``d``: runs of consecutive
+    positions as slices and repeats as broadcasts, joined by concat (index_select, a
+    one-hot product over the axis, only where there would be more pieces than that)."""
+    pieces, k = [], 0
+    while k < len(idx):
+        j = k + 1
+        if j < len(idx) and idx[j] == idx[k]:
+            while j < len(idx) and idx[j] == idx[k]:
+                j += 1
+            one = slice(x, d, int(idx[k]), int(idx[k]) + 1)
+            pieces.append(broadcast_to(one, tuple(j - k if a == d else v for a, v in enumerate(x.shape))))
+        else:
+            while j < len(idx) and idx[j] == idx[j - 1] + 1:
+                j += 1
+            pieces.append(slice(x, d, int(idx[k]), int(idx[j - 1]) + 1))
+        k = j
+    if len(pieces) > max_pieces:
+        return index_select(x, d, _const_index(x, idx))
+    return pieces[0] if len(pieces) == 1 else concat(pieces, d)
 
 
 def _triangle(op, x, diagonal, lower):
