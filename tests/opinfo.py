@@ -60,11 +60,11 @@ class Sample:
 
 
 def all_samples():
-    from . import (samples_core, samples_nn, samples_attention, samples_conv, samples_torchlike, samples_edges,
-                   samples_edges_nn)
+    from . import (samples_added, samples_core, samples_nn, samples_attention, samples_conv, samples_torchlike,
+                   samples_edges, samples_edges_nn)
     out = []
     for m in (samples_core, samples_nn, samples_attention, samples_conv, samples_torchlike, samples_edges,
-              samples_edges_nn):
+              samples_edges_nn, samples_added):
         out.extend(m.SAMPLES)
     names = [s.name for s in out]
     dup = {n for n in names if names.count(n) > 1}

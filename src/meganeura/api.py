@@ -539,7 +539,11 @@ class Session:
         plans = getattr(self.executor, "plans", {})
         if not plans:
             return "no GPU plan compiled yet (run or step once)"
-        return "\n".join(f"{key}: {p.memory.report()}, {p.n_dispatches} dispatches" for key, p in plans.items())
+        from .autodiff import checkpointed_regions
+        regions = len(checkpointed_regions(self.graph))
+        note = f"; {regions} checkpointed region(s) recomputed in the backward pass" if regions and self.loss is not None \
+            else ""
+        return "\n".join(f"{key}: {p.memory.report()}, {p.n_dispatches} dispatches{note}" for key, p in plans.items())
 
     @_locked
     def profile(self, feeds: dict, path=None, phase=None):

@@ -49,6 +49,8 @@ def dtype_of(x) -> DType:
         return x
     if isinstance(x, str) and x in DTYPES:
         return DTYPES[x]
+    if type(x).__module__ == "torch":           # torch.float32 and the like, by name
+        x = str(x).removeprefix("torch.")
     dt = np.dtype(x)
     if dt in _FROM_NUMPY:
         return _FROM_NUMPY[dt]

@@ -64,10 +64,10 @@ def _flatten(out):
 
 def _modes(mods) -> tuple:
     """What else selects a program: each module's train/eval mode, which of its parameters
-    are frozen (a frozen one has no gradient kernels) and its own ``trace_variant`` (a
-    merged LoRA layer)."""
+    are frozen (a frozen one has no gradient kernels), its own ``trace_variant`` (a merged
+    LoRA layer) and whether its activations are checkpointed."""
     return tuple((m.training, tuple(p.requires_grad for p in m._parameters.values() if p is not None),
-                  getattr(m, "trace_variant", None)) for m in mods)
+                  getattr(m, "trace_variant", None), m.activation_checkpointing) for m in mods)
 
 
 class _Live:

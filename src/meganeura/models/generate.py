@@ -6,7 +6,13 @@ capacity (prompt + new tokens, rounded up to ``CACHE_ROUND`` so nearby lengths s
 compiled decode graph) and the position enters as fed tables. The cache is device state
 (``state_updates``) shared by the prefill and decode programs, which also share one copy
 of the weights (``share_with``): nothing but ids and logits crosses to the host per token. Sampling runs on the host from
-the fetched logits (greedy, temperature, top-k, top-p), in transformers' order.
+the fetched logits in transformers' order: repetition penalty, then temperature, top-k,
+top-p, min-p (greedy when the temperature is 0).
+
+Prompts of different lengths (a list of lists, or an array with an ``attention_mask``, as
+transformers' left-padded batches) run one length group at a time: each row is generated
+as it would be alone, which is what transformers' left padding with its attention mask and
+position ids computes.
 """
 from __future__ import annotations
 
@@ -57,8 +63,38 @@ class LlamaGenerator:
         return self.session(b, t, max_len).run(feeds)[0]
 
     def generate(self, prompt_ids, max_new_tokens, temperature=0.0, top_k=None, top_p=None, seed=0,
-                 stream=None, eos_token_id=None, stop_at_eos=True):
+                 stream=None, eos_token_id=None, stop_at_eos=True, repetition_penalty=None, min_p=None,
+                 stop_strings=None, tokenizer=None, num_beams=1, attention_mask=None):
         """See ``generate``."""
+        if num_beams != 1:
+            raise NotImplementedError(f"generate: beam search (num_beams={num_beams}) is not supported; "
+                                      "use num_beams=1 (greedy or sampling)")
+        if stop_strings is not None:
+            if tokenizer is None:
+                raise ValueError("generate: stop_strings needs tokenizer= (to decode the new tokens)")
+            stop_strings = [stop_strings] if isinstance(stop_strings, str) else list(stop_strings)
+        opts = dict(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, eos_token_id=eos_token_id,
+                    stop_at_eos=stop_at_eos, repetition_penalty=repetition_penalty, min_p=min_p,
+                    stop_strings=stop_strings, tokenizer=tokenizer)
+        rows = _prompt_rows(prompt_ids, attention_mask)
+        if rows is None:
+            return self._generate(prompt_ids, max_new_tokens, stream=stream, **opts)
+        if stream is not None:
+            raise ValueError("generate: stream= needs prompts of one length (these differ: "
+                             f"{sorted({len(r) for r in rows})})")
+        # rows of different lengths: each length group on its own, results in the rows' order
+        out = [None] * len(rows)
+        for length in sorted({len(r) for r in rows}):
+            idx = [i for i, r in enumerate(rows) if len(r) == length]
+            got = self._generate(np.array([rows[i] for i in idx]), max_new_tokens, **opts)
+            for i, g in zip(idx, got):
+                out[i] = g
+        width = max(len(o) for o in out)
+        return [o + o[-1:] * (width - len(o)) for o in out]    # a finished row repeats its stop token
+
+    def _generate(self, prompt_ids, max_new_tokens, temperature=0.0, top_k=None, top_p=None, seed=0,
+                  stream=None, eos_token_id=None, stop_at_eos=True, repetition_penalty=None, min_p=None,
+                  stop_strings=None, tokenizer=None):
         cfg = self.config
         one = np.ndim(prompt_ids) == 1
         ids = np.atleast_2d(np.asarray(prompt_ids, dtype=np.int64))
@@ -77,13 +113,19 @@ class LlamaGenerator:
         logits = self.forward(ids.astype(np.int32), 0, max_len)
         out, done, pos = [], np.zeros(b, bool), p
         while True:
-            nxt = sample(logits, temperature, top_k, top_p, rng)
+            if repetition_penalty is not None:
+                seen = np.concatenate([ids] + [o[:, None] for o in out], 1)
+                logits = penalize_repetition(logits, seen, repetition_penalty)
+            nxt = sample(logits, temperature, top_k, top_p, rng, min_p=min_p)
             if done.any():     # finished rows repeat their stop token, like padding
                 nxt = np.where(done, out[-1], nxt)
             out.append(nxt)
             if stream is not None:
                 stream(int(nxt[0]) if one else nxt.tolist())
             done |= np.isin(nxt, list(eos))
+            if stop_strings:
+                new = np.stack(out, 1)
+                done |= [any(st in tokenizer.decode(row.tolist()) for st in stop_strings) for row in new]
             if len(out) == max_new_tokens or done.all():
                 break
             logits = self.forward(nxt[:, None].astype(np.int32), pos, max_len)
@@ -92,10 +134,47 @@ class LlamaGenerator:
         return res[0] if one else res
 
 
-def sample(logits, temperature=0.0, top_k=None, top_p=None, rng=None):
+def _prompt_rows(prompt_ids, attention_mask):
+    """The prompts as lists of ids when they differ in length (a ragged list, or padding
+    that ``attention_mask`` marks with 0), else None (one rectangular batch)."""
+    if attention_mask is not None:
+        ids, mask = np.asarray(prompt_ids), np.asarray(attention_mask)
+        if ids.ndim == 1:
+            ids, mask = ids[None], mask[None]
+        if mask.shape != ids.shape:
+            raise ValueError(f"generate: attention_mask has shape {mask.shape}, prompt_ids {ids.shape}")
+        if mask.all():
+            return None
+        rows = [[int(t) for t, m in zip(r, mr) if m] for r, mr in zip(ids, mask)]
+    elif isinstance(prompt_ids, (list, tuple)) and prompt_ids and all(np.ndim(r) == 1 for r in prompt_ids):
+        rows = [list(np.asarray(r).tolist()) for r in prompt_ids]
+        if len({len(r) for r in rows}) == 1:
+            return None
+    else:
+        return None
+    empty = [i for i, r in enumerate(rows) if not r]
+    if empty:
+        raise ValueError(f"generate: prompt row(s) {empty} have no tokens")
+    return rows
+
+
+def penalize_repetition(logits, seen, penalty):
+    """transformers' repetition penalty: the logit of every token already in the row (prompt
+    or generated) divided by ``penalty`` where positive, multiplied where negative."""
+    if not penalty > 0:
+        raise ValueError(f"generate: repetition_penalty must be > 0, got {penalty!r}")
+    logits = np.array(logits, np.float64)
+    rows = np.arange(logits.shape[0])[:, None]
+    picked = logits[rows, seen]
+    logits[rows, seen] = np.where(picked > 0, picked / penalty, picked * penalty)
+    return logits
+
+
+def sample(logits, temperature=0.0, top_k=None, top_p=None, rng=None, min_p=None):
     """Next token per row of ``logits`` (batch, vocab): argmax when temperature is 0/None,
     else softmax(logits / temperature) restricted to the top-k, then to the smallest set
-    of tokens whose probability reaches top_p."""
+    of tokens whose probability reaches top_p, then to those at least ``min_p`` times as
+    probable as the most probable one."""
     logits = np.asarray(logits, np.float64)
     if not temperature:
         return np.argmax(logits, -1)
@@ -113,6 +192,9 @@ def sample(logits, temperature=0.0, top_k=None, top_p=None, rng=None):
         drop = np.zeros_like(drop_sorted)
         np.put_along_axis(drop, order, drop_sorted, -1)
         z = np.where(drop, -np.inf, z)
+    if min_p is not None and min_p > 0:
+        rel = np.exp(z - z.max(-1, keepdims=True))      # probability over the most probable's
+        z = np.where(rel < min_p, -np.inf, z)
     pr = np.exp(z - z.max(-1, keepdims=True))
     pr /= pr.sum(-1, keepdims=True)
     rng = rng if rng is not None else np.random.default_rng()
@@ -131,7 +213,7 @@ def _generator(model, backend):
 
 
 def generate(model_dir_or_weights, prompt_ids, max_new_tokens, temperature=0.0, top_k=None, top_p=None,
-             seed=0, backend="gpu", stream=None, eos_token_id=None, stop_at_eos=True):
+             seed=0, backend="gpu", stream=None, eos_token_id=None, stop_at_eos=True, **options):
     """Generate up to ``max_new_tokens`` tokens after ``prompt_ids``.
 
     ``model_dir_or_weights``: a Hugging Face folder, a (LlamaConfig, state dict) pair, or a
@@ -139,10 +221,21 @@ def generate(model_dir_or_weights, prompt_ids, max_new_tokens, temperature=0.0, 
     ids, or a (batch, length) array. ``temperature`` 0 is greedy; ``stream(token)`` is
     called with each new token (a list per row for batched prompts). Generation stops after
     ``eos_token_id`` (default: the config's) unless ``stop_at_eos`` is False. Returns the
-    new tokens only (including the stop token), a list (or a list of lists)."""
+    new tokens only (including the stop token), a list (or a list of lists).
+
+    ``options``, as transformers' generate: ``repetition_penalty``, ``min_p``,
+    ``stop_strings`` with ``tokenizer`` (stop a row once its new text contains one),
+    ``attention_mask`` (0 marks padding of rows of different lengths; a list of lists of
+    different lengths needs none), ``num_beams`` (1 only: beam search is refused)."""
+    unknown = sorted(set(options) - {"repetition_penalty", "min_p", "stop_strings", "tokenizer", "num_beams",
+                                     "attention_mask"})
+    if unknown:
+        raise TypeError(f"generate: unknown option(s) {unknown}; it takes temperature, top_k, top_p, seed, "
+                        "eos_token_id, stop_at_eos, repetition_penalty, min_p, stop_strings (with tokenizer), "
+                        "num_beams (1) and attention_mask")
     gen = _generator(model_dir_or_weights, backend)
     return gen.generate(prompt_ids, max_new_tokens, temperature, top_k, top_p, seed, stream,
-                        eos_token_id, stop_at_eos)
+                        eos_token_id, stop_at_eos, **options)
 
 
 def load_tokenizer(model_dir):
@@ -154,12 +247,15 @@ def load_tokenizer(model_dir):
 
 
 def generate_text(model_dir, prompt, max_new_tokens=64, temperature=0.0, top_k=None, top_p=None, seed=0,
-                  backend="gpu", stream=None, model=None):
+                  backend="gpu", stream=None, model=None, **options):
     """Generate text after ``prompt`` with the folder's tokenizer.json. ``stream(text)``
     (e.g. ``lambda s: print(s, end="", flush=True)``) gets each new piece of text as soon
     as it decodes to whole characters. ``model``: a LlamaGenerator to reuse instead of
-    loading ``model_dir``'s weights. Returns the generated text (without the prompt)."""
+    loading ``model_dir``'s weights. ``options``: as ``generate``'s (``stop_strings`` uses the
+    folder's tokenizer). Returns the generated text (without the prompt)."""
     tok = load_tokenizer(model_dir)
+    if options.get("stop_strings") is not None:
+        options.setdefault("tokenizer", tok)
     ids = tok.encode(prompt).ids
     if not ids:
         raise ValueError("generate_text: the prompt encodes to no tokens")
@@ -175,7 +271,7 @@ def generate_text(model_dir, prompt, max_new_tokens=64, temperature=0.0, top_k=N
             shown[0] = text
 
     generate(model if model is not None else model_dir, ids, max_new_tokens, temperature, top_k, top_p, seed,
-             backend, on_token)
+             backend, on_token, **options)
     text = tok.decode(new)
     if stream is not None and len(text) > len(shown[0]) and text.startswith(shown[0]):
         stream(text[len(shown[0]):])

@@ -173,7 +173,9 @@ def _find_graph(obj):
 
 class Module:
     """Base class of every layer, as torch.nn.Module: assign Parameters and Modules as
-    attributes, write ``forward``, call the module on Tensors."""
+    attributes, write ``forward``, call the module on Tensors. ``activation_checkpointing =
+    True``: its activations are recomputed in the backward pass (``mg.nn.checkpoint``)."""
+    activation_checkpointing = False
 
     def __init__(self):
         object.__setattr__(self, "_parameters", OrderedDict())
@@ -304,6 +306,9 @@ class Module:
         for seen in _CALLED:
             seen.append(self)
         try:
+            if self.activation_checkpointing:
+                from ..autodiff import checkpoint
+                return checkpoint(self.forward, *args, **kwargs)
             return self.forward(*args, **kwargs)
         finally:
             _TRACE.pop()

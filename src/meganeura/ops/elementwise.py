@@ -96,6 +96,51 @@ def gelu(x, approximate="none"):
     return emit("gelu", [x], approximate=approximate)
 
 
+sin = _unary("sin", np.sin, lambda ct, y, x: [ct * cos(x)], "sin({0})")
+cos = _unary("cos", np.cos, lambda ct, y, x: [neg(ct * sin(x))], "cos({0})")
+reciprocal = _unary("reciprocal", lambda x: x.dtype.type(1) / x, lambda ct, y, x: [neg(ct * y * y)], "(1.0 / {0})")
+# log(1 + x) and exp(x) - 1 lose the digits of a small x to the rounding of 1 + x: below
+# |x| = 0.01 a Taylor polynomial (4 terms: error under 1e-9 relative) stands in
+log1p = _unary("log1p", np.log1p, lambda ct, y, x: [ct / (x + 1.0)],
+               "select(log(1.0 + {0}), {0} * (1.0 - {0} * (0.5 - {0} * (0.33333334 - {0} * 0.25))), abs({0}) < 0.01)")
+expm1 = _unary("expm1", np.expm1, lambda ct, y, x: [ct * (y + 1.0)],
+               "select(exp({0}) - 1.0, {0} * (1.0 + {0} * (0.5 + {0} * (0.16666667 + {0} * 0.041666668))), "
+               "abs({0}) < 0.01)")
+# rounding: piecewise constant, so no gradient (torch's is zero too); round is half to even
+floor = _unary("floor", np.floor, None, "floor({0})", differentiable=False)
+ceil = _unary("ceil", np.ceil, None, "ceil({0})", differentiable=False)
+trunc = _unary("trunc", np.trunc, None, "trunc({0})", differentiable=False)
+_round = _unary("round", np.round, None, "round({0})", differentiable=False)
+
+
+def round(x, decimals=0):
+    """torch.round: half to even, at ``decimals`` digits (negative: tens, hundreds, ...)."""
+    if not decimals:
+        return _round(x)
+    scale = 10.0 ** int(decimals)
+    return _round(x * scale) / scale
+
+
+def softplus(x, beta=1.0, threshold=20.0):
+    """torch.nn.functional.softplus: log(1 + exp(beta x)) / beta, x itself where beta x >
+    threshold; written as max(bx, 0) + log1p(exp(-|bx|)) so no exp overflows."""
+    bx = x * float(beta)
+    soft = (relu(bx) + log1p(exp(neg(abs(bx))))) * (1.0 / float(beta))
+    return where(bx > float(threshold), x, soft)
+
+
+def leaky_relu(x, negative_slope=0.01, inplace=False):
+    """torch.nn.functional.leaky_relu."""
+    return where(x > 0.0, x, x * float(negative_slope))
+
+
+def masked_fill(x, mask, value):
+    """torch.masked_fill: ``value`` (a number or 0-d tensor) where ``mask`` is non-zero."""
+    if isinstance(value, Tensor) and value.dtype is not x.dtype:
+        value = cast(value, x.dtype)
+    return where(mask, value, x)
+
+
 # ------------------------------------------------------------------------------ pow
 register("pow", _unary_infer("pow"), lambda x, exponent: np.power(x, x.dtype.type(exponent)),
          lambda ct, y, x, exponent: [ct * (exponent * pow(x, exponent - 1.0))] if exponent != 1 else [ct],
@@ -119,17 +164,26 @@ def square(x):
 
 
 def clamp(x, min=None, max=None):
-    """torch.clamp: bounds are numbers or tensors (broadcast); either may be None."""
+    """torch.clamp: bounds are numbers or tensors (broadcast, converted to ``x``'s dtype);
+    either may be None; where min > max the result is max, as torch."""
     if min is None and max is None:
         raise ValueError("clamp: give min and/or max")
     if min is not None:
-        x = maximum(x, min)
+        x = maximum(x, cast(min, x.dtype) if isinstance(min, Tensor) else min)
     if max is not None:
-        x = minimum(x, max)
+        x = minimum(x, cast(max, x.dtype) if isinstance(max, Tensor) else max)
     return x
 
 
 clip = clamp
+
+
+def clamp_min(x, min):
+    return clamp(x, min=min)
+
+
+def clamp_max(x, max):
+    return clamp(x, max=max)
 
 
 # ---------------------------------------------------------------------------- binary
@@ -165,11 +219,45 @@ def _ub(ct, x):
     return unbroadcast(ct, x.shape)
 
 
-add = _binary("add", lambda a, b: a + b, lambda ct, y, a, b: [_ub(ct, a), _ub(ct, b)], "({0} + {1})")
-sub = _binary("sub", lambda a, b: a - b, lambda ct, y, a, b: [_ub(ct, a), _ub(neg(ct), b)], "({0} - {1})")
+_add = _binary("add", lambda a, b: a + b, lambda ct, y, a, b: [_ub(ct, a), _ub(ct, b)], "({0} + {1})")
+_sub = _binary("sub", lambda a, b: a - b, lambda ct, y, a, b: [_ub(ct, a), _ub(neg(ct), b)], "({0} - {1})")
 mul = _binary("mul", lambda a, b: a * b, lambda ct, y, a, b: [_ub(ct * b, a), _ub(ct * a, b)], "({0} * {1})")
-div = _binary("div", lambda a, b: a / b,
-              lambda ct, y, a, b: [_ub(ct / b, a), _ub(neg(ct * y / b), b)], "({0} / {1})")
+_div = _binary("div", lambda a, b: a / b,
+               lambda ct, y, a, b: [_ub(ct / b, a), _ub(neg(ct * y / b), b)], "({0} / {1})")
+
+
+def _scaled(b, alpha, op):
+    if alpha is None or (not isinstance(alpha, bool) and alpha == 1):
+        return b
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)):
+        raise TypeError(f"{op}: alpha must be a number, got {alpha!r}")
+    return b * alpha
+
+
+def add(input, other, alpha=1):
+    """torch.add: input + alpha * other."""
+    return _add(input, _scaled(other, alpha, "add"))
+
+
+def sub(input, other, alpha=1):
+    """torch.sub: input - alpha * other."""
+    return _sub(input, _scaled(other, alpha, "sub"))
+
+
+def div(input, other, rounding_mode=None):
+    """torch.div: true division, or rounded toward zero (``"trunc"``) or down (``"floor"``);
+    a rounded quotient has no gradient, as in torch. Integer operands are rounded through
+    f32 (exact below 2**24)."""
+    if rounding_mode is None:
+        return _div(input, other)
+    if rounding_mode not in ("trunc", "floor"):
+        raise ValueError(f"div: rounding_mode must be None, 'trunc' or 'floor', got {rounding_mode!r}")
+    a, b = _pair(input, other)
+    same_dtype("div", a, b)
+    rnd = trunc if rounding_mode == "trunc" else floor
+    if a.dtype.is_float:
+        return rnd(_div(a, b))
+    return cast(rnd(_div(cast(a, "f32"), cast(b, "f32"))), a.dtype)
 maximum = _binary("maximum", np.maximum,
                   lambda ct, y, a, b: [_ub(where(a >= b, ct, 0.0), a), _ub(where(a >= b, 0.0, ct), b)],
                   "max({0}, {1})")
@@ -240,3 +328,14 @@ def stop_gradient(x):
 
 
 detach = stop_gradient
+
+# ------------------------------------------------------------------------------ recompute
+# The input of a checkpointed region as its recomputation in the backward pass reads it
+# (autodiff.checkpoint): an identity whose ``region`` attribute keeps the recomputed nodes
+# apart from the forward ones, which merging common subexpressions would otherwise undo.
+register("recompute", lambda ins, region: (ins[0].shape, ins[0].dtype), lambda x, region: x, None,
+         differentiable=False, wgsl="{0}")
+
+
+def recompute(x, region: int):
+    return emit("recompute", [x], region=int(region))

@@ -159,10 +159,80 @@ def slice(x, dim, start=None, end=None, step=1):
 
 
 
+_CMP_OPS = ("lt", "le", "gt", "ge", "eq", "ne")
+
+
+def _is_advanced(i) -> bool:
+    return isinstance(i, (list, Tensor)) or (isinstance(i, np.ndarray) and i.ndim > 0)
+
+
 def getitem(x, idx):
-    """Basic indexing: ints, slices (positive step), None and Ellipsis."""
+    """Indexing as torch: ints, slices (positive step), None and Ellipsis, and one advanced
+    index: a list or array of ints, an integer Tensor (negative positions count from the
+    end), or a NumPy boolean mask over one or more dims (its True positions, known when
+    the graph is built). A boolean mask Tensor selects a number of elements known only when
+    it runs, which a static graph cannot hold: use where(mask, x, 0) instead."""
     if not isinstance(idx, tuple):
         idx = (idx,)
+    adv = [k for k, i in enumerate(idx) if _is_advanced(i)]
+    if adv:
+        return _advanced_getitem(x, idx, adv)
+    return _basic_getitem(x, idx)
+
+
+def _advanced_getitem(x, idx, adv):
+    if len(adv) > 1:
+        raise NotImplementedError(f"getitem: {len(adv)} list/tensor indices in one subscript; index one dim at a "
+                                  "time (or use mg.ops.gather)")
+    k, a = adv[0], idx[adv[0]]
+    if isinstance(a, Tensor):
+        if a.dtype.is_float:
+            raise TypeError(f"getitem: index tensor {a.name!r} has dtype {a.dtype.name}, expected an integer dtype")
+        if a.op in _CMP_OPS:
+            raise TypeError(f"getitem: {a.name!r} is a boolean mask tensor: it selects a number of elements known "
+                            "only at run time, which a static graph cannot hold; use mg.ops.where(mask, x, 0), "
+                            "or a NumPy mask")
+        m = 1
+    else:
+        a = np.asarray(a)
+        if a.dtype == object or a.dtype.kind not in "biu":
+            raise TypeError(f"getitem: an index list/array must hold ints or bools, got dtype {a.dtype}")
+        m = a.ndim if a.dtype == np.bool_ else 1
+    # basic indexing with the advanced entry kept as whole dims; p: where they are in its result
+    y = _basic_getitem(x, idx[:k] + (_py_slice(None),) * m + idx[k + 1:])
+    before = idx[:k]
+    if Ellipsis in before:
+        n_real = sum(1 for i in idx if i is not None and i is not Ellipsis and not _is_advanced(i)) + m
+        before = before[:before.index(Ellipsis)] + (_py_slice(None),) * (x.ndim - n_real) + \
+            before[before.index(Ellipsis) + 1:]
+    p = sum(1 for i in before if i is None or isinstance(i, _py_slice))
+    dims = y.shape[p:p + m]
+    if isinstance(a, Tensor):
+        from .elementwise import where
+        n = dims[0]
+        flat = reshape(a, (-1,))
+        flat = where(flat < 0, flat + n, flat) if a.dtype.name == "i32" else flat
+        out = index_select(y, p, flat)
+        return reshape(out, y.shape[:p] + a.shape + y.shape[p + 1:])
+    if a.dtype == np.bool_:
+        if a.shape != dims:
+            raise op_error("getitem", f"boolean mask of shape {fmt_shape(a.shape)} does not match the indexed dims "
+                                      f"{fmt_shape(dims)}", x)
+        pos, shape = np.flatnonzero(a), (len(np.flatnonzero(a)),)
+        y = reshape(y, y.shape[:p] + (int(np.prod(dims)),) + y.shape[p + m:])
+    else:
+        n = dims[0]
+        if a.size and not (-n <= a.min() and a.max() < n):
+            bad = a[(a < -n) | (a >= n)].flat[0]
+            raise op_error("getitem", f"index {bad} out of range for a dim of size {n}", x)
+        pos, shape = (a.astype(np.int64) % max(n, 1)).ravel(), a.shape
+    if pos.size == 0:
+        return broadcast_to(reshape(slice(y, p, 0, 0), y.shape[:p] + (0,) + y.shape[p + 1:]),
+                            y.shape[:p] + shape + y.shape[p + 1:])
+    return reshape(_take(y, p, pos), y.shape[:p] + shape + y.shape[p + 1:])
+
+
+def _basic_getitem(x, idx):
     n_real = len([i for i in idx if i is not None and i is not Ellipsis])
     if Ellipsis in idx:
         k = idx.index(Ellipsis)
@@ -348,3 +418,146 @@ expand = broadcast_to
 def broadcast_tensors(*ts: Tensor):
     shape = broadcast_shapes("broadcast_tensors", *ts)
     return [broadcast_to(t, shape) for t in ts]
+
+
+# ---------------------------------------------------- flip, roll, repeat, pad, tril/triu
+# Built from the layout ops above (their gradients come with them): index_select with a
+# constant index, slices joined by concat, broadcasts of inserted axes.
+def _const_index(x, idx):
+    return x.graph.constant(np.asarray(idx, np.int32))
+
+
+def _dims(op, dims, x):
+    dims = (dims,) if isinstance(dims, (int, np.integer)) else tuple(dims)
+    out = [norm_dim(op, int(d), x.ndim, x) for d in dims]
+    if len(set(out)) != len(out):
+        raise op_error(op, f"dims {dims} name a dimension twice", x)
+    return out
+
+
+def flip(x, dims):
+    """torch.flip: reverse the order along each of ``dims``."""
+    for d in _dims("flip", dims, x):
+        if x.shape[d] > 1:
+            x = index_select(x, d, _const_index(x, np.arange(x.shape[d] - 1, -1, -1)))
+    return x
+
+
+def roll(x, shifts, dims=None):
+    """torch.roll: elements shifted along ``dims`` (flattened first where dims is None),
+    those pushed past the end coming back at the start."""
+    if dims is None:
+        if not isinstance(shifts, (int, np.integer)) and len(shifts) != 1:
+            raise op_error("roll", f"without dims, shifts must be one number, got {shifts!r}", x)
+        s = int(shifts if isinstance(shifts, (int, np.integer)) else shifts[0])
+        return reshape(roll(reshape(x, (-1,)), s, 0), x.shape)
+    shifts = (shifts,) if isinstance(shifts, (int, np.integer)) else tuple(shifts)
+    dims = (dims,) if isinstance(dims, (int, np.integer)) else tuple(dims)
+    if len(shifts) != len(dims):
+        raise op_error("roll", f"shifts {shifts} and dims {dims} differ in length", x)
+    for s, dim in zip(shifts, dims):
+        d = _axis("roll", dim, x)
+        n = x.shape[d]
+        k = int(s) % n if n else 0
+        if k:
+            x = concat([slice(x, d, n - k, n), slice(x, d, 0, n - k)], d)
+    return x
+
+
+def repeat(x, *sizes):
+    """torch.Tensor.repeat: tile ``x`` sizes[i] times along dim i (extra leading sizes
+    add dimensions)."""
+    sizes = tuple(sizes[0]) if len(sizes) == 1 and isinstance(sizes[0], (tuple, list)) else sizes
+    sizes = int_dims("repeat", sizes)
+    if len(sizes) < x.ndim:
+        raise op_error("repeat", f"{len(sizes)} repeat sizes for a rank-{x.ndim} tensor (need at least {x.ndim})", x)
+    shape = (1,) * (len(sizes) - x.ndim) + x.shape
+    spread = reshape(x, tuple(v for d in shape for v in (1, d)))
+    tiled = broadcast_to(spread, tuple(v for r, d in zip(sizes, shape) for v in (r, d)))
+    return reshape(tiled, tuple(r * d for r, d in zip(sizes, shape)))
+
+
+def _pad_index(n, lo, hi, mode):
+    j = np.arange(-lo, n + hi)
+    if mode == "replicate":
+        return np.clip(j, 0, n - 1)
+    if mode == "circular":
+        return j % n
+    period = 2 * (n - 1)                    # reflect: the edge itself is not repeated
+    j = np.abs(j) % period if period else np.zeros_like(j)
+    return np.where(j >= n, period - j, j)
+
+
+def pad(x, pad, mode="constant", value=None):
+    """torch.nn.functional.pad: ``pad`` = (left, right) of the last dim, then of the one
+    before, ...; negative amounts crop. Modes constant (``value``, default 0), reflect,
+    replicate, circular."""
+    pad = tuple(int(p) for p in pad)
+    if len(pad) % 2 or len(pad) // 2 > x.ndim:
+        raise op_error("pad", f"pad {pad} must have an even length of at most 2 x rank ({2 * x.ndim})", x)
+    if mode not in ("constant", "reflect", "replicate", "circular"):
+        raise ValueError(f"pad: mode must be 'constant', 'reflect', 'replicate' or 'circular', got {mode!r}")
+    if mode != "constant" and value:
+        raise ValueError(f"pad: value is for mode 'constant', not {mode!r}")
+    for i in range(len(pad) // 2):
+        d, lo, hi = x.ndim - 1 - i, pad[2 * i], pad[2 * i + 1]
+        n = x.shape[d]
+        if not lo and not hi:
+            continue
+        if mode in ("constant", "circular") and (lo < 0 or hi < 0):     # a negative amount crops first
+            x = slice(x, d, max(-lo, 0), n - max(-hi, 0))
+            lo, hi, n = max(lo, 0), max(hi, 0), x.shape[d]
+        if mode == "constant":
+            def block(k):
+                fill = x.graph.constant(np.asarray(0 if value is None else value), x.dtype)
+                return broadcast_to(fill, tuple(k if a == d else s for a, s in enumerate(x.shape)))
+            x = concat(([block(lo)] if lo else []) + [x] + ([block(hi)] if hi else []), d)
+        else:
+            # each output position's index in the input (replicate and reflect crop with it)
+            if n == 0 or n + lo + hi < 0 or (mode == "reflect" and max(lo, hi) >= n) or \
+                    (mode == "circular" and max(lo, hi) > n):
+                raise op_error("pad", f"{mode} padding ({lo}, {hi}) of dim {d} needs a larger size than {n}", x)
+            x = _take(x, d, _pad_index(n, lo, hi, mode))
+    return x
+
+
+def _take(x, d, idx, max_pieces=16):
+    """x's slices at the constant positions ``idx`` along ``d``: runs of consecutive
+    positions as slices and repeats as broadcasts, joined by concat (index_select, a
+    one-hot product over the axis, only where there would be more pieces than that)."""
+    pieces, k = [], 0
+    while k < len(idx):
+        j = k + 1
+        if j < len(idx) and idx[j] == idx[k]:
+            while j < len(idx) and idx[j] == idx[k]:
+                j += 1
+            one = slice(x, d, int(idx[k]), int(idx[k]) + 1)
+            pieces.append(broadcast_to(one, tuple(j - k if a == d else v for a, v in enumerate(x.shape))))
+        else:
+            while j < len(idx) and idx[j] == idx[j - 1] + 1:
+                j += 1
+            pieces.append(slice(x, d, int(idx[k]), int(idx[j - 1]) + 1))
+        k = j
+    if len(pieces) > max_pieces:
+        return index_select(x, d, _const_index(x, idx))
+    return pieces[0] if len(pieces) == 1 else concat(pieces, d)
+
+
+def _triangle(op, x, diagonal, lower):
+    if x.ndim < 2:
+        raise op_error(op, "needs a tensor of at least 2 dimensions", x)
+    r, c = x.shape[-2:]
+    i, j = np.arange(r)[:, None], np.arange(c)[None, :]
+    keep = (j - i <= diagonal) if lower else (j - i >= diagonal)
+    from .elementwise import where
+    return where(x.graph.constant(keep.astype(np.uint32)), x, 0)
+
+
+def tril(x, diagonal=0):
+    """torch.tril: the elements on and below the ``diagonal``-th diagonal, zeros elsewhere."""
+    return _triangle("tril", x, int(diagonal), True)
+
+
+def triu(x, diagonal=0):
+    """torch.triu: the elements on and above the ``diagonal``-th diagonal, zeros elsewhere."""
+    return _triangle("triu", x, int(diagonal), False)
