@@ -341,3 +341,20 @@ def test_an_unreadable_spirv_entry_is_compiled_again(cache, warm):
     _same(got, warm)
     assert counts.get("compiles", 0) == 1 and counts.get("disk_hits", 0) == len(spv) - 1
     assert spv[0].is_file() and disk.load(spv[0]) is not None                   # rewritten
+
+
+def test_a_plan_entry_builds_data_only(cache, tmp_path):
+    """Even inside a whole entry (a matching digest), a plan is read as data: a pickle that
+    would call a function is refused before the call, and the entry is a miss."""
+    import pickle
+
+    from meganeura import plan_cache
+    marker = tmp_path / "called"
+
+    class Calls:
+        def __reduce__(self):
+            return (os.mkdir, (str(marker),))
+    for payload in (pickle.dumps(Calls()), pickle.dumps({"not": "a plan"}), b"\x80\x05junk"):
+        assert disk.store(plan_cache.folder() / "k.plan", payload)
+        assert plan_cache.load("k") is None
+    assert not marker.exists()
