@@ -69,14 +69,43 @@ def test_the_caches_import_neither_the_runtime_nor_the_compiler():
         bad = [m for m in sys.modules if m.startswith(("meganeura.runtime", "meganeura.compiler", "meganeura.api"))]
         assert not bad, bad
         import meganeura.runtime.vulkan.cache
-        bad = [m for m in sys.modules if m.startswith(("meganeura.compiler", "meganeura.api", "meganeura.runtime.executor"))]
+        above = ("meganeura.compiler", "meganeura.api", "meganeura.runtime.executor")
+        bad = [m for m in sys.modules if m.startswith(above)]
         assert not bad, bad
         import meganeura.disk, meganeura.env
         print("ok")
     """)
+    path = str(SRC.parent) + os.pathsep + os.environ.get("PYTHONPATH", "")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
-                         env={**os.environ, "PYTHONPATH": str(SRC.parent) + os.pathsep + os.environ.get("PYTHONPATH", "")})
+                         env={**os.environ, "PYTHONPATH": path})
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
+
+
+def _imported(path):
+    """Every module a source file imports, at module level or in a function (relative
+    imports resolved against the package)."""
+    import ast
+    mod = ".".join(path.relative_to(SRC.parent).with_suffix("").parts)
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = mod.split(".")[:-node.level] if node.level else []
+            full = ".".join(base + ([node.module] if node.module else []))
+            out |= {full} | {f"{full}.{a.name}" for a in node.names}
+    return out
+
+
+def test_no_import_circle_through_the_caches():
+    """Not even in a function: the plan cache imports no runtime, the Vulkan cache neither
+    the plan cache nor the compiler, and disk / env nothing of the package but env."""
+    def hits(path, prefixes):
+        return sorted(m for m in _imported(SRC / path) if m.startswith(prefixes))
+    assert hits("plan_cache.py", ("meganeura.runtime",)) == []
+    assert hits("runtime/vulkan/cache.py", ("meganeura.plan_cache", "meganeura.compiler", "meganeura.api")) == []
+    assert {m for m in _imported(SRC / "disk.py") if m.startswith("meganeura")} <= {"meganeura", "meganeura.env"}
+    assert hits("env.py", ("meganeura",)) == []
 
 
 # ------------------------------------------------------------------ disk entries
