@@ -74,6 +74,8 @@ def temp_name(path) -> str:
 
 
 def _pid_alive(pid: int) -> bool:
+    if os.name == "nt":       # os.kill(pid, 0) there sends CTRL_C_EVENT: never probe, never clean
+        return True
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
