@@ -73,7 +73,7 @@ def temp_name(path) -> str:
     return f".{path.name}{TMP_MARK}{os.getpid()}-{secrets.token_hex(4)}"
 
 
-def _pid_alive(pid: int) -> bool:
+def process_alive(pid: int) -> bool:
     if os.name == "nt":       # os.kill(pid, 0) there sends CTRL_C_EVENT: never probe, never clean
         return True
     try:
@@ -99,7 +99,7 @@ def clean_temp_files(folder, name: str | None = None) -> int:
         if not entry.startswith(prefix) or TMP_MARK not in entry:
             continue
         pid = entry.rsplit(TMP_MARK, 1)[1].split("-", 1)[0]
-        if not pid.isdigit() or int(pid) == os.getpid() or _pid_alive(int(pid)):
+        if not pid.isdigit() or int(pid) == os.getpid() or process_alive(int(pid)):
             continue
         try:
             os.unlink(os.path.join(folder, entry))
