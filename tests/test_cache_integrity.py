@@ -164,6 +164,34 @@ def test_writes_leave_no_temp_files_and_dead_writers_temps_are_cleaned(tmp_path)
     assert not stale.exists() and live.exists()
 
 
+def test_concurrent_writers_and_readers_of_one_entry(tmp_path):
+    """8 threads storing, loading and pruning one entry at once: a read gives the content
+    or a miss, never anything else, and no temp file is left."""
+    import threading
+    path = tmp_path / "e.bin"
+    content = os.urandom(1 << 16)
+    seen, errors = set(), []
+
+    def work(k):
+        try:
+            for _ in range(40):
+                if k % 2:
+                    disk.store(path, content)
+                    disk.prune(tmp_path, 1 << 30, ("*.bin",))
+                else:
+                    got = disk.load(path)
+                    seen.add(None if got is None else got == content)
+        except Exception as e:      # noqa: BLE001
+            errors.append(e)
+    threads = [threading.Thread(target=work, args=(k,)) for k in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors and False not in seen and True in seen
+    assert [p.name for p in tmp_path.iterdir()] == ["e.bin"] and disk.load(path) == content
+
+
 # ------------------------------------------------------------------ plans on the device
 @pytest.fixture
 def cache(tmp_path, monkeypatch):
