@@ -342,6 +342,28 @@ def _same(got, want):
     assert len(got) == len(want) and all(np.array_equal(g, w) for g, w in zip(got, want))
 
 
+def test_every_cut_of_a_module_is_refused_and_the_whole_one_accepted(cache):
+    """glslang's module of a kernel with a helper function, cut after every word: each cut is
+    refused by ``spirv.validate`` (at an instruction boundary too), the whole module passes."""
+    from meganeura.runtime.vulkan import glslang
+    from meganeura.runtime.vulkan.spirv import SpirvError, validate
+    source = textwrap.dedent("""
+        #version 450
+        layout(local_size_x = 64) in;
+        layout(std430, binding = 0) buffer B { float x[]; };
+        float twice(float v) { return v + v; }
+        void main() { uint i = gl_GlobalInvocationID.x; x[i] = twice(x[i]); }
+    """)
+    code = glslang.compile_glsl(source, name="twice", disk_cache=False)
+    validate(code)
+    refused = 0
+    for cut in range(0, len(code), 4):
+        with pytest.raises(SpirvError):
+            validate(code[:cut])
+        refused += 1
+    assert refused == len(code) // 4 > 50
+
+
 def test_truncated_spirv_never_reaches_the_driver(cache, warm):
     """Each module cut to a multiple of 4 bytes, once as a cut file and once inside a whole
     entry (a digest that matches: only ``spirv.validate`` stands between it and the driver),
