@@ -437,3 +437,20 @@ def test_a_plan_entry_builds_data_only(cache, tmp_path):
         assert disk.store(plan_cache.folder() / "k.plan", payload)
         assert plan_cache.load("k") is None
     assert not marker.exists()
+
+
+def test_a_whole_manifest_that_manifest_of_would_not_write_is_not_read(cache):
+    """Inside a whole entry too: a scalar that is not an optimizer's, an unknown dtype, a
+    missing field, a list in place of the object: each is a miss."""
+    import json
+
+    from meganeura import plan_cache
+    good = {"phases": {"step": "k1"}, "states": [["w.exp_avg", [3, 4], "f32"]], "scalars": ["optim.step_size"],
+            "kept": ["w", "w.exp_avg"], "grads": ["w"], "updates": {"step": ["w", "w.exp_avg"]}}
+    path = plan_cache.folder() / "s1.session"
+    assert disk.store(path, json.dumps(good).encode())
+    assert plan_cache.load_manifest("s1")["states"] == [("w.exp_avg", (3, 4), "f32")]
+    for bad in ({**good, "scalars": ["optin.step_size"]}, {**good, "states": [["w.exp_avg", [3, 4], "f64"]]},
+                {k: v for k, v in good.items() if k != "kept"}, {**good, "phases": {}}, [good]):
+        assert disk.store(path, json.dumps(bad).encode())
+        assert plan_cache.load_manifest("s1") is None, bad

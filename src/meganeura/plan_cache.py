@@ -42,7 +42,7 @@ import numpy as np
 
 from . import disk, env
 from .disk import package_digest  # noqa: F401  (the Vulkan caches key by it too)
-from .graph import DType
+from .graph import DTYPES, DType
 
 FORMAT = 3                    # bump when the pickled layout changes (3: self-checking entries)
 MAX_BYTES = 1 << 30           # the oldest entries go once the folder holds more than this
@@ -188,14 +188,16 @@ def _manifest_path(key: str) -> pathlib.Path:
 def _checked_manifest(m) -> dict | None:
     """The manifest ``m`` read from JSON, with its shapes as tuples, or None where it is not
     one ``manifest_of`` would write (a digest collision or another version's)."""
+    from .optim import SCALAR_PREFIX
+
     def names(v):
         return isinstance(v, list) and all(isinstance(n, str) for n in v)
     try:
         states = [(n, tuple(s), d) for n, s, d in m["states"]]
         ok = (isinstance(m["phases"], dict) and m["phases"] and names(list(m["phases"].values()))
-              and all(isinstance(n, str) and isinstance(d, str) and all(type(x) is int for x in s)
-                      for n, s, d in states)
-              and names(m["scalars"]) and names(m["kept"]) and names(m["grads"])
+              and all(isinstance(n, str) and d in DTYPES and all(type(x) is int for x in s) for n, s, d in states)
+              and names(m["scalars"]) and all(n.startswith(SCALAR_PREFIX) for n in m["scalars"])
+              and names(m["kept"]) and names(m["grads"])
               and isinstance(m["updates"], dict) and all(map(names, m["updates"].values())))
     except (KeyError, TypeError, ValueError):
         return None
