@@ -69,14 +69,43 @@ def test_the_caches_import_neither_the_runtime_nor_the_compiler():
         bad = [m for m in sys.modules if m.startswith(("meganeura.runtime", "meganeura.compiler", "meganeura.api"))]
         assert not bad, bad
         import meganeura.runtime.vulkan.cache
-        bad = [m for m in sys.modules if m.startswith(("meganeura.compiler", "meganeura.api", "meganeura.runtime.executor"))]
+        above = ("meganeura.compiler", "meganeura.api", "meganeura.runtime.executor")
+        bad = [m for m in sys.modules if m.startswith(above)]
         assert not bad, bad
         import meganeura.disk, meganeura.env
         print("ok")
     """)
+    path = str(SRC.parent) + os.pathsep + os.environ.get("PYTHONPATH", "")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
-                         env={**os.environ, "PYTHONPATH": str(SRC.parent) + os.pathsep + os.environ.get("PYTHONPATH", "")})
+                         env={**os.environ, "PYTHONPATH": path})
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
+
+
+def _imported(path):
+    """Every module a source file imports, at module level or in a function (relative
+    imports resolved against the package)."""
+    import ast
+    mod = ".".join(path.relative_to(SRC.parent).with_suffix("").parts)
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = mod.split(".")[:-node.level] if node.level else []
+            full = ".".join(base + ([node.module] if node.module else []))
+            out |= {full} | {f"{full}.{a.name}" for a in node.names}
+    return out
+
+
+def test_no_import_circle_through_the_caches():
+    """Not even in a function: the plan cache imports no runtime, the Vulkan cache neither
+    the plan cache nor the compiler, and disk / env nothing of the package but env."""
+    def hits(path, prefixes):
+        return sorted(m for m in _imported(SRC / path) if m.startswith(prefixes))
+    assert hits("plan_cache.py", ("meganeura.runtime",)) == []
+    assert hits("runtime/vulkan/cache.py", ("meganeura.plan_cache", "meganeura.compiler", "meganeura.api")) == []
+    assert {m for m in _imported(SRC / "disk.py") if m.startswith("meganeura")} <= {"meganeura", "meganeura.env"}
+    assert hits("env.py", ("meganeura",)) == []
 
 
 # ------------------------------------------------------------------ disk entries
@@ -135,6 +164,34 @@ def test_writes_leave_no_temp_files_and_dead_writers_temps_are_cleaned(tmp_path)
     assert not stale.exists() and live.exists()
 
 
+def test_concurrent_writers_and_readers_of_one_entry(tmp_path):
+    """8 threads storing, loading and pruning one entry at once: a read gives the content
+    or a miss, never anything else, and no temp file is left."""
+    import threading
+    path = tmp_path / "e.bin"
+    content = os.urandom(1 << 16)
+    seen, errors = set(), []
+
+    def work(k):
+        try:
+            for _ in range(40):
+                if k % 2:
+                    disk.store(path, content)
+                    disk.prune(tmp_path, 1 << 30, ("*.bin",))
+                else:
+                    got = disk.load(path)
+                    seen.add(None if got is None else got == content)
+        except Exception as e:      # noqa: BLE001
+            errors.append(e)
+    threads = [threading.Thread(target=work, args=(k,)) for k in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors and False not in seen and True in seen
+    assert [p.name for p in tmp_path.iterdir()] == ["e.bin"] and disk.load(path) == content
+
+
 # ------------------------------------------------------------------ plans on the device
 @pytest.fixture
 def cache(tmp_path, monkeypatch):
@@ -184,7 +241,7 @@ def test_every_flipped_byte_of_a_plan_entry_is_rebuilt_and_rewritten(cache, back
         out, how = _run_times3(backend)
         assert how == "stored", f"byte {i}: a flipped entry was read"
         assert np.array_equal(out, want), f"byte {i}"
-        assert disk.load(path) is not None, f"byte {i}: not rewritten whole"
+        assert path.read_bytes() == good, f"byte {i}: not rewritten as it was"
     assert len(flips) >= (len(good) if backend == "gpu" else 40)
     out, how = _run_times3(backend)
     assert how == "hit" and np.array_equal(out, want)
@@ -285,6 +342,28 @@ def _same(got, want):
     assert len(got) == len(want) and all(np.array_equal(g, w) for g, w in zip(got, want))
 
 
+def test_every_cut_of_a_module_is_refused_and_the_whole_one_accepted(cache):
+    """glslang's module of a kernel with a helper function, cut after every word: each cut is
+    refused by ``spirv.validate`` (at an instruction boundary too), the whole module passes."""
+    from meganeura.runtime.vulkan import glslang
+    from meganeura.runtime.vulkan.spirv import SpirvError, validate
+    source = textwrap.dedent("""
+        #version 450
+        layout(local_size_x = 64) in;
+        layout(std430, binding = 0) buffer B { float x[]; };
+        float twice(float v) { return v + v; }
+        void main() { uint i = gl_GlobalInvocationID.x; x[i] = twice(x[i]); }
+    """)
+    code = glslang.compile_glsl(source, name="twice", disk_cache=False)
+    validate(code)
+    refused = 0
+    for cut in range(0, len(code), 4):
+        with pytest.raises(SpirvError):
+            validate(code[:cut])
+        refused += 1
+    assert refused == len(code) // 4 > 50
+
+
 def test_truncated_spirv_never_reaches_the_driver(cache, warm):
     """Each module cut to a multiple of 4 bytes, once as a cut file and once inside a whole
     entry (a digest that matches: only ``spirv.validate`` stands between it and the driver),
@@ -341,3 +420,37 @@ def test_an_unreadable_spirv_entry_is_compiled_again(cache, warm):
     _same(got, warm)
     assert counts.get("compiles", 0) == 1 and counts.get("disk_hits", 0) == len(spv) - 1
     assert spv[0].is_file() and disk.load(spv[0]) is not None                   # rewritten
+
+
+def test_a_plan_entry_builds_data_only(cache, tmp_path):
+    """Even inside a whole entry (a matching digest), a plan is read as data: a pickle that
+    would call a function is refused before the call, and the entry is a miss."""
+    import pickle
+
+    from meganeura import plan_cache
+    marker = tmp_path / "called"
+
+    class Calls:
+        def __reduce__(self):
+            return (os.mkdir, (str(marker),))
+    for payload in (pickle.dumps(Calls()), pickle.dumps({"not": "a plan"}), b"\x80\x05junk"):
+        assert disk.store(plan_cache.folder() / "k.plan", payload)
+        assert plan_cache.load("k") is None
+    assert not marker.exists()
+
+
+def test_a_whole_manifest_that_manifest_of_would_not_write_is_not_read(cache):
+    """Inside a whole entry too: a scalar that is not an optimizer's, an unknown dtype, a
+    missing field, a list in place of the object: each is a miss."""
+    import json
+
+    from meganeura import plan_cache
+    good = {"phases": {"step": "k1"}, "states": [["w.exp_avg", [3, 4], "f32"]], "scalars": ["optim.step_size"],
+            "kept": ["w", "w.exp_avg"], "grads": ["w"], "updates": {"step": ["w", "w.exp_avg"]}}
+    path = plan_cache.folder() / "s1.session"
+    assert disk.store(path, json.dumps(good).encode())
+    assert plan_cache.load_manifest("s1")["states"] == [("w.exp_avg", (3, 4), "f32")]
+    for bad in ({**good, "scalars": ["optin.step_size"]}, {**good, "states": [["w.exp_avg", [3, 4], "f64"]]},
+                {k: v for k, v in good.items() if k != "kept"}, {**good, "phases": {}}, [good]):
+        assert disk.store(path, json.dumps(bad).encode())
+        assert plan_cache.load_manifest("s1") is None, bad

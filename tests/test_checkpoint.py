@@ -211,3 +211,29 @@ def test_saves_killed_at_random_leave_the_checkpoint_whole_and_no_temp_after_the
         assert [p.name for p in tmp_path.iterdir()] == [target.name]     # the load cleaned the dead save's temp
     s.load(target)
     print(f"{kills} kills, {left_by_kills} temp files left by them, all removed")
+
+
+def test_the_writer_s_files_read_back_with_the_safetensors_package(tmp_path):
+    """write_safetensors (ours, streaming) against the package's reader: every dtype a
+    session holds, 0-d and empty tensors, big-endian input, metadata."""
+    from safetensors.numpy import load_file
+    rng = np.random.default_rng(3)
+    tensors = {"f32": rng.standard_normal((3, 5)).astype(np.float32), "f16": np.arange(6, dtype=np.float16),
+               "i32": np.array([-1, 2, 3], np.int32), "u32": np.array([7], np.uint32), "scalar": np.float32(2.5),
+               "empty": np.zeros((0, 4), np.float32), "bool": np.array([True, False]),
+               "big_endian": np.arange(4, dtype=">f4"), "strided": np.arange(12, dtype=np.float32).reshape(3, 4).T}
+    path = tmp_path / "t.safetensors"
+    with disk.atomic_file(path) as f:
+        checkpoint.write_safetensors(f, tensors, {"k": "v"})
+    back = load_file(str(path))
+    assert sorted(back) == sorted(tensors)
+    for k, v in tensors.items():
+        v = np.asarray(v)
+        assert back[k].shape == v.shape and back[k].dtype == v.dtype.newbyteorder("=") and np.array_equal(back[k], v), k
+    from safetensors import safe_open
+    with safe_open(str(path), framework="numpy") as f:
+        assert f.metadata() == {"k": "v"}
+    with pytest.raises(CheckpointError, match="tensor 'c': dtype complex64 cannot be saved"):
+        with disk.atomic_file(tmp_path / "c.safetensors") as f:
+            checkpoint.write_safetensors(f, {"c": np.zeros(2, np.complex64)}, {})
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["t.safetensors"]

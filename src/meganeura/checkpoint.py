@@ -52,7 +52,7 @@ def clean_temp_files(path):
         if not (name.startswith(prefix) and name.endswith(_LEGACY_TMP_SUFFIX)):
             continue
         pid = name[len(prefix):].split(".", 1)[0]
-        if pid.isdigit() and int(pid) != os.getpid() and not disk._pid_alive(int(pid)):
+        if pid.isdigit() and int(pid) != os.getpid() and not disk.process_alive(int(pid)):
             try:
                 os.unlink(os.path.join(folder, name))
             except OSError:

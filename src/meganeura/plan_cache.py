@@ -42,7 +42,7 @@ import numpy as np
 
 from . import disk, env
 from .disk import package_digest  # noqa: F401  (the Vulkan caches key by it too)
-from .graph import DType
+from .graph import DTYPES, DType
 
 FORMAT = 3                    # bump when the pickled layout changes (3: self-checking entries)
 MAX_BYTES = 1 << 30           # the oldest entries go once the folder holds more than this
@@ -190,14 +190,16 @@ def _manifest_path(key: str) -> pathlib.Path:
 def _checked_manifest(m) -> dict | None:
     """The manifest ``m`` read from JSON, with its shapes as tuples, or None where it is not
     one ``manifest_of`` would write (a digest collision or another version's)."""
+    from .optim import SCALAR_PREFIX
+
     def names(v):
         return isinstance(v, list) and all(isinstance(n, str) for n in v)
     try:
         states = [(n, tuple(s), d) for n, s, d in m["states"]]
         ok = (isinstance(m["phases"], dict) and m["phases"] and names(list(m["phases"].values()))
-              and all(isinstance(n, str) and isinstance(d, str) and all(type(x) is int for x in s)
-                      for n, s, d in states)
-              and names(m["scalars"]) and names(m["kept"]) and names(m["grads"])
+              and all(isinstance(n, str) and d in DTYPES and all(type(x) is int for x in s) for n, s, d in states)
+              and names(m["scalars"]) and all(n.startswith(SCALAR_PREFIX) for n in m["scalars"])
+              and names(m["kept"]) and names(m["grads"])
               and isinstance(m["updates"], dict) and all(map(names, m["updates"].values())))
     except (KeyError, TypeError, ValueError):
         return None
@@ -309,7 +311,8 @@ def store(key: str, plan) -> None:
     texts: dict = {}       # equal WGSL as one object: pickled once (a plan has few distinct kernels)
     slim = replace(plan, dispatches=[replace(d, kernel=_slim(d.kernel), wgsl=texts.setdefault(d.wgsl, d.wgsl))
                                      for d in plan.dispatches],
-                   stats={k: v for k, v in plan.stats.items() if k != "seconds"})
+                   stats={k: v for k, v in plan.stats.items() if k != "seconds"},
+                   compile_seconds=0.0)         # timings left out: the same plan, the same entry
     try:
         data = pickle.dumps(slim, protocol=pickle.HIGHEST_PROTOCOL)
     except Exception:            # noqa: BLE001 (a plan holding something unpicklable is compiled each time)
