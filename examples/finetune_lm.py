@@ -6,22 +6,31 @@ trains a byte-level BPE tokenizer on the text and a small Llama from scratch, so
 with nothing to download. Either way the result is written as a Hugging Face folder that
 ``meganeura generate --model OUT`` (and transformers) can load.
 
-    python examples/finetune_lm.py --text examples/data/lighthouse.txt --steps 300 --prompt "The keeper"
+    python examples/finetune_lm.py --prompt "The keeper"     # a few minutes on lavapipe
+    python examples/finetune_lm.py --full                    # the GPU size: longer sequences, more steps
 """
 import argparse
 import json
 import os
 import pathlib
+import sys
 import time
 
 import numpy as np
-from safetensors.numpy import save_file
 
 import meganeura as mg
+from meganeura.cli import HelpFormatter
 from meganeura.models import llama
 from meganeura.models.generate import generate_text, load_tokenizer
 
 HERE = pathlib.Path(__file__).resolve().parent
+# the default sizes finish in a few minutes on lavapipe (a CPU); --full gives the GPU sizes
+SMALL = {"steps": 200, "seq": 32}
+FULL = {"steps": 300, "seq": 64}
+
+
+def sizes(d):
+    return ", ".join(f"--{k.replace('_', '-')} {v}" for k, v in d.items())
 
 
 def train_tokenizer(text, vocab_size):
@@ -37,21 +46,24 @@ def train_tokenizer(text, vocab_size):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
+    p.add_argument("--full", action="store_true", help="the GPU sizes: " + sizes(FULL))
     p.add_argument("--text", default=str(HERE / "data" / "lighthouse.txt"), help="UTF-8 text file to train on")
     p.add_argument("--model", default=None, help="Hugging Face Llama folder to fine-tune (default: a new small model)")
     p.add_argument("--out", default="lm_finetuned", help="output folder (Hugging Face layout)")
-    p.add_argument("--steps", type=int, default=300, help="AdamW steps")
+    p.add_argument("--steps", type=int, help="AdamW steps")
     p.add_argument("--batch", type=int, default=8, help="sequences per step")
-    p.add_argument("--seq", type=int, default=64, help="tokens per sequence")
+    p.add_argument("--seq", type=int, help="tokens per sequence")
     p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (linear warm-up and decay)")
     p.add_argument("--hidden", type=int, default=64, help="hidden size of the new model (without --model)")
     p.add_argument("--layers", type=int, default=2, help="layers of the new model (without --model)")
     p.add_argument("--vocab", type=int, default=384, help="BPE vocabulary of the new tokenizer (>= 257)")
     p.add_argument("--prompt", default="The keeper", help="text to continue after training")
     p.add_argument("--new-tokens", type=int, default=24, help="tokens to generate")
-    p.add_argument("--backend", default="gpu", choices=["gpu", "numpy"], help="where to run (default gpu)")
+    p.add_argument("--backend", default="gpu", choices=["gpu", "numpy"], help="where to run")
     p.add_argument("--seed", type=int, default=0, help="seed of the initialisation and the batches")
+    p.set_defaults(**(FULL if "--full" in argv else SMALL))
     args = p.parse_args(argv)
 
     text = pathlib.Path(args.text).read_text(encoding="utf-8")
@@ -88,7 +100,7 @@ def main(argv=None):
     print(f"{args.steps} steps in {time.perf_counter() - t0:.1f} s; loss {first:.3f} -> {lv:.3f}")
 
     os.makedirs(args.out, exist_ok=True)
-    save_file(tr.state_dict(), os.path.join(args.out, "model.safetensors"))
+    tr.save(os.path.join(args.out, "model.safetensors"), include_optimizer=False)   # the weights alone
     with open(os.path.join(args.out, "config.json"), "w") as f:
         json.dump(cfg.to_hf_dict(), f, indent=1)
     tok.save(os.path.join(args.out, "tokenizer.json"))

@@ -5,18 +5,29 @@ Whisper does (16 kHz, 25 ms Hann window, 10 ms hop, Slaney mel filters, log10, c
 The task is synthetic and generated here: which of three pitch contours (rising, falling,
 steady) a noisy tone follows. The encoder and its linear head train together with mg.jit.
 
-    python examples/whisper_features.py --steps 150
+    python examples/whisper_features.py            # short clips, a narrow encoder: a few minutes on lavapipe
+    python examples/whisper_features.py --full     # the GPU size: 1 s clips, 80 mel bins, a wider encoder
 """
 import argparse
+import sys
 import time
 
 import numpy as np
 
 import meganeura as mg
 from meganeura import nn
+from meganeura.cli import HelpFormatter
 from meganeura.models.whisper import WhisperEncoderConfig, whisper_encoder
 
 SAMPLE_RATE, N_FFT, HOP = 16000, 400, 160
+
+# the default sizes finish in a few minutes on lavapipe (a CPU); --full gives the GPU sizes
+SMALL = {"steps": 150, "batch": 8, "seconds": 0.32, "mels": 40, "d_model": 32}
+FULL = {"steps": 150, "batch": 16, "seconds": 1.0, "mels": 80, "d_model": 64}
+
+
+def sizes(d):
+    return ", ".join(f"--{k.replace('_', '-')} {v}" for k, v in d.items())
 
 
 def mel_filters(n_mels, n_fft=N_FFT, sr=SAMPLE_RATE, fmax=8000.0):
@@ -77,16 +88,19 @@ def batch(rng, n, seconds, n_mels):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--steps", type=int, default=150, help="AdamW steps")
-    p.add_argument("--batch", type=int, default=16, help="clips per step")
-    p.add_argument("--seconds", type=float, default=1.0, help="clip length (Whisper itself uses 30 s)")
-    p.add_argument("--mels", type=int, default=80, help="mel bins (Whisper: 80)")
-    p.add_argument("--d-model", type=int, default=64, help="encoder width")
+    argv = sys.argv[1:] if argv is None else list(argv)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
+    p.add_argument("--full", action="store_true", help="the GPU sizes: " + sizes(FULL))
+    p.add_argument("--steps", type=int, help="AdamW steps")
+    p.add_argument("--batch", type=int, help="clips per step")
+    p.add_argument("--seconds", type=float, help="clip length (Whisper itself uses 30 s)")
+    p.add_argument("--mels", type=int, help="mel bins (Whisper: 80)")
+    p.add_argument("--d-model", type=int, help="encoder width")
     p.add_argument("--layers", type=int, default=2, help="encoder layers")
     p.add_argument("--lr", type=float, default=2e-3, help="peak learning rate (cosine schedule)")
-    p.add_argument("--backend", default="gpu", choices=["gpu", "numpy"], help="where to run (default gpu)")
+    p.add_argument("--backend", default="gpu", choices=["gpu", "numpy"], help="where to run")
     p.add_argument("--seed", type=int, default=0, help="seed of the data and the initialisation")
+    p.set_defaults(**(FULL if "--full" in argv else SMALL))
     args = p.parse_args(argv)
 
     frames = int(args.seconds * SAMPLE_RATE) // HOP

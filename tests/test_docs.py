@@ -24,3 +24,42 @@ def test_api_reference_builds(tmp_path):
     assert r.returncode == 0, r.stderr[-2000:]
     html = (tmp_path / "meganeura" / "jit.html").read_text()
     assert "one compiled program per input signature" in html
+
+
+def test_switch_table_names_every_switch_the_sources_read():
+    import re
+    read = set()
+    for f in (ROOT / "src" / "meganeura").rglob("*.py"):
+        read |= set(re.findall(r"MEGANEURA_[A-Z0-9_]*[A-Z0-9]", f.read_text()))
+    table = (ROOT / "docs" / "switches.md").read_text()
+    rows = set(re.findall(r"^\| `(MEGANEURA_[A-Z0-9_]+)` \|", table, flags=re.M))
+    assert not read - rows, f"switches missing from docs/switches.md: {sorted(read - rows)}"
+    assert not rows - read, f"docs/switches.md lists switches no source reads: {sorted(rows - read)}"
+    for name in rows:   # the file it names is a real one and reads it
+        row = next(ln for ln in table.splitlines() if ln.startswith(f"| `{name}` |"))
+        files = re.findall(r"`([\w/]+\.py)`", row.rsplit("|", 2)[-2])
+        assert files and all(name in (ROOT / "src" / "meganeura" / f).read_text() for f in files), row
+
+
+def _markdown_files():
+    return [ROOT / "README.md", ROOT / "bench" / "results" / "HISTORY.md", *sorted((ROOT / "docs").glob("*.md"))]
+
+
+def test_relative_links_of_the_docs_lead_to_files():
+    import re
+    broken = []
+    for md in _markdown_files():
+        for target in re.findall(r"\]\(([^)\s]+)\)", md.read_text()):
+            if re.match(r"[a-z]+:", target) or target.startswith("#"):
+                continue
+            path = (md.parent / target.split("#", 1)[0]).resolve()
+            if not path.exists():
+                broken.append(f"{md.relative_to(ROOT)}: {target}")
+    assert not broken, "links to nothing:\n" + "\n".join(broken)
+
+
+def test_no_doc_calls_vulkan_the_default_without_its_extra():
+    """backend='gpu' takes the direct Vulkan backend only where the vulkan extra is installed too."""
+    for md in _markdown_files()[:1] + _markdown_files()[2:]:
+        text = " ".join(md.read_text().split())
+        assert "default where a Vulkan driver is present" not in text, md

@@ -24,7 +24,13 @@ class CliError(Exception):
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     """Shows each option's default after its help, except for switches (False) and options
-    with no default (None), where "(default: None)" would say nothing."""
+    with no default (None), where "(default: None)" would say nothing. A description written
+    on several lines (a module docstring) is kept as written; one line is wrapped."""
+
+    def _fill_text(self, text, width, indent):
+        if "\n" in text.strip():
+            return "".join(indent + line for line in text.splitlines(keepends=True))
+        return super()._fill_text(text, width, indent)
 
     def _get_help_string(self, action):
         if any(action.default is v for v in (None, False, argparse.SUPPRESS)) or "%(default)" in (action.help or ""):

@@ -18,10 +18,6 @@ DESCRIPTION = """The five workloads against PyTorch on the same device; run is t
 Try it on any machine: meganeura bench --size tiny --quick"""
 
 
-class _Help(argparse.RawDescriptionHelpFormatter, HelpFormatter):
-    """The description as written, each option's default after its help."""
-
-
 def _common(p, modes_default="strict,accelerated"):
     p.add_argument("--size", choices=("tiny", "real"), default="tiny",
                    help="tiny: test configs (CI); real: the paper's shapes (GPU machines only)")
@@ -32,11 +28,11 @@ def _common(p, modes_default="strict,accelerated"):
 
 
 def parser(prog="python -m meganeura.bench"):
-    p = argparse.ArgumentParser(prog=prog, description=DESCRIPTION, formatter_class=_Help)
+    p = argparse.ArgumentParser(prog=prog, description=DESCRIPTION, formatter_class=HelpFormatter)
     sub = p.add_subparsers(dest="command")
 
     def command(name, help):
-        return sub.add_parser(name, help=help, description=help, formatter_class=_Help)
+        return sub.add_parser(name, help=help, description=help, formatter_class=HelpFormatter)
 
     r = command("run", "time the workloads against PyTorch")
     _common(r)
