@@ -29,13 +29,14 @@ import time
 
 import numpy as np
 
-from meganeura.runtime.vulkan import Dispatch, Program, VulkanDevice, glslang, pack_push, samples
+from meganeura.compilation import glslang
+from meganeura.runtime.vulkan import Dispatch, Program, VulkanDevice, pack_push, samples
 
 SLICE = 256   # floats per tiny dispatch (4 workgroups of 64)
 
 
 def dispatch_cases(dev, n_disp, repeats):
-    k = dev.kernel_from_glsl(samples.SAXPY, name="saxpy")
+    k = glslang.kernel_from_glsl(dev, samples.SAXPY, name="saxpy")
     x = dev.array(np.ones(SLICE, np.float32))
     slots = [dev.alloc(SLICE * 4) for _ in range(n_disp)]
     chain_y = dev.alloc(SLICE * 4)
@@ -80,7 +81,7 @@ def gemm_case(dev, kind, n, reps, repeats):
     B = rng.uniform(-1, 1, (n, n)).astype(np.float32)
     if kind == "sgemm_f32":
         p = samples.SGEMM_LARGE if n >= 128 else samples.SGEMM_SMALL
-        k = dev.kernel_from_glsl(samples.SGEMM, samples.defines(p), name=kind)
+        k = glslang.kernel_from_glsl(dev, samples.SGEMM, samples.defines(p), name=kind)
         groups = samples.sgemm_groups(n, n, n, p)
         a, b = A, B
         tile = f"{p['BM']}x{p['BN']}x{p['BK']}"
@@ -95,7 +96,7 @@ def gemm_case(dev, kind, n, reps, repeats):
             return dict(kernel=kind, skipped=str(e))
         sub = 32 if dev.features["subgroupSizeControl"] and dev.subgroup["min_size"] <= 32 <= dev.subgroup["max_size"] \
             else None
-        k = dev.kernel_from_glsl(samples.HGEMM_COOP, samples.defines(p), name=kind, required_subgroup_size=sub)
+        k = glslang.kernel_from_glsl(dev, samples.HGEMM_COOP, samples.defines(p), name=kind, required_subgroup_size=sub)
         a, b = A.astype(np.float16), B.astype(np.float16)
         tile = f"{p['BM']}x{p['BN']}x{p['BK']}"
     ba, bb, bc = dev.array(a), dev.array(b), dev.alloc(n * n * 4)

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import meganeura as mg
-from meganeura import compiler
+from meganeura.compilation import precision as compiler     # the thresholds of accelerated precision
 
 B, D, H = 16, 32, 64
 

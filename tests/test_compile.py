@@ -127,7 +127,9 @@ def test_pipelines_in_parallel_match_one_by_one(threads):
             "@group(0) @binding(1) var<storage, read_write> b: array<f32>;\n"
             "@compute @workgroup_size(64) fn main(@builtin(global_invocation_id) i: vec3<u32>) {{\n"
             "  if (i.x < arrayLength(&b)) {{ b[i.x] = a[i.x] * {k}.0; }}\n}}\n")
-    shaders = [(wgsl.format(k=k + 10 * threads), f"scale{k}") for k in range(4)] * 2
+    from meganeura.compilation.executable import FinalKernel
+    texts = [wgsl.format(k=k + 10 * threads) for k in range(4)]
+    shaders = [FinalKernel(f"scale{k}", text, text) for k, text in enumerate(texts)] * 2
     pipes = dev.pipelines(shaders, threads=threads)
     assert len(pipes) == 8 and pipes[:4] == pipes[4:] and len(set(map(id, pipes))) == 4
     assert all(p.access == ("read", "rw") for p in pipes)
@@ -245,34 +247,28 @@ def test_in_place_fusion_passes_keep_their_shared_index_true(workload, phase, pr
 
 @pytest.mark.parametrize("early", [True, False])
 def test_kernels_start_as_their_plan_renders(early, monkeypatch):
-    """The Vulkan runtime starts each kernel as ``compile_plan`` renders it (``start_kernel``)
-    and the plan's pipelines are those: each made once, none left behind, and training
-    matches NumPy. ``MEGANEURA_EARLY_KERNELS=0`` starts none early, with the same losses."""
+    """The compile stage starts finishing each kernel (GLSL, SPIR-V) as ``compile_plan``
+    renders it, and streams each finished kernel to the Vulkan runtime, which creates its
+    pipeline meanwhile: each streamed once, every one the plan's, and training matches
+    NumPy. ``MEGANEURA_EARLY_KERNELS=0`` starts none early (they still stream)."""
+    from meganeura.compilation import executable, vulkan
     from meganeura.runtime.backends import get_runtime_device
-    from meganeura.runtime.vulkan import backend as vb
     from .harness import mlp_training_losses
     monkeypatch.setenv("MEGANEURA_NO_DISK_CACHE", "1")       # every kernel made in this test
     monkeypatch.setenv("MEGANEURA_EARLY_KERNELS", "1" if early else "0")
-    taken = []
-    real_take = vb.VulkanRuntime._take_early
-
-    def take(self, texts):
-        done = real_take(self, texts)
-        taken.extend(done)
-        return done
-    monkeypatch.setattr(vb.VulkanRuntime, "_take_early", take)
+    vulkan.clear_memory()
+    started, streamed = [], []
+    real_start, real_put = vulkan.VulkanKernels.start, executable.KernelStream.put
+    monkeypatch.setattr(vulkan.VulkanKernels, "start", lambda self, k, text: (started.append(text),
+                                                                            real_start(self, k, text))[1])
+    monkeypatch.setattr(executable.KernelStream, "put", lambda self, fk: (streamed.append(fk.key), real_put(self, fk))[1])
     dev = get_runtime_device("vulkan")
     dev.clear_caches()
-    made = dev.stats["pipelines_compiled"]
     losses = mlp_training_losses("vulkan", steps=3)
     np.testing.assert_allclose(losses, mlp_training_losses("numpy", steps=3), rtol=1e-5)
-    assert not dev._early                                   # every kernel started early was taken
-    created = dev.stats["pipelines_compiled"] - made
-    assert len(taken) == len(set(taken))
-    if early:
-        assert 0 < len(taken) <= created, (len(taken), created)
-    else:
-        assert taken == []
+    assert streamed and len(streamed) == len(set(streamed))          # each finished once
+    assert all(key in dev._pipelines for key in streamed)             # the runtime made them all
+    assert (len(started) > 0) == early
 
 
 def test_plan_digests_tell_equal_plans_from_different_ones(monkeypatch):

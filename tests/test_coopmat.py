@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 import meganeura as mg
+from meganeura.compilation import vulkan as vulkan_kernels
 from meganeura.codegen import coopmat
 from meganeura.compiler import CompileOptions, compile_plan
 
@@ -82,7 +83,7 @@ def test_wide_tile_only_where_it_pays(monkeypatch):
 
 
 def test_configs_and_mode_switches(monkeypatch):
-    from meganeura.runtime.vulkan.backend import coopmat_mode
+    from meganeura.compilation.target import coopmat_mode
     monkeypatch.setenv("MEGANEURA_COOPMAT_CONFIG", "128:128x256x2x4x16")
     assert coopmat.configs()[128] == (128, 256, 2, 4, 16, 1) and coopmat.configs()[64] == coopmat.CONFIGS[64]
     monkeypatch.setenv("MEGANEURA_COOPMAT_CONFIG", "64:64x64x2x2x16x3")
@@ -110,7 +111,7 @@ def test_every_workload_coop_kernel_compiles_to_spirv():
     from meganeura.bench.dispatches import BINDINGS, phase_targets
     from meganeura.bench.workloads import WORKLOADS, make
     from meganeura.runtime.vulkan import spirv
-    from meganeura.runtime.vulkan.glslang import compile_glsl
+    from meganeura.compilation.glslang import compile_glsl
     opts = CompileOptions(precision="accelerated", max_bindings=BINDINGS, workgroup_storage=49152)
     seen, per_workload = {}, {}
     for name in WORKLOADS:
@@ -137,7 +138,7 @@ def test_rounded_operand_kernels_compile_to_spirv(monkeypatch):
     two such operands: glslang accepts them for cooperative matrices."""
     pytest.importorskip("vulkan", reason="the vulkan extra (pip install 'meganeura[vulkan]')")
     from meganeura.runtime.vulkan import spirv
-    from meganeura.runtime.vulkan.glslang import compile_glsl
+    from meganeura.compilation.glslang import compile_glsl
     for name in ("round_split", "round_ta", "round_odd"):
         g, outs, feeds, want, env = _case(name)
         for k, v in env.items():
@@ -160,6 +161,14 @@ def run_accelerated(runtime, g, outs, feeds):
         return got, runtime.stats["coopmat_kernels"] - before, s.executor.plans["run"].kernel_plan.stats.get("cache")
 
 
+def kernel_variant(runtime, kernel, text, label, bufs, groups, precision="strict"):
+    """(text, label, bufs, groups) of the compile stage's cooperative-matrix variant of one
+    dispatch for ``runtime``'s target, or None where the WGSL kernel runs."""
+    finisher = vulkan_kernels.VulkanKernels(runtime.target(), precision)
+    out = finisher.variants([kernel], [(text, label, bufs, groups)])[0]
+    return None if out[0] == text else out
+
+
 @pytest.fixture(scope="module")
 def runtime():
     pytest.importorskip("vulkan", reason="the vulkan extra (pip install 'meganeura[vulkan]')")
@@ -174,20 +183,20 @@ def test_runtime_swaps_in_variants_only_where_asked(runtime, monkeypatch):
     _, y = _linear_graph()
     (d,) = _matmuls([y])
     args = (d.kernel, d.wgsl, "mm", d.bufs, d.groups)
-    monkeypatch.setattr(runtime, "_variants", {})
+    monkeypatch.setattr(vulkan_kernels, "_variants", {})
     monkeypatch.setattr(runtime, "coopmat_reason", "")           # as on a device with tensor cores
     monkeypatch.delenv("MEGANEURA_COOPMAT", raising=False)
-    text, label, bufs, groups = runtime.kernel_variant(*args, precision="accelerated")
+    text, label, bufs, groups = kernel_variant(runtime, *args, precision="accelerated")
     assert "GL_KHR_cooperative_matrix" in text and bufs is d.bufs and groups == tuple(d.groups)
-    assert runtime.kernel_variant(*args, precision="strict") is None
+    assert kernel_variant(runtime, *args, precision="strict") is None
     monkeypatch.setenv("MEGANEURA_COOPMAT", "off")
-    assert runtime.kernel_variant(*args, precision="accelerated") is None
+    assert kernel_variant(runtime, *args, precision="accelerated") is None
     monkeypatch.setenv("MEGANEURA_COOPMAT", "emulate")
-    text = runtime.kernel_variant(*args, precision="accelerated")[0]
+    text = kernel_variant(runtime, *args, precision="accelerated")[0]
     assert "coopMat" not in text and "frag_a" in text
     monkeypatch.delenv("MEGANEURA_COOPMAT")
     monkeypatch.setattr(runtime, "coopmat_reason", "no cooperative matrices (test)")
-    assert runtime.kernel_variant(*args, precision="accelerated") is None
+    assert kernel_variant(runtime, *args, precision="accelerated") is None
 
 
 def test_variant_of_a_plan_from_the_plan_cache(runtime, monkeypatch, tmp_path):
@@ -200,19 +209,19 @@ def test_variant_of_a_plan_from_the_plan_cache(runtime, monkeypatch, tmp_path):
     _, y = _linear_graph(m=48, k=40, n=56)
     fresh = compile_plan([y], n_forward=1, options=ACCEL, cache=True)
     (d,) = [d for d in fresh.dispatches if d.kernel.archetype == "matmul"]
-    monkeypatch.setattr(runtime, "_variants", {})
-    first = runtime.kernel_variant(d.kernel, d.wgsl, "mm", d.bufs, d.groups, precision="accelerated")
+    monkeypatch.setattr(vulkan_kernels, "_variants", {})
+    first = kernel_variant(runtime, d.kernel, d.wgsl, "mm", d.bufs, d.groups, precision="accelerated")
     cached = compile_plan([y], n_forward=1, options=ACCEL, cache=True)
     assert cached.stats.get("cache") == "hit"
     (c,) = [c for c in cached.dispatches if c.kernel.archetype == "matmul"]
     assert coopmat.select(c.kernel).startswith("no kernel IR")
-    monkeypatch.setattr(runtime, "_variants", {})
-    again = runtime.kernel_variant(c.kernel, c.wgsl, "mm", c.bufs, c.groups, precision="accelerated")
+    monkeypatch.setattr(vulkan_kernels, "_variants", {})
+    again = kernel_variant(runtime, c.kernel, c.wgsl, "mm", c.bufs, c.groups, precision="accelerated")
     assert again[0] == first[0] and again[2] is c.bufs and again[3] == first[3]
     import shutil
     shutil.rmtree(tmp_path / "coopmat")          # no stored variant: the WGSL kernel runs
-    monkeypatch.setattr(runtime, "_variants", {})
-    assert runtime.kernel_variant(c.kernel, c.wgsl, "mm", c.bufs, c.groups, precision="accelerated") is None
+    monkeypatch.setattr(vulkan_kernels, "_variants", {})
+    assert kernel_variant(runtime, c.kernel, c.wgsl, "mm", c.bufs, c.groups, precision="accelerated") is None
 
 
 def test_plan_from_the_plan_cache_reads_its_variants_as_one_set(runtime, monkeypatch, tmp_path):
@@ -231,7 +240,7 @@ def test_plan_from_the_plan_cache_reads_its_variants_as_one_set(runtime, monkeyp
     outs = [mg.ops.mm(g.input("x", (48, 40)), w, tb=True), mg.ops.mm(g.input("v", (2, 40)), w, tb=True)]
 
     def run():
-        monkeypatch.setattr(runtime, "_variants", {})
+        monkeypatch.setattr(vulkan_kernels, "_variants", {})
         return run_accelerated(runtime, g, outs, feeds)
 
     first, swapped, cache = run()
@@ -256,7 +265,7 @@ def test_variant_files_are_pruned_oldest_first(runtime, monkeypatch, tmp_path):
     for name in ("MEGANEURA_NO_DISK_CACHE", "MEGANEURA_NO_PLAN_CACHE"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("MEGANEURA_COOPMAT", "emulate")
-    monkeypatch.setattr(runtime, "_variants", {})
+    monkeypatch.setattr(vulkan_kernels, "_variants", {})
     monkeypatch.setattr(cache, "SET_MAX_BYTES", 1 << 20)
     stale = tmp_path / "coopmat" / ("0" * 64 + ".set.json")
     stale.parent.mkdir(parents=True)

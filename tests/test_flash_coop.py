@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 import meganeura as mg
+from meganeura.compilation import vulkan as vulkan_kernels
 from meganeura.codegen import attention as attn, flash_coop, flash_grad_coop
 from meganeura.compiler import CompileOptions, compile_plan
 from meganeura.reference import evaluate
@@ -74,7 +75,7 @@ def test_every_workload_flash_kernel_compiles_to_spirv():
     from meganeura.bench.dispatches import BINDINGS, phase_targets
     from meganeura.bench.workloads import make
     from meganeura.runtime.vulkan import spirv
-    from meganeura.runtime.vulkan.glslang import compile_glsl
+    from meganeura.compilation.glslang import compile_glsl
     opts = CompileOptions(precision="accelerated", max_bindings=BINDINGS, workgroup_storage=49152)
     seen = {}
     for name in ("whisper", "unet"):
@@ -252,7 +253,7 @@ def test_training_plan_from_the_plan_cache_finds_its_attention_variants(runtime,
     grads = mg.grad(mg.ops.sum(out * ins["do"]), [ins["q"], ins["k"], ins["v"]])
 
     def run():
-        monkeypatch.setattr(runtime, "_variants", {})
+        monkeypatch.setattr(vulkan_kernels, "_variants", {})
         return run_accelerated(runtime, g, grads, feeds)
 
     first, swapped, cache = run()

@@ -76,7 +76,7 @@ def test_every_workload_kernel_compiles_to_spirv():
     from meganeura.bench.dispatches import BINDINGS, phase_targets
     from meganeura.bench.workloads import WORKLOADS, make
     from meganeura.compiler import CompileOptions, compile_plan
-    from meganeura.runtime.vulkan.glslang import compile_glsl
+    from meganeura.compilation.glslang import compile_glsl
     seen, shared = {}, 0
     for name in WORKLOADS:
         w = make(name, size="tiny")
@@ -140,7 +140,7 @@ def test_signed_remainder_folded_constants_and_saturate_keep_wgsl_meaning():
     assert "(b1[i] - 3 * (b1[i] / 3))" in g                        # truncated, as WGSL's signed %
     assert "float(((3 / 2)))" in g                                 # integer division first, as WGSL
     assert "clamp(b0[i], 0.0, 1.0)" in g
-    from meganeura.runtime.vulkan.glslang import compile_glsl
+    from meganeura.compilation.glslang import compile_glsl
     assert compile_glsl(g, disk_cache=False)[:4] == b"\x03\x02\x23\x07"
 
 

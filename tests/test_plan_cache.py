@@ -42,16 +42,21 @@ def test_second_compile_is_a_hit_with_the_same_plan(cache):
     assert "cache" not in compile_plan(mlp(), options=opts).stats
 
 
-def test_on_compile_runs_before_the_passes_of_a_new_plan_only(cache):
-    """The runtime's hook (the Vulkan backend starts glslang there) runs when the compiler
-    passes will run, and not for a plan read from the cache."""
+def test_on_compile_runs_before_the_passes_of_a_new_plan_only(cache, monkeypatch):
+    """The Vulkan finishing's preparation (glslang's warm-up) runs when the compiler passes
+    will run, and not for a plan read from the cache."""
+    from meganeura.compilation import vulkan
+    from meganeura.compilation.target import Target
     calls = []
-    first = compile_plan(mlp(), options=CompileOptions(), cache=True, adapter=ADAPTER, on_compile=lambda: calls.append(1))
-    assert first.stats["cache"] == "stored" and calls == [1]
-    second = compile_plan(mlp(), options=CompileOptions(), cache=True, adapter=ADAPTER, on_compile=lambda: calls.append(2))
-    assert second.stats["cache"] == "hit" and calls == [1]
-    compile_plan(mlp(), options=CompileOptions(), on_compile=lambda: calls.append(3))     # no cache: always compiles
-    assert calls == [1, 3]
+    monkeypatch.setattr(vulkan.VulkanKernels, "prepare", lambda self: calls.append(1))
+    monkeypatch.setattr(vulkan.VulkanKernels, "finish", lambda self, entries: {t: None for t, _ in entries})
+    lava = Target.lavapipe()
+    first = compile_plan(mlp(), options=CompileOptions(), cache=True, adapter=ADAPTER, target=lava)
+    assert first.plan.stats["cache"] == "stored" and calls == [1]
+    second = compile_plan(mlp(), options=CompileOptions(), cache=True, adapter=ADAPTER, target=lava)
+    assert second.plan.stats["cache"] == "hit" and calls == [1]
+    compile_plan(mlp(), options=CompileOptions(), target=lava)     # no cache: always compiles
+    assert calls == [1, 1]
 
 
 def test_cached_kernels_keep_their_further_outputs(cache):

@@ -1,4 +1,4 @@
-"""WGSL -> GLSL translation in worker processes (runtime.vulkan.translators): the same GLSL
+"""WGSL -> GLSL translation in worker processes (compilation.translators): the same GLSL
 as in-process, the translator's errors raised as in-process, a lost worker reported (and its
 kernels translated in-process by the runtime), and a plan compiled through the workers on
 the device."""
@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from meganeura.codegen.glsl import GlslTranslationError, to_glsl
-from meganeura.runtime.vulkan import translators
+from meganeura.compilation import translators
 
 from .harness import mlp_training_losses
 
@@ -135,6 +135,8 @@ def test_a_plan_compiles_through_the_workers(two_workers, monkeypatch, tmp_path,
     monkeypatch.setenv("MEGANEURA_NO_DISK_CACHE", "1")
     monkeypatch.setattr(translators, "MIN_KERNELS", 1)
     get_vulkan_runtime().clear_caches()
+    from meganeura.compilation import vulkan
+    vulkan.clear_memory()           # every kernel finished again (none kept from before)
     pool = translators.start()
     if lose_workers:
         for w in pool.workers:

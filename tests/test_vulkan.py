@@ -105,7 +105,7 @@ def test_offset_allocator_refuses_what_it_refused_until_a_free():
 
 
 # ---------------------------------------------------------------- glslang (no device)
-glslang = pytest.importorskip("meganeura.runtime.vulkan.glslang")
+glslang = pytest.importorskip("meganeura.compilation.glslang")
 
 
 def _need_glslang():
@@ -218,7 +218,7 @@ def test_capability_report(dev):
 
 def test_saxpy_levels_and_reuse(dev):
     vk = _vk()
-    k = dev.kernel_from_glsl(vk.samples.SAXPY, name="saxpy")
+    k = glslang.kernel_from_glsl(dev, vk.samples.SAXPY, name="saxpy")
     n = 1000
     rng = np.random.default_rng(1)
     x, y = rng.standard_normal(n).astype(np.float32), rng.standard_normal(n).astype(np.float32)
@@ -242,7 +242,7 @@ def test_saxpy_levels_and_reuse(dev):
 def test_tiled_sgemm(dev, M, N, K):
     vk = _vk()
     p = vk.samples.SGEMM_SMALL
-    k = dev.kernel_from_glsl(vk.samples.SGEMM, vk.samples.defines(p), name="sgemm")
+    k = glslang.kernel_from_glsl(dev, vk.samples.SGEMM, vk.samples.defines(p), name="sgemm")
     rng = np.random.default_rng(M)
     A, B = rng.standard_normal((M, K)).astype(np.float32), rng.standard_normal((K, N)).astype(np.float32)
     ba, bb, bc = dev.array(A), dev.array(B), dev.alloc(M * N * 4)
@@ -258,7 +258,7 @@ def test_reductions_group_into_levels_on_one_block(dev):
     """Row sums of two halves of one buffer are independent (one level); summing their
     outputs again depends on both (a second level); a copy of the input is independent."""
     vk = _vk()
-    k = dev.kernel_from_glsl(vk.samples.ROW_SUM, vk.samples.defines(dict(WG=64)), name="row_sum")
+    k = glslang.kernel_from_glsl(dev, vk.samples.ROW_SUM, vk.samples.defines(dict(WG=64)), name="row_sum")
     rng = np.random.default_rng(2)
     X = rng.standard_normal((8, 256)).astype(np.float32)
     bx = dev.array(X)
@@ -292,7 +292,7 @@ def test_reductions_group_into_levels_on_one_block(dev):
 
 def test_serial_mode_records_a_barrier_per_op(dev):
     vk = _vk()
-    k = dev.kernel_from_glsl(vk.samples.SAXPY, name="saxpy")
+    k = glslang.kernel_from_glsl(dev, vk.samples.SAXPY, name="saxpy")
     bufs = [dev.alloc(256) for _ in range(5)]
     ops = [vk.Dispatch(k, [bufs[0], b], 1, vk.pack_push(64, 1.0)) for b in bufs[1:]]
     with vk.Program(dev, ops) as p, vk.Program(dev, ops, levels=False) as q:
@@ -304,7 +304,7 @@ def test_f16_storage_kernel(dev):
     if not (dev.features["storageBuffer16BitAccess"] and dev.features["shaderFloat16"]):
         pytest.skip("device has no 16-bit storage / shaderFloat16")
     vk = _vk()
-    k = dev.kernel_from_glsl(vk.samples.F16_AXPB, name="f16_axpb")
+    k = glslang.kernel_from_glsl(dev, vk.samples.F16_AXPB, name="f16_axpb")
     rng = np.random.default_rng(3)
     x, b = rng.standard_normal(130).astype(np.float16), rng.standard_normal(130).astype(np.float16)
     bx, bb, by = dev.array(x), dev.array(b), dev.alloc(130 * 4)
@@ -381,7 +381,7 @@ def test_device_blocks_made_beside_the_caller_and_filled_before_gpu_work(monkeyp
 
 def test_clear_errors(dev):
     vk = _vk()
-    k = dev.kernel_from_glsl(vk.samples.SAXPY, name="saxpy")
+    k = glslang.kernel_from_glsl(dev, vk.samples.SAXPY, name="saxpy")
     b = dev.alloc(64)
     with pytest.raises(ValueError, match="'saxpy' has 2 bindings, got 1 buffers"):
         vk.Program(dev, [vk.Dispatch(k, [b], 1, vk.pack_push(1, 1.0))])
@@ -395,9 +395,10 @@ def test_clear_errors(dev):
 
 CACHE_PROBE = """
 import json
-from meganeura.runtime.vulkan import VulkanDevice, glslang, samples
+from meganeura.compilation import glslang
+from meganeura.runtime.vulkan import VulkanDevice, samples
 with VulkanDevice() as d:
-    k = d.kernel_from_glsl(samples.SAXPY, name="saxpy")
+    k = glslang.kernel_from_glsl(d, samples.SAXPY, name="saxpy")
     print(json.dumps(dict(stats=dict(glslang.STATS), loaded=d.pipeline_cache_loaded_bytes,
                           rejected=d.pipeline_cache_rejected, hit=k.cache_hit)))
 """
@@ -422,7 +423,8 @@ def test_spirv_and_pipeline_caches_hit_on_the_second_run(dev, tmp_path):
 
 WARM_UP_PROBE = """
 import json
-from meganeura.runtime.vulkan import glslang, samples
+from meganeura.compilation import glslang
+from meganeura.runtime.vulkan import samples
 assert glslang._instance is None
 glslang.start_warm_up()
 first = glslang._warming
@@ -445,14 +447,14 @@ def test_glslang_warms_up_on_a_thread_once(dev):
 
 
 def test_a_new_plan_starts_the_warm_up(monkeypatch):
-    """A session compiling a plan (not reading it from the plan cache) calls the runtime's
-    ``prepare_compile`` before the compiler passes."""
+    """A session compiling a plan (not reading it from the plan cache) has the compile stage's
+    Vulkan finishing ``prepare`` (glslang's warm-up) before the compiler passes."""
     pytest.importorskip("vulkan")
     _need_glslang()
     import meganeura as mg
-    from meganeura.runtime.vulkan import backend
+    from meganeura.compilation import vulkan
     calls = []
-    monkeypatch.setattr(backend.VulkanRuntime, "prepare_compile", lambda self: calls.append(self))
+    monkeypatch.setattr(vulkan.VulkanKernels, "prepare", lambda self: calls.append(self))
     g = mg.Graph()
     x = g.input("x", (4, 8))
     y = mg.ops.relu(mg.ops.linear(x, g.parameter("w", (3, 8))))

@@ -81,14 +81,48 @@ def test_a_kernel_set_reads_back_whole_and_the_oldest_sets_go(tmp_path, monkeypa
 
 # ------------------------------------------------------------------ on the device
 vulkan = pytest.importorskip("vulkan", reason="the vulkan extra (pip install 'meganeura[vulkan]')")
+from meganeura.compilation import vulkan as vk_finish  # noqa: E402
 from meganeura.runtime.vulkan import backend  # noqa: E402
 from meganeura.runtime.vulkan import device as vkdevice  # noqa: E402
+
+
+class _Runtime:
+    """What a fresh process's Vulkan session does with kernel texts: the compile stage
+    finishes them for the runtime's target (nothing kept in memory from before: the disk
+    caches serve them), and the runtime creates their pipelines. ``stats``: the runtime's,
+    with the finishing's kernels read from disk and seconds translating."""
+
+    def __init__(self, dev):
+        vk_finish.clear_memory()
+        self.rt = backend.VulkanRuntime(dev)
+        self.finished = {"kernel_cache_hits": 0, "glsl_seconds": 0.0}
+
+    @property
+    def stats(self):
+        return {**self.rt.stats, **self.finished}
+
+    @property
+    def _pipelines(self):
+        return self.rt._pipelines
+
+    def _kernel_set_key(self, texts):
+        return vk_finish.VulkanKernels(self.rt.target())._set_key(texts)
+
+    def pipelines(self, shaders, threads=None):
+        fin = vk_finish.VulkanKernels(self.rt.target(), threads=threads)
+        try:
+            done = fin.finish(shaders)
+        finally:
+            fin.close()
+            for k in self.finished:
+                self.finished[k] += fin.stats[k]
+        return self.rt.pipelines([done[t] for t, _ in shaders], threads=threads)
 
 
 def _texts(rt, monkeypatch, with_loss=False):
     """The kernel texts (and names) of a small training step compiled and run on ``rt``
     (and the loss of two steps)."""
-    monkeypatch.setattr(backend, "_runtime", rt)
+    monkeypatch.setattr(backend, "_runtime", rt.rt)
     g = mg.Graph()
     x, y = g.input("x", (16, 8)), g.input("y", (16,), mg.i32)
     h = mg.ops.relu(mg.ops.linear(x, g.parameter("a.weight", (12, 8)), g.parameter("a.bias", (12,))))
@@ -104,7 +138,7 @@ def _texts(rt, monkeypatch, with_loss=False):
 def _forbid_compiling(monkeypatch):
     """Translating, compiling or reflecting anything fails the test."""
     from meganeura.codegen import glsl
-    from meganeura.runtime.vulkan import glslang
+    from meganeura.compilation import glslang
 
     def fail(*a, **k):
         raise AssertionError("compiled a kernel the cache holds")
@@ -127,7 +161,7 @@ def cache_dir(tmp_path, monkeypatch):
 def test_a_warm_runtime_creates_the_same_pipelines_without_translating(cache_dir, monkeypatch):
     from meganeura.runtime.vulkan.device import get_vulkan_device
     dev = get_vulkan_device()
-    cold = backend.VulkanRuntime(dev)
+    cold = _Runtime(dev)
     shaders, cold_losses = _texts(cold, monkeypatch, with_loss=True)
     assert len(shaders) >= 4
     entries = list((cache_dir / "kernels").glob("*.bin"))
@@ -135,7 +169,7 @@ def test_a_warm_runtime_creates_the_same_pipelines_without_translating(cache_dir
     first = cold.pipelines(shaders)
 
     _forbid_compiling(monkeypatch)
-    warm = backend.VulkanRuntime(dev)         # a fresh runtime: nothing in memory
+    warm = _Runtime(dev)         # a fresh runtime: nothing in memory
     again = warm.pipelines(shaders, threads=2)
     assert warm.stats["kernel_cache_hits"] == len(shaders) == warm.stats["pipelines_compiled"]
     assert warm.stats["glsl_seconds"] < 0.01
@@ -156,7 +190,7 @@ def test_corrupt_entries_are_ignored_and_rewritten(cache_dir, monkeypatch):
     from meganeura.codegen import glsl
     from meganeura.runtime.vulkan.device import get_vulkan_device
     dev = get_vulkan_device()
-    shaders = _texts(backend.VulkanRuntime(dev), monkeypatch)
+    shaders = _texts(_Runtime(dev), monkeypatch)
     for p in (cache_dir / "kernel_sets").glob("*.bin"):      # the kernels' own entries are read
         p.unlink()
     entries = sorted((cache_dir / "kernels").glob("*.bin"))
@@ -169,7 +203,7 @@ def test_corrupt_entries_are_ignored_and_rewritten(cache_dir, monkeypatch):
     translated = []
     real = glsl.to_glsl
     monkeypatch.setattr(glsl, "to_glsl", lambda *a, **k: (translated.append(a[1]), real(*a, **k))[1])
-    rt = backend.VulkanRuntime(dev)
+    rt = _Runtime(dev)
     ks = rt.pipelines(shaders)
     assert len(translated) == 3 and rt.stats["kernel_cache_hits"] == len(shaders) - 3
     assert all(k.pipeline is not None for k in ks)
@@ -183,10 +217,10 @@ def test_a_request_for_many_kernels_is_read_back_from_one_set(cache_dir, monkeyp
     corrupt set is ignored, the entries are read and the set is rewritten whole."""
     from meganeura.runtime.vulkan.device import get_vulkan_device
     dev = get_vulkan_device()
-    shaders = _texts(backend.VulkanRuntime(dev), monkeypatch)
+    shaders = _texts(_Runtime(dev), monkeypatch)
     shaders = (shaders * cache.SET_MIN_KERNELS)[:max(len(shaders), cache.SET_MIN_KERNELS)]
     shaders = [(f"{text}\n// {i}\n", label) for i, (text, label) in enumerate(shaders)]   # a request of new texts
-    cold = backend.VulkanRuntime(dev)
+    cold = _Runtime(dev)
     first = cold.pipelines(shaders)
     path = cache.kernel_set_path(cold._kernel_set_key([text for text, _ in shaders]))
     assert cache.load_kernel_set(path.stem, len(shaders)) is not None
@@ -197,7 +231,7 @@ def test_a_request_for_many_kernels_is_read_back_from_one_set(cache_dir, monkeyp
         p.unlink()
     with monkeypatch.context() as m:
         _forbid_compiling(m)
-        warm = backend.VulkanRuntime(dev)
+        warm = _Runtime(dev)
         again = warm.pipelines(shaders, threads=2)
     assert warm.stats["kernel_cache_hits"] == len(shaders) == warm.stats["pipelines_compiled"]
     for a, b in zip(first, again):
@@ -208,7 +242,7 @@ def test_a_request_for_many_kernels_is_read_back_from_one_set(cache_dir, monkeyp
     path.write_bytes(whole[:-9] + bytes([whole[-9] ^ 0x5A]) + whole[-8:])      # a flipped bit
     with monkeypatch.context() as m:
         _forbid_compiling(m)
-        rt = backend.VulkanRuntime(dev)
+        rt = _Runtime(dev)
         rt.pipelines(shaders)
     assert rt.stats["kernel_cache_hits"] == len(shaders) and path.read_bytes() == whole
     assert cache.load_kernel_set(path.stem, len(shaders) + 1) is None       # another request's length
@@ -217,16 +251,17 @@ def test_a_request_for_many_kernels_is_read_back_from_one_set(cache_dir, monkeyp
 def test_no_disk_cache_means_no_kernel_entries(cache_dir, monkeypatch):
     from meganeura.runtime.vulkan.device import get_vulkan_device
     monkeypatch.setenv("MEGANEURA_NO_DISK_CACHE", "1")
-    rt = backend.VulkanRuntime(get_vulkan_device())
+    rt = _Runtime(get_vulkan_device())
     shaders = _texts(rt, monkeypatch)
     assert shaders and not any((cache_dir / d).exists() for d in ("kernels", "kernel_sets", "spirv"))
-    rt2 = backend.VulkanRuntime(get_vulkan_device())
+    rt2 = _Runtime(get_vulkan_device())
     rt2.pipelines(shaders)
     assert rt2.stats["kernel_cache_hits"] == 0 and not (cache_dir / "kernels").exists()
 
 
 def test_a_batch_with_a_bad_kernel_names_it_and_leaves_no_pipeline():
-    from meganeura.runtime.vulkan import glslang, samples
+    from meganeura.compilation import glslang
+    from meganeura.runtime.vulkan import samples
     from meganeura.runtime.vulkan.device import get_vulkan_device
     dev = get_vulkan_device()
     spirv = glslang.compile_glsl(samples.SAXPY, name="saxpy")
@@ -244,7 +279,8 @@ def test_a_batch_with_a_bad_kernel_names_it_and_leaves_no_pipeline():
 
 
 def test_glslang_compiles_on_several_threads_as_on_one():
-    from meganeura.runtime.vulkan import glslang, samples
+    from meganeura.compilation import glslang
+    from meganeura.runtime.vulkan import samples
     sources = [(samples.SGEMM, samples.defines(samples.SGEMM_SMALL)), (samples.SAXPY, None)]
     sources = [(src, {**(d or {}), "MG_VARIANT": i}) for i in range(6) for src, d in sources]
     one = [glslang.compile_glsl(s, d, disk_cache=False) for s, d in sources]
@@ -264,9 +300,9 @@ def test_glslang_compiles_on_several_threads_as_on_one():
 def test_a_kernel_that_fails_to_translate_names_itself_and_stores_nothing(cache_dir, monkeypatch):
     from meganeura.codegen.glsl import GlslTranslationError
     from meganeura.runtime.vulkan.device import get_vulkan_device
-    rt = backend.VulkanRuntime(get_vulkan_device())
+    rt = _Runtime(get_vulkan_device())
     good = _texts(rt, monkeypatch)[:2]
-    rt = backend.VulkanRuntime(get_vulkan_device())
+    rt = _Runtime(get_vulkan_device())
     before = sorted((cache_dir / "kernels").glob("*.bin"))
     with pytest.raises(GlslTranslationError, match="broken"):
         rt.pipelines(good + [("fn main( {", "broken")])
@@ -281,15 +317,15 @@ def test_new_kernels_stream_to_the_threads_and_a_failure_leaves_no_pipeline(cach
     from meganeura.codegen.glsl import GlslTranslationError
     from meganeura.runtime.vulkan.device import get_vulkan_device
     dev = get_vulkan_device()
-    texts = _texts(backend.VulkanRuntime(dev), monkeypatch)
+    texts = _texts(_Runtime(dev), monkeypatch)
     monkeypatch.setenv("MEGANEURA_NO_DISK_CACHE", "1")        # every kernel new: translated and compiled
-    one = [backend.VulkanRuntime(dev).pipelines([t], threads=1)[0] for t in texts]
-    rt = backend.VulkanRuntime(dev)
+    one = [_Runtime(dev).pipelines([t], threads=1)[0] for t in texts]
+    rt = _Runtime(dev)
     many = rt.pipelines(texts, threads=4)
     assert [(k.name, k.access, k.local_size) for k in many] == [(k.name, k.access, k.local_size) for k in one]
     assert rt.stats["pipelines_compiled"] == len(texts) and rt.stats["glsl_seconds"] > 0
     alive = len([k for k in dev._kernels if k.pipeline is not None])
-    rt = backend.VulkanRuntime(dev)
+    rt = _Runtime(dev)
     broken = ("fn main( {", "broken")          # the shortest: translated after the others went to the pool
     with pytest.raises(GlslTranslationError, match="broken"):
         rt.pipelines(texts + [broken], threads=4)
@@ -332,10 +368,10 @@ def test_a_plan_allocates_while_its_pipelines_are_created(cache_dir, monkeypatch
     def allocate():
         raise MemoryError("no device memory for the plan")
     with pytest.raises(MemoryError, match="no device memory"):
-        executor._pipelines_while(Runtime(), [("text", "k")], allocate)
+        executor._pipelines_while(Runtime(), ["kernel"], allocate)
     assert ended == [True]
     done = []
-    assert executor._pipelines_while(Runtime(), [("text", "k")], lambda: done.append(1)) == ["made"] and done
+    assert executor._pipelines_while(Runtime(), ["kernel"], lambda: done.append(1)) == ["made"] and done
 
 
 def test_threads_making_pipelines_get_the_gil_promptly_and_the_interval_comes_back(cache_dir, monkeypatch):
@@ -347,24 +383,24 @@ def test_threads_making_pipelines_get_the_gil_promptly_and_the_interval_comes_ba
     from meganeura.runtime.vulkan.device import get_vulkan_device
     before = sys.getswitchinterval()
     seen = []
-    real = backend.VulkanRuntime._compile
+    real = vk_finish.VulkanKernels._compile
 
     def compile_(self, *a):
         seen.append(sys.getswitchinterval())
         return real(self, *a)
-    monkeypatch.setattr(backend.VulkanRuntime, "_compile", compile_)
+    monkeypatch.setattr(vk_finish.VulkanKernels, "_compile", compile_)
     monkeypatch.setenv("MEGANEURA_NO_DISK_CACHE", "1")
     dev = get_vulkan_device()
-    texts = _texts(backend.VulkanRuntime(dev), monkeypatch)
+    texts = _texts(_Runtime(dev), monkeypatch)
     seen.clear()
-    backend.VulkanRuntime(dev).pipelines(texts, threads=3)
-    assert backend.GIL_SWITCH_S < before and seen == pytest.approx([backend.GIL_SWITCH_S] * len(texts), rel=1e-3)
+    _Runtime(dev).pipelines(texts, threads=3)
+    assert vk_finish.GIL_SWITCH_S < before and seen == pytest.approx([vk_finish.GIL_SWITCH_S] * len(texts), rel=1e-3)
     assert sys.getswitchinterval() == before
     with pytest.raises(GlslTranslationError):
-        backend.VulkanRuntime(dev).pipelines([("fn main( {", "broken")] + texts[:1], threads=3)
+        _Runtime(dev).pipelines([("fn main( {", "broken")] + texts[:1], threads=3)
     assert sys.getswitchinterval() == before
-    with backend._prompt_gil_handoff():
-        with backend._prompt_gil_handoff():
+    with vk_finish.prompt_gil_handoff():
+        with vk_finish.prompt_gil_handoff():
             pass
-        assert sys.getswitchinterval() == pytest.approx(backend.GIL_SWITCH_S, rel=1e-3)
+        assert sys.getswitchinterval() == pytest.approx(vk_finish.GIL_SWITCH_S, rel=1e-3)
     assert sys.getswitchinterval() == before

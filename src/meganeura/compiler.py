@@ -1,10 +1,13 @@
-"""The device-free compile stage: ``compile_plan(targets, limits, options) -> KernelPlan``.
+"""The device-free compile stage: ``compile_plan(targets, ..., options, target) -> Executable``.
 
-The passes, in order: decomposition to primitives (``passes.lower``), scheduling into
-kernel IR (``schedule``: views, pointwise fusion), the kernel-IR fusion passes
-(``passes.fuse``), WGSL rendering per archetype (``codegen``) and the memory plan. The
-result names buffers logically; the runtime only allocates them and records dispatches, so
-everything here is testable (kernel counts, WGSL validity) without a GPU.
+The passes, in order: decomposition to primitives (``passes.lower``, with accelerated
+precision's rewrite: ``compilation.precision``), scheduling into kernel IR (``schedule``:
+views, pointwise fusion), the kernel-IR fusion passes (``passes.fuse``), the in-place passes
+(``compilation.inplace``), WGSL rendering per archetype (``codegen``) and the memory plan:
+a ``KernelPlan`` over logical buffers. Given a ``Target`` (``compilation.target``), each
+dispatch's kernel is then finished for it (``compilation.vulkan`` for Vulkan: tensor-core
+variants, GLSL, SPIR-V) into an ``Executable`` (``compilation.executable``) that a runtime
+only allocates, binds and records. Everything here runs without a GPU.
 """
 from __future__ import annotations
 
@@ -18,8 +21,13 @@ from dataclasses import dataclass, field
 
 from . import codegen
 from .codegen.fingerprint import RenderCache
-from .memplan import (MemoryPlan, move_value, plan_memory, reads_only_own_element, touching_units,
-                      write_over_dying_operands)
+from .compilation.inplace import store_copies_with_writers, update_in_place
+from .compilation.precision import (BACKWARD_CONV_ROUND_MAX_K, BACKWARD_F16_MIN_MACS,  # noqa: F401 (the
+                                    BACKWARD_MATMUL_F16_MIN_MACS, BACKWARD_ROUND_MAX_K, F16_COPY,  # names
+                                    GRAD_SCALE_TARGET, _accelerated_attention_grad,  # callers import
+                                    accelerated_rewrite, f16_copy_name, f16_weights,  # from here)
+                                    precision_constants, refresh_f16_copies)
+from .memplan import MemoryPlan, plan_memory, write_over_dying_operands
 from .passes import lower_to_primitives
 from .passes.remat import rematerialize
 from .passes.fuse import FUSION_PASSES, run_fusion
@@ -37,6 +45,14 @@ class CompileOptions:
     workgroup_storage: int = 0           # bytes of workgroup memory a kernel may use (0: a portable 32 KiB)
     f16_weights: frozenset = frozenset() # accelerated: parameters read through persistent f16 copies
     binding_arrays: bool = False         # the runtime binds arrays of buffers: merged parts share bodies
+    checked: bool = False                # kernels that index with data report bad indices (MEGANEURA_CHECKED)
+
+    @staticmethod
+    def for_target(target, precision="strict", checked=False):
+        """``from_env`` for a ``Target``'s limits."""
+        opts = CompileOptions.from_env(precision, target.limits)
+        opts.checked = bool(checked)
+        return opts
 
     @staticmethod
     def from_env(precision="strict", limits=None):
@@ -85,284 +101,6 @@ class KernelPlan:
         return len(self.dispatches)
 
 
-F16_COPY = "@f16"      # name suffix of a parameter's persistent f16 copy (never a user name: no '@' in module paths)
-
-
-def f16_copy_name(name: str) -> str:
-    return name + F16_COPY
-
-
-def _accelerated(t, forward) -> bool:
-    """``t`` is a forward f32 matmul that accelerated precision gives f16 operands."""
-    return t.op == "matmul" and t.id in forward and t.dtype.name == "f32" and not t.attrs.get("out_dtype")
-
-
-CONV_OPS = ("conv2d", "conv2d_input_grad", "conv2d_weight_grad")
-
-
-def _accelerated_conv(t, forward) -> bool:
-    """``t`` is a forward f32 convolution: its matmul takes f16 operands (the columns rounded
-    in the implicit GEMM's loads)."""
-    return t.op == "conv2d" and t.id in forward and t.dtype.name == "f32"
-
-
-def _conv_macs(t) -> int:
-    """Multiply-adds of a convolution op's matmul (forward, input or weight gradient)."""
-    if t.op == "conv2d_weight_grad":
-        ct = t.inputs[1]
-        return t.size * ct.shape[0] * ct.shape[2] * ct.shape[3]
-    ct, w = t.inputs[0], t.inputs[1]
-    return (t if t.op == "conv2d" else ct).size * w.shape[1] * w.shape[2] * w.shape[3]
-
-
-def _layout_chain(x):
-    """(the tensor that layout ops (reshape, permute, ...) make ``x`` a view of, those ops from
-    it to ``x``, outermost first)."""
-    from .schedule import VIEW_OPS
-    chain = []
-    while x.op in VIEW_OPS:
-        chain.append(x)
-        x = x.inputs[0]
-    return x, chain
-
-
-def _viewed_parameter(x):
-    """(parameter, layout ops from it to ``x``, outermost first) when ``x`` is an f32
-    parameter or a layout view of one, else (None, [])."""
-    x, chain = _layout_chain(x)
-    if x.op == "parameter" and x.dtype.name == "f32":
-        return x, chain
-    return None, []
-
-
-def f16_weights(forward_targets) -> frozenset:
-    """Names of the parameters that accelerated forward matmuls read as operands (directly
-    or through layout views). Each gets a persistent f16 copy on the device, written when
-    the weight is set or updated instead of cast by every call."""
-    from .reference import needed_nodes
-    nodes = needed_nodes(forward_targets)
-    forward = {t.id for t in nodes}
-    names = set()
-    for t in nodes:
-        if _accelerated(t, forward) or _accelerated_conv(t, forward):
-            names.update(p.name for p in (_viewed_parameter(x)[0] for x in t.inputs) if p is not None)
-    return frozenset(names)
-
-
-# A gradient operand of an accelerated backward matmul is scaled so that its largest
-# magnitude is this before it is rounded to f16: gradients are often far below f16's
-# smallest normal (6e-5; a token-mean loss over 512 tokens gives logit gradients near 1e-8),
-# and 2^14 leaves room below f16's largest (65504) while keeping small elements normal.
-GRAD_SCALE_TARGET = 2.0 ** 14
-# A backward matmul takes f16 operands from this many multiply-adds on: scaling a gradient
-# costs a max reduction and a cast (three launches, shared by the matmuls reading it), which
-# smaller products do not win back. H200: SmolLM2 (128 tokens) with every backward matmul
-# in f16 launched 1401 -> 1855 kernels per forward+backward and gained only 11.2 -> 10.0 ms;
-# after the outputs fusion (2^20 here) 1259 -> 1734 launches lost, 8.85 -> 9.49 ms, although
-# its matmuls' GPU time fell 5.32 -> 3.91 ms.
-BACKWARD_F16_MIN_MACS = 2 ** 28
-# A backward matmul or convolution takes its gradient operands in f32 and rounds them
-# to f16 precision in its loads (``codegen.matmul.ROUND_F16``: the tensor-core kernel scales
-# its share of each into f16's range by a power of two), so it needs no launch of its own to
-# scale them: from this many multiply-adds on it runs on f16 operands.
-BACKWARD_MATMUL_F16_MIN_MACS = 2 ** 20
-# ... up to this depth (K): deeper, the scaled cast. The tensor-core kernel
-# keeps a K split of up to coopmat.RAW_CHUNKS chunks in registers to take the rounded
-# operand's peak, and reads a longer one twice (a pre-pass), which a deep product pays more
-# than the two launches of the cast.
-BACKWARD_ROUND_MAX_K = 4096
-# ... and a convolution's product up to this depth: its weight gradient's K (an image's
-# positions, or the batch's) is split few ways, and a long split reads the rounded operand
-# twice (a pre-pass for its peak). H200, accelerated train steps at 4096 / 1024 / 512:
-# ResNet-50 7.09 / 7.16 / 7.44 ms, U-Net 4.04 / 3.99 / 4.07, Whisper 4.49 / 4.46 / 4.44
-# (its 1500-deep weight gradient took 124.7 us rounded, 59.4 cast; the cast's launches
-# about 92 more); with the scaled cast for every convolution 7.48-7.55 / 4.27-4.29 / 4.43-4.48.
-BACKWARD_CONV_ROUND_MAX_K = 1024
-
-
-def precision_constants() -> tuple:
-    """The module constants that decide accelerated precision's rewrite: part of the plan
-    cache's key (a test or benchmark that changes one never reads another's plan)."""
-    return (GRAD_SCALE_TARGET, BACKWARD_F16_MIN_MACS, BACKWARD_MATMUL_F16_MIN_MACS, BACKWARD_ROUND_MAX_K,
-            BACKWARD_CONV_ROUND_MAX_K)
-
-
-def _backward_f16(t, forward) -> str | None:
-    """How accelerated precision gives backward f32 matmul or convolution ``t`` (one the
-    autodiff added) f16 operands: "round" (its gradient operands read in f32 and rounded in
-    its product's loads, ``_rounds_in_loads``: from BACKWARD_MATMUL_F16_MIN_MACS on), "scale"
-    (scaled and cast before it: from BACKWARD_F16_MIN_MACS on), or None where it stays f32
-    (too small, or not such a product). Matmuls that only a state update or the optimizer
-    reads stay f32."""
-    if t.op not in ("matmul",) + CONV_OPS or t.id in forward or t.id not in t.graph.backward_ids \
-            or t.dtype.name != "f32" or t.attrs.get("out_dtype"):
-        return None
-    rounds = _rounds_in_loads(t, forward)
-    macs = t.size * _depth(t) if t.op == "matmul" else _conv_macs(t)
-    if macs < (BACKWARD_MATMUL_F16_MIN_MACS if rounds else BACKWARD_F16_MIN_MACS):
-        return None
-    return "round" if rounds else "scale"
-
-
-def _depth(t) -> int:
-    """K of matmul ``t``."""
-    a = t.inputs[0]
-    return a.shape[-2] if t.attrs["ta"] else a.shape[-1]
-
-
-# the operand of a convolution gradient that is the cotangent (the other is a forward value)
-_COTANGENT = {"conv2d_input_grad": 0, "conv2d_weight_grad": 1}
-
-
-def _rounds_in_loads(t, forward) -> bool:
-    """Backward matmul or convolution ``t`` reads its gradient operands in f32, rounded to f16
-    by its product's loads (``f16_round``), rather than scaled and cast before it: up to
-    BACKWARD_ROUND_MAX_K deep (a convolution's product: BACKWARD_CONV_ROUND_MAX_K), and for a
-    convolution only where its one gradient operand is the cotangent, which reaches the
-    product through views alone (the other operand, the weight or the im2col of the input,
-    is a forward value)."""
-    if t.op == "matmul":
-        return _depth(t) <= BACKWARD_ROUND_MAX_K
-    from .ops.conv import gradient_product_depth
-    at = _COTANGENT.get(t.op)
-    return at is not None and gradient_product_depth(t) <= BACKWARD_CONV_ROUND_MAX_K and \
-        [x.id in forward for x in t.inputs] == [i != at for i in range(len(t.inputs))]
-
-
-def _accelerated_attention_grad(t) -> bool:
-    """``t`` is an attention gradient that the flash backward takes, with head dims the
-    tensor-core kernels take (``codegen.flash_grad_coop``): its dO gets scaled. Elsewhere
-    (short rows: decomposed, f32) scaling would only add launches."""
-    if t.op != "attention_grad" or t.id not in t.graph.backward_ids or t.dtype.name != "f32":
-        return False
-    from .codegen import attention, flash_coop
-    q, v = t.inputs[0], t.inputs[2]
-    return attention.grad_supported(t) and max(q.shape[-1], v.shape[-1]) <= flash_coop.MAX_DIM
-
-
-def accelerated_rewrite(forward_targets, f16_weights=frozenset()):
-    """Accelerated precision: matmuls read f16 operands and accumulate in f32, and so do
-    the matmuls of convolutions (decomposed here around them: the im2col columns are cast,
-    which the implicit GEMM does in its loads). Forward matmuls (those the fetched outputs
-    and loss depend on) cast theirs; a parameter named in
-    ``f16_weights`` is read from its persistent f16 copy (a state of the lowered graph,
-    ``f16_copy_name``) rather than cast on every call. Backward matmuls cast forward values
-    alike and read gradient operands in f32, rounded to f16 precision as the kernel loads
-    them (``f16_round``: the tensor-core kernel scales each workgroup's share into f16's
-    range by a power of two and unscales its product); so do backward convolutions, whose
-    cotangent reaches the product through views (``_rounds_in_loads``). Deeper products
-    scale each gradient operand by GRAD_SCALE_TARGET over its
-    largest magnitude before the cast (one max reduction per gradient, shared by the
-    matmuls that read it), dividing the product by the scales after. A gradient holding an
-    inf or NaN makes the product NaN where it reaches (a convolution's whole product; strict
-    poisons only the rows and columns that touch it): either way the step is lost.
-
-    An attention gradient that the flash backward takes reads dO, and D = rowsum(dO * O),
-    divided by dO's largest magnitude, and its gradient is multiplied back: the flash backward on
-    tensor cores (``codegen.flash_grad_coop``) rounds dO and dS to f16, which would flush a
-    small loss's cotangents to zero."""
-    from .ops import cast, emit
-    from .ops.elementwise import maximum
-    from .ops.registry import OPS
-    from .ops.reduce import amax
-    from .reference import needed_nodes
-    forward = {t.id for t in needed_nodes(forward_targets)}
-    scaled = {}       # original gradient tensor id -> (its scaled f16 copy, its peak magnitude)
-    unit = {}         # dO's id -> (dO / its peak, the peak); D's id -> D / dO's peak
-
-    def operand(x, new):
-        p, chain = _viewed_parameter(x)
-        if p is None or p.name not in f16_weights:
-            return new
-        g, name = new.graph, f16_copy_name(p.name)
-        v = g.states.get(name) or g.state(name, p.shape, "f16")
-        for view in reversed(chain):
-            v = emit(view.op, [v], **view.attrs)
-        return v
-
-    def gradient_operand(x, new):
-        # the peak is read by the cast and by the product's epilogue as it is (a scalar
-        # computed from it, scale or inverse, would be a launch of its own between them);
-        # scaling by the power of two GRAD_SCALE_TARGET is exact, and comes after the division
-        # so that no finite gradient overflows on the way
-        if x.id not in scaled:
-            peak = maximum(amax(emit("abs", [new])), 1e-30)     # all zeros: any finite scale
-            scaled[x.id] = (cast(new / peak * GRAD_SCALE_TARGET, "f16"), peak)
-        return scaled[x.id]
-
-    def attention_grad(t, ins):
-        do, delta = t.inputs[3], t.inputs[5]
-        if do.id not in unit:
-            peak = maximum(amax(emit("abs", [ins[3]])), 1e-30)     # all zeros: any finite scale
-            unit[do.id] = (ins[3] / peak, peak)
-        do_unit, peak = unit[do.id]
-        if delta.id not in unit:
-            unit[delta.id] = ins[5] / peak
-        return emit(t.op, ins[:3] + [do_unit, ins[4], unit[delta.id]] + ins[6:], **t.attrs) * peak
-
-    def product(a, b, ta=False, tb=False):
-        return codegen.matmul.accelerate(a, b, ta, tb)
-
-    def apply(t, ops):
-        """``t`` over ``ops`` with its matmul on f16 operands: a matmul, or a convolution
-        decomposed around one (its im2col, col2im and batch sum stay f32)."""
-        if t.op == "matmul":
-            return product(*ops, t.attrs["ta"], t.attrs["tb"])
-        return OPS[t.op].extra["decompose"](*ops, **t.attrs, product=product)
-
-    def rw(t, ins):
-        if _accelerated(t, forward) or _accelerated_conv(t, forward):
-            return apply(t, [operand(x, n) for x, n in zip(t.inputs, ins)])
-        if _accelerated_attention_grad(t):
-            return attention_grad(t, ins)
-        path = _backward_f16(t, forward)
-        if path == "round":
-            # gradient operands stay f32, rounded to f16 by the product's loads
-            rounded = tuple(x.id not in forward for x in t.inputs)
-            ops = [n if r else operand(x, n) for x, n, r in zip(t.inputs, ins, rounded)]
-            if t.op == "matmul":
-                return codegen.matmul.accelerate(*ops, t.attrs["ta"], t.attrs["tb"], f16_round=rounded)
-            # the cotangent by the tensor it views: layout ops fold (a reshape of a reshape
-            # is one), so the product's operand may view it through another chain
-            grads = {_layout_chain(n)[0].id for n, r in zip(ops, rounded) if r}
-
-            def rounding_product(a, b, ta=False, tb=False):
-                flags = tuple(_layout_chain(v)[0].id in grads for v in (a, b))
-                if flags.count(True) != 1:      # an unscaled cast would flush small gradients
-                    raise RuntimeError(f"{t.op}: the product's operands {a.op} and {b.op} do not view the "
-                                       "cotangent once")
-                return codegen.matmul.accelerate(a, b, ta, tb, f16_round=flags)
-            return OPS[t.op].extra["decompose"](*ops, **t.attrs, product=rounding_product)
-        if path == "scale":
-            ops, unscale = [], []
-            for x, n in zip(t.inputs, ins):
-                if x.id in forward:
-                    ops.append(operand(x, n))
-                else:
-                    v, peak = gradient_operand(x, n)
-                    ops.append(v)
-                    unscale.append(peak)
-            y = apply(t, ops)
-            for peak in unscale:     # one factor at a time: their product could underflow
-                y = y * (1.0 / GRAD_SCALE_TARGET) * peak
-            return y
-        return None
-    return rw
-
-
-def refresh_f16_copies(targets, updates, f16_weights) -> dict:
-    """The f16 copy of every updated parameter that has one, computed from its new value:
-    appended to ``targets`` (a list of the lowered graph) with its copy's name added to
-    ``updates``, so an optimizer step writes the master weight and its copy in one pass."""
-    from .ops import cast
-    updates = dict(updates or {})
-    for i, name in list(updates.items()):
-        if name in f16_weights:
-            updates[len(targets)] = f16_copy_name(name)
-            targets.append(cast(targets[i], "f16"))
-    return updates
-
-
 _gc_lock = threading.Lock()
 _gc_users = 0                 # compiles under way (gc_paused nests and runs on several threads)
 _gc_was_enabled = False
@@ -390,43 +128,95 @@ def gc_paused():
 
 
 def compile_plan(targets, n_forward=None, options: CompileOptions | None = None, updates=None,
-                 cache=False, adapter=None, on_compile=None, on_render=None) -> KernelPlan:
+                 cache=False, adapter=None, target=None, stream=None):
     """Kernels computing ``targets`` (tensors of one graph). ``n_forward``: how many leading
     targets are forward outputs (accelerated precision applies to what they depend on).
     ``updates``: {target index: parameter/state name} for targets that become that
     tensor's new value after the call; where it is safe they are written in place.
-    ``cache``: read and write the on-disk plan cache (``plan_cache``; the runtime turns it
-    on, keyed with ``adapter``, the device's description); a plan read from it carries
-    each kernel's name, archetype and output but not its IR. ``on_compile()`` is called
-    before the compiler passes run (not for a plan from the cache): a runtime starts there
-    what compiling the new kernels will need. ``on_render(kernel, text)`` is called for each
-    text as it is rendered (each distinct text once; merged launches and matmuls first): a
-    runtime may start making those kernels while the rest of the plan is rendered."""
+    ``cache``: read and write the on-disk plan cache (``plan_cache``, keyed with ``adapter``,
+    the device's description); a plan read from it carries each kernel's name, archetype and
+    output but not its IR (never in checked mode, whose kernels are rendered with index reports).
+
+    ``target`` None: the ``KernelPlan`` (device-free counts and digests read it). A ``Target``:
+    the ``Executable`` for it, every dispatch's kernel finished (checked mode's index reports,
+    and for Vulkan the cooperative-matrix variants, GLSL and SPIR-V). ``stream``: a
+    ``KernelStream`` that each finished kernel is put on as soon as it is made (closed when
+    this returns or raises), so that a runtime creates pipelines while the rest compiles;
+    kernels start finishing as they are rendered (``early_kernels``)."""
     opts = options or CompileOptions()
-    with gc_paused():
-        key = None
-        if cache:
-            from . import plan_cache
-            key = plan_cache.plan_key(targets, n_forward, opts, updates, adapter)
-            plan = plan_cache.load(key) if key is not None else None
-            if plan is not None:
-                return plan
-        if on_compile is not None:
-            on_compile()
-        # attention routes by precision (``attention.ACCELERATED_MAX_ROW_WORK``)
-        accelerated = codegen.attention.ACCELERATED.set(opts.precision == "accelerated")
-        try:
-            plan = _compile_plan(targets, n_forward, opts, updates, on_render)
-        finally:
-            codegen.attention.ACCELERATED.reset(accelerated)
-        if key is not None:
-            plan.stats["key"] = key
-            plan_cache.store(key, plan)
-            plan.stats["cache"] = "stored"
-        return plan
+    finisher = _finisher(target, opts, stream)
+    try:
+        with gc_paused():
+            plan = key = None
+            if cache and not opts.checked:
+                from . import plan_cache
+                key = plan_cache.plan_key(targets, n_forward, opts, updates, adapter)
+                plan = plan_cache.load(key) if key is not None else None
+            if plan is None:
+                if finisher is not None:
+                    finisher.prepare()
+                early = finisher.start if finisher is not None and not opts.checked and early_kernels() else None
+                # attention routes by precision (``attention.ACCELERATED_MAX_ROW_WORK``)
+                accelerated = codegen.attention.ACCELERATED.set(opts.precision == "accelerated")
+                try:
+                    plan = _compile_plan(targets, n_forward, opts, updates, early)
+                finally:
+                    codegen.attention.ACCELERATED.reset(accelerated)
+                if key is not None:
+                    plan.stats["key"] = key
+                    plan_cache.store(key, plan)
+                    plan.stats["cache"] = "stored"
+            return plan if target is None else _finish(plan, target, opts, finisher)
+    finally:
+        if finisher is not None:
+            finisher.close()
+        if stream is not None:
+            stream.close()
+
+
+def early_kernels() -> bool:
+    """Whether kernels start finishing (GLSL, SPIR-V) as they are rendered, beside the rest of
+    the plan; ``MEGANEURA_EARLY_KERNELS=0`` waits for the whole plan (to compare)."""
+    from .runtime.backends import env_flag
+    return env_flag("MEGANEURA_EARLY_KERNELS", default=True)
+
+
+def _finisher(target, opts, stream):
+    """What finishes kernels for ``target`` (None: the WGSL is final, or no target)."""
+    if target is None or target.api != "vulkan":
+        return None
+    from .compilation.vulkan import VulkanKernels
+    return VulkanKernels(target, opts.precision, stream)
+
+
+def _finish(plan, target, opts, finisher):
+    """The ``Executable`` of ``plan`` for ``target``: checked mode's kernels rendered again
+    with their index reports into one error buffer, then (Vulkan) each kernel finished."""
+    from .compilation.executable import Executable, FinalKernel, Step
+    shaders = [(d.wgsl, d.kernel.name, d.bufs, d.groups) for d in plan.dispatches]
+    checks, err = [], None
+    checked = [i for i, d in enumerate(plan.dispatches) if d.kernel.spec.get("checks")] if opts.checked else []
+    if checked:
+        n = sum(len(plan.dispatches[i].kernel.spec["checks"]) for i in checked)
+        err = Buf(8 * n, "temp", "index_errors")
+        for i in checked:
+            k = plan.dispatches[i].kernel
+            wgsl, bufs, _ = codegen.render(k, errors=(err, len(checks)))
+            checks += [(c, k.name) for c in k.spec["checks"]]
+            shaders[i] = (wgsl, k.name, bufs, plan.dispatches[i].groups)
+    if finisher is None:
+        steps = [Step(FinalKernel(label, text, text), bufs, groups) for text, label, bufs, groups in shaders]
+        stats = {}
+    else:
+        shaders = finisher.variants([d.kernel for d in plan.dispatches], shaders)
+        done = finisher.finish([(text, label) for text, label, _, _ in shaders])
+        steps = [Step(done[text], bufs, groups) for text, _, bufs, groups in shaders]
+        stats = dict(finisher.stats)
+    return Executable(plan, target, steps, opts.precision, checks, err, stats)
 
 
 def _compile_plan(targets, n_forward, opts, updates, on_render=None) -> KernelPlan:
+    """The passes; ``on_render(kernel, text)`` takes each distinct text as it is rendered."""
     clock = _StageClock()
     fwd = targets[:len(targets) if n_forward is None else n_forward]
     accelerated = opts.precision == "accelerated"
@@ -466,7 +256,7 @@ def _compile_plan(targets, n_forward, opts, updates, on_render=None) -> KernelPl
     dispatches = [None] * len(kernels)
     # a repeated layer's kernels render once (``codegen.fingerprint``); the text does not
     # depend on the order, so the kernels whose driver compiles take longest (merged
-    # launches, matmuls) render first, for ``on_render`` to start them first
+    # launches, matmuls) render first, for ``on_render`` to start finishing them first
     array_limit = opts.max_bindings if opts.binding_arrays else 0
     render, sent = RenderCache(functools.partial(codegen.render, array_limit=array_limit,
                                                  tiled_arrays=opts.precision == "strict")), set()
@@ -529,96 +319,9 @@ def _size_tiles(kernels, storage):
             k.spec["smem"] = storage
 
 
-def update_in_place(kernels, sched, targets, updates) -> int:
-    """A new value of a parameter or state computed elementwise from the old one (an
-    optimizer update, a KV-cache blend) is written straight into the tensor's buffer, when
-    nothing after its writer reads the old value: no copy after the step and no second
-    buffer of that size. Returns how many updates became in place."""
-    named = {b.name: b for b in sched.bufs if b.kind in ("parameter", "state")}
-    touching = touching_units(kernels)
-    values: dict = {}            # buffer id -> the schedule's value views on it (target locations)
-    for x in sched.values.values():
-        values.setdefault(id(x.buf), []).append(x)
-    done = 0
-    for ti, name in updates.items():
-        v = sched.values.get(targets[ti].id)
-        dst = named.get(name)
-        if v is None or dst is None or v.buf.kind != "target" or v.offset or not v.is_contiguous() \
-                or v.buf.nbytes != dst.nbytes or v.dtype is not dst.dtype:
-            continue
-        # each writer with the view it writes this value by (a further output may be a transpose)
-        writers = [(i, u, wv) for i, u in touching.get(id(v.buf), [])
-                   if (wv := next((o for o in [u.out, *u.outs] if o.buf is v.buf), None)) is not None]
-        if len(writers) != 1:
-            continue
-        wi, w, written = writers[0]
-        # the writer reads the old value only at the element it writes, and nothing else
-        # touches the old value from the writer's launch on
-        if not reads_only_own_element(w, dst, written) \
-                or any(i >= wi and u is not w for i, u in touching.get(id(dst), [])):
-            continue
-        move_value(touching, v.buf, dst)
-        for x in values.pop(id(v.buf), []):
-            x.buf = dst
-        done += 1
-    return done
-
-
-def _is_copy_cast(k, copies) -> bool:
-    """``k`` casts one whole value into an f16 copy named in ``copies``."""
-    e = k.spec.get("expr")
-    return k.archetype == "pointwise" and k.out.buf.name in copies and len(k.reads) == 1 and not k.epi_reads \
-        and e is not None and e[0] == "op" and e[1].op == "cast" and e[2] == [("leaf", 0)] \
-        and k.out.is_contiguous() and k.reads[0].is_contiguous() and k.epilogue is None
-
-
-def _n_bindings(k) -> int:
-    return len({id(v.buf) for v in k.read_views()} | {id(b) for b in k.written_bufs()})
-
-
-def store_copies_with_writers(kernels, copies, max_bindings=8) -> list:
-    """An f16 copy computed from a value that a pointwise kernel (or part) wrote earlier
-    becomes a second store of that writer (``spec["stores"]``): the optimizer's update
-    writes the master weight and its f16 copy in one pass, and the cast's launch goes.
-    Only when nothing touches the value or the copy between the two, and the writer's
-    launch has a binding left."""
-    writer: dict = {}        # id(buf) -> (launch position, its kernel, pointwise unit that last wrote it whole)
-    last: dict = {}          # id(buf) -> last launch position that read or wrote it
-    out = []
-    for i, k in enumerate(kernels):
-        units = k.spec.get("parts", [k]) if k.archetype == "multi" else [k]
-        kept = []
-        for u in units:
-            src = u.reads[0] if _is_copy_cast(u, copies) else None
-            w = writer.get(id(src.buf)) if src is not None else None
-            if w is not None and w[2].out.offset == src.offset and w[2].out.shape == src.shape \
-                    and last.get(id(src.buf)) == w[0] and last.get(id(u.out.buf), -1) < w[0] \
-                    and _n_bindings(w[1]) < max_bindings:
-                w[2].spec = {**w[2].spec, "stores": [*w[2].spec.get("stores", []), u.out]}
-                last[id(u.out.buf)] = w[0]
-                continue
-            kept.append(u)
-        for u in kept:
-            for v in list(u.reads) + list(u.epi_reads):
-                last[id(v.buf)] = i
-            for b in u.written_bufs():
-                last[id(b)] = i
-                writer.pop(id(b), None)
-            if u.archetype == "pointwise" and u.epilogue is None and u.out.is_contiguous() \
-                    and u.out.size * u.out.dtype.np.itemsize == u.out.buf.nbytes:
-                writer[id(u.out.buf)] = (i, k, u)
-        if not kept:
-            continue
-        if k.archetype == "multi" and len(kept) != len(units):
-            k.spec = {**k.spec, "parts": kept}
-            k.name = "|".join(u.name for u in kept)
-        out.append(k)
-    return out
-
-
 def count_dispatches(targets, **kw) -> int:
     """Dispatches the GPU backend records for ``targets`` (no device needed)."""
     return compile_plan(targets, **kw).n_dispatches
 
 
-__all__ = ["Buf", "CompileOptions", "KernelPlan", "compile_plan", "count_dispatches"]
+__all__ = ["Buf", "CompileOptions", "KernelPlan", "compile_plan", "count_dispatches", "early_kernels"]

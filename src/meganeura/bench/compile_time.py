@@ -76,9 +76,15 @@ def _session(w, graph, backend, precision="strict", **kw):
 
 
 def _h200_options(**kw):
-    """The H200's compile options (bindings, workgroup memory, arrays of buffers), with ``kw``."""
+    """The H200's compile options (bindings, workgroup memory, arrays of buffers: its
+    device-free ``Target.h200``), with ``kw``; no ``MEGANEURA_NO_FUSE``."""
+    from ..compilation.target import Target
     from ..compiler import CompileOptions
-    return CompileOptions(max_bindings=BINDINGS, workgroup_storage=H200_WORKGROUP_STORAGE, binding_arrays=True, **kw)
+    lim = Target.h200().limits
+    assert lim["max-storage-buffers-per-shader-stage"] == BINDINGS and \
+        lim["max-compute-workgroup-storage-size"] == H200_WORKGROUP_STORAGE
+    return CompileOptions(max_bindings=BINDINGS, workgroup_storage=H200_WORKGROUP_STORAGE,
+                          binding_arrays=lim["binding-arrays"], **kw)
 
 
 def _plan_args(program, phase) -> tuple:
@@ -181,7 +187,7 @@ def kernel_code(name, size, graph) -> dict:
     """The SPIR-V of one workload graph's distinct kernels (see ``--spirv`` in the module doc)."""
     from ..codegen.glsl import to_glsl
     from ..compiler import compile_plan
-    from ..runtime.vulkan.glslang import compile_glsl
+    from ..compilation.glslang import compile_glsl
     w = make(name, size=size, device="cpu")
     _, s, _ = _session(w, graph, "numpy")
     opts = _h200_options()
@@ -291,9 +297,11 @@ def on_device(name, size, graph, mode="strict") -> dict:
                     "unique_pipelines": len({d.wgsl for p in plans.values() for d in p.kernel_plan.dispatches}),
                     "pipelines_created": dev.stats["pipelines_compiled"] - st0["pipelines_compiled"],
                     "pipeline_s": dev.stats["compile_seconds"] - st0["compile_seconds"],      # summed over threads
-                    # Vulkan: kernels read compiled from disk (no GLSL, no glslang), seconds rendering GLSL
-                    "kernels_from_disk": dev.stats.get("kernel_cache_hits", 0) - st0.get("kernel_cache_hits", 0),
-                    "glsl_s": dev.stats.get("glsl_seconds", 0.0) - st0.get("glsl_seconds", 0.0),
+                    # Vulkan: the compile stage's kernels read compiled from disk (no GLSL, no
+                    # glslang), seconds translating to GLSL and in glslang (summed over threads)
+                    "kernels_from_disk": sum(p.executable.stats.get("kernel_cache_hits", 0) for p in plans.values()),
+                    "glsl_s": sum(p.executable.stats.get("glsl_seconds", 0.0) for p in plans.values()),
+                    "glslang_s": sum(p.executable.stats.get("compile_seconds", 0.0) for p in plans.values()),
                     "pipeline_wall_s": dev.stats.get("pipeline_wall_seconds", 0.0) - st0.get("pipeline_wall_seconds", 0.0)}
         out[run].update(_kernel_sizes(dev, plans.values()))
         s.close()
@@ -305,7 +313,7 @@ def _kernel_sizes(dev, plans, top=5) -> dict:
     """SPIR-V bytes of the plans' kernels, and the ``top`` slowest to create (Vulkan: the
     driver's compile time grows with a kernel's size); empty on other backends."""
     made = getattr(dev, "_pipelines", {})
-    kernels = [made[t] for t in {d.wgsl for p in plans for d in p.kernel_plan.dispatches} if t in made]
+    kernels = [made[t] for t in {k.key for p in plans for k in p.executable.kernels} if t in made]
     kernels = [k for k in kernels if hasattr(k, "spirv_bytes")]
     if not kernels:
         return {}
@@ -399,7 +407,7 @@ def host_reference(threads=None) -> dict:
     from ..codegen.glsl import to_glsl
     from ..compiler import CompileOptions, compile_plan
     from ..runtime.backends import compile_threads
-    from ..runtime.vulkan.glslang import GlslangUnavailable, compile_glsl
+    from ..compilation.glslang import GlslangUnavailable, compile_glsl
     g = mg.Graph()
     y = mg.ops.matmul(g.input("a", (256, 256)), g.input("b", (256, 256)))
     wgsl = compile_plan([y], n_forward=1, options=CompileOptions(workgroup_storage=H200_WORKGROUP_STORAGE)) \

@@ -1,6 +1,6 @@
 """Which GPU runtime runs a ``gpu`` session: wgpu (WGSL, every platform: Vulkan, Metal,
-DX12) or the direct Vulkan backend (GLSL -> SPIR-V, dependency levels instead of a
-barrier per dispatch, cooperative matrices).
+DX12) or the direct Vulkan backend (SPIR-V compiled from GLSL by the compile stage,
+dependency levels instead of a barrier per dispatch, cooperative matrices).
 
 ``backend="gpu"`` follows ``MEGANEURA_BACKEND`` (``vulkan`` or ``wgpu``) when it is set;
 otherwise it takes the Vulkan backend where the ``vulkan`` extra is installed and a
@@ -71,7 +71,7 @@ def gpu_device():
 
 
 def make_recorder(dev):
-    if getattr(dev, "backend", None) == "vulkan":
+    if dev.backend == "vulkan":
         from .vulkan.backend import VulkanRecorder
         return VulkanRecorder(dev)
     from .recorder import StepRecorder

@@ -215,6 +215,8 @@ class Device:
         if adapter is None or isinstance(adapter, (int, str)):
             adapter = choose_adapter(selector=adapter)
         self.adapter = adapter
+        self.backend = "wgpu"
+        self.concurrent_pipelines = False     # pipelines made before memory, not beside it
         self.checked = env_flag("MEGANEURA_CHECKED") if checked is None else bool(checked)
         a_feats = set(self.adapter.features)
         want = [f for f in WANTED_FEATURES if f in a_feats]
@@ -445,12 +447,20 @@ class Device:
                 self.stats["pipelines_evicted"] += 1
         return p
 
-    def pipelines(self, shaders, threads=None):
-        """Pipelines for many ``(wgsl, label)`` at once (group-0 layouts parsed from the
-        WGSL), in order. The ones not cached yet are created on ``threads`` threads
-        (default ``backends.compile_threads``): wgpu releases the GIL while
-        naga and the driver compile, and on a hardware driver each pipeline takes tens of
-        milliseconds of CPU."""
+    def target(self):
+        """This device as a compile ``Target`` (its WGSL is final as rendered)."""
+        from ..compilation.target import Target
+        return Target("wgpu", limits=dict(self.limits), features=frozenset(self.features),
+                      software=self.is_software, adapter=dict(self.adapter_info), unroll=False, coopmat="off",
+                      coopmat_reason="no cooperative matrices through wgpu", has_f16=self.has_f16)
+
+    def pipelines(self, kernels, threads=None):
+        """Pipelines for many ``FinalKernel``s (or ``(wgsl, label)`` pairs) at once (group-0
+        layouts parsed from the WGSL), in order. The ones not cached yet are created on
+        ``threads`` threads (default ``backends.compile_threads``): wgpu releases the GIL
+        while naga and the driver compile, and on a hardware driver each pipeline takes tens
+        of milliseconds of CPU."""
+        shaders = [(k.text, k.label) if hasattr(k, "key") else tuple(k) for k in kernels]
         layouts: dict = {}
         keys = [(wgsl, "main", layouts.get(wgsl) or layouts.setdefault(wgsl, tuple(parse_bindings(wgsl))), 0)
                 for wgsl, _ in shaders]
@@ -471,6 +481,14 @@ class Device:
                              self.pipeline_cache_size, self.stats, found)
                 self.stats["pipeline_wall_seconds"] += time.perf_counter() - t0
         return [found[key] for key in keys]
+
+    def pipelines_from(self, stream):
+        """The pipelines of the kernels ``stream`` hands out, made on a thread as they come."""
+        from concurrent.futures import ThreadPoolExecutor
+        pool = ThreadPoolExecutor(1, thread_name_prefix="wgpu-pipelines")
+        future = pool.submit(lambda: [self.pipelines(batch) for batch in stream.batches()])
+        pool.shutdown(wait=False)
+        return future
 
     def _compile(self, wgsl, entry, access, label, immediate_size):
         t0 = time.perf_counter()

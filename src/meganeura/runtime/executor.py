@@ -1,5 +1,8 @@
-"""The ``gpu`` backend: compiles a Program into plans (kernels, buffers, bind groups) and
-runs each step as one command encoder, one compute pass and one submit.
+"""The ``gpu`` backend: binds the compile stage's executables (``compilation.executable``,
+asked for per call kind on the device's ``Target``) to device buffers, pipelines and bind
+groups, and runs each step as one command buffer and one submit. It compiles nothing: the
+kernels come final, and stream in while they are finished (``KernelStream``) so pipelines
+are created meanwhile. The device is used through ``runtime.protocol.RuntimeDevice``.
 
 A plan exists per kind of call (inference; forward+backward; training step); they share
 the persistent buffers of inputs, parameters and optimizer state by name.
@@ -14,9 +17,11 @@ import numpy as np
 
 from ..api import starts_at_zero
 from .. import plan_cache
-from ..compiler import F16_COPY, CompileOptions, compile_plan, f16_weights
+from ..compilation.executable import KernelStream
+from ..compiler import F16_COPY, f16_weights
 from ..graph import DeviceLimitError, fmt_shape
 from .backends import env_flag, get_runtime_device, gpu_device, make_recorder, resolve
+from .protocol import RuntimeDevice
 from .profiler import trace_writer, write_chrome_trace
 
 
@@ -24,36 +29,16 @@ def _round4(n):
     return max(4, (int(n) + 3) // 4 * 4)
 
 
-class PlanMissing(LookupError):
-    """A plan named by a session's manifest is not in the plan cache (any more)."""
-
-
 class Plan:
-    """A compiled KernelPlan bound to device buffers, pipelines and bind groups."""
+    """An ``Executable`` bound to device buffers, pipelines and bind groups."""
 
-    def __init__(self, ex, targets, n_fetch, grad_names, updates, key=None, slot_pool=None):
-        """``targets`` None: the plan is loaded from the plan cache by ``key`` (a session stood
-        up from its manifest), and ``PlanMissing`` raised if it is not there. ``slot_pool``:
-        slot buffers shared with the session's other plans that take it (``_pooled_slots``)."""
+    def __init__(self, ex, exe, n_fetch, grad_names, updates, slot_pool=None, made=None):
+        """``exe``: the compile stage's executable for this call. ``slot_pool``: slot buffers
+        shared with the session's other plans that take it (``_pooled_slots``). ``made``: the
+        runtime's pipelines of kernels streamed while ``exe`` compiled, to wait for first."""
         dev = ex.dev
-        t0 = time.perf_counter()
-        base = n_fetch + len(grad_names)
-        if targets is None:
-            kp = plan_cache.load(key) if key is not None and plan_cache.enabled(ex.plan_cache) else None
-            if kp is None or len(kp.target_locs) != base + len(updates) + len(kp.copy_updates):
-                raise PlanMissing(key)      # gone, or not the plan of these targets
-        else:
-            opts = CompileOptions.from_env(ex.precision, dev.limits)
-            opts.f16_weights = ex.f16_weights
-            # kernels start as they are rendered, where the runtime can (not in checked mode:
-            # its kernels are rendered again with the index reports)
-            start = getattr(dev, "start_kernel", None) if not dev.checked and early_kernels() else None
-            kp = compile_plan(targets, n_forward=n_fetch, options=opts,
-                              updates={base + j: name for j, (name, _) in enumerate(updates)},
-                              cache=plan_cache.enabled(ex.plan_cache) and not dev.checked, adapter=dev.adapter_info,
-                              on_compile=getattr(dev, "prepare_compile", None),
-                              on_render=start and (lambda k, text: start(k, text, ex.precision)))
-        self.kernel_plan, self.memory = kp, kp.memory
+        kp = exe.plan
+        self.executable, self.kernel_plan, self.memory = exe, kp, kp.memory
         # persistent f16 copies of weights (accelerated precision): those this plan reads,
         # and those it writes beside their master weights (targets after the given ones)
         self.copies_read = {b.name[:-len(F16_COPY)] for b in kp.bufs if b.kind == "state" and b.name.endswith(F16_COPY)}
@@ -63,26 +48,9 @@ class Plan:
         self.shares_slots = slot_pool is not None
         # checked mode: kernels that index with data (embedding ids, labels) report bad
         # indices into one error buffer, read after each step (see check_indices)
-        self.checks, self.error_buf, err = [], None, None
-        checked = [d for d in kp.dispatches if d.kernel.spec.get("checks")] if dev.checked else []
-        if checked:
-            from ..codegen import render
-            from ..schedule import Buf
-            n = sum(len(d.kernel.spec["checks"]) for d in checked)
-            err = Buf(8 * n, "temp", "index_errors")
-            self.error_zeros = np.zeros(2 * n, np.uint32)
-        shaders = []
-        for d in kp.dispatches:
-            wgsl, bufs = d.wgsl, d.bufs
-            if checked and d.kernel.spec.get("checks"):
-                wgsl, bufs, _ = render(d.kernel, errors=(err, len(self.checks)))
-                self.checks += [(c, d.kernel.name) for c in d.kernel.spec["checks"]]
-            shaders.append((wgsl, d.kernel.name, bufs, d.groups))
-        # a runtime may run some kernels its own way (the Vulkan backend: matmuls on
-        # cooperative matrices in accelerated precision): other text, bindings and groups
-        variants = getattr(dev, "kernel_variants", None)
-        if variants is not None:
-            shaders = variants([d.kernel for d in kp.dispatches], shaders, precision=ex.precision)
+        self.checks, self.error_buf, err = exe.checks, None, exe.error_buf
+        if err is not None:
+            self.error_zeros = np.zeros(err.nbytes // 4, np.uint32)
         phys = {}
 
         def allocate():
@@ -97,16 +65,17 @@ class Plan:
                     phys[b] = slots[self.memory.slot_of[b]]
             if err is not None:
                 phys[err] = self.error_buf = dev.create_buffer(err.nbytes, label="index_errors")
-        # every pipeline now (identical kernel text once, the new ones on several threads),
-        # so that compiling compiles and the first call only runs; where the runtime allows
-        # it, while this thread allocates the plan's memory
-        pipes = _pipelines_while(dev, [(text, name) for text, name, _, _ in shaders], allocate)
+        if made is not None:
+            made.result()
+        # every pipeline now (identical kernels once), so that compiling compiles and the
+        # first call only runs; where the runtime allows it, while this thread allocates
+        pipes = _pipelines_while(dev, exe.kernels, allocate)
         dispatches, self.writes = [], []
-        for pipe, (_, _, bufs, groups) in zip(pipes, shaders):
-            bound = [phys[b] for b in bufs]
+        for pipe, step in zip(pipes, exe.steps):
+            bound = [phys[b] for b in step.bufs]
             # buffers each dispatch may write: a value is final after the last one that does
             self.writes.append([buf for buf, acc in zip(bound, pipe.access) if acc in ("rw", "write")])
-            dispatches.append((pipe, dev.bind_group(pipe, bound), groups))
+            dispatches.append((pipe, dev.bind_group(pipe, bound), step.groups))
         self.names = kp.names
         self.n_dispatches = kp.n_dispatches
         self.step = ex.recorder.prepare(dispatches, self.names)
@@ -127,7 +96,7 @@ class Plan:
         self.staging = [dev.create_buffer(_round4(n), "staging", label="fetch") for _, _, n, _, _ in self.fetch_locs]
         self.update_copies = list(self.copies_after)
         self.copies_after += [(buf, off, st, 0, _round4(n)) for (buf, off, n, _, _), st in zip(self.fetch_locs, self.staging)]
-        self.compile_seconds = time.perf_counter() - t0
+        self.compile_seconds = 0.0      # set by the executor: compiling and binding
 
     def run_detecting_anomaly(self, ex, copies):
         """Anomaly mode: one submit per dispatch, and each dispatch's output read back
@@ -172,13 +141,6 @@ def _read_view(dev, buf, v):
     raw = dev.readback(buf, _round4(start - lo + span * item), np.uint8, offset=lo)
     flat = raw[start - lo:start - lo + span * item].view(v.dtype.np)
     return np.lib.stride_tricks.as_strided(flat, v.shape, [st * item for st in v.strides])
-
-
-def early_kernels() -> bool:
-    """Whether a runtime starts making a new plan's kernels while the compiler renders the
-    rest of it (``compile_plan``'s ``on_render``); ``MEGANEURA_EARLY_KERNELS=0`` waits for the
-    whole plan (to compare)."""
-    return env_flag("MEGANEURA_EARLY_KERNELS", default=True)
 
 
 def anomaly_from_env() -> bool:
@@ -235,17 +197,17 @@ def check_device_limits(tensors, dev=None):
 SHARED_SLOT_PHASES = frozenset({"grads", "step", "micro"})
 
 
-def _pipelines_while(dev, shaders, work):
-    """``dev.pipelines(shaders)``, running ``work()`` meanwhile on this thread where the
+def _pipelines_while(dev: RuntimeDevice, kernels, work):
+    """``dev.pipelines(kernels)``, running ``work()`` meanwhile on this thread where the
     runtime creates pipelines and allocates memory concurrently (``concurrent_pipelines``:
     the Vulkan backend, whose driver calls release the GIL); else one after the other.
     ``work``'s error wins over the pipelines', and both have ended when this returns."""
-    if not getattr(dev, "concurrent_pipelines", False):
+    if not dev.concurrent_pipelines:
         work()
-        return dev.pipelines(shaders)
+        return dev.pipelines(kernels)
     from concurrent.futures import ThreadPoolExecutor
     with ThreadPoolExecutor(1, thread_name_prefix="pipelines") as pool:
-        made = pool.submit(dev.pipelines, shaders)
+        made = pool.submit(dev.pipelines, kernels)
         try:
             work()
         except BaseException:
@@ -408,6 +370,7 @@ class GpuExecutor:
         if phase not in self.plans:
             from ..compiler import gc_paused
             check_environment()
+            t0 = time.perf_counter()
             p = self.program
             # a phase compiled on first use (compute_grads after step) allocates as much as
             # mg.compile does: the collector is held off as there (its scans of a process
@@ -418,18 +381,42 @@ class GpuExecutor:
                 cached = p.cached_phase(phase)
                 if cached is not None:        # a session stood up from its manifest (api.CachedProgram)
                     fetches, grad_names, upd, key = cached
-                    try:
-                        plan = Plan(self, None, len(fetches), grad_names, upd, key=key, slot_pool=pool)
-                    except PlanMissing:      # evicted from the cache: differentiate after all
-                        pass
+                    # None where it was evicted from the cache: differentiate after all
+                    plan = self._bind(len(fetches), grad_names, upd, pool, key=key)
                 if plan is None:
                     fetches, grad_names, upd, targets = p.targets(phase)
-                    plan = Plan(self, targets, len(fetches), grad_names, upd, slot_pool=pool)
+                    plan = self._bind(len(fetches), grad_names, upd, pool, targets=targets)
                     key = plan.kernel_plan.stats.get("key")
                     if self.session_key and key:
                         plan_cache.note_phase(self.session_key, p, phase, key)
+                plan.compile_seconds = time.perf_counter() - t0
                 self.plans[phase] = plan
         return self.plans[phase]
+
+    def _bind(self, n_fetch, grad_names, upd, pool, targets=None, key=None):
+        """The Plan of one call: its executable from the compile stage (compiled from
+        ``targets``, or read from the plan cache by ``key``: None when it is not there), its
+        kernels' pipelines created as the compile stage streams them where the runtime can."""
+        from ..compilation import build
+        dev = self.dev
+        target = dev.target()
+        opts = build.options_for(target, self.precision, self.f16_weights, dev.checked)
+        base = n_fetch + len(grad_names)
+        stream = KernelStream() if dev.concurrent_pipelines else None
+        made = dev.pipelines_from(stream) if stream is not None else None
+        try:
+            if targets is None:
+                exe = build.cached_executable(key, target, opts, self.plan_cache, stream)
+                if exe is None or len(exe.target_locs) != base + len(upd) + len(exe.copy_updates):
+                    return None      # gone, or not the plan of these targets
+            else:
+                exe = build.compile_executable(targets, n_fetch, {base + j: name for j, (name, _) in enumerate(upd)},
+                                               target, opts, self.plan_cache, stream)
+        except BaseException:
+            if made is not None:
+                made.exception()     # its pipelines end before the compile's error is raised
+            raise
+        return Plan(self, exe, n_fetch, grad_names, upd, slot_pool=pool, made=made)
 
     def profile(self, feeds: dict, phase: str, path=None):
         """Run ``phase`` once with GPU timestamps around every dispatch; returns the
@@ -468,9 +455,7 @@ class GpuExecutor:
             owned.append(list(self.buffers.values()))
             self.buffers.clear()
         for p in self.plans.values():
-            close = getattr(p.step, "close", None)     # the Vulkan backend's recorded command buffers
-            if close is not None:
-                close()
+            self.recorder.release(p.step)      # the Vulkan backend's recorded command buffers
         # slots, constants and targets live only in the plans' bind groups and copies
         self.plans.clear()
         self.slot_pool.clear()
@@ -516,3 +501,40 @@ class GpuExecutor:
             return None
         return [self.dev.read_staging(st, nb, dt, shape)
                 for st, (_, _, nb, dt, shape) in zip(plan.staging, plan.fetch_locs)]
+
+
+class ExecutableRunner:
+    """Runs one ``Executable`` (saved by another process, or built device-free) on this
+    process's device of its target's API: its kernels are final, so nothing is compiled,
+    only pipelines created and buffers bound. ``values``: the parameters' and states'
+    values by name; every target is fetched (an inference executable)."""
+
+    def __init__(self, exe, values: dict):
+        self.dev = get_runtime_device(exe.target.api)
+        self.recorder = make_recorder(self.dev)
+        self.buffers: dict = {}
+        self.plan = Plan(self, exe, len(exe.target_locs) - len(exe.copy_updates), [], [])
+        for b in exe.bufs:
+            if b.kind in ("parameter", "state"):
+                if b.name not in values:
+                    raise KeyError(f"executable: no value for {b.kind} {b.name!r}")
+                self.dev.upload(self.named_buffer(b.name, b.nbytes), np.ascontiguousarray(values[b.name]))
+
+    def named_buffer(self, name, nbytes):
+        b = self.buffers.get(name)
+        if b is None:
+            b = self.buffers[name] = self.dev.create_buffer(nbytes, label=name)
+        return b
+
+    def track_copy(self, name):
+        raise NotImplementedError(f"executable: {name!r} is read through an f16 copy, which a standalone run "
+                                  "does not keep (compile it in strict precision)")
+
+    def run(self, feeds: dict) -> list:
+        plan = self.plan
+        for name, arr in feeds.items():
+            self.dev.upload(self.buffers[name] if name in self.buffers else self.named_buffer(name, np.asarray(arr).nbytes),
+                            np.ascontiguousarray(arr))
+        self.recorder.run(plan.step, copies_after=plan.copies_after)
+        plan.check_indices(self.dev)
+        return [self.dev.read_staging(st, nb, dt, shape) for st, (_, _, nb, dt, shape) in zip(plan.staging, plan.fetch_locs)]

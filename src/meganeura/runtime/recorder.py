@@ -85,6 +85,10 @@ class StepRecorder:
         self.device = device
         self.last_timestamps_ns = None
 
+    @staticmethod
+    def release(step):
+        """Nothing to free: wgpu's command buffers are recorded per run."""
+
     def prepare(self, dispatches, names=None) -> PreparedStep:
         """dispatches: (Pipeline, bind_group, (x, y, z)) or with a 4th item, the
         immediate data (a NumPy array / bytes) for pipelines with immediate_size."""

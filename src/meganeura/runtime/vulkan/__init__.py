@@ -42,7 +42,7 @@ from .memory import BufferRange, OffsetAllocator
 __all__ = [
     "VulkanError", "VulkanUnavailable", "BufferRange", "OffsetAllocator", "available",
     "VulkanDevice", "Kernel", "Program", "Dispatch", "Copy", "pack_push", "get_vulkan_device",
-    "compile_glsl", "GlslError", "group_levels", "assign_levels", "Access",
+    "GlslError", "group_levels", "assign_levels", "Access",
 ]
 
 
@@ -60,7 +60,7 @@ def available() -> tuple:
 def describe(device=None) -> str:
     """The Vulkan backend's capability report as text (``meganeura info --vulkan``)."""
     from .device import VulkanDevice
-    from .glslang import GlslangUnavailable, glslang_version
+    from ...compilation.glslang import GlslangUnavailable, glslang_version
     own = device is None
     dev = VulkanDevice(pipeline_cache=False) if own else device
     try:
@@ -112,9 +112,9 @@ def __getattr__(name):
     if name in ("Program", "Dispatch", "Copy", "pack_push"):
         from . import program
         return getattr(program, name)
-    if name in ("compile_glsl", "GlslError"):
-        from . import glslang
-        return getattr(glslang, name)
+    if name == "GlslError":
+        from ...compilation import glslang
+        return glslang.GlslError
     if name in ("group_levels", "assign_levels", "Access"):
         from . import levels
         return getattr(levels, name)

@@ -6,14 +6,12 @@ prepared dispatch list with copies after it. ``VulkanRuntime`` and ``VulkanRecor
 implement that interface over this package, so every plan the compiler makes runs here
 unchanged:
 
-- kernel text is rendered to GLSL (``codegen.glsl``) and compiled to SPIR-V by glslang;
-  binding access comes from the SPIR-V (``readonly`` -> read). The SPIR-V and what is read
-  from it are kept on disk under a key of the kernel text (``cache.CompiledKernel``), so a
-  later process creates its pipelines without translating or compiling anything, in
-  batches of ``vkCreateComputePipelines`` on several threads;
-- in accelerated precision, tiled matmuls with f16 operands (``codegen.coopmat``) and flash
-  attention (``codegen.flash_coop``, ``codegen.flash_grad_coop``) run on cooperative matrices
-  where the device has them: ``kernel_variant`` swaps the kernel when the executor builds a plan;
+- the device describes itself as a compile ``Target`` (``target``); the compile stage
+  finishes every kernel for it (``compilation.vulkan``: cooperative-matrix variants, GLSL,
+  SPIR-V and its reflection), and this runtime only creates pipelines of that SPIR-V, in
+  batches of ``vkCreateComputePipelines`` on several threads, as the kernels stream in
+  (``pipelines_from``) or all at once (``pipelines``); binding access comes from the
+  reflection (``readonly`` -> read);
 - a step is a ``Program``: one command buffer recorded once per (plan, copies), its
   dispatches grouped into dependency levels with one barrier between levels;
 - buffers are ranges of a few large memory blocks (``VulkanDevice.alloc``).
@@ -29,6 +27,7 @@ from collections import OrderedDict
 
 import numpy as np
 
+from ...compilation.target import COOPMAT_MODES, coopmat_mode  # noqa: F401 (the switch, read by callers too)
 from ..backends import env_flag
 from .device import VulkanDevice, get_vulkan_device
 from .memory import BufferRange
@@ -62,58 +61,10 @@ class OwnedRange(BufferRange):
                 pass
 
 
-# While pipelines are made, threads return from glslang and driver calls (which release the
-# GIL) a dozen times a kernel, each time waiting for the GIL from a thread that translates
-# kernels or plans memory in Python; that thread gives it up only every switch interval
-# (5 ms by default), so sixteen threads queue behind it. A shorter interval while they run:
-# H200, U-Net's training plans from empty caches on 16 threads: glslang's seconds summed over
-# threads 31.1 -> 16.4 (0.2 ms; 1 ms: 21.5), compile 6.8 -> 5.6 s.
-GIL_SWITCH_S = 2e-4
 # threads that create pipelines of kernels read compiled from disk; the driver's cache serves
 # them one at a time (H200: U-Net's 448 training kernels in 0.10 s on one thread or sixteen,
 # which spent 1.0 s of CPU doing it)
 CACHED_PIPELINE_THREADS = 2
-_switch_lock = threading.Lock()
-_switch_users = [0, None]       # callers inside, the interval to restore
-
-
-@contextlib.contextmanager
-def _prompt_gil_handoff():
-    """Hand the GIL over every ``GIL_SWITCH_S`` seconds inside (process-wide; nested and
-    concurrent users restore the interval once the last leaves)."""
-    import sys
-    with _switch_lock:
-        if _switch_users[0] == 0:
-            _switch_users[1] = sys.getswitchinterval()
-            sys.setswitchinterval(min(GIL_SWITCH_S, _switch_users[1]))
-        _switch_users[0] += 1
-    try:
-        yield
-    finally:
-        with _switch_lock:
-            _switch_users[0] -= 1
-            if _switch_users[0] == 0:
-                sys.setswitchinterval(_switch_users[1])
-
-
-class _InlineJobs:
-    """``ThreadPoolExecutor``'s ``submit`` run on the calling thread (one kernel, or one
-    compile thread: no pool to start)."""
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
-
-    def submit(self, fn, *args):
-        from concurrent.futures import Future
-        f = Future()
-        try:
-            f.set_result(fn(*args))
-        except BaseException as e:
-            f.set_exception(e)
-        return f
 
 
 class PreparedProgram:
@@ -178,6 +129,11 @@ class VulkanRecorder:
 
     def prepare(self, dispatches, names=None) -> PreparedProgram:
         return PreparedProgram(dispatches, names, self.runtime.queue_lock)
+
+    @staticmethod
+    def release(step: PreparedProgram):
+        """Destroy the Programs recorded from ``step`` (a session closing)."""
+        step.close()
 
     def _program(self, step, before, after, timestamps) -> Program:
         """The Program of ``step`` with these copies (recorded on first use, then kept)."""
@@ -288,40 +244,6 @@ def _key(c):
     return tuple(id(x) if isinstance(x, BufferRange) else int(x) for x in c)
 
 
-COOPMAT_MODES = ("auto", "off", "emulate")
-
-
-def coopmat_mode() -> str:
-    """``MEGANEURA_COOPMAT``: ``auto`` (default: cooperative-matrix matmuls and flash attention
-    in accelerated precision where the device has them), ``off``, or ``emulate`` (the same
-    kernels with the fragment operations as plain loops, on any device: for testing; slow)."""
-    raw = os.environ.get("MEGANEURA_COOPMAT", "").strip().lower() or "auto"
-    raw = {"0": "off", "false": "off", "no": "off", "1": "auto", "on": "auto", "yes": "auto"}.get(raw, raw)
-    if raw not in COOPMAT_MODES:
-        raise ValueError(f"MEGANEURA_COOPMAT={raw!r}: must be one of {COOPMAT_MODES} (or unset)")
-    return raw
-
-
-# archetypes with kernels on cooperative matrices: tiled matmuls (``codegen.coopmat``) and
-# flash attention (``codegen.flash_coop``, its backward ``codegen.flash_grad_coop``)
-VARIANT_ARCHETYPES = ("matmul", "attention")
-
-
-def _tensor_core_renderer(kernel):
-    """The module that renders ``kernel`` on cooperative matrices (its ``select`` says whether
-    it can)."""
-    from ...codegen import coopmat, flash_coop, flash_grad_coop
-    if kernel.archetype == "matmul":
-        return coopmat
-    return flash_grad_coop if kernel.spec.get("grad") else flash_coop
-
-
-def _has_ir(kernel) -> bool:
-    """Whether ``kernel`` has its IR (a plan read from the plan cache keeps only its name,
-    archetype and outputs: no reads)."""
-    return bool(kernel.spec.get("parts", [kernel])[0].reads)
-
-
 def coopmat_unavailable(vk) -> str:
     """Why ``vk`` cannot run the cooperative-matrix matmuls ('' when it can)."""
     if not vk.features.get("cooperativeMatrix"):
@@ -354,11 +276,10 @@ class VulkanRuntime:
         self.has_f16 = bool(f.get("shaderFloat16") and f.get("storageBuffer16BitAccess"))
         self.has_timestamps = self.vk.timestamp_bits > 0
         self.is_software = self.vk.is_software
-        # [[unroll]] hints for hardware drivers only (codegen.glsl: a software rasterizer's
-        # compile time explodes on unrolled kernels)
-        from ...codegen.glsl import unroll_switch
-        forced = unroll_switch()
-        self.unroll_loops = (not self.is_software) if forced is None else forced
+        # [[unroll]] hints for hardware drivers only (a software rasterizer's compile time
+        # explodes on unrolled kernels); MEGANEURA_GLSL_UNROLL forces them on or off
+        raw = os.environ.get("MEGANEURA_GLSL_UNROLL", "").strip().lower()
+        self.unroll_loops = (not self.is_software) if not raw else raw not in ("0", "false", "off", "no")
         self.features = {k for k, on in f.items() if on}
         lim = self.vk.limits
         # the limits the compiler and the executor read, under wgpu's names
@@ -385,13 +306,10 @@ class VulkanRuntime:
         self._lock = threading.RLock()
         self.queue_lock = threading.RLock()    # the queue, and the deferred inputs (taken first)
         self.stats = {"pipelines_compiled": 0, "pipeline_cache_hits": 0, "compile_seconds": 0.0,
-                      "glsl_seconds": 0.0, "steps": 0, "pipelines_evicted": 0,
+                      "steps": 0, "pipelines_evicted": 0,
                       "pipeline_wall_seconds": 0.0, "coopmat_kernels": 0,
                       "kernel_cache_hits": 0}
         self.coopmat_reason = coopmat_unavailable(self.vk)
-        self._variants: dict = {}         # (kernel text, emulate, configs) -> (GLSL, groups) or None
-        self._early: dict = {}            # kernel text -> future of a kernel started early (``start_kernel``)
-        self._early_pool = None           # (pid, the threads that make them)
 
     @property
     def name(self) -> str:
@@ -490,424 +408,114 @@ class VulkanRuntime:
         """Every submission waits for itself (``VulkanRecorder.run``): nothing is in flight."""
 
     # ---------------------------------------------------------------- pipelines
-    def kernel_variant(self, kernel, text, label, bufs, groups, precision="strict"):
-        """Another kernel for one dispatch of a plan, as (text, label, bufs, groups), or None
-        to run ``text`` as rendered. In accelerated precision, tiled matmuls with f16
-        operands and flash attention run on cooperative matrices where the device has them
-        (``MEGANEURA_COOPMAT`` switches that, see ``coopmat_mode``); strict precision never.
+    def target(self):
+        """This device as a compile ``Target`` (``MEGANEURA_COOPMAT`` read now)."""
+        from ...compilation.target import Target
+        vk = self.vk
+        return Target("vulkan", limits=dict(self.limits), features=frozenset(self.features),
+                      subgroup={k: int(vk.subgroup[k]) for k in ("size", "min_size", "max_size")},
+                      coop_shapes=tuple(dict(sh) for sh in vk.cooperative_matrix_shapes), vulkan=tuple(vk.api),
+                      software=self.is_software, adapter=dict(self.adapter_info), coopmat_reason=self.coopmat_reason,
+                      unroll=self.unroll_loops, coopmat=coopmat_mode(), has_f16=self.has_f16)
 
-        A variant binds the WGSL kernel's buffers in the same order, so it is a function of the
-        WGSL text: cached by it in memory, and on disk for plans read from the plan cache,
-        which have no kernel IR to render from."""
-        emulate = self._variant_mode(precision)
-        if emulate is None:
-            return None
-        from ...codegen.coopmat import config_key
-        return self._variant(kernel, text, label, bufs, emulate, config_key())
-
-    def _variant_mode(self, precision):
-        """None where every kernel runs as rendered (strict precision, ``MEGANEURA_COOPMAT``
-        off, or auto on a device without cooperative matrices), else whether the variants are
-        emulated."""
-        mode = coopmat_mode()
-        if precision != "accelerated" or mode == "off" or (mode == "auto" and self.coopmat_reason):
-            return None
-        return mode == "emulate"
-
-    def _variant(self, kernel, text, label, bufs, emulate, config):
-        """``kernel_variant`` with the mode and the configuration key (``coopmat.config_key``)
-        decided by the caller, once for a whole plan."""
-        if kernel.archetype not in VARIANT_ARCHETYPES:
-            return None
-        key = (text, emulate, config)
-        with self._lock:
-            found = self._variants.get(key, False)
-        if found is False:
-            found = self._render_variant(kernel, text, bufs, emulate)
-            if found is not None or _has_ir(kernel):
-                with self._lock:       # (a kernel without IR may find its variant later)
-                    self._variants[key] = found
-        if found is None:
-            return None
-        glsl, vgroups = found
-        self.stats["coopmat_kernels"] += 1
-        return glsl, label, bufs, vgroups
-
-    def kernel_variants(self, kernels, shaders, precision="strict"):
-        """``kernel_variant`` over a plan's dispatches (``shaders``: their (text, label, bufs,
-        groups)) at once: the executor's hook. The variants of a plan's matmuls are also
-        stored together, keyed by all their WGSL texts, so that a plan read from the plan
-        cache (no kernel IR) finds them in one file instead of one file each."""
-        emulate = self._variant_mode(precision)
-        texts = sorted({sh[0] for k, sh in zip(kernels, shaders) if k.archetype in VARIANT_ARCHETYPES})
-        if emulate is None or not texts:
-            return shaders
-        from ...codegen.coopmat import config_key
-        from .cache import disk_cache_enabled, load_json, store_json
-        config = config_key()
-        path = self._variant_path(texts, emulate, what="set") if disk_cache_enabled() else None
-        with self._lock:
-            missing = [t for t in texts if (t, emulate, config) not in self._variants]
-        stored = None
-        if missing and path is not None:
-            try:
-                stored = (load_json(path) or {})["variants"]
-            except (KeyError, TypeError):
-                stored = None
-            if stored is not None and len(stored) == len(texts):
-                with self._lock:
-                    for t, v in zip(texts, stored):
-                        self._variants.setdefault((t, emulate, config), None if v is None else (v[0], tuple(v[1])))
-        out = [self._variant(k, text, label, bufs, emulate, config) or (text, label, bufs, groups)
-               for k, (text, label, bufs, groups) in zip(kernels, shaders)]
-        if missing and stored is None and path is not None:
-            with self._lock:
-                found = [self._variants.get((t, emulate, config), False) for t in texts]
-            if False not in found:          # every variant known (a plan with IR): store the set
-                from ...plan_cache import prune
-                from .cache import SET_MAX_BYTES
-                if store_json(path, {"variants": [None if v is None else [v[0], list(v[1])] for v in found]}):
-                    # variants and sets past the kernel sets' budget: oldest first
-                    prune(path.parent, SET_MAX_BYTES, ("*.json",))
-        return out
-
-    def _variant_path(self, texts, emulate, what="variant"):
-        """The file of the variant of one WGSL text (``what`` "variant"), or of a plan's set of
-        them (``texts`` a sorted list, ``what`` "set")."""
-        from ...codegen import coopmat
-        from ...plan_cache import package_digest
-        from .cache import cache_dir, sha256_of
-        texts = [texts] if isinstance(texts, str) else texts
-        h = sha256_of([what, repr((emulate, coopmat.config_key(), self.limits["max-compute-workgroup-storage-size"])),
-                        package_digest(), *texts])
-        return cache_dir() / "coopmat" / f"{h.hexdigest()}{'' if what == 'variant' else '.' + what}.json"
-
-    def _render_variant(self, kernel, text, bufs, emulate):
-        """(GLSL, groups) of ``kernel`` on cooperative matrices, or None."""
-        from .cache import disk_cache_enabled, load_json, store_json
-        disk = disk_cache_enabled()
-        if not _has_ir(kernel):
-            if not disk:
-                return None
-            try:        # a kernel without IR: the variant stored when its plan was compiled
-                saved = load_json(self._variant_path(text, emulate))
-                return saved["glsl"], tuple(saved["groups"])
-            except (KeyError, TypeError):
-                return None
-        renderer = _tensor_core_renderer(kernel)
-        storage = self.limits["max-compute-workgroup-storage-size"]
-        if renderer.select(kernel, storage, emulate):
-            return None
-        try:
-            glsl, vbufs, groups = renderer.render(kernel, storage, emulate, **(
-                {"bufs": bufs} if kernel.archetype == "matmul" else {}))
-        except ValueError:          # more workgroup memory than the device has: the WGSL kernel
-            return None
-        # the variant binds the WGSL kernel's buffers in the same order (checked here, so that
-        # a variant found by the WGSL text alone is right for any plan)
-        if len(vbufs) != len(bufs) or any(x is not y for x, y in zip(vbufs, bufs)):
-            return None
-        if disk:
-            store_json(self._variant_path(text, emulate), {"glsl": glsl, "groups": groups})
-        return glsl, tuple(groups)
-
-    def pipeline(self, text: str, entry="main", access=None, label="", immediate_size=0):
-        """A kernel from the renderers' text (translated to GLSL, compiled to SPIR-V), or
-        from GLSL (text starting ``#version``: ``kernel_variant``'s), cached by text."""
-        return self.pipelines([(text, label)], threads=1, access=access)[0]
-
-    def _target(self) -> str:
-        return "vulkan1.3" if self.vk.api >= (1, 3) else "vulkan1.2"
-
-    def _key_context(self) -> dict:
-        """What besides the text decides compiled kernels: the target, glslang, the package."""
-        from ...plan_cache import package_digest
-        from .glslang import glslang_version_tag
-        return dict(target=self._target(), glslang=glslang_version_tag(), package=package_digest())
-
-    def _kernel_key(self, text) -> str:
-        """The key of ``text``'s compiled kernel (``cache.kernel_key``): the GLSL translation
-        switches count for renderers' text only (GLSL is compiled as it is)."""
-        from .cache import kernel_key
-        return kernel_key(text, unroll=self.unroll_loops and not text.startswith("#version"), **self._key_context())
-
-    def prepare_compile(self):
-        """A plan is being compiled (not read from the plan cache): glslang's first compile of
-        the process, which runs alone, starts now beside the compiler passes instead of
-        holding up the first of the new kernels (``glslang.start_warm_up``); the translation
-        workers (``translators``) start too."""
-        from . import translators
-        from .glslang import start_warm_up
-        start_warm_up(_prompt_gil_handoff)
-        translators.start()         # the translation workers, if any, boot beside the passes
-
-    def _kernel_set_key(self, texts) -> str:
-        """The key of the compiled kernels of ``texts`` (``cache.kernel_set_key``)."""
-        from .cache import kernel_set_key
-        return kernel_set_key(texts, unroll=self.unroll_loops, **self._key_context())
-
-    def _compile(self, glsl, label, key, disk):
-        """The ``CompiledKernel`` of a kernel's GLSL: compiled to SPIR-V (glslang's own cache
-        is keyed by the GLSL) and reflected; stored under ``key`` when ``disk``."""
-        from .cache import CompiledKernel, store_kernel
-        from .glslang import compile_glsl
-        from .spirv import reflect
-        spirv = compile_glsl(glsl, name=label, target=self._target(), disk_cache=disk)
-        # cooperative-matrix kernels map subgroups of 32 to fragments
-        ck = CompiledKernel(spirv, reflect(spirv), "GL_KHR_cooperative_matrix" in glsl)
-        if disk:
-            store_kernel(key, ck)
-        return ck
-
-    def _pin(self, ck) -> int | None:
-        """The subgroup size a kernel requires (cooperative matrices: 32 where the device's
-        subgroups may be another size), or None."""
-        sub = self.vk.subgroup
-        return 32 if ck.subgroup32 and (sub["min_size"], sub["max_size"]) != (32, 32) else None
-
-    def pipelines(self, shaders, threads=None, access=None):
-        """Kernels for many ``(text, label)`` at once, in order (identical text once).
-
-        A kernel text whose SPIR-V an earlier process stored (``cache.CompiledKernel``, keyed
-        by the text) is read back with its reflection: no GLSL translation, no glslang, no
-        SPIR-V parsing. Where those of every text were stored together (a ``cache`` kernel
-        set, written once a request of at least ``cache.SET_MIN_KERNELS`` kernels is made)
-        one file is read. Those pipelines are created in ``CACHED_PIPELINE_THREADS`` batches
-        (one ``vkCreateComputePipelines`` each) on as many threads, each batch as soon as it
-        is read. The others stream: each is translated to GLSL (by the translation workers,
-        ``translators``, for a large request, else on this thread), longest text first, and
-        handed as soon as it is to the pool of ``threads`` threads
-        (``backends.compile_threads``) that compile it with glslang and create its pipeline,
-        so the driver compiles while the rest are translated and the longest compiles do not
-        come last. A failure raises once every job has ended and leaves no pipeline behind."""
+    def pipelines(self, kernels, threads=None, access=None):
+        """Pipelines of ``kernels`` (``FinalKernel``s: SPIR-V and its reflection), in order, each
+        key once, kept for later plans. Kernels read compiled from disk (which the driver's
+        pipeline cache likely holds too) are created in ``CACHED_PIPELINE_THREADS`` batches of
+        one ``vkCreateComputePipelines`` each; the others one a thread on ``threads`` threads
+        (``backends.compile_threads``). A failure raises and leaves no pipeline behind."""
         from ..backends import lookup_cached, store_cached
-        from .cache import SET_MIN_KERNELS, disk_cache_enabled, load_kernel_set, store_kernel_set
         t0 = time.perf_counter()
+        self.stats["coopmat_kernels"] += sum(1 for k in kernels if k.coopmat)
         with self._lock:
-            found, missing = lookup_cached(self._pipelines, shaders, self.stats)
+            found, missing = lookup_cached(self._pipelines, [(k.key, k) for k in kernels], self.stats)
         if missing:
-            entries = [(text, label or "kernel") for text, label in missing.items()]
-            disk = disk_cache_enabled()
-            set_key = self._kernel_set_key(missing) if disk and len(entries) >= SET_MIN_KERNELS else None
-            stored = load_kernel_set(set_key, len(entries)) if set_key else None
-            had_set = stored is not None
-            early = self._take_early(missing) if access is None else {}
-            rest = [e for e in entries if e[0] not in early]
-            if stored is not None and early:
-                stored = [ck for (text, _), ck in zip(entries, stored) if text not in early]
-            try:
-                made, compiled, from_disk, glsl_s, cpu_s = self._make_kernels(rest, threads, access, disk, stored)
-            except BaseException:
-                for _, kernel, _, _, _ in early.values():
-                    kernel.destroy()
-                raise
-            for text, (ck, kernel, from_disk_, glsl_, cpu_) in early.items():
-                made.append((text, kernel))
-                compiled[text] = ck
-                from_disk, glsl_s, cpu_s = from_disk + from_disk_, glsl_s + glsl_, cpu_s + cpu_
-            if set_key and not had_set:
-                store_kernel_set(set_key, [compiled[text] for text, _ in entries])
+            made = self._create(list(missing.values()), threads, access)
             with self._lock:
-                self.stats["kernel_cache_hits"] += from_disk
-                self.stats["glsl_seconds"] += glsl_s
-                self.stats["compile_seconds"] += cpu_s
                 self.stats["pipelines_compiled"] += len(made)
-                # evicted kernels stay alive while a plan holds them (the driver's pipeline
-                # cache makes a later rebuild cheap)
+                # evicted kernels stay alive while a plan holds them
                 store_cached(self._pipelines, made, self.pipeline_cache_size, self.stats, found)
         self.stats["pipeline_wall_seconds"] += time.perf_counter() - t0
-        return [found[text] for text, _ in shaders]
+        return [found[k.key] for k in kernels]
 
-    def start_kernel(self, kernel, text, precision="strict"):
-        """Start making the pipeline of ``text`` (``kernel``'s rendered text) now, on threads of
-        its own: the executor calls this for each new text while ``compile_plan`` renders the
-        rest of the plan and plans its memory, so the driver is compiling the large kernels by
-        the time ``pipelines`` asks for them (it takes them from here). A kernel this runtime
-        may run its own way (a cooperative-matrix variant) is left for ``pipelines``; a failure
-        too: ``pipelines`` makes that kernel again and raises there."""
-        if self._variant_mode(precision) is not None and kernel.archetype in VARIANT_ARCHETYPES:
-            return
-        with self._lock:
-            if self._early_pool is not None and self._early_pool[0] != os.getpid():
-                self._early_pool, self._early = None, {}       # a forked child: the threads stayed behind
-            if text in self._pipelines or text in self._early:
-                return
-            if self._early_pool is None:
-                from concurrent.futures import ThreadPoolExecutor
-                from ..backends import compile_threads
-                self._early_pool = (os.getpid(), ThreadPoolExecutor(compile_threads(), thread_name_prefix="vk-early"))
-            self._early[text] = self._early_pool[1].submit(self._make_early, text, kernel.name or "kernel")
+    def _spec(self, k, access=None) -> dict:
+        """What ``VulkanDevice.kernels`` makes a pipeline of, for a finished kernel."""
+        if k.spirv is None:
+            raise ValueError(f"kernel {k.label!r}: no SPIR-V (an executable compiled for another target than Vulkan)")
+        return dict(spirv=k.spirv, name=k.label, access=access, info=k.info, required_subgroup_size=k.subgroup_size)
 
-    def _make_early(self, text, label):
-        """(CompiledKernel, pipeline, read from disk, seconds translating, CPU seconds) of one
-        kernel started early: read from the disk cache, else translated (by the translation
-        workers where they run), compiled and created."""
-        from . import translators
-        from .cache import disk_cache_enabled, load_kernel
-        disk = disk_cache_enabled()
-        key = self._kernel_key(text)
-        ck = load_kernel(key) if disk else None
-        from_disk, glsl_s, compile_s = ck is not None, 0.0, 0.0
-        if ck is None:
-            glsl = text if text.startswith("#version") else None
-            workers = translators.pool_for(translators.MIN_KERNELS) if glsl is None else None
-            if workers is not None:
-                try:
-                    glsl, glsl_s = workers.submit(text, label, self.unroll_loops).result()
-                except translators.WorkerLost:
-                    glsl = None
-            if glsl is None:
-                glsl, glsl_s = self._glsl_here(text, label)
-            t = time.perf_counter()
-            ck = self._compile(glsl, label, key, disk)
-            compile_s = time.perf_counter() - t
-        made = self.vk.kernels([self._kernel_spec(label, ck)], threads=1)[0]
-        return ck, made, int(from_disk), glsl_s, glsl_s + compile_s + made.create_seconds
-
-    def _take_early(self, texts) -> dict:
-        """{text: ``_make_early``'s result} of the kernels of ``texts`` started early, once each
-        has ended; those that failed are left out (``pipelines`` makes them again)."""
-        with self._lock:
-            futures = {t: self._early.pop(t) for t in texts if t in self._early}
-        done = {}
-        for text, future in futures.items():
-            try:
-                done[text] = future.result()
-            except BaseException:       # noqa: BLE001 (made again by the caller, which raises)
-                pass
-        return done
-
-    def _kernel_spec(self, label, ck, access=None) -> dict:
-        """What ``VulkanDevice.kernels`` makes a pipeline of, for a compiled kernel."""
-        return dict(spirv=ck.spirv, name=label, access=access, info=ck.info, required_subgroup_size=self._pin(ck))
-
-    def _glsl_here(self, text, label):
-        """(GLSL, seconds) of WGSL ``text`` translated on this thread."""
-        from ...codegen.glsl import to_glsl
-        t = time.perf_counter()
-        return to_glsl(text, label, unroll=self.unroll_loops), time.perf_counter() - t
-
-    def _make_kernels(self, entries, threads, access, disk, stored=None):
-        """([(text, Kernel)], {text: CompiledKernel}, how many were read compiled from disk,
-        seconds translating to GLSL, CPU seconds in all) for ``entries`` [(text, label)];
-        ``stored``: their compiled kernels, in order, where a kernel set had them."""
+    def _create(self, kernels, threads=None, access=None) -> list:
+        """[(key, Kernel)] of ``kernels`` (see ``pipelines``)."""
         from concurrent.futures import ThreadPoolExecutor
         from ..backends import compile_threads
-        from .cache import load_kernel
-
-        failed = threading.Event()      # a job raised: translate and hand out no more
-
-        def flags_failure(make):
-            def run(*args):
-                try:
-                    return make(*args)
-                except BaseException:
-                    failed.set()
-                    raise
-            return run
-
-        @flags_failure
-        def create(batch):
-            return self.vk.kernels([self._kernel_spec(label, ck, access) for _, label, ck in batch], threads=1,
-                                   batch=len(batch)), 0.0
-
-        @flags_failure
-        def compile_and_create(text, glsl, label, key):
-            t = time.perf_counter()
-            ck = compiled[text] = self._compile(glsl, label, key, disk)
-            t = time.perf_counter() - t
-            return self.vk.kernels([self._kernel_spec(label, ck, access)], threads=1), t
-
         n = compile_threads(threads)
-        # kernels read compiled: a few large batches (the driver serves cached pipelines one
-        # at a time however many threads ask, and more threads only spin while the thread
-        # that plans memory meanwhile wants a core)
-        per = max(1, -(-len(entries) // min(n, CACHED_PIPELINE_THREADS)))
-        workers = min(n, len(entries))
-        jobs, texts, error, glsl_s, compiled = [], [], None, 0.0, {}
-        with contextlib.ExitStack() as inside:
-            pool = inside.enter_context(ThreadPoolExecutor(workers) if workers > 1 else _InlineJobs())
-            try:
-                # kernels on disk: read here (in Python, which threads would only contend
-                # for), created in batches by the pool as each batch fills
-                misses, batch = [], []
-                for i, (text, label) in enumerate(entries):
-                    ck = stored[i] if stored is not None else None
-                    if ck is None:
-                        key = self._kernel_key(text)
-                        ck = load_kernel(key) if disk and stored is None else None
-                    if ck is None:
-                        misses.append((text, label, key))
-                    else:
-                        compiled[text] = ck
-                        batch.append((text, label, ck))
-                    if batch and (len(batch) == per or i == len(entries) - 1):
-                        jobs.append(pool.submit(create, batch))
-                        texts.append([t for t, _, _ in batch])
-                        batch = []
-                from_disk = len(entries) - len(misses)
-                # the others: the driver's compile time grows with the kernel, the longest start
-                # first; while they compile, the GIL changes hands promptly (until every job ends)
-                if workers > 1 and misses:
-                    inside.enter_context(_prompt_gil_handoff())
-                for text, label, key, glsl, seconds in self._translated(misses, failed):
-                    glsl_s += seconds
-                    jobs.append(pool.submit(compile_and_create, text, glsl, label, key))
-                    texts.append([text])
-            except BaseException as e:      # a translation failed: let the submitted jobs end
-                error = e
-            results = []
-            for future in jobs:
+        cached = [k for k in kernels if k.from_disk]
+        per = max(1, -(-len(cached) // min(n, CACHED_PIPELINE_THREADS)))
+        batches = [cached[i:i + per] for i in range(0, len(cached), per)]
+        batches += [[k] for k in sorted((k for k in kernels if not k.from_disk), key=lambda k: -len(k.spirv or b""))]
+
+        def create(batch):
+            return self.vk.kernels([self._spec(k, access) for k in batch], threads=1, batch=len(batch))
+        workers = min(n, len(batches))
+        results, error = [], None
+        if workers > 1:
+            with ThreadPoolExecutor(workers, thread_name_prefix="vk-pipelines") as pool:
+                futures = [pool.submit(create, b) for b in batches]
+                for f in futures:
+                    try:
+                        results.append(f.result())
+                    except BaseException as e:
+                        error = error or e
+                        results.append([])
+        else:
+            for b in batches:
                 try:
-                    results.append(future.result())
+                    results.append(create(b))
                 except BaseException as e:
-                    error = error or e
-                    results.append(([], 0.0))
+                    error = e
+                    break
         if error is not None:
-            for kernels, _ in results:
-                for k in kernels:
+            for made in results:
+                for k in made:
                     k.destroy()
             raise error
-        made = [(text, k) for ts, (kernels, _) in zip(texts, results) for text, k in zip(ts, kernels)]
-        cpu_s = glsl_s + sum(t for _, t in results) + sum(k.create_seconds for _, k in made)
-        return made, compiled, from_disk, glsl_s, cpu_s
+        with self._lock:
+            self.stats["compile_seconds"] += sum(k.create_seconds for made in results for k in made)
+            self.stats["kernel_cache_hits"] += len(cached)
+        return [(fk.key, k) for b, made in zip(batches, results) for fk, k in zip(b, made)]
 
-    def _translated(self, misses, failed):
-        """(text, label, key, GLSL, seconds translating) of ``misses`` [(text, label, key)], in
-        the order they are ready, the longest texts (the longest compiles) first: by the
-        translation workers (``translators``) for a large request, else here. Stops once
-        ``failed`` is set; a kernel a lost worker held is translated here."""
-        from concurrent.futures import as_completed
+    def pipelines_from(self, stream):
+        """Start creating the pipelines of the kernels ``stream`` hands out as they come (each
+        batch the compile stage has finished meanwhile), on threads; returns a Future that
+        ends once the stream is closed and they are made. A kernel that fails here is left
+        out: ``pipelines`` makes it again and raises there."""
+        from concurrent.futures import ThreadPoolExecutor
+        from ..backends import compile_threads, store_cached
 
-        from . import translators
+        def make(batch):
+            try:
+                made = self._create(batch, threads=1)
+            except Exception:       # noqa: BLE001 (made again by ``pipelines``, which raises)
+                return
+            with self._lock:
+                self.stats["pipelines_compiled"] += len(made)
+                store_cached(self._pipelines, made, self.pipeline_cache_size, self.stats, {})
 
-        todo = []
-        for text, label, key in sorted(misses, key=lambda m: -len(m[0])):
-            if text.startswith("#version"):         # GLSL already (``kernel_variant``'s)
-                yield text, label, key, text, 0.0
-            else:
-                todo.append((text, label, key))
-        workers = translators.pool_for(len(todo))
-        if workers is None:
-            for text, label, key in todo:
-                if failed.is_set():
-                    return
-                yield (text, label, key) + self._glsl_here(text, label)
-            return
-        asked = {workers.submit(text, label, self.unroll_loops): (text, label, key) for text, label, key in todo}
-        try:
-            for fut in as_completed(asked):
-                if failed.is_set():
-                    return
-                text, label, key = asked[fut]
-                try:
-                    glsl, seconds = fut.result()
-                except translators.WorkerLost:
-                    glsl, seconds = self._glsl_here(text, label)
-                yield text, label, key, glsl, seconds
-        finally:            # stopped early (a failure): what is not sent yet is not translated
-            for fut in asked:
-                fut.cancel()
+        def drain():
+            with ThreadPoolExecutor(compile_threads(), thread_name_prefix="vk-stream") as pool:
+                for batch in stream.batches():
+                    with self._lock:
+                        new = [k for k in batch if k.key not in self._pipelines]
+                    from_disk = [k for k in new if k.from_disk]
+                    if from_disk:
+                        pool.submit(make, from_disk)
+                    for k in new:
+                        if not k.from_disk:
+                            pool.submit(make, [k])
+        runner = ThreadPoolExecutor(1, thread_name_prefix="vk-stream-drain")
+        future = runner.submit(drain)
+        runner.shutdown(wait=False)
+        return future
 
     def clear_caches(self):
         """Drop the cached kernels (plans that are alive keep their own)."""
@@ -925,8 +533,8 @@ class VulkanRuntime:
 
     def compile_summary(self) -> str:
         st = self.stats
-        return (f"{st['pipelines_compiled']} pipelines compiled in {st['compile_seconds']:.3f} s "
-                f"(GLSL rendering {st['glsl_seconds']:.3f} s), {st['pipeline_cache_hits']} cache hits, "
+        return (f"{st['pipelines_compiled']} pipelines created in {st['compile_seconds']:.3f} s, "
+                f"{st['pipeline_cache_hits']} cache hits, "
                 f"{st['kernel_cache_hits']} kernels read compiled from disk, "
                 f"{st['coopmat_kernels']} dispatches on cooperative matrices")
 

@@ -1,7 +1,7 @@
 """Where the Vulkan backend keeps what it can reuse across processes: compiled SPIR-V and
 the driver's pipeline cache.
 
-- ``spirv/<sha256>.spv``: glslang's output, keyed by the GLSL source (``glslang.compile_glsl``);
+- ``spirv/<sha256>.spv``: glslang's output, keyed by the GLSL source (``compilation.glslang``);
 - ``kernels/<sha256>.bin``: a kernel text's SPIR-V with its reflection, keyed by the text as
   the renderers wrote it (``CompiledKernel``): a warm process reads it without translating
   the text to GLSL, running glslang or parsing the SPIR-V;

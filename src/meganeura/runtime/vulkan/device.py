@@ -1034,11 +1034,6 @@ class VulkanDevice:
             found = self._layout_cache[key] = (set_layouts[0], set_layouts, q[0])
             return found
 
-    def kernel_from_glsl(self, source, defines=None, name="kernel", **kw) -> Kernel:
-        from .glslang import compile_glsl
-        target = "vulkan1.3" if self.api >= (1, 3) else "vulkan1.2"
-        return self.kernel(compile_glsl(source, defines, name=name, target=target), name=name, **kw)
-
     # ------------------------------------------------------------------ report and teardown
     def capabilities(self) -> dict:
         """What the backend found and enabled, as plain data."""

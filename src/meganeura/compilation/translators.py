@@ -6,7 +6,7 @@ the U-Net's training plans: 1.8 s translating 422 kernels; with translation made
 their cold compile went 3.0 / 3.5 -> 2.9 / 3.2 s, ResNet-50's 2.0 / 2.8 -> 1.8 / 2.1). A few
 worker processes translate side by side instead. Each loads ``codegen/glsl.py`` by its path
 (standard library only, no package import), so one starts in tens of milliseconds; they
-start when a plan begins compiling (``VulkanRuntime.prepare_compile``), beside the compiler
+start when a plan begins compiling (``compilation.vulkan.VulkanKernels.prepare``), beside the compiler
 passes, and serve the process's later compiles.
 
 ``MEGANEURA_TRANSLATE_WORKERS=n`` sets how many (0: translate in-process); by default one per
@@ -32,7 +32,7 @@ import threading
 import time
 from concurrent.futures import Future, InvalidStateError
 
-from ...codegen import glsl
+from ..codegen import glsl
 
 WORKERS_ENV = "MEGANEURA_TRANSLATE_WORKERS"
 MAX_WORKERS = 4

