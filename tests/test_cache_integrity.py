@@ -303,7 +303,7 @@ _CHILD = textwrap.dedent("""
     import json, sys
     import numpy as np
     import meganeura as mg
-    from meganeura.runtime.vulkan import glslang
+    from meganeura.compilation import glslang
     g = mg.Graph()
     x = g.input("x", (3, 4))
     h = mg.ops.relu(mg.ops.linear(x, g.parameter("w", (5, 4))))
@@ -345,7 +345,7 @@ def _same(got, want):
 def test_every_cut_of_a_module_is_refused_and_the_whole_one_accepted(cache):
     """glslang's module of a kernel with a helper function, cut after every word: each cut is
     refused by ``spirv.validate`` (at an instruction boundary too), the whole module passes."""
-    from meganeura.runtime.vulkan import glslang
+    from meganeura.compilation import glslang
     from meganeura.runtime.vulkan.spirv import SpirvError, validate
     source = textwrap.dedent("""
         #version 450
