@@ -48,6 +48,18 @@ TORCH = {
     "avg_pool2d": ("F.avg_pool2d", "ceil_mode"), "adaptive_avg_pool2d": ("F.adaptive_avg_pool2d", "even windows"),
     "upsample_nearest2d": ("F.interpolate(mode='nearest')", "integer scale factors"),
     "unfold": ("F.unfold", ""), "fold": ("F.fold", ""),
+    "sin": ("torch.sin", ""), "cos": ("torch.cos", ""), "reciprocal": ("torch.reciprocal", ""),
+    "log1p": ("torch.log1p", "a Taylor polynomial below |x| = 0.01 on the GPU"),
+    "expm1": ("torch.expm1", "a Taylor polynomial below |x| = 0.01 on the GPU"),
+    "floor": ("torch.floor", ""), "ceil": ("torch.ceil", ""), "trunc": ("torch.trunc", ""),
+    "round": ("torch.round", "half to even; decimals"), "clamp_min": ("torch.clamp_min", ""),
+    "clamp_max": ("torch.clamp_max", ""), "softplus": ("F.softplus", "beta, threshold"),
+    "leaky_relu": ("F.leaky_relu", ""), "masked_fill": ("Tensor.masked_fill", "number or 0-d tensor value"),
+    "tril": ("torch.tril", ""), "triu": ("torch.triu", ""), "flip": ("torch.flip", ""), "roll": ("torch.roll", ""),
+    "repeat": ("Tensor.repeat", ""), "pad": ("F.pad", "constant, reflect, replicate, circular"),
+    "cumsum": ("torch.cumsum", "log2(n) shifted adds"), "prod": ("torch.prod", "pairwise halving"),
+    "logsumexp": ("torch.logsumexp", ""), "argmax": ("torch.argmax", "i32 indices"),
+    "argmin": ("torch.argmin", "i32 indices"),
 }
 INTERNAL = {"emit", "register"}
 

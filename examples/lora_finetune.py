@@ -5,35 +5,48 @@ With ``--model DIR`` (a Hugging Face Llama folder with tokenizer.json) that mode
 frozen base. Without it the base is a small random Llama over bytes, so the example runs
 with nothing to download (the adapters then learn the text on top of noise).
 
-    python examples/lora_finetune.py --text examples/data/lighthouse.txt --steps 60
+    python examples/lora_finetune.py               # a few minutes on lavapipe
+    python examples/lora_finetune.py --full        # the GPU size: longer sequences, more steps
 """
 import argparse
 import pathlib
+import sys
 import time
 
 import numpy as np
 
 import meganeura as mg
 from meganeura import nn
+from meganeura.cli import HelpFormatter
 from meganeura.models.llama import LlamaConfig, LlamaForCausalLM
 
 HERE = pathlib.Path(__file__).resolve().parent
+# the default sizes finish in a few minutes on lavapipe (a CPU); --full gives the GPU sizes
+SMALL = {"steps": 60, "seq": 32}
+FULL = {"steps": 300, "seq": 128}
+
+
+def sizes(d):
+    return ", ".join(f"--{k.replace('_', '-')} {v}" for k, v in d.items())
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
+    p.add_argument("--full", action="store_true", help="the GPU sizes: " + sizes(FULL))
     p.add_argument("--text", default=str(HERE / "data" / "lighthouse.txt"), help="UTF-8 text to fine-tune on")
     p.add_argument("--model", default=None, help="Hugging Face Llama folder (default: a small random byte-level one)")
     p.add_argument("--out", default="lora_adapter", help="folder for adapter_model.safetensors + adapter_config.json")
-    p.add_argument("--steps", type=int, default=60, help="AdamW steps")
+    p.add_argument("--steps", type=int, help="AdamW steps")
     p.add_argument("--batch", type=int, default=4, help="sequences per step")
-    p.add_argument("--seq", type=int, default=32, help="tokens per sequence")
+    p.add_argument("--seq", type=int, help="tokens per sequence")
     p.add_argument("--r", type=int, default=8, help="LoRA rank")
     p.add_argument("--alpha", type=float, default=16, help="LoRA alpha (the update is scaled by alpha / r)")
     p.add_argument("--targets", default="q_proj,v_proj", help="comma-separated Linear names to adapt")
     p.add_argument("--lr", type=float, default=3e-3, help="learning rate")
-    p.add_argument("--backend", default=None, help="gpu or numpy (default: the GPU where there is one)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--backend", default="gpu", choices=["gpu", "numpy"], help="where to run")
+    p.add_argument("--seed", type=int, default=0, help="seed of the initialisation and the batches")
+    p.set_defaults(**(FULL if "--full" in argv else SMALL))
     args = p.parse_args(argv)
 
     text = pathlib.Path(args.text).read_text(encoding="utf-8")

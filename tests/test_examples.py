@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 EXAMPLES = pathlib.Path(__file__).resolve().parents[1] / "examples"
-NAMES = ("digits_cnn", "finetune_lm", "unet_denoiser", "whisper_features")
+NAMES = ("digits_cnn", "finetune_lm", "lora_finetune", "unet_denoiser", "whisper_features")
 
 
 @pytest.fixture(autouse=True)
@@ -55,6 +55,15 @@ def test_finetune_lm_trains_tokenizer_and_model_then_generates(tmp_path, umask_0
     first2, _, _ = finetune_lm.main(["--model", str(out), "--steps", "2", "--batch", "4", "--seq", "32",
                                      "--out", str(tmp_path / "lm2"), "--new-tokens", "2"])
     assert first2 < first - 0.3, (first, first2)
+
+
+def test_lora_finetune_trains_the_adapters_and_saves_only_them(tmp_path, umask_022):
+    import lora_finetune
+    out = tmp_path / "ad"
+    first, last = lora_finetune.main(["--steps", "30", "--batch", "2", "--seq", "16", "--out", str(out)])
+    assert last < first - 0.1, (first, last)
+    assert {p.name for p in out.iterdir()} == {"adapter_config.json", "adapter_model.safetensors"}
+    assert _mode(out / "adapter_model.safetensors") == 0o644
 
 
 def test_unet_denoiser_improves_psnr():

@@ -189,12 +189,13 @@ def peft_config(model: Module, base_model_name_or_path=None, task_type="CAUSAL_L
 def save(model: Module, folder, base_model_name_or_path=None, task_type="CAUSAL_LM") -> str:
     """Write the adapters (only) as peft does: ``folder``/adapter_model.safetensors and
     adapter_config.json. Returns the folder."""
-    from safetensors.numpy import save_file
+    from safetensors.numpy import save
+    from ..disk import write_atomic     # (a failed save leaves the previous files whole)
     folder = os.fspath(folder)
-    os.makedirs(folder, exist_ok=True)
-    save_file(adapter_state_dict(model), os.path.join(folder, ADAPTER_WEIGHTS), metadata={"format": "pt"})
-    with open(os.path.join(folder, ADAPTER_CONFIG), "w") as f:
-        json.dump(peft_config(model, base_model_name_or_path, task_type), f, indent=2)
+    weights = save(adapter_state_dict(model), metadata={"format": "pt"})
+    config = json.dumps(peft_config(model, base_model_name_or_path, task_type), indent=2).encode()
+    write_atomic(os.path.join(folder, ADAPTER_WEIGHTS), weights)
+    write_atomic(os.path.join(folder, ADAPTER_CONFIG), config)
     return folder
 
 

@@ -270,6 +270,8 @@ def _lse_decompose(q, k, v, mask=None, *, is_causal, scale, enable_gqa):
     if is_causal:
         lq, lk = s.shape[-2:]
         s = where(q.graph.constant(np.tril(np.ones((lq, lk), dtype=np.uint32))), s, NEG_INF)
+    if s.shape[-1] == 0:    # no keys: every row is fully masked (amax refuses an empty axis)
+        return q.graph.constant(np.full(s.shape[:-1], np.inf, q.dtype.np))
     m = amax(s, -1, keepdim=True)
     live = m > NEG_INF
     m0 = where(live, m, 0.0)
