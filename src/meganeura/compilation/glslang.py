@@ -24,7 +24,7 @@ import re
 import threading
 import time
 import types
-from collections import Counter
+from collections import Counter, OrderedDict
 
 from ..runtime.backends import env_flag
 from ..runtime.vulkan.cache import disk_cache_enabled, load_spirv, store_spirv
@@ -236,7 +236,43 @@ def _installed(package: str) -> tuple[str, str] | None:
 
 _instance = None
 _instance_lock = threading.Lock()
-_memory: dict = {}
+
+
+class _SpirvMemory:
+    """The in-process SPIR-V cache, least recently used first, bounded by its bytes (a process
+    compiling many distinct graphs kept every module it ever compiled: about 12 KiB a graph)."""
+
+    def __init__(self, max_bytes: int):
+        self.max_bytes, self.nbytes = max_bytes, 0
+        self._items: OrderedDict = OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, key):
+        with self._lock:
+            data = self._items.get(key)
+            if data is not None:
+                self._items.move_to_end(key)
+            return data
+
+    def __setitem__(self, key, data: bytes):
+        with self._lock:
+            old = self._items.pop(key, None)
+            self.nbytes += len(data) - (len(old) if old is not None else 0)
+            self._items[key] = data
+            while self.nbytes > self.max_bytes and len(self._items) > 1:
+                self.nbytes -= len(self._items.popitem(last=False)[1])
+
+    def __len__(self):
+        return len(self._items)
+
+    def clear(self):
+        with self._lock:
+            self._items.clear()
+            self.nbytes = 0
+
+
+MEMORY_CACHE_BYTES = 32 << 20
+_memory = _SpirvMemory(MEMORY_CACHE_BYTES)
 
 
 def _glslang() -> _Glslang:

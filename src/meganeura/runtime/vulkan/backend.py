@@ -518,9 +518,12 @@ class VulkanRuntime:
         return future
 
     def clear_caches(self):
-        """Drop the cached kernels (plans that are alive keep their own)."""
+        """Drop the cached kernels and the in-process SPIR-V (plans that are alive keep their
+        own pipelines; the disk caches stay)."""
         with self._lock:
             self._pipelines.clear()
+        from ...compilation.glslang import clear_memory_cache
+        clear_memory_cache()
 
     def cache_info(self) -> dict:
         with self._lock:
