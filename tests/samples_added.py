@@ -77,6 +77,14 @@ SAMPLES = [
       lambda t, x: (t.argmax(x, 1), t.argmin(x, 0, keepdim=True), t.argmax(x)), [F((4, 5))], grad=False),
     S("argmax_ties_first", lambda o, x: o.argmax(o.round(x), -1), lambda t, x: t.argmax(t.round(x), -1),
       [F((3, 8), low=-1.4, high=1.4)], grad=False),
+    S("max_min_dim_ties_first", lambda o, x: (*o.max(o.round(x), -1), *o.min(o.round(x), 0, keepdim=True)),
+      lambda t, x: (*t.max(t.round(x), -1), *t.min(t.round(x), 0, keepdim=True)),
+      [F((3, 8), low=-1.4, high=1.4)], grad=False),
+    # ties between a copy and its detached twin: torch's max.dim gives the whole gradient to the first
+    S("max_min_dim_ties_grad_first", lambda o, x: (o.max(o.concat([x, o.stop_gradient(x)], 1), 1).values,
+                                                   o.min(o.concat([o.stop_gradient(x), x], 0), 0, keepdim=True).values),
+      lambda t, x: (t.max(t.cat([x, x.detach()], 1), 1).values, t.min(t.cat([x.detach(), x], 0), 0, keepdim=True).values),
+      [F((4, 6))], fd=False),
     # advanced indexing (one list / tensor / mask index beside basic ones)
     S("index_list", lambda o, x: x[[2, 0, -1, 2]], lambda t, x: x[[2, 0, -1, 2]], [F((4, 3))]),
     S("index_list_mid_dim", lambda o, x: x[1:, [1, 1, 4], None], lambda t, x: x[1:, [1, 1, 4], None], [F((3, 5, 2))]),

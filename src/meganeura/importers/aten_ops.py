@@ -314,6 +314,26 @@ def _amin(cx, x, dim=(), keepdim=False):
     return ops.amin(x, _dims(dim), keepdim)
 
 
+@rule("aten.max.dim")
+def _max_dim(cx, x, dim, keepdim=False):
+    return tuple(ops.max(x, dim, keepdim))
+
+
+@rule("aten.min.dim")
+def _min_dim(cx, x, dim, keepdim=False):
+    return tuple(ops.min(x, dim, keepdim))
+
+
+@rule("aten.max.default")
+def _max_all(cx, x):
+    return ops.max(x)
+
+
+@rule("aten.min.default")
+def _min_all(cx, x):
+    return ops.min(x)
+
+
 @rule("aten.var.correction")
 def _var(cx, x, dim=None, correction=1, keepdim=False):
     return ops.var(x, _dims(dim), correction=1 if correction is None else correction, keepdim=keepdim)

@@ -1,6 +1,8 @@
 """Reductions along axes: sum, mean, max (torch's ``dim=`` / ``keepdim=``)."""
 from __future__ import annotations
 
+from collections import namedtuple
+
 import numpy as np
 
 from ..graph import fmt_shape
@@ -82,22 +84,40 @@ def _is_other(b):
     return isinstance(b, Tensor) or isinstance(b, float) or (isinstance(b, np.ndarray) and b.dtype.kind == "f")
 
 
+MaxResult = namedtuple("max", ("values", "indices"))     # torch.return_types.max
+MinResult = namedtuple("min", ("values", "indices"))     # torch.return_types.min
+
+
+def _with_indices(op, result, extreme, x, dim, keepdim):
+    from .scan import extreme_with_index
+    if isinstance(dim, (tuple, list)):
+        raise TypeError(f"{op}: dim must be one int, got {tuple(dim)!r} for tensor of shape "
+                        f"{fmt_shape(x.shape)} (a{op} reduces several dims, without indices)")
+    require_float(op, x)
+    return result(*extreme_with_index(op, extreme, x, dim, keepdim))
+
+
 def max(x, dim=None, keepdim=False):
-    """torch.max: ``max(x)`` and ``max(x, dim, keepdim)`` give the maximum values (values
-    only, not the indices); ``max(x, other)`` with a Tensor (or float) ``other`` is the
-    elementwise maximum, as torch.maximum."""
+    """torch.max: ``max(x)`` is the maximum value; ``max(x, dim, keepdim)`` is the named
+    tuple ``(values, indices)`` (i32 indices of the first maximum, the gradient to it, as
+    torch); ``max(x, other)`` with a Tensor (or float) ``other`` is torch.maximum."""
     from .elementwise import maximum
     if _is_other(dim):
         return maximum(x, dim)
-    return amax(x, dim, keepdim)
+    if dim is None:
+        return amax(x, None, keepdim)
+    return _with_indices("max", MaxResult, amax, x, dim, keepdim)
 
 
 def min(x, dim=None, keepdim=False):
-    """torch.min: like ``max`` (values along ``dim``, or elementwise with a Tensor)."""
+    """torch.min: like ``max`` (the named tuple ``(values, indices)`` along ``dim``, the
+    first minimum; elementwise with a Tensor)."""
     from .elementwise import minimum
     if _is_other(dim):
         return minimum(x, dim)
-    return amin(x, dim, keepdim)
+    if dim is None:
+        return amin(x, None, keepdim)
+    return _with_indices("min", MinResult, amin, x, dim, keepdim)
 
 
 def _correction(op, dim, correction, unbiased):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .elementwise import abs, cast, eq, exp, log, stop_gradient, where
+from .elementwise import abs, cast, eq, exp, log, lt, stop_gradient, where
 from .reduce import amax, amin, sum
 from .registry import norm_dim, norm_dims, op_error
 from .shape import broadcast_to, concat, reshape, slice, squeeze
@@ -78,6 +78,27 @@ def _arg(op, pick, x, dim, keepdim):
     pos = x.graph.constant(np.arange(n, dtype=np.float32).reshape(tuple(n if a == d else 1 for a in range(x.ndim))))
     first = amin(where(hit, pos, float(n)), d, keepdim=keepdim)     # the first of equal extremes, as torch
     return cast(first, "i32")
+
+
+def extreme_with_index(op, pick, x, dim, keepdim):
+    """(values, i32 indices) of torch.max / torch.min along one ``dim``: the index of the
+    first extreme, as torch, and the gradient to that element only (torch's max.dim; amax
+    splits it between ties). A row holding NaN gives NaN, as amax."""
+    if x.ndim == 0:
+        return pick(x, dim, keepdim), _arg(op, pick, x, dim, keepdim)
+    d = norm_dim(op, dim, x.ndim, x)
+    n = x.shape[d]
+    if n == 0:
+        raise op_error(op, f"dim {dim} is empty: no index to give", x)
+    m = pick(x, d, keepdim=True)
+    pos = x.graph.constant(np.arange(n, dtype=np.float32).reshape(tuple(n if a == d else 1 for a in range(x.ndim))))
+    first = amin(where(eq(x, m), pos, float(n)), d, keepdim=True)
+    picked = sum(where(eq(pos, first), x, 0.0), d, keepdim=True)    # x at the first extreme
+    values, index = where(lt(first, float(n)), picked, stop_gradient(m)), cast(first, "i32")
+    if keepdim:
+        return values, index
+    kept = tuple(s for a, s in enumerate(x.shape) if a != d)
+    return reshape(values, kept), reshape(index, kept)
 
 
 def argmax(x, dim=None, keepdim=False):
