@@ -262,9 +262,6 @@ class _SpirvMemory:
             while self.nbytes > self.max_bytes and len(self._items) > 1:
                 self.nbytes -= len(self._items.popitem(last=False)[1])
 
-    def __len__(self):
-        return len(self._items)
-
     def clear(self):
         with self._lock:
             self._items.clear()

@@ -70,14 +70,20 @@ def _arg(op, pick, x, dim, keepdim):
         norm_dims(op, dim, 0, x)
         return cast(x.graph.constant(np.asarray(0)), "i32")
     d = norm_dim(op, dim, x.ndim, x)
+    xf = x if x.dtype.is_float else cast(x, "f32")
+    _, _, first = _first_extreme(op, pick, xf, dim, d, keepdim)
+    return cast(first, "i32")
+
+
+def _first_extreme(op, pick, x, dim, d, keep_index):
+    """(the extreme along ``d``, kept; the positions 0..n-1 along ``d``; the position of the
+    first of equal extremes, as torch, in f32): what argmax and max.dim share."""
     n = x.shape[d]
     if n == 0:
         raise op_error(op, f"dim {dim} is empty: no index to give", x)
-    xf = x if x.dtype.is_float else cast(x, "f32")
-    hit = eq(xf, pick(xf, d, keepdim=True))
+    m = pick(x, d, keepdim=True)
     pos = x.graph.constant(np.arange(n, dtype=np.float32).reshape(tuple(n if a == d else 1 for a in range(x.ndim))))
-    first = amin(where(hit, pos, float(n)), d, keepdim=keepdim)     # the first of equal extremes, as torch
-    return cast(first, "i32")
+    return m, pos, amin(where(eq(x, m), pos, float(n)), d, keepdim=keep_index)
 
 
 def extreme_with_index(op, pick, x, dim, keepdim):
@@ -88,11 +94,7 @@ def extreme_with_index(op, pick, x, dim, keepdim):
         return pick(x, dim, keepdim), _arg(op, pick, x, dim, keepdim)
     d = norm_dim(op, dim, x.ndim, x)
     n = x.shape[d]
-    if n == 0:
-        raise op_error(op, f"dim {dim} is empty: no index to give", x)
-    m = pick(x, d, keepdim=True)
-    pos = x.graph.constant(np.arange(n, dtype=np.float32).reshape(tuple(n if a == d else 1 for a in range(x.ndim))))
-    first = amin(where(eq(x, m), pos, float(n)), d, keepdim=True)
+    m, pos, first = _first_extreme(op, pick, x, dim, d, True)
     picked = sum(where(eq(pos, first), x, 0.0), d, keepdim=True)    # x at the first extreme
     values, index = where(lt(first, float(n)), picked, stop_gradient(m)), cast(first, "i32")
     if keepdim:
