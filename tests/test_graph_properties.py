@@ -148,6 +148,7 @@ def _program(data):
     return g, feeds, outs, loss, [t for t in g.inputs.values()]
 
 
+@pytest.mark.slow   # about 20 s on 2 cores: the slow job runs it
 def test_random_graphs_match_the_reference_or_are_refused():
     tally = collections.Counter()
 
