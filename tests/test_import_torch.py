@@ -1,4 +1,4 @@
-"""mg.from_torch: torch modules nobody here wrote (transformers' families at tiny sizes,
+"""mg.from_torch: torch modules nobody here wrote (transformers' families: test_import_transformers.py,
 random-initialised) and small handwritten CNN / MLP, imported through torch.export and
 checked against torch: outputs to 1e-4 relative on the interpreter and both GPU backends,
 gradients of the imported training graph, errors that list every unsupported op."""
