@@ -8,6 +8,6 @@ from . import nn  # noqa: F401
 from .jit import Jit, jit  # noqa: F401
 from . import export  # noqa: F401
 from . import distributed  # noqa: F401  (torch is imported only when it is used)
-from .importers import from_onnx, from_torch  # noqa: F401  (torch and onnx only when called)
+from .importers import from_onnx, from_pretrained, from_torch  # noqa: F401  (torch and onnx only when called)
 
 __version__ = "0.1.0"

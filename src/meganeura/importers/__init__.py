@@ -1,4 +1,5 @@
-"""Importers of models made elsewhere: ``from_torch`` (torch.export) and ``from_onnx``.
+"""Importers of models made elsewhere: ``from_torch`` (torch.export), ``from_onnx`` and
+``from_pretrained`` (a Hugging Face folder or cached model id, through transformers and torch.export).
 
 Neither torch nor onnx is imported until one of these is called: they are optional
 extras (``meganeura[torch]``, ``meganeura[onnx]``), and ``import meganeura`` stays light.
@@ -19,3 +20,14 @@ def from_onnx(path_or_model, *, load_external=True) -> ImportedModel:
     """Import an ONNX model (a file path or an ``onnx.ModelProto``; see ``onnx_import``)."""
     from .onnx_import import from_onnx as run
     return run(path_or_model, load_external=load_external)
+
+
+def from_pretrained(name_or_path, example_inputs=None, *, revision=None, training=False, batch=1,
+                    seq_len=8) -> ImportedModel:
+    """Import a Hugging Face model: a folder, or a model id found in the local Hugging Face
+    cache (nothing is downloaded). transformers builds the model named by its config.json,
+    with its weights, and ``from_torch`` imports it called on ``example_inputs`` (default: zero
+    token ids of ``(batch, seq_len)``, or an image / spectrogram for vision and audio models).
+    ``.config`` of the result is the transformers config (see ``pretrained``)."""
+    from .pretrained import from_pretrained as run
+    return run(name_or_path, example_inputs, revision=revision, training=training, batch=batch, seq_len=seq_len)

@@ -6,7 +6,7 @@ from __future__ import annotations
 class ModelImportError(ValueError):
     """A model could not be imported. ``problems`` lists one line per cause."""
 
-    def __init__(self, what: str, problems: list[str]):
+    def __init__(self, what: str, problems: list[str] = ()):
         self.problems = list(problems)
         lines = "\n".join(f"  - {p}" for p in self.problems)
         super().__init__(f"{what}:\n{lines}" if self.problems else what)
