@@ -281,3 +281,13 @@ def load_hf(path, allow_unused=False):
     state = load_weights(path)
     check_weights(path, config, state, allow_unused)
     return config, state
+
+
+def load_gguf(path, tokenizer=True):
+    """Read a GGUF file (llama.cpp's format) of a Llama, Qwen2 or Gemma model: a
+    ``gguf_io.GGUFModel`` with ``config``, ``state`` (f32 weights by transformers' names),
+    the raw quantized ``tensors`` with their ``quant_types``, ``tokenizer`` and
+    ``chat_template``; unpacks as ``config, state = load_gguf(path)``. Needs the ``gguf``
+    package (``pip install meganeura[gguf]``)."""
+    from .gguf_io import load_gguf as load
+    return load(path, tokenizer=tokenizer)
