@@ -40,8 +40,8 @@ LAYER_NAMES = {"attn_norm.weight": "input_layernorm.weight", "attn_q.weight": "s
                "ffn_up.weight": "mlp.up_proj.weight", "ffn_down.weight": "mlp.down_proj.weight"}
 GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
                 "output.weight": "lm_head.weight"}
-# buffers some files carry that the model derives itself
-_IGNORED = ("rope_freqs.weight",)
+# tensors of features the model lacks: refused by name rather than ignored
+_REFUSED = {"rope_freqs.weight": "per-frequency RoPE factors (Llama 3.1's rope scaling)"}
 
 
 def need_gguf():
@@ -154,8 +154,8 @@ def read_gguf(path) -> GGUFFile:
 class GGUFModel:
     """What ``load_gguf`` returns. ``config`` (a ``LlamaConfig``) and ``state`` (f32 numpy
     arrays by transformers' names, ready for ``LlamaGenerator`` or ``graph_state_dict``);
-    ``tensors`` the raw data by the same names (rows in our order; Gemma's norms as stored,
-    ``1 + w``) with ``quant_types`` their ggml type names and ``gguf_names`` the names in the
+    ``tensors`` the raw data by the same names (read-only views of the file where no rows
+    moved; rows in our order; Gemma's norms as stored, ``1 + w``) with ``quant_types`` their ggml type names and ``gguf_names`` the names in the
     file; ``tokenizer`` a ``tokenizers.Tokenizer`` (None if the file has none or the
     ``tokenizers`` package is missing), ``chat_template`` (None if absent), ``metadata``.
     Unpacks as ``config, state = load_gguf(path)``, as ``load_hf``."""
@@ -261,8 +261,11 @@ def load_gguf(path, tokenizer: bool = True) -> GGUFModel:
         if cfg.gemma_norm and g.endswith("norm.weight"):
             w = w - np.float32(1.0)       # stored as the scale 1 + w
         state[name], raw[name], types[name], names[name] = np.ascontiguousarray(w, np.float32), data, t.qtype, g
+    for g, what in _REFUSED.items():
+        if g in f.tensors:
+            raise NotImplementedError(f"{path}: tensor {g!r} ({what}) is not supported")
     ours = {gguf_name(n) for n in want}
-    extra = sorted(n for n in f.tensors if n not in ours and n not in _IGNORED)
+    extra = sorted(n for n in f.tensors if n not in ours)
     if extra:
         raise ModelFileError(f"{path}: {len(extra)} tensor(s) the model does not use, e.g. {extra[:3]} (does "
                              f"block_count={cfg.num_hidden_layers} match the tensors?)")
