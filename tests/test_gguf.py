@@ -273,6 +273,24 @@ def test_gpt2_tokenizer_from_the_file_matches_the_original(tmp_path, pre):
     assert got.tokenizer.token_to_id("<|im_start|>") == tok.token_to_id("<|im_start|>")
 
 
+def test_generate_from_a_gguf_file(tmp_path, capsys):
+    from meganeura.cli import main
+    from meganeura.models.generate import generate, generate_text
+    tok = trained_bpe("gpt-2")
+    cfg = tiny("llama", vocab_size=tok.get_vocab_size())
+    m = hf_model(cfg)
+    f = convert(m, cfg, tmp_path / "g.gguf", meta=gpt2_fields(tok, "gpt-2"))
+    prompt = "The quick brown"
+    sd = {k: v.numpy() for k, v in m.state_dict().items()}
+    want = generate((cfg, sd), tok.encode(prompt).ids, 4, backend="numpy", stop_at_eos=False)
+    text = generate_text(f, prompt, 4, backend="numpy", stop_at_eos=False)
+    assert text == tok.decode(want) and text
+    assert main(["generate", "--model", str(f), "--prompt", prompt, "--max-new-tokens", "2", "--backend", "numpy"]) == 0
+    assert capsys.readouterr().out.startswith(prompt)
+    assert main(["generate", "--model", str(tmp_path / "none.gguf"), "--prompt", "x"]) == 2
+    assert "does not exist" in capsys.readouterr().err
+
+
 def test_sentencepiece_tokenizer_from_scores(tmp_path):
     pieces = ["<unk>", "<s>", "</s>", "<0x21>", "\u2581", "h", "e", "l", "o", "w", "r", "d", "he", "ll", "llo",
               "hello", "\u2581hello", "or", "wor", "ld", "\u2581w", "\u2581wor", "\u2581world"]

@@ -168,8 +168,13 @@ def cmd_train_demo(args):
 
 
 def cmd_generate(args):
-    """Stream a continuation of ``--prompt`` from a Hugging Face Llama-family folder."""
-    check_model_folder(args.model)
+    """Stream a continuation of ``--prompt`` from a Hugging Face Llama-family folder or a GGUF file."""
+    if args.model.endswith(".gguf") and not os.path.isdir(args.model):
+        if not os.path.isfile(args.model):
+            raise CliError(f"--model {args.model!r} does not exist")
+        need("generate", "gguf")
+    else:
+        check_model_folder(args.model)
     need("generate", "tokenizers")
     if args.max_new_tokens < 1:
         raise CliError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
@@ -415,8 +420,9 @@ def _main(argv):
     d.add_argument("--seed", type=int, default=0, help="seed of the initialisation and the shuffling")
     d.add_argument("--out", default="digits_mlp.safetensors", help="checkpoint path")
     d.add_argument("--quiet", action="store_true", help="no progress bar")
-    gen = command("generate", cmd_generate, "generate text with a Hugging Face Llama-family model folder")
-    gen.add_argument("--model", required=True, help="folder with config.json, model.safetensors, tokenizer.json")
+    gen = command("generate", cmd_generate, "generate text with a Hugging Face Llama-family model folder or a GGUF file")
+    gen.add_argument("--model", required=True, help="folder with config.json, model.safetensors, tokenizer.json; "
+                     "or a .gguf file with its tokenizer")
     gen.add_argument("--prompt", required=True, help="text to continue")
     gen.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate at most")
     gen.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0 means greedy")
