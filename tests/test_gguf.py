@@ -387,6 +387,25 @@ def test_quantize_cli_round_trip(tmp_path, arch, kind, capsys):
     assert meta["tokenizer.ggml.bos_token_id"] == tok.token_to_id("<|endoftext|>")
 
 
+@pytest.mark.parametrize("arch,kind", [("llama", "--q4_k"), ("qwen2", "--q8_0")])
+def test_quantized_file_reads_the_same_in_transformers(tmp_path, arch, kind):
+    """transformers' own GGUF reader (gguf_file=) is a second, independent reader of what
+    quantize writes: the same logits and token ids (it has no Gemma reader)."""
+    from meganeura.cli import main
+    cfg = tiny(arch, hidden_size=256, intermediate_size=512, num_hidden_layers=1, head_dim=64)
+    folder, _ = hf_folder(tmp_path, cfg)
+    assert main(["quantize", str(folder), kind, "--out", str(tmp_path / "q.gguf"), "--quiet"]) == 0
+    got = load_gguf(tmp_path / "q.gguf")
+    tm = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file="q.gguf").eval()
+    ids = np.arange(6, dtype=np.int32)[None] * 7 % cfg.vocab_size
+    with torch.no_grad():
+        ref = tm(torch.tensor(ids, dtype=torch.long)).logits.float().numpy()
+    assert rel(logits(got.config, got.state, ids, "numpy"), ref) < 1e-5
+    tt = transformers.AutoTokenizer.from_pretrained(str(tmp_path), gguf_file="q.gguf")
+    for text in CORPUS[:4]:
+        assert tt(text)["input_ids"] == got.tokenizer.encode(text).ids, text
+
+
 def test_quantize_cli_mistakes_are_one_line(tmp_path, capsys):
     from meganeura.cli import main
     assert main(["quantize", str(tmp_path / "nope"), "--q8_0", "--out", str(tmp_path / "x.gguf")]) == 2
