@@ -335,7 +335,8 @@ def test_q4_k_blocks_dequantize_within_a_quantization_step():
                                        ("gemma", "--q4_k")])
 def test_quantize_cli_round_trip(tmp_path, arch, kind, capsys):
     from meganeura.cli import main
-    cfg = tiny(arch, hidden_size=256, intermediate_size=512, num_hidden_layers=1, head_dim=64)
+    cfg = tiny(arch, hidden_size=256, intermediate_size=512, num_hidden_layers=1, head_dim=64,
+               tie_word_embeddings=arch != "llama")          # Qwen2-0.5B and Gemma tie theirs
     folder, m = hf_folder(tmp_path, cfg)
     out = tmp_path / "q.gguf"
     assert main(["quantize", str(folder), kind, "--out", str(out), "--quiet"]) == 0
@@ -392,7 +393,8 @@ def test_quantized_file_reads_the_same_in_transformers(tmp_path, arch, kind):
     """transformers' own GGUF reader (gguf_file=) is a second, independent reader of what
     quantize writes: the same logits and token ids (it has no Gemma reader)."""
     from meganeura.cli import main
-    cfg = tiny(arch, hidden_size=256, intermediate_size=512, num_hidden_layers=1, head_dim=64)
+    cfg = tiny(arch, hidden_size=256, intermediate_size=512, num_hidden_layers=1, head_dim=64,
+               tie_word_embeddings=arch != "llama")
     folder, _ = hf_folder(tmp_path, cfg)
     assert main(["quantize", str(folder), kind, "--out", str(tmp_path / "q.gguf"), "--quiet"]) == 0
     got = load_gguf(tmp_path / "q.gguf")
@@ -502,3 +504,8 @@ def test_gguf_stays_optional(tmp_path):
     r = subprocess.run([sys.executable, "-c", code, str(f)], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert "pip install meganeura[gguf]" in r.stdout, r.stdout
+    code = ("import sys\nsys.modules['gguf'] = None\nfrom meganeura.cli import main\n"
+            f"sys.exit(main(['quantize', {str(tmp_path)!r}, '--q8_0', '--out', {str(tmp_path / 'q.gguf')!r}]))\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert "quantize needs the optional package 'gguf': pip install 'meganeura[gguf]'" in r.stderr, r.stderr

@@ -154,9 +154,9 @@ def read_gguf(path) -> GGUFFile:
 class GGUFModel:
     """What ``load_gguf`` returns. ``config`` (a ``LlamaConfig``) and ``state`` (f32 numpy
     arrays by transformers' names, ready for ``LlamaGenerator`` or ``graph_state_dict``);
-    ``tensors`` the raw data by the same names (read-only views of the file where no rows
-    moved; rows in our order; Gemma's norms as stored, ``1 + w``) with ``quant_types`` their ggml type names and ``gguf_names`` the names in the
-    file; ``tokenizer`` a ``tokenizers.Tokenizer`` (None if the file has none or the
+    ``tensors`` the raw data by the same names (rows in our order: read-only views of the
+    file, copies where rows moved; Gemma's norms as stored, ``1 + w``), ``quant_types``
+    their ggml type names, ``gguf_names`` their names in the file; ``tokenizer`` a ``tokenizers.Tokenizer`` (None if the file has none or the
     ``tokenizers`` package is missing), ``chat_template`` (None if absent), ``metadata``.
     Unpacks as ``config, state = load_gguf(path)``, as ``load_hf``."""
     path: str
@@ -219,7 +219,8 @@ def config_from_metadata(path, meta: dict, tensors: dict):
              intermediate_size=_get(meta, path, a + "feed_forward_length", int),
              num_hidden_layers=_get(meta, path, a + "block_count", int), num_attention_heads=heads,
              num_key_value_heads=kv, head_dim=head_dim,
-             rms_norm_eps=_get(meta, path, a + "attention.layer_norm_rms_epsilon", float, 1e-5 if arch != "gemma" else 1e-6),
+             rms_norm_eps=_get(meta, path, a + "attention.layer_norm_rms_epsilon", float,
+                               1e-6 if arch == "gemma" else 1e-5),
              rope_theta=_get(meta, path, a + "rope.freq_base", float, 10000.0),
              max_position_embeddings=_get(meta, path, a + "context_length", int, 2048),
              tie_word_embeddings="output.weight" not in tensors,
