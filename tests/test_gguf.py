@@ -331,12 +331,23 @@ def test_q4_k_blocks_dequantize_within_a_quantization_step():
     assert rel(back, x) < 0.12, rel(back, x)
 
 
+def expected_type(qt, shape):
+    """What quantize makes of a weight of ``shape``: vectors f32, matrices ``qt`` or its fallbacks."""
+    if len(shape) == 1:
+        return "F32"
+    for t in {"Q4_K": ("Q4_K", "Q5_0"), "Q8_0": ("Q8_0",)}[qt]:
+        if shape[-1] % (256 if t == "Q4_K" else 32) == 0:
+            return t
+    return "F16"
+
+
 @pytest.mark.parametrize("arch,kind", [("llama", "--q8_0"), ("llama", "--q4_k"), ("qwen2", "--q8_0"),
                                        ("gemma", "--q4_k")])
 def test_quantize_cli_round_trip(tmp_path, arch, kind, capsys):
     from meganeura.cli import main
-    cfg = tiny(arch, hidden_size=256, intermediate_size=512, num_hidden_layers=1, head_dim=64,
-               tie_word_embeddings=arch != "llama")          # Qwen2-0.5B and Gemma tie theirs
+    # down_proj's rows of 544 (Q4_K: not a multiple of 256, so Q5_0) or 528 (not even of 32: F16)
+    cfg = tiny(arch, hidden_size=256, intermediate_size=544 if kind == "--q4_k" else 528, num_hidden_layers=1,
+               head_dim=64, tie_word_embeddings=arch != "llama")          # Qwen2-0.5B and Gemma tie theirs
     folder, m = hf_folder(tmp_path, cfg)
     out = tmp_path / "q.gguf"
     assert main(["quantize", str(folder), kind, "--out", str(out), "--quiet"]) == 0
@@ -344,17 +355,23 @@ def test_quantize_cli_round_trip(tmp_path, arch, kind, capsys):
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []          # no temporary left
     got = load_gguf(out)
     qt = "Q4_K" if kind == "--q4_k" else "Q8_0"
+    assert set(got.quant_types.values()) == {"F32", qt, "Q5_0" if qt == "Q4_K" else "F16"}
     sd = m.state_dict()
     for name, w in got.state.items():
         ref = sd[name].numpy()
         t = got.quant_types[name]
-        assert t == ("F32" if ref.ndim == 1 else qt if ref.shape[1] % (256 if qt == "Q4_K" else 32) == 0 else "Q8_0")
+        assert t == expected_type(qt, ref.shape), (name, t)
         if t == "F32":
             assert np.allclose(w, ref, rtol=0, atol=1e-7 if arch == "gemma" else 0), name    # gemma: (1 + w) - 1
             continue
+        if t == "F16":
+            assert np.allclose(w, ref, rtol=2 ** -11, atol=1e-7), name
+            continue
         g = ref.reshape(-1, 32)
-        if t == "Q8_0":
-            bound = np.abs(g).max(1) / 127 * 0.57 + 1e-6       # half a step, plus the f16 scale
+        if t == "Q8_0":                # half a step (1/127 of the largest value), plus the f16 scale
+            bound = np.abs(g).max(1) / 127 * 0.57 + 1e-6
+        elif t == "Q5_0":              # steps of 1/16 of the largest value, which sits at -16: +16 clips to +15
+            bound = np.abs(g).max(1) / 16 * 1.07 + 1e-6
         else:
             bound = (g.max(1) - np.minimum(g.min(1), 0)) / 15 * 0.75 + 1e-6
         assert (np.abs(w.reshape(-1, 32) - g) <= bound[:, None]).all(), name
@@ -393,8 +410,8 @@ def test_quantized_file_reads_the_same_in_transformers(tmp_path, arch, kind):
     """transformers' own GGUF reader (gguf_file=) is a second, independent reader of what
     quantize writes: the same logits and token ids (it has no Gemma reader)."""
     from meganeura.cli import main
-    cfg = tiny(arch, hidden_size=256, intermediate_size=512, num_hidden_layers=1, head_dim=64,
-               tie_word_embeddings=arch != "llama")
+    cfg = tiny(arch, hidden_size=256, intermediate_size=544 if kind == "--q4_k" else 528, num_hidden_layers=1,
+               head_dim=64, tie_word_embeddings=arch != "llama")          # with Q5_0 and F16 fallbacks
     folder, _ = hf_folder(tmp_path, cfg)
     assert main(["quantize", str(folder), kind, "--out", str(tmp_path / "q.gguf"), "--quiet"]) == 0
     got = load_gguf(tmp_path / "q.gguf")

@@ -438,7 +438,7 @@ def _main(argv):
     kind = qz.add_mutually_exclusive_group(required=True)
     kind.add_argument("--q8_0", action="store_true", help="8-bit blocks of 32 (Q8_0)")
     kind.add_argument("--q4_k", action="store_true", help="4-bit k-quant blocks of 256 (Q4_K); matrices whose "
-                      "rows do not divide into 256 fall back to Q8_0")
+                      "rows do not divide into 256 fall back to Q5_0 (as llama.cpp's)")
     qz.add_argument("--out", required=True, metavar="FILE.gguf", help="GGUF file to write (atomically)")
     qz.add_argument("--quiet", action="store_true", help="no progress bars")
     ex = command("export", cmd_export, "export a model to run in the browser with WebGPU (--web DIR)")

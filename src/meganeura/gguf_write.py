@@ -4,9 +4,9 @@ The file is laid out as llama.cpp's converter writes one: architecture metadata 
 ``<arch>.*``, tensors by llama.cpp's names, ``attn_q`` / ``attn_k`` rows permuted for the
 ``llama`` architecture, Gemma's norms stored as ``1 + w``, no ``output`` tensor for tied
 embeddings, and the tokenizer's llama.cpp fields (see ``gguf_tokenizer``). Matrices whose
-rows divide into the type's blocks are quantized (Q8_0 by ``gguf.quants.quantize``; Q4_K
-by ``quantize_q4_k`` here, which the gguf package lacks), the rest stay f32 (vectors) or
-fall back to Q8_0, then F16. The file is written beside its destination and renamed over
+rows divide into the type's blocks are quantized (Q8_0 and Q5_0 by ``gguf.quants.quantize``;
+Q4_K by ``quantize_q4_k`` here, which the gguf package lacks); vectors stay f32, and matrices
+whose rows do not divide fall back as llama.cpp's quantizer does (Q4_K to Q5_0), then to F16. The file is written beside its destination and renamed over
 it when whole.
 """
 from __future__ import annotations
@@ -19,7 +19,7 @@ from .gguf_io import ARCHITECTURES, gguf_name, need_gguf, permute_rows
 
 QTYPES = ("Q8_0", "Q4_K")
 _FILE_TYPE = {"Q8_0": "MOSTLY_Q8_0", "Q4_K": "MOSTLY_Q4_K_S"}
-_FALLBACK = {"Q4_K": "Q8_0", "Q8_0": "F16"}
+_FALLBACK = {"Q4_K": "Q5_0", "Q5_0": "F16", "Q8_0": "F16"}
 QK_K = 256
 
 
@@ -66,7 +66,7 @@ def quantize_q4_k(x: np.ndarray) -> np.ndarray:
 
 def quantize_tensor(w: np.ndarray, qtype: str):
     """(data, ggml type name) of one weight: vectors f32; matrices ``qtype`` where their rows
-    divide into its blocks, else the next type down (Q4_K -> Q8_0 -> F16)."""
+    divide into its blocks, else the next type down (Q4_K -> Q5_0 -> F16, Q8_0 -> F16)."""
     gguf = need_gguf()
     if w.ndim < 2:
         return np.ascontiguousarray(w, np.float32), "F32"
