@@ -58,8 +58,9 @@ def write(path, arch, tensors, meta=None):
 _F16_AT = {"Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
 
 
-def blocks_of(qtype, rows, cols, rng):
-    """Raw data of one tensor of ``qtype`` (rows, cols) with finite values."""
+def blocks_of(qtype, rows, cols, rng, scale=(0.001, 0.05)):
+    """Raw data of one tensor of ``qtype`` (rows, cols) with finite values (k-quants: random
+    bytes with f16 scales drawn from ``scale``)."""
     x = rng.standard_normal((rows, cols)).astype(np.float32)
     if qtype == "F32":
         return x
@@ -70,7 +71,7 @@ def blocks_of(qtype, rows, cols, rng):
     block, size = gguf.GGML_QUANT_SIZES[Q[qtype]]
     raw = rng.integers(0, 256, (rows * cols // block, size), dtype=np.uint8)
     for at in _F16_AT[qtype]:
-        raw[:, at:at + 2] = rng.uniform(0.001, 0.05, (len(raw), 1)).astype(np.float16).view(np.uint8)
+        raw[:, at:at + 2] = rng.uniform(*scale, (len(raw), 1)).astype(np.float16).view(np.uint8)
     return raw.reshape(rows, -1)
 
 
@@ -210,6 +211,41 @@ def test_converted_file_gives_transformers_logits(converted, backend):
     cfg, state = load_gguf(path, tokenizer=False)
     out = logits(cfg, state, ids, backend)
     assert rel(out, ref) < 1e-4, (cfg.model_type, backend, rel(out, ref))
+
+
+def test_a_model_of_every_tensor_type_loads_as_the_gguf_dequantization(tmp_path):
+    """Each matrix of a 2-layer Llama in another type: load_gguf gives exactly the gguf
+    package's dequantization (rows unpermuted), and our logits of it are transformers'."""
+    from meganeura.gguf_io import unpermute_rows
+    cfg = tiny("llama", hidden_size=256, intermediate_size=256, head_dim=64)
+    m = hf_model(cfg)
+    src = read_gguf(convert(m, cfg, tmp_path / "f32.gguf"))
+    rng = np.random.default_rng(0)
+    kinds = iter(TENSOR_TYPES * 2)
+    made, tensors = {}, []
+    for t in src.tensors.values():
+        w = np.asarray(t.data)
+        kind = "F32" if w.ndim == 1 else next(kinds)
+        if kind in ("F32", "F16") or kind not in _F16_AT:
+            data = w.astype(np.float16) if kind == "F16" else w if kind == "F32" else gguf.quants.quantize(w, Q[kind])
+        else:
+            data = blocks_of(kind, *w.shape, rng, scale=(1e-5, 1e-4))      # weights of about 0.1 at most
+        made[t.name] = (kind, data)
+        tensors.append((t.name, data, None if kind in ("F32", "F16") else Q[kind]))
+    assert {k for k, _ in made.values()} == set(TENSOR_TYPES)
+    got = load_gguf(write(tmp_path / "mixed.gguf", "llama", tensors,
+                          {k: v for k, v in src.metadata.items() if k != "general.architecture"}))
+    for name, g in got.gguf_names.items():
+        kind, data = made[g]
+        want = gguf.quants.dequantize(data, Q[kind]).astype(np.float32)
+        if ".attn_q." in g or ".attn_k." in g:
+            want = unpermute_rows(want, 4 if ".attn_q." in g else 2)
+        assert got.quant_types[name] == kind and np.array_equal(got.state[name], want), (name, kind)
+    ids = np.arange(8, dtype=np.int32)[None] * 5 % cfg.vocab_size
+    with torch.no_grad():
+        m.load_state_dict({k: torch.tensor(v) for k, v in got.state.items()}, strict=False)
+        ref = m(torch.tensor(ids, dtype=torch.long)).logits.numpy()
+    assert rel(logits(got.config, got.state, ids, "numpy"), ref) < 1e-4
 
 
 def test_f16_and_quantized_files_load_within_their_error(tmp_path):
