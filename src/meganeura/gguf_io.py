@@ -242,8 +242,15 @@ def load_gguf(path, tokenizer: bool = True) -> GGUFModel:
     want = io.expected_weights(cfg)
     if cfg.tie_word_embeddings:
         want.pop("lm_head.weight", None)
-    state, raw, types, names = {}, {}, {}, {}
-    for name, shape in want.items():
+    for g, what in _REFUSED.items():
+        if g in f.tensors:
+            raise NotImplementedError(f"{path}: tensor {g!r} ({what}) is not supported")
+    ours = {gguf_name(n) for n in want}
+    extra = sorted(n for n in f.tensors if n not in ours)
+    if extra:
+        raise ModelFileError(f"{path}: {len(extra)} tensor(s) the model does not use, e.g. {extra[:3]} (does "
+                             f"block_count={cfg.num_hidden_layers} match the tensors?)")
+    for name, shape in want.items():        # every check before any dequantization
         g = gguf_name(name)
         t = f.tensors.get(g)
         if t is None:
@@ -255,6 +262,10 @@ def load_gguf(path, tokenizer: bool = True) -> GGUFModel:
         if tuple(t.shape) != tuple(shape):
             raise ModelFileError(f"{path}: tensor {g!r} has shape {t.shape}, the metadata implies {tuple(shape)} "
                                  f"for {name}")
+    state, raw, types, names = {}, {}, {}, {}
+    for name in want:
+        g = gguf_name(name)
+        t = f.tensors[g]
         w, data = t.dequantize(), t.data
         if cfg.model_type == "llama" and g.endswith(("attn_q.weight", "attn_q.bias", "attn_k.weight", "attn_k.bias")):
             heads = cfg.num_attention_heads if ".attn_q." in g else cfg.num_key_value_heads
@@ -262,14 +273,6 @@ def load_gguf(path, tokenizer: bool = True) -> GGUFModel:
         if cfg.gemma_norm and g.endswith("norm.weight"):
             w = w - np.float32(1.0)       # stored as the scale 1 + w
         state[name], raw[name], types[name], names[name] = np.ascontiguousarray(w, np.float32), data, t.qtype, g
-    for g, what in _REFUSED.items():
-        if g in f.tensors:
-            raise NotImplementedError(f"{path}: tensor {g!r} ({what}) is not supported")
-    ours = {gguf_name(n) for n in want}
-    extra = sorted(n for n in f.tensors if n not in ours)
-    if extra:
-        raise ModelFileError(f"{path}: {len(extra)} tensor(s) the model does not use, e.g. {extra[:3]} (does "
-                             f"block_count={cfg.num_hidden_layers} match the tensors?)")
     io.check_weights(path, cfg, state)
     out = GGUFModel(path, cfg, state, raw, types, names, meta, chat_template=meta.get("tokenizer.chat_template"))
     if tokenizer:
