@@ -15,7 +15,8 @@ INSTALL = {"sklearn": "pip install 'meganeura[examples]'  (scikit-learn)",
            "torch": "pip install 'meganeura[bench]'  (torch)",
            "transformers": "pip install 'meganeura[bench]'  (transformers)",
            "diffusers": "pip install 'meganeura[bench]'  (diffusers)",
-           "matplotlib": "pip install 'meganeura[bench]'  (matplotlib)"}
+           "matplotlib": "pip install 'meganeura[bench]'  (matplotlib)",
+           "gguf": "pip install 'meganeura[gguf]'  (gguf)"}
 
 
 class CliError(Exception):
@@ -167,8 +168,13 @@ def cmd_train_demo(args):
 
 
 def cmd_generate(args):
-    """Stream a continuation of ``--prompt`` from a Hugging Face Llama-family folder."""
-    check_model_folder(args.model)
+    """Stream a continuation of ``--prompt`` from a Hugging Face Llama-family folder or a GGUF file."""
+    if args.model.endswith(".gguf") and not os.path.isdir(args.model):
+        if not os.path.isfile(args.model):
+            raise CliError(f"--model {args.model!r} does not exist")
+        need("generate", "gguf")
+    else:
+        check_model_folder(args.model)
     need("generate", "tokenizers")
     if args.max_new_tokens < 1:
         raise CliError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
@@ -192,6 +198,23 @@ def cmd_generate(args):
 
 
 WEB_MODELS = ("digits-mlp", "llama-tiny")
+
+
+def cmd_quantize(args):
+    """A Hugging Face Llama-family folder as a quantized GGUF file (see meganeura.gguf_write)."""
+    need("quantize", "gguf")
+    if not os.path.isdir(args.src):
+        raise CliError(f"SRC {args.src!r} is not a folder (a Hugging Face model folder with config.json)")
+    if not args.out.endswith(".gguf"):
+        raise CliError(f"--out {args.out!r} must name a .gguf file")
+    _folder_file(args.out, "--out")
+    from .gguf_write import quantize_folder
+    qtype = "Q4_K" if args.q4_k else "Q8_0"
+    t0 = time.perf_counter()
+    counts = quantize_folder(args.src, args.out, qtype, progress=not args.quiet)
+    kinds = ", ".join(f"{n} {t}" for t, n in sorted(counts.items()))
+    print(f"wrote {args.out} ({os.path.getsize(args.out) / 2**20:.1f} MiB; tensors: {kinds}) "
+          f"in {time.perf_counter() - t0:.1f} s")
 
 
 def digits_examples(x, y, n=10):
@@ -397,8 +420,9 @@ def _main(argv):
     d.add_argument("--seed", type=int, default=0, help="seed of the initialisation and the shuffling")
     d.add_argument("--out", default="digits_mlp.safetensors", help="checkpoint path")
     d.add_argument("--quiet", action="store_true", help="no progress bar")
-    gen = command("generate", cmd_generate, "generate text with a Hugging Face Llama-family model folder")
-    gen.add_argument("--model", required=True, help="folder with config.json, model.safetensors, tokenizer.json")
+    gen = command("generate", cmd_generate, "generate text with a Hugging Face Llama-family model folder or a GGUF file")
+    gen.add_argument("--model", required=True, help="folder with config.json, model.safetensors, tokenizer.json; "
+                     "or a .gguf file with its tokenizer")
     gen.add_argument("--prompt", required=True, help="text to continue")
     gen.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate at most")
     gen.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0 means greedy")
@@ -408,6 +432,15 @@ def _main(argv):
     gen.add_argument("--backend", default="gpu", choices=["gpu", "vulkan", "wgpu", "numpy"], help=BACKEND_HELP)
     gen.add_argument("--precision", default="strict", choices=["strict", "accelerated"],
                      help="strict: f32 everywhere; accelerated: f16 operands for forward matmuls")
+    qz = command("quantize", cmd_quantize, "quantize a Hugging Face Llama, Qwen2 or Gemma folder into a GGUF file "
+                 "(with its tokenizer and chat template) that llama.cpp and mg.io.load_gguf read")
+    qz.add_argument("src", metavar="SRC", help="Hugging Face model folder (config.json, model.safetensors)")
+    kind = qz.add_mutually_exclusive_group(required=True)
+    kind.add_argument("--q8_0", action="store_true", help="8-bit blocks of 32 (Q8_0)")
+    kind.add_argument("--q4_k", action="store_true", help="4-bit k-quant blocks of 256 (Q4_K); matrices whose "
+                      "rows do not divide into 256 fall back to Q5_0 (as llama.cpp's)")
+    qz.add_argument("--out", required=True, metavar="FILE.gguf", help="GGUF file to write (atomically)")
+    qz.add_argument("--quiet", action="store_true", help="no progress bars")
     ex = command("export", cmd_export, "export a model to run in the browser with WebGPU (--web DIR)")
     ex.add_argument("--web", metavar="DIR", help="folder to write: plan.json, weights.safetensors, meganeura.js, "
                     "index.html (serve it over http and open it)")

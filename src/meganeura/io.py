@@ -31,11 +31,12 @@ _ITEMSIZE = {**{k: np.dtype(v).itemsize for k, v in _NUMPY.items()}, "BF16": 2}
 # the safetensors package refuses headers above 100 MB: so do we, before reading one
 MAX_HEADER_BYTES = 100_000_000
 
-ARCHITECTURES = ("LlamaForCausalLM",)
+# transformers class -> model_type; all build through models.llama (Qwen2 and Gemma by its switches)
+ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "GemmaForCausalLM": "gemma"}
 # config.json fields without which the model's size is unknown (LlamaConfig would fall back
 # to Llama-7B's); each must be a positive integer
-REQUIRED_SIZES = {"LlamaForCausalLM": ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                                       "num_attention_heads")}
+REQUIRED_SIZES = {a: ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+                  for a in ARCHITECTURES}
 # buffers some checkpoints carry that are derived, not weights
 _DERIVED = ("rotary_emb.inv_freq",)
 
@@ -203,12 +204,16 @@ def load_config(path):
     archs = d.get("architectures") or []
     if not isinstance(archs, list):
         raise ModelFileError(f"{file}: 'architectures' is not a list: {archs!r}")
-    if "LlamaForCausalLM" in archs or (not archs and d.get("model_type") == "llama"):
+    arch = next((a for a in archs if a in ARCHITECTURES), None)
+    if arch is None and not archs:
+        arch = next((a for a, mt in ARCHITECTURES.items() if d.get("model_type") == mt), None)
+    if arch is not None:
         from .models.llama import LlamaConfig
-        missing = [k for k in REQUIRED_SIZES["LlamaForCausalLM"] if k not in d]
+        d = {**d, "model_type": ARCHITECTURES[arch]}
+        missing = [k for k in REQUIRED_SIZES[arch] if k not in d]
         if missing:
             raise ModelFileError(f"{file}: lacks the size field(s) {missing}; refusing to guess the model's size")
-        for k in REQUIRED_SIZES["LlamaForCausalLM"] + ("num_key_value_heads", "head_dim", "max_position_embeddings"):
+        for k in REQUIRED_SIZES[arch] + ("num_key_value_heads", "head_dim", "max_position_embeddings"):
             v = d.get(k)
             if v is not None and not (_is_count(v) and v > 0):
                 raise ModelFileError(f"{file}: {k} must be a positive integer, got {v!r}")
@@ -276,3 +281,13 @@ def load_hf(path, allow_unused=False):
     state = load_weights(path)
     check_weights(path, config, state, allow_unused)
     return config, state
+
+
+def load_gguf(path, tokenizer=True):
+    """Read a GGUF file (llama.cpp's format) of a Llama, Qwen2 or Gemma model: a
+    ``gguf_io.GGUFModel`` with ``config``, ``state`` (f32 weights by transformers' names),
+    the raw quantized ``tensors`` with their ``quant_types``, ``tokenizer`` and
+    ``chat_template``; unpacks as ``config, state = load_gguf(path)``. Needs the ``gguf``
+    package (``pip install meganeura[gguf]``)."""
+    from .gguf_io import load_gguf as load
+    return load(path, tokenizer=tokenizer)

@@ -36,8 +36,9 @@ class LlamaGenerator:
 
     @classmethod
     def from_pretrained(cls, path, backend="gpu", precision="strict"):
-        from ..io import load_hf
-        cfg, state = load_hf(path)
+        """From a Hugging Face folder or a GGUF file (``*.gguf``)."""
+        from ..io import load_gguf, load_hf
+        cfg, state = load_gguf(path, tokenizer=False) if _is_gguf(path) else load_hf(path)
         return cls(cfg, state, backend, precision)
 
     def session(self, batch: int, tokens: int, max_len: int):
@@ -216,7 +217,7 @@ def generate(model_dir_or_weights, prompt_ids, max_new_tokens, temperature=0.0, 
              seed=0, backend="gpu", stream=None, eos_token_id=None, stop_at_eos=True, **options):
     """Generate up to ``max_new_tokens`` tokens after ``prompt_ids``.
 
-    ``model_dir_or_weights``: a Hugging Face folder, a (LlamaConfig, state dict) pair, or a
+    ``model_dir_or_weights``: a Hugging Face folder, a GGUF file, a (LlamaConfig, state dict) pair, or a
     LlamaGenerator (keeps its compiled graphs between calls). ``prompt_ids``: a list of
     ids, or a (batch, length) array. ``temperature`` 0 is greedy; ``stream(token)`` is
     called with each new token (a list per row for batched prompts). Generation stops after
@@ -238,7 +239,20 @@ def generate(model_dir_or_weights, prompt_ids, max_new_tokens, temperature=0.0, 
                         eos_token_id, stop_at_eos, **options)
 
 
+def _is_gguf(path):
+    return isinstance(path, (str, os.PathLike)) and os.fspath(path).endswith(".gguf") and not os.path.isdir(path)
+
+
 def load_tokenizer(model_dir):
+    """The tokenizer of a Hugging Face folder (tokenizer.json) or of a GGUF file."""
+    if _is_gguf(model_dir):
+        from ..gguf_io import read_gguf
+        from ..gguf_tokenizer import tokenizer_from_metadata
+        f = read_gguf(model_dir)
+        tok = tokenizer_from_metadata(f.path, f.metadata)
+        if tok is None:
+            raise FileNotFoundError(f"{model_dir}: the GGUF file holds no tokenizer")
+        return tok
     from tokenizers import Tokenizer
     path = os.path.join(os.fspath(model_dir), "tokenizer.json")
     if not os.path.exists(path):
@@ -248,7 +262,8 @@ def load_tokenizer(model_dir):
 
 def generate_text(model_dir, prompt, max_new_tokens=64, temperature=0.0, top_k=None, top_p=None, seed=0,
                   backend="gpu", stream=None, model=None, **options):
-    """Generate text after ``prompt`` with the folder's tokenizer.json. ``stream(text)``
+    """Generate text after ``prompt`` with the folder's tokenizer.json (or the GGUF file's
+    tokenizer, where ``model_dir`` is a ``.gguf`` file). ``stream(text)``
     (e.g. ``lambda s: print(s, end="", flush=True)``) gets each new piece of text as soon
     as it decodes to whole characters. ``model``: a LlamaGenerator to reuse instead of
     loading ``model_dir``'s weights. ``options``: as ``generate``'s (``stop_strings`` uses the

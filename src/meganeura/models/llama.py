@@ -1,4 +1,9 @@
-"""Llama-family causal language models (Llama 2/3, SmolLM2, TinyLlama ...).
+"""Llama-family causal language models (Llama 2/3, SmolLM2, TinyLlama, Qwen2, Gemma ...).
+
+Qwen2 and Gemma are Llama with three switches of ``LlamaConfig``: ``qkv_bias`` (Qwen2's
+biased q/k/v projections), ``hidden_act`` ("gelu_pytorch_tanh": Gemma's GeGLU MLP) and
+``gemma_norm`` (Gemma: RMSNorm scales by ``1 + weight`` and the embeddings are multiplied by
+sqrt(hidden_size)). ``from_hf_dict`` sets them from a qwen2 or gemma config.json.
 
 Parameter names are those of transformers' ``LlamaForCausalLM.state_dict()``, so a Hugging
 Face checkpoint loads unchanged. With tied embeddings the head reuses
@@ -27,6 +32,10 @@ from .. import nn, ops
 from ..graph import Graph, Tensor, i32
 
 NEG_INF = float("-inf")
+# hidden_act -> the MLP's gate activation
+ACTIVATIONS = {"silu": ops.silu, "gelu_pytorch_tanh": lambda x: ops.gelu(x, approximate="tanh")}
+# model_type -> transformers' class (config.json "architectures")
+HF_CLASSES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "gemma": "GemmaForCausalLM"}
 
 
 @dataclass
@@ -45,8 +54,18 @@ class LlamaConfig:
     head_dim: int | None = None
     bos_token_id: int | None = 1
     eos_token_id: int | list | None = 2
+    qkv_bias: bool = False
+    hidden_act: str = "silu"
+    gemma_norm: bool = False
+    model_type: str = "llama"
 
     def __post_init__(self):
+        if self.hidden_act not in ACTIVATIONS:
+            raise NotImplementedError(f"LlamaConfig: hidden_act {self.hidden_act!r} is not supported; "
+                                      f"supported: {sorted(ACTIVATIONS)}")
+        if self.model_type not in HF_CLASSES:
+            raise NotImplementedError(f"LlamaConfig: model_type {self.model_type!r} is not supported; "
+                                      f"supported: {sorted(HF_CLASSES)}")
         if self.num_key_value_heads is None:
             self.num_key_value_heads = self.num_attention_heads
         if self.head_dim is None:
@@ -77,27 +96,40 @@ class LlamaConfig:
 
     @classmethod
     def from_hf_dict(cls, d: dict):
-        """From a config.json dict (transformers 4.x ``rope_theta`` or 5.x ``rope_parameters``)."""
-        act = d.get("hidden_act", "silu")
-        if act != "silu":
-            raise NotImplementedError(f"LlamaConfig: hidden_act {act!r} is not supported (only 'silu')")
+        """From a config.json dict (transformers 4.x ``rope_theta`` or 5.x ``rope_parameters``)
+        of a llama, qwen2 or gemma model."""
+        mt = d.get("model_type", "llama")
+        if mt not in HF_CLASSES:
+            raise NotImplementedError(f"LlamaConfig: model_type {mt!r} is not supported; supported: {sorted(HF_CLASSES)}")
+        act = d.get("hidden_act", "gelu_pytorch_tanh" if mt == "gemma" else "silu")
+        if mt == "gemma" and act == "gelu":      # transformers reads Gemma's legacy "gelu" as the tanh form
+            act = "gelu_pytorch_tanh"
+        if act not in ACTIVATIONS:
+            raise NotImplementedError(f"LlamaConfig: hidden_act {act!r} is not supported; supported: {sorted(ACTIVATIONS)}")
         if d.get("attention_bias") or d.get("mlp_bias"):
             raise NotImplementedError("LlamaConfig: attention_bias / mlp_bias are not supported")
+        if d.get("use_sliding_window"):
+            raise NotImplementedError("LlamaConfig: sliding-window attention (use_sliding_window) is not supported")
         rope = d.get("rope_parameters") or {}
         scaling = d.get("rope_scaling") or {}
         kind = rope.get("rope_type", scaling.get("rope_type", scaling.get("type", "default")))
         if kind != "default":
             raise NotImplementedError(f"LlamaConfig: rope type {kind!r} is not supported (only 'default')")
         theta = rope.get("rope_theta", d.get("rope_theta", 10000.0))
-        fields = {f.name for f in dataclasses.fields(cls)}
+        fields = {f.name for f in dataclasses.fields(cls)} - {"qkv_bias", "gemma_norm"}
         kw = {k: v for k, v in d.items() if k in fields}
-        kw["rope_theta"] = float(theta)
+        kw.update(rope_theta=float(theta), hidden_act=act, model_type=mt, qkv_bias=mt == "qwen2",
+                  gemma_norm=mt == "gemma")
+        if mt == "gemma":
+            kw.setdefault("tie_word_embeddings", True)
         return cls(**kw)
 
     def to_hf_dict(self) -> dict:
-        """A config.json dict transformers' LlamaConfig reads."""
+        """A config.json dict transformers' config class of ``model_type`` reads."""
         d = dataclasses.asdict(self)
-        d.update(model_type="llama", architectures=["LlamaForCausalLM"], hidden_act="silu")
+        for k in ("qkv_bias", "gemma_norm"):     # implied by model_type
+            del d[k]
+        d["architectures"] = [HF_CLASSES[self.model_type]]
         return d
 
 
@@ -150,9 +182,9 @@ class LlamaAttention(nn.Module):
         super().__init__()
         H, hd = cfg.hidden_size, cfg.head_dim
         self.nq, self.nkv, self.hd, self.theta = cfg.num_attention_heads, cfg.num_key_value_heads, hd, cfg.rope_theta
-        self.q_proj = nn.Linear(H, self.nq * hd, bias=False)
-        self.k_proj = nn.Linear(H, self.nkv * hd, bias=False)
-        self.v_proj = nn.Linear(H, self.nkv * hd, bias=False)
+        self.q_proj = nn.Linear(H, self.nq * hd, bias=cfg.qkv_bias)
+        self.k_proj = nn.Linear(H, self.nkv * hd, bias=cfg.qkv_bias)
+        self.v_proj = nn.Linear(H, self.nkv * hd, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(self.nq * hd, H, bias=False)
 
     def _qkv(self, h):
@@ -182,17 +214,29 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    """SwiGLU: down(silu(gate(x)) * up(x))."""
+    """SwiGLU, down(silu(gate(x)) * up(x)), or with Gemma's tanh GELU for silu (GeGLU)."""
 
     def __init__(self, cfg: LlamaConfig):
         super().__init__()
         H, F = cfg.hidden_size, cfg.intermediate_size
+        self.act = ACTIVATIONS[cfg.hidden_act]
         self.gate_proj = nn.Linear(H, F, bias=False)
         self.up_proj = nn.Linear(H, F, bias=False)
         self.down_proj = nn.Linear(F, H, bias=False)
 
     def forward(self, x):
-        return self.down_proj(ops.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+
+
+class GemmaRMSNorm(nn.RMSNorm):
+    """RMSNorm scaling by ``1 + weight`` (the weight starts at zero), as Gemma's."""
+
+    def forward(self, x):
+        return ops.rms_norm(x, self.normalized_shape, self.weight + 1.0, self.eps)
+
+
+def _norm(cfg: LlamaConfig):
+    return (GemmaRMSNorm if cfg.gemma_norm else nn.RMSNorm)(cfg.hidden_size, cfg.rms_norm_eps)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -202,8 +246,8 @@ class LlamaDecoderLayer(nn.Module):
         super().__init__()
         self.self_attn = LlamaAttention(cfg)
         self.mlp = LlamaMLP(cfg)
-        self.input_layernorm = nn.RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.post_attention_layernorm = nn.RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.input_layernorm = _norm(cfg)
+        self.post_attention_layernorm = _norm(cfg)
 
     def _mlp_block(self, x):
         return x + self.mlp(self.post_attention_layernorm(x))
@@ -221,11 +265,17 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(LlamaDecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
-        self.norm = nn.RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.norm = _norm(cfg)
+        # Gemma scales the embeddings by sqrt(hidden), rounded to the f32 it computes in
+        self.scale = float(np.float32(cfg.hidden_size ** 0.5)) if cfg.gemma_norm else None
+
+    def embed(self, ids):
+        x = self.embed_tokens(ids)
+        return x if self.scale is None else x * self.scale
 
     def forward(self, ids):
         """Final-normed hidden states (b, s, H) of a full causal pass."""
-        x = self.embed_tokens(ids)
+        x = self.embed(ids)
         for layer in self.layers:
             x = layer(x)
         return self.norm(x)
@@ -246,6 +296,8 @@ class LlamaForCausalLM(nn.Module):
             for m in self.modules():
                 if isinstance(m, (nn.Linear, nn.Embedding)):
                     nn.init.normal_(m._parameters["weight"], std=0.02)
+                if isinstance(m, GemmaRMSNorm):
+                    nn.init.zeros_(m._parameters["weight"])
 
     def head(self, h):
         if self.config.tie_word_embeddings:
@@ -259,7 +311,7 @@ class LlamaForCausalLM(nn.Module):
             return self.head(self.model(ids))
         m, cfg = self.model, self.config
         batch, tokens = ids.shape
-        x, new_cache = m.embed_tokens(ids), []
+        x, new_cache = m.embed(ids), []
         for i, layer in enumerate(m.layers):
             x, kc, vc = layer.decode(x, step, past[2 * i], past[2 * i + 1])
             new_cache.extend([kc, vc])
