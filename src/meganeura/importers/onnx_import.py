@@ -44,12 +44,13 @@ def from_onnx(path_or_model, *, load_external=True, input_shapes=None) -> Import
     """Import an ONNX model: a file path or an ``onnx.ModelProto`` (whose external data,
     if any, is read relative to ``os.getcwd()``; give the path to read it beside the
     file). ``input_shapes``: {input name: shape} for inputs with symbolic dimensions.
-    ``load_external=False`` leaves the external tensors' parameters without imported
-    values (load them later with ``Session.load_state_dict``)."""
+    ``load_external=False`` leaves the parameters stored as external data without imported
+    values (load them later with ``Session.load_state_dict``); the integer and scalar
+    tensors the graph's shapes need are read all the same."""
     onnx = _onnx()
     model, folder, name = _load(onnx, path_or_model)
     try:
-        onnx.checker.check_model(model)
+        onnx.checker.check_model(_without_external_data(onnx, model))
     except onnx.checker.ValidationError as e:
         raise ModelImportError(f"from_onnx: {name} is not a valid ONNX model", [_first_lines(e)]) from None
     opset = _default_opset(model)
@@ -85,6 +86,22 @@ def _load(onnx, src):
     return model, os.path.dirname(os.path.abspath(path)), repr(os.path.basename(path))
 
 
+def _without_external_data(onnx, model):
+    """The model for the checker: external tensors as empty ones of their names and types
+    (their files are checked here, relative to the model's folder, not the working one)."""
+    if not any(t.data_location == onnx.TensorProto.EXTERNAL for t in model.graph.initializer):
+        return model
+    bare = onnx.ModelProto()
+    bare.CopyFrom(model)
+    for t in bare.graph.initializer:
+        if t.data_location == onnx.TensorProto.EXTERNAL:
+            del t.external_data[:]
+            del t.dims[:]
+            t.dims.append(0)
+            t.data_location = onnx.TensorProto.DEFAULT
+    return bare
+
+
 def _default_opset(model):
     for op in model.opset_import:
         if op.domain in ("", "ai.onnx"):
@@ -100,8 +117,8 @@ def _initializers(onnx, model, folder, name, load_external) -> dict:
     out, problems = {}, []
     for t in model.graph.initializer:
         if t.data_location == onnx.TensorProto.EXTERNAL:
-            if not load_external:
-                out[t.name] = None
+            if not load_external and mg_dtype(t.data_type).is_float and int(np.prod(t.dims)) > 1:
+                out[t.name] = None          # a weight: loaded later (shapes and constants are read)
                 continue
             try:
                 out[t.name] = _external(onnx, t, folder)
