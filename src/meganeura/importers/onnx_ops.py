@@ -122,7 +122,10 @@ def _softmax(cx, ins, at):
 @rule("Where")
 def _where(cx, ins, at):
     cond = cx.t(ins[0]) if not isinstance(ins[0], Tensor) else ins[0]
-    a, b = _operands(cx, ins[1], ins[2])
+    a, b = ins[1], ins[2]
+    if not isinstance(a, Tensor) and not isinstance(b, Tensor):      # a mask's two fills
+        a = cx.t(a)
+    a, b = _operands(cx, a, b)
     return ops.where(cond, a, b)
 
 
@@ -261,6 +264,24 @@ def _gather(cx, ins, at):
         return ops.embedding(ix, x)
     flat = ops.index_select(x, axis, ops.reshape(ix, (ix.size,)))
     return ops.reshape(flat, x.shape[:axis] + ix.shape + x.shape[axis + 1:])
+
+
+@rule("GatherND")
+def _gather_nd(cx, ins, at):
+    """data[tuple(index)] for each index of the last axis: a gather of rows of ``data`` with
+    its leading ``k`` axes flattened."""
+    x, ix = (ins[0] if isinstance(ins[0], Tensor) else cx.t(ins[0])), ins[1]
+    if int(at.get("batch_dims", 0)):
+        raise NotImplementedError(f"GatherND with batch_dims={at['batch_dims']}")
+    k = ix.shape[-1]
+    lead, rest = x.shape[:k], x.shape[k:]
+    strides = np.array([int(np.prod(lead[j + 1:])) for j in range(k)], dtype=np.int64)
+    if isinstance(ix, np.ndarray):
+        flat = cx.t(((np.where(ix < 0, ix + np.array(lead), ix)) * strides).sum(-1).reshape(-1))
+    else:
+        flat = ops.reshape(ops.sum(ix * cx.t(strides), -1), (int(np.prod(ix.shape[:-1])),))
+    rows = ops.index_select(ops.reshape(x, (int(np.prod(lead)),) + rest), 0, flat)
+    return ops.reshape(rows, tuple(ix.shape[:-1]) + rest)
 
 
 @rule("Split")
