@@ -411,3 +411,30 @@ def test_pretrained_minilm_matches_sentence_transformers(tmp_path, monkeypatch, 
     print(f"[{backend}] cosine to sentence-transformers: {cos}")
     assert cos.min() >= 0.9999, cos
     assert len(set(np.asarray(enc["attention_mask"]).sum(1).tolist())) == 3      # three lengths, padded
+
+
+# ------------------------------------------------------------------ the command line
+def test_cli_import_saves_a_model_that_info_describes_and_that_runs(models, tmp_path, capsys):
+    from meganeura.cli import main
+    from meganeura.importers import load_saved
+    module, args, path = models["conv_plain"]
+    out = tmp_path / "saved"
+    assert main(["import", str(path), "--out", str(out), "--target", "lavapipe"]) == 0
+    assert sorted(os.listdir(out)) == ["inference.executable", "model.json", "weights.safetensors"]
+    assert sorted(os.listdir(tmp_path)) == ["saved"]           # no temporary folder left
+    assert main(["info", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "inputs: x (2, 3, 16, 16) f32" in text and "outputs: log_softmax (2, 5) f32" in text
+    assert "parameters: 14 tensors, 749 values (4 frozen)" in text
+    assert "source ops: AveragePool 1, BatchNormalization 2," in text and "conv2d 2" in text
+    saved = load_saved(out)
+    assert f"inference: {saved.manifest['dispatches']} dispatches" in text
+    got = saved.run({"x": args[0].numpy()})[0]
+    assert rel_l2(got, _torch_outputs(module, args)[0].numpy()) < 1e-4
+    # a second import into the now full folder, a folder that is no saved model: one line each
+    assert main(["import", str(path), "--out", str(out), "--target", "lavapipe"]) == 2
+    assert main(["info", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "exists and is not an empty folder" in err and "not a saved imported model" in err
+    assert main(["import", str(tmp_path / "absent.onnx"), "--out", str(tmp_path / "x")]) == 2
+    assert "no such file" in capsys.readouterr().err and not (tmp_path / "x").exists()

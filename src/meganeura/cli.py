@@ -15,7 +15,8 @@ INSTALL = {"sklearn": "pip install 'meganeura[examples]'  (scikit-learn)",
            "torch": "pip install 'meganeura[bench]'  (torch)",
            "transformers": "pip install 'meganeura[bench]'  (transformers)",
            "diffusers": "pip install 'meganeura[bench]'  (diffusers)",
-           "matplotlib": "pip install 'meganeura[bench]'  (matplotlib)"}
+           "matplotlib": "pip install 'meganeura[bench]'  (matplotlib)",
+           "onnx": "pip install 'meganeura[onnx]'  (onnx)"}
 
 
 class CliError(Exception):
@@ -67,7 +68,14 @@ def _folder_file(path, what):
 
 def cmd_info(args):
     """The backend that ``backend='gpu'`` runs on and its device first, then each runtime's
-    details (``--vulkan``: the direct Vulkan backend's whole report)."""
+    details (``--vulkan``: the direct Vulkan backend's whole report). With a folder that
+    ``meganeura import`` wrote: what that saved model holds (importers/saved.py)."""
+    if args.model:
+        from .importers.saved import SavedModelError, describe
+        try:
+            return print(describe(args.model))
+        except SavedModelError as e:
+            raise CliError(str(e)) from None
     if args.vulkan:
         from .runtime.vulkan import describe as describe_vulkan
         print(describe_vulkan())
@@ -95,6 +103,16 @@ def cmd_info(args):
     from .runtime.device import get_device
     print("wgpu (backend='wgpu'):")
     print("\n".join("  " + line for line in _wgpu_report(get_device()).splitlines()))
+
+
+def cmd_import(args):
+    """Import an ONNX model and save it as a folder (importers/saved.py)."""
+    need("import", "onnx")
+    from .importers.saved import SavedModelError, cli_import
+    try:
+        cli_import(args)
+    except SavedModelError as e:
+        raise CliError(str(e)) from None
 
 
 def _wgpu_report(dev):
@@ -386,6 +404,15 @@ def _main(argv):
                    "adapters, features and limits")
     info.add_argument("--vulkan", action="store_true",
                       help="report the direct Vulkan backend instead: device, features, cooperative matrices, caches")
+    info.add_argument("model", nargs="?", help="a folder written by meganeura import: describe that model instead")
+    imp = command("import", cmd_import, "import an ONNX model and save it as a folder: weights, the inference "
+                  "executable, a manifest (meganeura info DIR describes it)")
+    imp.add_argument("model", help="the .onnx file (external data is read from its folder)")
+    imp.add_argument("--out", required=True, metavar="DIR", help="folder to write (new or empty)")
+    imp.add_argument("--target", default="device", choices=["device", "lavapipe", "h200"],
+                     help="what the executable is compiled for: this machine's GPU, or a device described device-free")
+    imp.add_argument("--input-shape", action="append", metavar="NAME=D0,D1,...",
+                     help="the size of an input with symbolic dimensions (repeat for several)")
     sub.add_parser("bench", help="benchmark the five workloads against PyTorch (see: meganeura bench --help)")
     d = command("train-demo", cmd_train_demo, "train a small MLP on scikit-learn's 8x8 digits, save a "
                 "checkpoint, reload it into an inference program, report test accuracy")

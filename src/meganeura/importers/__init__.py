@@ -19,3 +19,9 @@ def from_onnx(path_or_model, *, load_external=True, input_shapes=None) -> Import
     """Import an ONNX model (a file path or an ``onnx.ModelProto``; see ``onnx_import``)."""
     from .onnx_import import from_onnx as run
     return run(path_or_model, load_external=load_external, input_shapes=input_shapes)
+
+
+def load_saved(folder):
+    """A model ``meganeura import --out DIR`` saved, run from its executable (see ``saved``)."""
+    from .saved import load_saved as run
+    return run(folder)
