@@ -294,6 +294,26 @@ def test_symbolic_dimensions_need_input_shapes():
     np.testing.assert_array_equal(imported.compile(backend="numpy").run({"x": x})[0], np.maximum(x, 0))
     with pytest.raises(ModelImportError, match="input_shapes names no input"):
         mg.from_onnx(model, input_shapes={"x": (4, 3), "z": (1,)})
+    with pytest.raises(ModelImportError, match=r"input 'x': input_shapes gives \(4,\), the model declares 2"):
+        mg.from_onnx(model, input_shapes={"x": (4,)})
+
+
+def test_a_dynamic_batch_is_fixed_by_input_shapes(models, tmp_path):
+    """The conv net exported with a symbolic batch: imported at batch 5 with input_shapes
+    (its shape arithmetic folded at that size), refused without; the model exported at a
+    static batch fails at another with the node and the shapes named."""
+    module = conv_net()
+    path = export(module, (torch.randn(2, 3, 16, 16),), tmp_path / "dyn.onnx",
+                  dynamic_shapes={"x": {0: torch.export.Dim("batch", min=2, max=64)}})
+    with pytest.raises(ModelImportError, match=r"input 'x': dimensions \['batch'\] are symbolic"):
+        mg.from_onnx(path)
+    x = torch.randn(5, 3, 16, 16)
+    imported = mg.from_onnx(path, input_shapes={"x": (5, 3, 16, 16)})
+    assert imported.output.shape == (5, 5)
+    out = imported.compile(backend="numpy").run(imported.feeds(x))[0]
+    assert rel_l2(out, _torch_outputs(module, (x,))[0].numpy()) < 1e-5
+    with pytest.raises(ModelImportError, match=r"Reshape \(node '.*'\).*cannot reshape 160 elements to \(2, 32\)"):
+        mg.from_onnx(models["conv"][2], input_shapes={"x": (5, 3, 16, 16)})
 
 
 # ------------------------------------------------------------------ external data

@@ -206,10 +206,25 @@ class _Translator:
     def _inferred(self) -> dict:
         """name -> (static shape or None, element type) from ONNX shape inference."""
         onnx = self.onnx
+        m = self.model
+        if self.input_shapes:                   # inferred at the sizes given
+            m = onnx.ModelProto()
+            m.CopyFrom(self.model)
+            for vi in m.graph.input:
+                shape = self.input_shapes.get(vi.name)
+                if shape is not None and vi.type.HasField("tensor_type"):
+                    dims = vi.type.tensor_type.shape.dim
+                    del dims[:]
+                    for s in shape:
+                        dims.add().dim_value = int(s)
+            del m.graph.value_info[:]
+            for o in m.graph.output:           # outputs declared with symbolic sizes: inferred again
+                if o.type.HasField("tensor_type"):
+                    o.type.tensor_type.ClearField("shape")
         try:
-            m = onnx.shape_inference.infer_shapes(self.model)
+            m = onnx.shape_inference.infer_shapes(m)
         except Exception:           # inference is a check, not a requirement
-            m = self.model
+            pass
         out = {}
         for vi in list(m.graph.value_info) + list(m.graph.output):
             tt = vi.type.tensor_type
@@ -237,6 +252,12 @@ class _Translator:
                 continue
             tt = vi.type.tensor_type
             shape = self.input_shapes.get(vi.name)
+            declared = len(tt.shape.dim) if tt.HasField("shape") else None
+            if shape is not None and declared is not None and len(shape) != declared:
+                self.problems.append(f"input {vi.name!r}: input_shapes gives {tuple(shape)}, the model declares "
+                                     f"{declared} dimensions")
+                self.values[vi.name] = _Poisoned()
+                continue
             if shape is None:
                 dims = list(tt.shape.dim)
                 symbolic = [d.dim_param or "?" for d in dims if not d.HasField("dim_value")]
