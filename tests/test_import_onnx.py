@@ -157,6 +157,29 @@ def test_unoptimized_exports_fold_their_shape_arithmetic(models, key):
     assert not kinds & {"cumsum", "arange"}
 
 
+@pytest.mark.parametrize("name", ["conv", "bert", "gpt2"])
+def test_imported_graphs_dispatch_no_more_than_from_torch(models, name):
+    """Device-free kernel counts: the exporter's plain graph dispatches as the same module
+    imported by from_torch (conv 11, BERT 30, GPT-2 24 today), its optimized graph no more
+    (9, 22, 22: batch norm folded into the convolutions, BERT's constant mask folded)."""
+    from meganeura.compiler import compile_plan
+
+    def count(imported):
+        return compile_plan(list(imported.outputs), n_forward=len(imported.outputs)).n_dispatches
+    module, args, _ = models[name]
+    torch_count = count(mg.from_torch(module, args))
+    plain, optimized = count(mg.from_onnx(models[f"{name}_plain"][2])), count(mg.from_onnx(models[name][2]))
+    print(f"{name}: from_torch {torch_count}, onnx plain {plain}, onnx optimized {optimized} dispatches")
+    assert optimized <= plain <= torch_count
+
+
+def test_random_ops_are_not_folded_into_constants():
+    nodes = [helper.make_node("RandomNormal", [], ["r"], name="noise", shape=[2]),
+             helper.make_node("Add", ["x", "r"], ["y"], name="add")]
+    with pytest.raises(UnsupportedOpsError, match=r"RandomNormal \(node 'noise'\): random sampling"):
+        mg.from_onnx(_model(nodes, [_vi("x", [2])], [_vi("y", [2])]))
+
+
 def test_parameters_keep_the_onnx_names(models):
     module, args, path = models["conv_plain"]
     imported = mg.from_onnx(path)

@@ -30,6 +30,8 @@ from .onnx_ops import TABLE, mg_dtype
 
 MIN_OPSET = 13
 BN_STATISTICS = {("BatchNormalization", 3), ("BatchNormalization", 4)}
+# ops whose value differs from call to call: never folded into a constant
+RANDOM = {"RandomNormal", "RandomUniform", "RandomNormalLike", "RandomUniformLike", "Multinomial", "Bernoulli"}
 
 
 def _onnx():
@@ -323,8 +325,9 @@ class _Translator:
         fn = TABLE.get(op) if node.domain in ("", "ai.onnx") else None
         known = all(v is None or _is_known(v) for v in ins)
         shape_only = op in ("Shape", "Size") and fn is not None and isinstance(ins[0], Tensor)
-        if fn is None and not (known and not bad):
-            self.unsupported.setdefault(op, []).append(f"{self._where(i, node)}: no meganeura mapping")
+        if fn is None and (not (known and not bad) or op in RANDOM):
+            why = "random sampling is not supported" if op in RANDOM else "no meganeura mapping"
+            self.unsupported.setdefault(op, []).append(f"{self._where(i, node)}: {why}")
             return self._poison(node)
         for b in bad:
             if isinstance(b, _Missing):
