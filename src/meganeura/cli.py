@@ -71,11 +71,7 @@ def cmd_info(args):
     details (``--vulkan``: the direct Vulkan backend's whole report). With a folder that
     ``meganeura import`` wrote: what that saved model holds (importers/saved.py)."""
     if args.model:
-        from .importers.saved import SavedModelError, describe
-        try:
-            return print(describe(args.model))
-        except SavedModelError as e:
-            raise CliError(str(e)) from None
+        return _saved_model("cli_info", args.model)
     if args.vulkan:
         from .runtime.vulkan import describe as describe_vulkan
         print(describe_vulkan())
@@ -108,10 +104,14 @@ def cmd_info(args):
 def cmd_import(args):
     """Import an ONNX model and save it as a folder (importers/saved.py)."""
     need("import", "onnx")
-    from .importers.saved import SavedModelError, cli_import
+    _saved_model("cli_import", args)
+
+
+def _saved_model(fn, arg):
+    from .importers import saved
     try:
-        cli_import(args)
-    except SavedModelError as e:
+        return getattr(saved, fn)(arg)
+    except saved.SavedModelError as e:
         raise CliError(str(e)) from None
 
 
@@ -405,14 +405,9 @@ def _main(argv):
     info.add_argument("--vulkan", action="store_true",
                       help="report the direct Vulkan backend instead: device, features, cooperative matrices, caches")
     info.add_argument("model", nargs="?", help="a folder written by meganeura import: describe that model instead")
-    imp = command("import", cmd_import, "import an ONNX model and save it as a folder: weights, the inference "
-                  "executable, a manifest (meganeura info DIR describes it)")
-    imp.add_argument("model", help="the .onnx file (external data is read from its folder)")
-    imp.add_argument("--out", required=True, metavar="DIR", help="folder to write (new or empty)")
-    imp.add_argument("--target", default="device", choices=["device", "lavapipe", "h200"],
-                     help="what the executable is compiled for: this machine's GPU, or a device described device-free")
-    imp.add_argument("--input-shape", action="append", metavar="NAME=D0,D1,...",
-                     help="the size of an input with symbolic dimensions (repeat for several)")
+    from .importers.saved import add_import_arguments
+    add_import_arguments(command("import", cmd_import, "import an ONNX model and save it as a folder (weights, "
+                                 "the inference executable, a manifest that meganeura info DIR describes)"))
     sub.add_parser("bench", help="benchmark the five workloads against PyTorch (see: meganeura bench --help)")
     d = command("train-demo", cmd_train_demo, "train a small MLP on scikit-learn's 8x8 digits, save a "
                 "checkpoint, reload it into an inference program, report test accuracy")

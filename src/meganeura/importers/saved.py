@@ -163,6 +163,16 @@ def describe(folder) -> str:
     return "\n".join(lines)
 
 
+def add_import_arguments(p) -> None:
+    """The options of ``meganeura import``."""
+    p.add_argument("model", help="the .onnx file (external data is read from its folder)")
+    p.add_argument("--out", required=True, metavar="DIR", help="folder to write (new or empty)")
+    p.add_argument("--target", default="device", choices=TARGETS,
+                   help="what the executable is compiled for: this machine's GPU, or a device described device-free")
+    p.add_argument("--input-shape", action="append", metavar="NAME=D0,D1,...",
+                   help="the size of an input with symbolic dimensions (repeat for several)")
+
+
 def cli_import(args) -> None:
     """``meganeura import MODEL.onnx --out DIR``."""
     from . import ModelImportError, from_onnx
@@ -182,3 +192,8 @@ def cli_import(args) -> None:
     info = save_imported(imported, args.out, args.target, counts)
     print(f"imported {args.model}: {len(info['parameters'])} parameters, {sum(info['ops'].values())} ops, "
           f"{info['dispatches']} dispatches on {info['target']['name']}; saved to {args.out}")
+
+
+def cli_info(folder) -> None:
+    """``meganeura info DIR``."""
+    print(describe(folder))
