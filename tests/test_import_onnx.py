@@ -385,11 +385,13 @@ def _relocate(folder, location):
     onnx.save_model(model, str(folder / "net.onnx"))
 
 
-@pytest.mark.parametrize("location", ["../secret.bin", "ABSOLUTE"])
+@pytest.mark.parametrize("location", ["../secret.bin", "ABSOLUTE", "LINK"])
 def test_external_data_outside_the_folder_is_refused(external, location):
     outside = external.parent / "secret.bin"
     outside.write_bytes((external / "weights.bin").read_bytes())      # exists, and must not be read
-    _relocate(external, str(outside) if location == "ABSOLUTE" else location)
+    if location == "LINK":                      # a link in the folder that leads out of it
+        os.symlink(outside, external / "link.bin")
+    _relocate(external, {"ABSOLUTE": str(outside), "LINK": "link.bin"}.get(location, location))
     before = _listing(external)
     with pytest.raises(ModelImportError, match="lies outside the model's folder"):
         mg.from_onnx(external / "net.onnx")
