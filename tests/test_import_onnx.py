@@ -146,6 +146,25 @@ def test_forward_matches_torch(models, key, backend):
     check_outputs(models, key, backend)
 
 
+@pytest.mark.parametrize("backend", ["numpy", "gpu"])
+def test_the_legacy_exporter_at_opset_13(tmp_path, backend):
+    """torch.onnx's TorchScript exporter (dynamo=False) at the oldest opset imported: batch
+    norm folded into initializers it names itself (onnx::Conv_...), Flatten for the flatten."""
+    module = conv_net()
+    torch.manual_seed(4)
+    x = torch.randn(2, 3, 16, 16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(module, (x,), str(tmp_path / "legacy.onnx"), dynamo=False, opset_version=13,
+                          input_names=["x"])
+    model = onnx.load(str(tmp_path / "legacy.onnx"))
+    assert model.opset_import[0].version == 13 and "Flatten" in {n.op_type for n in model.graph.node}
+    imported = mg.from_onnx(model)
+    assert any(n.startswith("onnx::Conv_") for n in imported.graph.parameters)
+    out = imported.compile(backend=backend).run(imported.feeds(x))[0]
+    assert rel_l2(out, _torch_outputs(module, (x,))[0].numpy()) < 1e-4
+
+
 @pytest.mark.parametrize("key", ["bert_plain", "gpt2_plain"])
 def test_unoptimized_exports_fold_their_shape_arithmetic(models, key):
     """Without the exporter's optimizer the graphs compute masks, position ids and shapes
