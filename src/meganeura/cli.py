@@ -16,7 +16,8 @@ INSTALL = {"sklearn": "pip install 'meganeura[examples]'  (scikit-learn)",
            "transformers": "pip install 'meganeura[bench]'  (transformers)",
            "diffusers": "pip install 'meganeura[bench]'  (diffusers)",
            "matplotlib": "pip install 'meganeura[bench]'  (matplotlib)",
-           "gguf": "pip install 'meganeura[gguf]'  (gguf)"}
+           "gguf": "pip install 'meganeura[gguf]'  (gguf)",
+           "onnx": "pip install 'meganeura[onnx]'  (onnx)"}
 
 
 class CliError(Exception):
@@ -68,7 +69,10 @@ def _folder_file(path, what):
 
 def cmd_info(args):
     """The backend that ``backend='gpu'`` runs on and its device first, then each runtime's
-    details (``--vulkan``: the direct Vulkan backend's whole report)."""
+    details (``--vulkan``: the direct Vulkan backend's whole report). With a folder that
+    ``meganeura import`` wrote: what that saved model holds (importers/saved.py)."""
+    if args.model:
+        return _saved_model("cli_info", args.model)
     if args.vulkan:
         from .runtime.vulkan import describe as describe_vulkan
         print(describe_vulkan())
@@ -96,6 +100,20 @@ def cmd_info(args):
     from .runtime.device import get_device
     print("wgpu (backend='wgpu'):")
     print("\n".join("  " + line for line in _wgpu_report(get_device()).splitlines()))
+
+
+def cmd_import(args):
+    """Import an ONNX model and save it as a folder (importers/saved.py)."""
+    need("import", "onnx")
+    _saved_model("cli_import", args)
+
+
+def _saved_model(fn, arg):
+    from .importers import saved
+    try:
+        return getattr(saved, fn)(arg)
+    except saved.SavedModelError as e:
+        raise CliError(str(e)) from None
 
 
 def _wgpu_report(dev):
@@ -409,6 +427,10 @@ def _main(argv):
                    "adapters, features and limits")
     info.add_argument("--vulkan", action="store_true",
                       help="report the direct Vulkan backend instead: device, features, cooperative matrices, caches")
+    info.add_argument("model", nargs="?", help="a folder written by meganeura import: describe that model instead")
+    from .importers.saved import add_import_arguments
+    add_import_arguments(command("import", cmd_import, "import an ONNX model and save it as a folder (weights, "
+                                 "the inference executable, a manifest that meganeura info DIR describes)"))
     sub.add_parser("bench", help="benchmark the five workloads against PyTorch (see: meganeura bench --help)")
     d = command("train-demo", cmd_train_demo, "train a small MLP on scikit-learn's 8x8 digits, save a "
                 "checkpoint, reload it into an inference program, report test accuracy")

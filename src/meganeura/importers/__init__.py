@@ -16,10 +16,16 @@ def from_torch(module, example_inputs, example_kwargs=None, *, training=False, s
     return run(module, example_inputs, example_kwargs, training=training, strict=strict)
 
 
-def from_onnx(path_or_model, *, load_external=True) -> ImportedModel:
+def from_onnx(path_or_model, *, load_external=True, input_shapes=None) -> ImportedModel:
     """Import an ONNX model (a file path or an ``onnx.ModelProto``; see ``onnx_import``)."""
     from .onnx_import import from_onnx as run
-    return run(path_or_model, load_external=load_external)
+    return run(path_or_model, load_external=load_external, input_shapes=input_shapes)
+
+
+def load_saved(folder):
+    """A model ``meganeura import --out DIR`` saved, run from its executable (see ``saved``)."""
+    from .saved import load_saved as run
+    return run(folder)
 
 
 def from_pretrained(name_or_path, example_inputs=None, *, revision=None, training=False, batch=1,
