@@ -293,3 +293,32 @@ def test_cli_export_mistakes_are_one_line(tmp_path, capsys):
     assert "not one of digits-mlp, llama-tiny" in capsys.readouterr().err
     assert main(["export", "--web", str(tmp_path / "w"), "--checkpoint", str(tmp_path / "x.safetensors")]) == 2
     assert "--checkpoint" in capsys.readouterr().err
+
+
+def test_an_onnx_model_exports_from_the_cli_and_runs_in_chromium(browser, server, web_root, capsys):
+    """`meganeura export --web DIR --model FILE.onnx`: an ONNX graph written by the onnx
+    package (Gemm, Relu, Softmax) imported and exported; the page's outputs are numpy's."""
+    onnx = pytest.importorskip("onnx")
+    from onnx import TensorProto, helper, numpy_helper
+
+    from meganeura.cli import main
+    rng = np.random.default_rng(7)
+    w1, b1 = rng.standard_normal((6, 5)).astype(np.float32), rng.standard_normal(5).astype(np.float32)
+    w2 = rng.standard_normal((5, 3)).astype(np.float32)
+    graph = helper.make_graph(
+        [helper.make_node("Gemm", ["x", "w1", "b1"], ["h"]), helper.make_node("Relu", ["h"], ["r"]),
+         helper.make_node("MatMul", ["r", "w2"], ["z"]), helper.make_node("Softmax", ["z"], ["y"], axis=-1)],
+        "mlp", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 6])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 3])],
+        [numpy_helper.from_array(w1, "w1"), numpy_helper.from_array(b1, "b1"), numpy_helper.from_array(w2, "w2")])
+    path = web_root / "mlp.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), path)
+    assert main(["export", "--web", str(web_root / "onnx"), "--model", str(path)]) == 0
+    assert "exported" in capsys.readouterr().out
+    x = rng.standard_normal((2, 6)).astype(np.float32)
+    z = np.maximum(x @ w1 + b1, 0) @ w2
+    want = np.exp(z - z.max(-1, keepdims=True))
+    want /= want.sum(-1, keepdims=True)
+    pg = open_model(browser, server, "onnx")
+    got = pg.evaluate(RUN, [feeds_json({"x": x}), None])[0]
+    assert rel_l2(got, want) < 1e-5, rel_l2(got, want)

@@ -262,6 +262,8 @@ def cmd_export(args):
     model = args.model
     if model == "digits-mlp":
         return export_digits(args)
+    if model.endswith(".onnx"):
+        return export_onnx_web(model, out, args.precision)
     from .export import export_llama_web
     from .models import llama
     if model == "llama-tiny":
@@ -281,6 +283,24 @@ def cmd_export(args):
     export_llama_web(cfg, state, out, max_len=args.max_len, precision=args.precision, tokenizer_json=tok,
                      prompt=args.prompt)
     print(f"exported {model} (cache of {args.max_len} positions) to {out} in {time.perf_counter() - t0:.1f} s")
+    print(f"open it: python3 -m http.server --directory {out} 8000, then http://localhost:8000")
+
+
+def export_onnx_web(path, out, precision):
+    """An ONNX model, imported (mg.from_onnx) and exported with the default page (runs it once)."""
+    from .export import export_web
+    from .importers import ModelImportError, from_onnx
+    need("export --model FILE.onnx", "onnx")
+    if not os.path.isfile(path):
+        raise CliError(f"--model {path!r} does not exist")
+    try:
+        imported = from_onnx(path)
+    except ModelImportError as e:
+        raise CliError(f"--model {path!r}: {e}") from e
+    session = imported.compile(backend="numpy", precision=precision)
+    export_web(session, out)
+    print(f"exported {path} ({len(imported.graph.parameters)} parameters, inputs "
+          f"{', '.join(f'{n} {tuple(t.shape)}' for n, t in imported.inputs.items())}) to {out}")
     print(f"open it: python3 -m http.server --directory {out} 8000, then http://localhost:8000")
 
 
@@ -468,7 +488,8 @@ def _main(argv):
                     "index.html (serve it over http and open it)")
     ex.add_argument("--model", default="digits-mlp",
                     help="digits-mlp (from --checkpoint, else trained here), llama-tiny (random weights), "
-                         "or a Hugging Face Llama-family folder (SmolLM2) for text generation")
+                         "a Hugging Face Llama-family folder (SmolLM2) for text generation, "
+                         "or an ONNX file (imported with mg.from_onnx; the page runs it once)")
     ex.add_argument("--checkpoint", help="digits-mlp: a checkpoint written by train-demo")
     ex.add_argument("--epochs", type=int, default=20, help="digits-mlp without --checkpoint: training epochs")
     ex.add_argument("--hidden", type=int, default=128, help="digits-mlp without --checkpoint: hidden width")
