@@ -1,0 +1,245 @@
+"""The quantized archetype: products with a weight kept in GGUF's packed blocks
+(``ops/quantized.py`` has the layouts), dequantized in the operand loads.
+
+The weight is bound as u32 words. Every block type reads as groups of 8 weights that are
+consecutive in a row (group g holds columns 8g .. 8g + 7): ``qgroup(n, g)`` sets the
+module's ``qlo`` / ``qhi`` to the 8 dequantized weights of group g of row n, from the
+group's block scale(s) and 8 bytes (Q8_0) or 4 bytes of nibbles (Q4_0, Q4_K). Q8_0 and
+Q4_0 blocks (34 and 18 bytes) are not word aligned: ``qword(p)`` reads the 4 bytes at any
+byte address from the word(s) holding them. f16 scales are decoded from their bits.
+
+Kernels (``spec["mode"]``):
+- ``gemv`` (up to ``GEMV_MAX_ROWS`` rows of x, decoding): each output column is owned by
+  L lanes striding over its groups, so consecutive lanes read consecutive bytes, then a
+  tree sum through workgroup memory;
+- ``tiled`` (more rows, prompt processing): a 32 x 64 output tile per workgroup; per step
+  of 32 columns of K each thread dequantizes one group into workgroup memory beside a
+  32 x 32 tile of x, then accumulates 8 outputs;
+- ``dequant``: the (N, K) f32 weight, one thread per group (the gradient to x reads it).
+"""
+from __future__ import annotations
+
+from ..schedule import Kernel
+from .common import ENTRY, GROUP_INDEX, Bindings, grid
+from .expr import OutputStore
+from .matmul import gemv_columns
+
+GEMV_MAX_ROWS = 4
+TM, TN, TK = 32, 64, 32            # the tiled kernel's output tile and K step
+# loop trips of one thread: the K loop of the tiled kernel (TK + 1 per step) and the
+# group loop of the GEMV stay below lavapipe's 65535 back-edges per invocation
+MAX_TRIPS = 60000
+
+
+def _lower(t, ins, out, materialize, temp):
+    if t.op == "dequantize":
+        return [Kernel("dequantize", "quantized", {"mode": "dequant", **t.attrs}, out, [materialize(ins[0], t.inputs[0])])]
+    x, w = (materialize(v, i) for v, i in zip(ins, t.inputs))
+    m, k = t.inputs[0].shape
+    if m == 0:
+        return []
+    mode = "gemv" if m <= GEMV_MAX_ROWS else "tiled"
+    if (k // TK) * (TK + 1) > MAX_TRIPS:
+        raise NotImplementedError(f"quantized_matmul {t.name!r}: in_features {k} is past the "
+                                  f"{MAX_TRIPS * TK // (TK + 1)} one kernel loops over")
+    return [Kernel(f"quantized_{mode}", "quantized", {"mode": mode, "m": m, **t.attrs}, out, [x, w])]
+
+
+LOWER = {"quantized_matmul": _lower, "dequantize": _lower}
+
+HALF = """fn qhalf(h: u32) -> f32 {
+    let e = (h >> 10u) & 31u;
+    let m = h & 1023u;
+    let s = (h & 32768u) << 16u;
+    if (e == 0u) { return select(1.0, -1.0, s != 0u) * f32(m) * 5.9604644775390625e-08; }
+    if (e == 31u) { return bitcast<f32>(s | 2139095040u | (m << 13u)); }
+    return bitcast<f32>(s | ((e + 112u) << 23u) | (m << 13u));
+}
+fn qs8(w: u32) -> vec4<f32> {
+    return vec4<f32>(f32(i32(((w >> 0u) & 255u) ^ 128u) - 128i), f32(i32(((w >> 8u) & 255u) ^ 128u) - 128i),
+                     f32(i32(((w >> 16u) & 255u) ^ 128u) - 128i), f32(i32((w >> 24u) ^ 128u) - 128i));
+}
+fn qn4(w: u32, s: u32) -> vec4<f32> {
+    return vec4<f32>(f32((w >> s) & 15u), f32((w >> (8u + s)) & 15u), f32((w >> (16u + s)) & 15u),
+                     f32((w >> (24u + s)) & 15u));
+}
+var<private> qlo: vec4<f32>;
+var<private> qhi: vec4<f32>;
+"""
+
+
+def _qfuncs(qtype, n_rows, k, wb, nwords) -> str:
+    """The WGSL helpers and ``qgroup`` of one weight (binding ``wb``, ``nwords`` words)."""
+    from ..ops.quantized import row_bytes
+    rb = row_bytes(qtype, k)
+    read = f"""fn qword(p: u32) -> u32 {{
+    let i = p >> 2u;
+    let s = (p & 3u) * 8u;
+    if (s == 0u) {{ return b{wb}[i]; }}
+    return (b{wb}[i] >> s) | (b{wb}[min(i + 1u, {nwords - 1}u)] << (32u - s));
+}}
+fn qbyte(p: u32) -> u32 {{ return (b{wb}[p >> 2u] >> ((p & 3u) * 8u)) & 255u; }}
+"""
+    if qtype == "Q8_0":
+        body = f"""    let base = n * {rb}u + (g / 4u) * 34u;
+    let d = qhalf((b{wb}[base >> 2u] >> ((base & 2u) * 8u)) & 65535u);
+    let p = base + 2u + (g % 4u) * 8u;
+    qlo = d * qs8(qword(p));
+    qhi = d * qs8(qword(p + 4u));"""
+    elif qtype == "Q4_0":
+        body = f"""    let base = n * {rb}u + (g / 4u) * 18u;
+    let d = qhalf((b{wb}[base >> 2u] >> ((base & 2u) * 8u)) & 65535u);
+    let p = base + 2u + (g % 2u) * 8u;
+    let s = ((g / 2u) % 2u) * 4u;
+    qlo = d * (qn4(qword(p), s) - vec4<f32>(8.0));
+    qhi = d * (qn4(qword(p + 4u), s) - vec4<f32>(8.0));"""
+    else:   # Q4_K: super-blocks of 144 bytes (word aligned); group g: sub-block j, quarter r
+        body = f"""    let base = n * {rb}u + (g / 32u) * 144u;
+    let j = (g / 4u) % 8u;
+    let dw = b{wb}[base >> 2u];
+    let d = qhalf(dw & 65535u);
+    let dmin = qhalf(dw >> 16u);
+    let hi = qbyte(base + 8u + j);
+    let lo = qbyte(base + 4u + j);
+    let sc = select((hi & 15u) | ((qbyte(base + j) >> 6u) << 4u), lo & 63u, j < 4u);
+    let mn = select((hi >> 4u) | ((lo >> 6u) << 4u), hi & 63u, j < 4u);
+    let ds = d * f32(sc);
+    let dm = dmin * f32(mn);
+    let p = (base + 16u + (j / 2u) * 32u + (g % 4u) * 8u) >> 2u;
+    let s = (j % 2u) * 4u;
+    qlo = ds * qn4(b{wb}[p], s) - vec4<f32>(dm);
+    qhi = ds * qn4(b{wb}[p + 1u], s) - vec4<f32>(dm);"""
+    return HALF + read + f"fn qgroup(n: u32, g: u32) {{\n{body}\n}}\n"
+
+
+def render(kernel):
+    s = kernel.spec
+    qtype, N, K = s["qtype"], s["n"], s["k"]
+    b = Bindings()
+    store = OutputStore(kernel, b)
+    wv = kernel.reads[-1]
+    wb = b.index(wv.buf, wv.dtype)
+    if wv.offset:
+        raise NotImplementedError("quantized kernels read their weight from the start of its buffer")
+    fns = _qfuncs(qtype, N, K, wb, wv.size)
+    G = K // 8                 # groups per row
+    if s["mode"] == "dequant":
+        total = N * G
+        src = f"""{b.decls()}
+{store.module_text()}
+{fns}
+{ENTRY.format(wg=256)}    let t = ({GROUP_INDEX}) * 256u + lid;
+    if (t >= {total}u) {{ return; }}
+    let n = t / {G}u;
+    let g = t % {G}u;
+    qgroup(n, g);
+    let f = n * {K}u + g * 8u;
+    store_out(f, qlo.x); store_out(f + 1u, qlo.y); store_out(f + 2u, qlo.z); store_out(f + 3u, qlo.w);
+    store_out(f + 4u, qhi.x); store_out(f + 5u, qhi.y); store_out(f + 6u, qhi.z); store_out(f + 7u, qhi.w);
+}}
+"""
+        return src, b.bufs, grid(-(-total // 256))
+    xv = kernel.reads[0]
+    xb = b.index(xv.buf, xv.dtype)
+    M = s["m"]
+
+    def xvec(row, col):
+        at = f"{xv.offset}u + {row} * {K}u + {col}"
+        return "vec4<f32>(" + ", ".join(f"b{xb}[{at} + {i}u]" for i in range(4)) + ")"
+    if s["mode"] == "gemv":
+        C = gemv_columns(N)
+        L = 256 // C
+        accs = "\n".join(f"    var acc{m} = 0.0;" for m in range(M))
+        fmas = "\n".join(f"            acc{m} = acc{m} + dot(qlo, {xvec(f'{m}u', 'k')}) + dot(qhi, {xvec(f'{m}u', 'k + 4u')});"
+                         for m in range(M))
+        parts = "\n".join(f"    part[{m * 256}u + lid] = acc{m};" for m in range(M))
+        red = "\n".join(f"            part[{m * 256}u + lid] = part[{m * 256}u + lid] + part[{m * 256}u + lid + s];"
+                        for m in range(M))
+        writes = "\n".join(f"        store_out({m * N}u + n, part[{m * 256}u + lid]);" for m in range(M))
+        groups = -(-N // C)
+        src = f"""{b.decls()}
+{store.module_text()}
+{fns}
+var<workgroup> part: array<f32, {256 * M}>;
+
+{ENTRY.format(wg=256)}    let lane = lid % {L}u;
+    let n = ({GROUP_INDEX}) * {C}u + lid / {L}u;
+{accs}
+    if (n < {N}u) {{
+        for (var g = lane; g < {G}u; g = g + {L}u) {{
+            qgroup(n, g);
+            let k = g * 8u;
+{fmas}
+        }}
+    }}
+{parts}
+    workgroupBarrier();
+    for (var s = {L // 2}u; s > 0u; s = s >> 1u) {{
+        if (lane < s) {{
+{red}
+        }}
+        workgroupBarrier();
+    }}
+    if (lane == 0u && n < {N}u) {{
+{writes}
+    }}
+}}
+"""
+        return src, b.bufs, grid(groups)
+    # tiled: thread (tr, tn) accumulates rows m0 + tr + 4 i (i < 8) of column n0 + tn
+    R = TM * TN // 256
+    accs = "\n".join(f"    var acc{i} = 0.0;" for i in range(R))
+    fmas = "\n".join(f"            acc{i} = fma(xs[{(4 * i) * TK}u + tr * {TK}u + kk], w, acc{i});" for i in range(R))
+    writes = "\n".join(f"        if (m0 + tr + {4 * i}u < {M}u) {{ store_out((m0 + tr + {4 * i}u) * {N}u + n, acc{i}); }}"
+                       for i in range(R))
+    xloads = "\n".join(f"""        {{
+            let e = lid + {256 * q}u;
+            let m = m0 + e / {TK}u;
+            var v = 0.0;
+            if (m < {M}u) {{ v = b{xb}[{xv.offset}u + m * {K}u + k0 + e % {TK}u]; }}
+            xs[e] = v;
+        }}""" for q in range(TM * TK // 256))
+    wstores = "\n".join(f"        ws[(c8 + {i}u) * {TN}u + c] = {v}.{f};" for i, (v, f) in
+                        enumerate([("lo", f) for f in "xyzw"] + [("hi", f) for f in "xyzw"]))
+    src = f"""{b.decls()}
+{store.module_text()}
+{fns}
+var<workgroup> ws: array<f32, {TK * TN}>;
+var<workgroup> xs: array<f32, {TM * TK}>;
+
+@compute @workgroup_size(256)
+fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) lid: u32) {{
+    let n0 = wid.x * {TN}u;
+    let m0 = wid.y * {TM}u;
+    let tn = lid % {TN}u;
+    let tr = lid / {TN}u;
+    let c = lid / 4u;
+    let c8 = (lid % 4u) * 8u;
+{accs}
+    for (var kb = 0u; kb < {K // TK}u; kb = kb + 1u) {{
+        let k0 = kb * {TK}u;
+        var lo = vec4<f32>(0.0);
+        var hi = vec4<f32>(0.0);
+        if (n0 + c < {N}u) {{
+            qgroup(n0 + c, kb * {TK // 8}u + lid % 4u);
+            lo = qlo;
+            hi = qhi;
+        }}
+{wstores}
+{xloads}
+        workgroupBarrier();
+        for (var kk = 0u; kk < {TK}u; kk = kk + 1u) {{
+            let w = ws[kk * {TN}u + tn];
+{fmas}
+        }}
+        workgroupBarrier();
+    }}
+    let n = n0 + tn;
+    if (n < {N}u) {{
+{writes}
+    }}
+}}
+"""
+    if -(-M // TM) > 65535 or -(-N // TN) > 65535:
+        raise NotImplementedError(f"quantized_matmul: ({M}, {N}) outputs is past one launch's 65535 x 65535 tiles")
+    return src, b.bufs, (-(-N // TN), -(-M // TM), 1)

@@ -1,0 +1,171 @@
+"""Weight-only quantized products: a weight kept in GGUF's packed block layout.
+
+A quantized weight of ``out_features`` rows by ``in_features`` columns is the row-major
+sequence of its blocks (each row is whole blocks), as a GGUF file stores it, held as u32
+words (little-endian, the last word zero-padded): ``weight_words(raw)`` packs the raw
+bytes. Blocks, ``d``/``dmin`` as f16 bits:
+
+- ``Q8_0``: 34 bytes per 32 weights: f16 ``d``, 32 int8 ``q``; w = d * q.
+- ``Q4_0``: 18 bytes per 32 weights: f16 ``d``, 16 bytes; byte j holds weight j in its low
+  nibble and weight j + 16 in its high one; w = d * (q - 8).
+- ``Q4_K``: 144 bytes per 256 weights: f16 ``d``, f16 ``dmin``, 12 bytes of eight 6-bit
+  scales and mins, 128 bytes of nibbles; sub-block j (32 weights) has
+  w = d * scale_j * q - dmin * min_j, its nibbles the low (j even) or high (j odd) halves of
+  bytes 32 (j // 2) .. 32 (j // 2) + 31.
+
+Ops:
+- ``quantized_matmul(x, words)``: x (M, K) f32 times the (N, K) weight transposed, (M, N);
+  the GPU dequantizes inside the operand loads (``codegen/quantized.py``). The gradient
+  flows to x only; the weight is not trainable.
+- ``dequantize(words)``: the (N, K) f32 weight itself.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from ..graph import ShapeError, fmt_shape
+from .registry import emit, op_error, register
+
+__all__ = ["quantized_linear", "dequantize"]
+
+# name -> (weights per block, bytes per block)
+QTYPES = {"Q8_0": (32, 34), "Q4_0": (32, 18), "Q4_K": (256, 144)}
+
+
+def qtype_name(op, qtype) -> str:
+    """``qtype`` as its GGUF name: a string (any case) or an enum with ``.name``
+    (``gguf.GGMLQuantizationType.Q8_0``)."""
+    name = str(getattr(qtype, "name", qtype)).upper()
+    if name not in QTYPES:
+        raise ValueError(f"{op}: qtype must be one of {', '.join(repr(q) for q in QTYPES)} "
+                         f"(GGUF block types), got {qtype!r}")
+    return name
+
+
+def row_bytes(qtype, in_features) -> int:
+    bs, nb = QTYPES[qtype]
+    return in_features // bs * nb
+
+
+def n_words(qtype, out_features, in_features) -> int:
+    """u32 words holding an (out_features, in_features) weight of ``qtype``."""
+    return -(-out_features * row_bytes(qtype, in_features) // 4)
+
+
+def weight_words(raw) -> np.ndarray:
+    """The raw block bytes of a quantized weight (any shape, uint8, as a GGUF reader gives
+    them) as the u32 words the ops read: little-endian, the last word zero-padded."""
+    b = np.ascontiguousarray(raw).reshape(-1)
+    if b.dtype != np.uint8:
+        raise TypeError(f"weight_words: raw blocks must be uint8 bytes, got {b.dtype}")
+    pad = -b.size % 4
+    if pad:
+        b = np.concatenate([b, np.zeros(pad, np.uint8)])
+    return b.view("<u4").astype(np.uint32)
+
+
+def _f16(b, at) -> np.ndarray:
+    """The f16 stored at byte ``at`` of each block row of ``b``, as float32."""
+    return b[:, at:at + 2].copy().view("<f2").astype(np.float32)[:, 0]
+
+
+def dequantize_words(words, qtype, out_features, in_features) -> np.ndarray:
+    """The (out_features, in_features) float32 weight of packed blocks (our NumPy reading of
+    the layout above)."""
+    bs, nb = QTYPES[qtype]
+    nbytes = out_features * row_bytes(qtype, in_features)
+    b = np.ascontiguousarray(words, dtype=np.uint32).view(np.uint8)[:nbytes].reshape(-1, nb)
+    d = _f16(b, 0)[:, None]
+    if qtype == "Q8_0":
+        w = d * b[:, 2:].view(np.int8).astype(np.float32)
+    elif qtype == "Q4_0":
+        q = b[:, 2:]
+        w = d * (np.concatenate([q & 15, q >> 4], axis=1).astype(np.float32) - 8.0)
+    else:
+        dmin = _f16(b, 2)[:, None]
+        s = b[:, 4:16].astype(np.uint32)
+        lo, mid, hi = s[:, 0:4], s[:, 4:8], s[:, 8:12]
+        sc = np.concatenate([lo & 63, (hi & 15) | ((lo >> 6) << 4)], axis=1).astype(np.float32)
+        mn = np.concatenate([mid & 63, (hi >> 4) | ((mid >> 6) << 4)], axis=1).astype(np.float32)
+        q = b[:, 16:].reshape(-1, 4, 1, 32) >> np.array([0, 4], np.uint8).reshape(1, 1, 2, 1)
+        q = (q & 15).reshape(-1, 8, 32).astype(np.float32)
+        w = (d[:, :, None] * sc[:, :, None]) * q - (dmin[:, :, None] * mn[:, :, None])
+    return w.reshape(out_features, in_features)
+
+
+# ----------------------------------------------------------------------------- records
+def _check_words(op, words, qtype, n, k, *others):
+    if words.dtype.name != "u32":
+        raise TypeError(f"{op}: weight {words.name!r} has dtype {words.dtype.name}, expected u32 words of "
+                        f"{qtype} blocks (mg.ops.quantized.weight_words(raw)); a quantized weight is not trainable")
+    want = (n_words(qtype, n, k),)
+    if words.shape != want:
+        raise op_error(op, f"a ({n}, {k}) {qtype} weight is {n * row_bytes(qtype, k)} bytes: "
+                       f"expected {fmt_shape(want)} u32 words", words, *others)
+
+
+def _qmm_infer(ins, qtype, n, k):
+    x, words = ins
+    if x.dtype.name != "f32":
+        raise TypeError(f"quantized_matmul: {x.name!r} has dtype {x.dtype.name}, expected f32")
+    if x.ndim != 2 or x.shape[1] != k:
+        raise op_error("quantized_matmul", f"x must be (rows, {k})", x)
+    _check_words("quantized_matmul", words, qtype, n, k, x)
+    return (x.shape[0], n), x.dtype
+
+
+def _qmm_ref(x, words, qtype, n, k):
+    return x @ dequantize_words(words, qtype, n, k).astype(x.dtype).T
+
+
+def _qmm_vjp(ct, y, x, words, qtype, n, k):
+    from .linalg import mm
+    return [mm(ct, emit("dequantize", [words], qtype=qtype, n=n, k=k)), None]
+
+
+def _deq_infer(ins, qtype, n, k):
+    _check_words("dequantize", ins[0], qtype, n, k)
+    return (n, k), "f32"
+
+
+register("quantized_matmul", _qmm_infer, _qmm_ref, _qmm_vjp)
+register("dequantize", _deq_infer, lambda w, qtype, n, k: dequantize_words(w, qtype, n, k),
+         differentiable=False)
+
+
+def _features(op, qtype, out_features, in_features):
+    from ..graph import is_int
+    for what, v in (("out_features", out_features), ("in_features", in_features)):
+        if not is_int(v) or v <= 0:
+            raise ValueError(f"{op}: {what} must be a positive int, got {v!r}")
+    bs = QTYPES[qtype][0]
+    if in_features % bs:
+        raise ShapeError(f"{op}: in_features {in_features} is not a multiple of {qtype}'s block of {bs} weights")
+    return int(out_features), int(in_features)
+
+
+def quantized_linear(x, weight, qtype, out_features, in_features, bias=None):
+    """F.linear with a weight in GGUF's packed block layout: ``x @ W.T (+ bias)``, W the
+    (out_features, in_features) weight whose Q8_0 / Q4_0 / Q4_K blocks ``weight`` holds as
+    u32 words; dequantized inside the product, never stored. Gradient to x only."""
+    qtype = qtype_name("quantized_linear", qtype)
+    n, k = _features("quantized_linear", qtype, out_features, in_features)
+    if x.ndim < 1 or x.shape[-1] != k:
+        raise op_error("quantized_linear", f"input's last dim must equal in_features {k}", x)
+    if bias is not None and bias.shape != (n,):
+        raise op_error("quantized_linear", f"bias must have shape ({n},)", bias)
+    from .shape import reshape
+    lead = x.shape[:-1]
+    x2 = x if x.ndim == 2 else reshape(x, (int(np.prod(lead, dtype=np.int64)), k))
+    y = emit("quantized_matmul", [x2, weight], qtype=qtype, n=n, k=k)
+    if bias is not None:
+        y = y + bias
+    return y if x.ndim == 2 else reshape(y, lead + (n,))
+
+
+def dequantize(weight, qtype, out_features, in_features):
+    """The (out_features, in_features) f32 weight of GGUF blocks held as u32 words (what
+    gguf.quants.dequantize gives from the bytes)."""
+    qtype = qtype_name("dequantize", qtype)
+    n, k = _features("dequantize", qtype, out_features, in_features)
+    return emit("dequantize", [weight], qtype=qtype, n=n, k=k)
