@@ -60,6 +60,9 @@ TORCH = {
     "cumsum": ("torch.cumsum", "log2(n) shifted adds"), "prod": ("torch.prod", "pairwise halving"),
     "logsumexp": ("torch.logsumexp", ""), "argmax": ("torch.argmax", "i32 indices"),
     "argmin": ("torch.argmin", "i32 indices"),
+    "quantized_linear": ("F.linear(x, dequantized W, bias)", "W kept as GGUF Q8_0 / Q4_0 / Q4_K blocks in u32 words, "
+                         "dequantized in the loads; gradient to x only"),
+    "dequantize": ("gguf.quants.dequantize", "Q8_0 / Q4_0 / Q4_K blocks in u32 words to the f32 weight; no gradient"),
 }
 INTERNAL = {"emit", "register"}
 

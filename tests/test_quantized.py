@@ -1,0 +1,139 @@
+"""Weight-only quantized products (mg.ops.quantized_linear, mg.ops.dequantize,
+mg.nn.QuantizedLinear): weights quantized by the gguf package, its own dequantization in
+float64 the reference, on the NumPy interpreter and both GPU backends (lavapipe)."""
+import gguf
+import numpy as np
+import pytest
+from gguf import quants
+
+import meganeura as mg
+from meganeura.ops.quantized import QTYPES, dequantize_words, weight_words
+
+from .harness import assert_close
+
+BACKENDS = ["numpy", "gpu", "wgpu"]
+
+
+def _blocks(qtype, n, k, seed=0):
+    """(raw uint8 blocks (n, row bytes), their float64 dequantization by gguf). Q8_0 and
+    Q4_0 come from gguf.quants.quantize of seeded data whose rows span several magnitudes
+    (f16 scales subnormal for the smallest, a zero row: scale 0); gguf cannot quantize
+    Q4_K, so those super-blocks are random bytes with finite f16 d / dmin (some subnormal,
+    some negative), which any Q4_K reader must decode alike."""
+    rng = np.random.default_rng(seed)
+    t = gguf.GGMLQuantizationType[qtype]
+    if qtype == "Q4_K":
+        bs, nb = QTYPES[qtype]
+        raw = rng.integers(0, 256, (n, k // bs, nb), dtype=np.uint8)
+        d = rng.standard_normal((n, k // bs, 2)) * 0.01
+        d.flat[::5] *= 1e-3                            # f16 subnormals
+        raw[..., 0:4] = d.astype(np.float16).view(np.uint8).reshape(n, k // bs, 4)
+        raw = raw.reshape(n, -1)
+    else:
+        data = rng.standard_normal((n, k)) * np.logspace(-7, 1, n)[:, None]
+        data[n // 2] = 0.0
+        raw = quants.quantize(data.astype(np.float32), t)
+    return raw, quants.dequantize(raw, t).astype(np.float64)
+
+
+def _run(backend, qtype, m, n, k, bias=False, seed=0):
+    raw, w = _blocks(qtype, n, k, seed)
+    words = weight_words(raw)
+    rng = np.random.default_rng(seed + 1)
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    b = rng.standard_normal(n).astype(np.float32)
+    g = mg.Graph()
+    xt, wt = g.input("x", (m, k)), g.input("w", words.shape, mg.u32)
+    bt = g.input("b", (n,)) if bias else None
+    y = mg.ops.quantized_linear(xt, wt, qtype, n, k, bt)
+    sess = mg.compile(g, outputs=[y], backend=backend)
+    got = sess.run({"x": x, "w": words, **({"b": b} if bias else {})})[0]
+    want = x.astype(np.float64) @ w.T + (b if bias else 0.0)
+    return sess, got, want
+
+
+@pytest.mark.parametrize("qtype", list(QTYPES))
+def test_numpy_decoding_matches_gguf(qtype):
+    for n, k in [(1, 256), (7, 512), (5, 768)]:       # odd rows: the last word padded
+        raw, w = _blocks(qtype, n, k)
+        np.testing.assert_array_equal(dequantize_words(weight_words(raw), qtype, n, k), w)
+
+
+# Q8_0 / Q4_0 rows of 3 blocks (102 / 54 bytes): blocks and rows start off word boundaries
+SHAPES = {"Q8_0": [(1, 9, 96), (3, 5, 96), (37, 67, 96)], "Q4_0": [(1, 9, 96), (3, 5, 96), (37, 67, 96)],
+          "Q4_K": [(1, 9, 512), (3, 5, 256), (37, 67, 512)]}
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("qtype,m,n,k", [(q, *s) for q, ss in SHAPES.items() for s in ss])
+def test_quantized_linear_matches_gguf(backend, qtype, m, n, k):
+    sess, got, want = _run(backend, qtype, m, n, k)
+    assert_close(got, want, 1e-5, 1e-5, f"{qtype} ({m}, {k}) x ({n}, {k}).T on {backend}")
+    if backend != "numpy":      # dequantized in the loads: no f32 weight is stored first
+        assert sess.executor.plans["run"].names == ["quantized_gemv" if m <= 4 else "quantized_tiled"]
+
+
+@pytest.mark.parametrize("backend", ["gpu", "wgpu"])
+def test_bias_and_leading_dims(backend):
+    raw, w = _blocks("Q8_0", 6, 64)
+    lin = mg.nn.QuantizedLinear(64, 6, "q8_0", bias=True, blocks=raw)
+    lin.bias.data = np.linspace(-1, 1, 6).astype(np.float32)
+    x = np.random.default_rng(3).standard_normal((2, 3, 64)).astype(np.float32)
+    got = mg.jit(lin, backend=backend)(x)
+    assert_close(got, x.astype(np.float64) @ w.T + lin.bias.data, 1e-5, 1e-5, "QuantizedLinear")
+    assert sorted(lin.state_dict()) == ["bias", "weight"] and lin.state_dict()["weight"].dtype == np.uint32
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("qtype", list(QTYPES))
+def test_dequantize_op(backend, qtype):
+    n, k = 5, QTYPES[qtype][0] * 3
+    raw, w = _blocks(qtype, n, k)
+    words = weight_words(raw)
+    g = mg.Graph()
+    y = mg.ops.dequantize(g.input("w", words.shape, mg.u32), qtype, n, k)
+    got = mg.compile(g, outputs=[y], backend=backend).run({"w": words})[0]
+    np.testing.assert_array_equal(got, w)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_gradient_reaches_x_only(backend):
+    n, k, m = 7, 64, 3
+    raw, w = _blocks("Q4_0", n, k)
+    words = weight_words(raw)
+    rng = np.random.default_rng(5)
+    x, c = rng.standard_normal((m, k)).astype(np.float32), rng.standard_normal((m, n)).astype(np.float32)
+    g = mg.Graph()
+    xt, wt = g.input("x", (m, k)), g.input("w", words.shape, mg.u32)
+    loss = mg.ops.sum(mg.ops.quantized_linear(xt, wt, "Q4_0", n, k) * g.constant(c))
+    dx, dw = mg.grad(loss, [xt, wt])
+    assert dw is None
+    got = mg.compile(g, outputs=[dx], backend=backend).run({"x": x, "w": words})[0]
+    assert_close(got, c.astype(np.float64) @ w, 1e-5, 1e-5, "d loss / d x")
+
+
+def test_weight_is_not_trainable():
+    lin = mg.nn.QuantizedLinear(32, 2, "Q4_0")
+    with pytest.raises(TypeError, match="Q4_0 weight is not trainable"):
+        lin.requires_grad_()
+    g = mg.Graph()
+    wf = g.parameter("w", (2, 32))
+    with pytest.raises(TypeError, match=r"weight 'w' has dtype f32, expected u32 words of Q4_0 blocks"):
+        mg.ops.quantized_linear(g.input("x", (1, 32)), wf, "Q4_0", 2, 32)
+
+
+def test_bad_shapes_and_types_are_named():
+    g = mg.Graph()
+    x, w = g.input("x", (2, 64)), g.input("w", (34,), mg.u32)      # (4, 64) Q8_0: 272 bytes, 68 words
+    with pytest.raises(mg.ShapeError, match=r"a \(4, 64\) Q8_0 weight is 272 bytes: expected \(68,\) u32 words"):
+        mg.ops.quantized_linear(x, w, "Q8_0", 4, 64)
+    with pytest.raises(mg.ShapeError, match=r"input's last dim must equal in_features 96.*'x' \(2, 64\)"):
+        mg.ops.quantized_linear(x, w, "Q8_0", 1, 96)
+    with pytest.raises(mg.ShapeError, match=r"in_features 64 is not a multiple of Q4_K's block of 256"):
+        mg.ops.quantized_linear(x, w, "Q4_K", 1, 64)
+    with pytest.raises(ValueError, match=r"qtype must be one of 'Q8_0', 'Q4_0', 'Q4_K' .*got 'Q5_K'"):
+        mg.ops.quantized_linear(x, w, "Q5_K", 1, 64)
+    with pytest.raises(TypeError, match=r"quantized_matmul: .* has dtype f16, expected f32"):
+        mg.ops.quantized_linear(mg.ops.cast(x, mg.f16), g.input("w2", (17,), mg.u32), "Q8_0", 2, 64)
+    with pytest.raises(ValueError, match=r"load_blocks: a \(2, 64\) Q8_0 weight is 136 bytes \(uint8\), got uint8 \(10,\)"):
+        mg.nn.QuantizedLinear(64, 2, "Q8_0").load_blocks(np.zeros(10, np.uint8))
