@@ -137,3 +137,56 @@ def test_bad_shapes_and_types_are_named():
         mg.ops.quantized_linear(mg.ops.cast(x, mg.f16), g.input("w2", (17,), mg.u32), "Q8_0", 2, 64)
     with pytest.raises(ValueError, match=r"load_blocks: a \(2, 64\) Q8_0 weight is 136 bytes \(uint8\), got uint8 \(10,\)"):
         mg.nn.QuantizedLinear(64, 2, "Q8_0").load_blocks(np.zeros(10, np.uint8))
+
+
+@pytest.mark.parametrize("backend", ["gpu", "wgpu"])
+def test_fused_epilogue(backend):
+    """A bias, SiLU and residual after the product run in its store: one dispatch."""
+    raw, w = _blocks("Q8_0", 7, 64)
+    words = weight_words(raw)
+    rng = np.random.default_rng(4)
+    for m in (1, 9):
+        x, b, r = (rng.standard_normal(s).astype(np.float32) for s in ((m, 64), (7,), (m, 7)))
+        g = mg.Graph()
+        xt, wt, bt, rt = g.input("x", (m, 64)), g.input("w", words.shape, mg.u32), g.input("b", (7,)), g.input("r", (m, 7))
+        y = mg.ops.silu(mg.ops.quantized_linear(xt, wt, "Q8_0", 7, 64, bt)) + rt
+        sess = mg.compile(g, outputs=[y], backend=backend)
+        got = sess.run({"x": x, "w": words, "b": b, "r": r})[0]
+        z = x.astype(np.float64) @ w.T + b
+        assert_close(got, z / (1 + np.exp(-z)) + r, 1e-5, 1e-5, f"silu(linear) + r, {m} rows")
+        assert len(sess.executor.plans["run"].names) == 1, sess.executor.plans["run"].names
+
+
+@pytest.mark.parametrize("backend", ["gpu", "wgpu"])
+def test_tiny_llama_with_quantized_linears(backend):
+    """Every projection of a tiny Llama swapped for Q8_0 / Q4_0 blocks (nn.quantize_linears):
+    a 5-token prompt (the tiled kernel) then one decoded token (the GEMV) give the logits
+    and caches of the same model with the dequantized weights in f32 on NumPy."""
+    from meganeura.models.llama import LlamaConfig, LlamaForCausalLM, build_decoder, cache_names, decode_feeds
+    cfg, max_len = LlamaConfig.tiny(), 8
+    ref = LlamaForCausalLM(cfg)
+    sd = {k: np.asarray(v) for k, v in ref.state_dict().items()}
+    blocks, deq = {}, {}
+    for i, k in enumerate(k for k, v in sd.items() if v.ndim == 2 and "embed" not in k):
+        t = ["Q8_0", "Q4_0"][i % 2]
+        raw = quants.quantize(sd[k], gguf.GGMLQuantizationType[t])
+        blocks[k], deq[k] = (raw, t), quants.dequantize(raw, gguf.GGMLQuantizationType[t])
+    ref.load_state_dict({**sd, **deq})
+    qm = LlamaForCausalLM(cfg)
+    qm.load_state_dict(sd)
+    assert len(mg.nn.quantize_linears(qm, blocks)) == 15
+    assert isinstance(qm.model.layers[1].mlp.down_proj, mg.nn.QuantizedLinear)
+    ids = np.random.default_rng(6).integers(0, cfg.vocab_size, (1, 6)).astype(np.int32)
+    caches = {n: [np.zeros((1, 2, max_len, 8), np.float32)] * len(cache_names(cfg)) for n in ("ours", "ref")}
+    pos = 0
+    for t in (5, 1):
+        feeds = {**decode_feeds(cfg, pos, t, max_len), "input_ids": ids[:, pos:pos + t]}
+        outs = {}
+        for who, model, be in (("ours", qm, backend), ("ref", ref, "numpy")):
+            g, logits, cache = build_decoder(cfg, 1, t, max_len, model=model)
+            res = mg.compile(g, outputs=[logits] + cache, backend=be).run({**feeds, **dict(zip(cache_names(cfg), caches[who]))})
+            outs[who], caches[who] = res[0], res[1:]
+        assert_close(outs["ours"], outs["ref"], 1e-5, 1e-5, f"logits after {pos + t} tokens")
+        for a, b in zip(caches["ours"], caches["ref"]):
+            assert_close(a, b, 1e-5, 1e-5, "caches")
+        pos += t

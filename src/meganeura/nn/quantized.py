@@ -56,3 +56,27 @@ class QuantizedLinear(Module):
     def extra_repr(self):
         return (f"in_features={self.in_features}, out_features={self.out_features}, qtype={self.qtype}, "
                 f"bias={self.bias is not None}")
+
+
+def quantize_linears(model: Module, blocks) -> list:
+    """Swap every ``nn.Linear`` of ``model`` whose weight's state-dict name is a key of
+    ``blocks`` for a ``QuantizedLinear`` holding that tensor's GGUF blocks: ``blocks`` maps
+    ``"model.layers.0.mlp.down_proj.weight"`` to (raw uint8 bytes, GGUF type name or enum),
+    rows of the layer's in_features weights. A layer keeps its bias; state-dict names stay.
+    Entries of other block types, or naming no Linear, are refused (name them in the error)
+    so a loader dequantizes those itself. Returns the swapped weight names."""
+    from .layers import Linear
+    swapped, where = [], {f"{n}.weight" if n else "weight": n for n, m in model.named_modules() if isinstance(m, Linear)}
+    for key, (raw, qtype) in blocks.items():
+        if key not in where:
+            raise ValueError(f"quantize_linears: {key!r} is not the weight of an nn.Linear of {type(model).__name__}")
+        path = where[key]
+        parent, _, child = path.rpartition(".")
+        owner = model.get_submodule(parent)
+        lin = owner._modules[child] if path else model
+        q = QuantizedLinear(lin.in_features, lin.out_features, qtype, blocks=raw)
+        if "bias" in lin._parameters:
+            q.bias = lin._parameters["bias"]
+        setattr(owner, child, q)
+        swapped.append(key)
+    return swapped

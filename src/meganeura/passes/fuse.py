@@ -37,7 +37,7 @@ from ..schedule import MAX_INLINE_DEPTH, Kernel, View, contiguous_strides, expr_
 from ..ops.registry import OPS
 
 # archetypes whose renderers end in ``store_out`` (codegen.expr.OutputStore)
-EPILOGUE_ARCHETYPES = frozenset({"matmul", "reduce", "rows", "norm", "gather", "attention"})
+EPILOGUE_ARCHETYPES = frozenset({"matmul", "reduce", "rows", "norm", "gather", "attention", "quantized"})
 
 
 class _Uses:
