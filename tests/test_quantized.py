@@ -190,3 +190,19 @@ def test_tiny_llama_with_quantized_linears(backend):
         for a, b in zip(caches["ours"], caches["ref"]):
             assert_close(a, b, 1e-5, 1e-5, "caches")
         pos += t
+
+
+@pytest.mark.parametrize("backend", ["gpu", "wgpu"])
+@pytest.mark.parametrize("m", [2, 6])
+def test_x_off_a_vec4_boundary(backend, m):
+    """x a view starting one float into its buffer: read by scalars instead of vec4s."""
+    raw, w = _blocks("Q4_K", 3, 256)
+    words = weight_words(raw)
+    flat = np.random.default_rng(8).standard_normal(1 + m * 256).astype(np.float32)
+    g = mg.Graph()
+    ft, wt = g.input("flat", flat.shape), g.input("w", words.shape, mg.u32)
+    y = mg.ops.quantized_linear(mg.ops.reshape(mg.ops.slice(ft, 0, 1, None), (m, 256)), wt, "Q4_K", 3, 256)
+    sess = mg.compile(g, outputs=[y], backend=backend)
+    got = sess.run({"flat": flat, "w": words})[0]
+    assert_close(got, flat[1:].reshape(m, 256).astype(np.float64) @ w.T, 1e-5, 1e-5, "offset x")
+    assert sess.executor.plans["run"].names == ["quantized_gemv" if m <= 4 else "quantized_tiled"]

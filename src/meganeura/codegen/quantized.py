@@ -140,10 +140,14 @@ def render(kernel):
 """
         return src, b.bufs, grid(-(-total // 256))
     xv = kernel.reads[0]
-    xb = b.index(xv.buf, xv.dtype)
     M = s["m"]
+    vec = xv.offset % 4 == 0        # rows of K (a multiple of 32) floats: vec4 loads
+    xb = b.slot(xv.buf, "vec4<f32>") if vec else b.index(xv.buf, xv.dtype)
 
     def xvec(row, col):
+        """The 4 floats of x at (row, col .. col + 3), col a multiple of 4."""
+        if vec:
+            return f"b{xb}[{xv.offset // 4}u + {row} * {K // 4}u + ({col}) / 4u]"
         at = f"{xv.offset}u + {row} * {K}u + {col}"
         return "vec4<f32>(" + ", ".join(f"b{xb}[{at} + {i}u]" for i in range(4)) + ")"
     if s["mode"] == "gemv":
@@ -192,13 +196,15 @@ var<workgroup> part: array<f32, {256 * M}>;
     fmas = "\n".join(f"            acc{i} = fma(xs[{(4 * i) * TK}u + tr * {TK}u + kk], w, acc{i});" for i in range(R))
     writes = "\n".join(f"        if (m0 + tr + {4 * i}u < {M}u) {{ store_out((m0 + tr + {4 * i}u) * {N}u + n, acc{i}); }}"
                        for i in range(R))
-    xloads = "\n".join(f"""        {{
-            let e = lid + {256 * q}u;
-            let m = m0 + e / {TK}u;
-            var v = 0.0;
-            if (m < {M}u) {{ v = b{xb}[{xv.offset}u + m * {K}u + k0 + e % {TK}u]; }}
-            xs[e] = v;
-        }}""" for q in range(TM * TK // 256))
+    # one vec4 of the 32 x 32 tile of x per thread
+    xloads = f"""        {{
+            let m = m0 + lid / {TK // 4}u;
+            let kq = (lid % {TK // 4}u) * 4u;
+            var v = vec4<f32>(0.0);
+            if (m < {M}u) {{ v = {xvec("m", "k0 + kq")}; }}
+            let e = (lid / {TK // 4}u) * {TK}u + kq;
+            xs[e] = v.x; xs[e + 1u] = v.y; xs[e + 2u] = v.z; xs[e + 3u] = v.w;
+        }}"""
     wstores = "\n".join(f"        ws[(c8 + {i}u) * {TN}u + c] = {v}.{f};" for i, (v, f) in
                         enumerate([("lo", f) for f in "xyzw"] + [("hi", f) for f in "xyzw"]))
     src = f"""{b.decls()}
