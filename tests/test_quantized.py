@@ -159,7 +159,7 @@ def test_fused_epilogue(backend):
 
 @pytest.mark.parametrize("backend", ["gpu", "wgpu"])
 def test_tiny_llama_with_quantized_linears(backend):
-    """Every projection of a tiny Llama swapped for Q8_0 / Q4_0 blocks (nn.quantize_linears):
+    """Every projection of a tiny Llama swapped for Q8_0 / Q4_0 blocks (nn.quantize_weights):
     a 5-token prompt (the tiled kernel) then one decoded token (the GEMV) give the logits
     and caches of the same model with the dequantized weights in f32 on NumPy."""
     from meganeura.models.llama import LlamaConfig, LlamaForCausalLM, build_decoder, cache_names, decode_feeds
@@ -174,7 +174,7 @@ def test_tiny_llama_with_quantized_linears(backend):
     ref.load_state_dict({**sd, **deq})
     qm = LlamaForCausalLM(cfg)
     qm.load_state_dict(sd)
-    assert len(mg.nn.quantize_linears(qm, blocks)) == 15
+    assert len(mg.nn.quantize_weights(qm, blocks)) == 15
     assert isinstance(qm.model.layers[1].mlp.down_proj, mg.nn.QuantizedLinear)
     ids = np.random.default_rng(6).integers(0, cfg.vocab_size, (1, 6)).astype(np.int32)
     caches = {n: [np.zeros((1, 2, max_len, 8), np.float32)] * len(cache_names(cfg)) for n in ("ours", "ref")}
@@ -206,3 +206,51 @@ def test_x_off_a_vec4_boundary(backend, m):
     got = sess.run({"flat": flat, "w": words})[0]
     assert_close(got, flat[1:].reshape(m, 256).astype(np.float64) @ w.T, 1e-5, 1e-5, "offset x")
     assert sess.executor.plans["run"].names == ["quantized_gemv" if m <= 4 else "quantized_tiled"]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("qtype", list(QTYPES))
+def test_quantized_embedding(backend, qtype):
+    n, k = 7, QTYPES[qtype][0] * 2
+    raw, w = _blocks(qtype, n, k)
+    words = weight_words(raw)
+    ids = np.array([[6, 0, 3], [3, 1, 5]], np.int32)
+    g = mg.Graph()
+    y = mg.ops.quantized_embedding(g.input("ids", ids.shape, mg.i32), g.input("w", words.shape, mg.u32), qtype, n, k)
+    got = mg.compile(g, outputs=[y], backend=backend).run({"ids": ids, "w": words})[0]
+    np.testing.assert_array_equal(got, w[ids])
+
+
+def test_quantized_embedding_bad_id():
+    raw, _ = _blocks("Q8_0", 3, 32)
+    words = weight_words(raw)
+    g = mg.Graph()
+    ids = g.input("ids", (2,), mg.i32)
+    y = mg.ops.quantized_embedding(ids, g.input("w", words.shape, mg.u32), "Q8_0", 3, 32)
+    with pytest.raises(Exception, match="quantized_embedding: id 3 is out of range for 3 embeddings"):
+        mg.compile(g, outputs=[y], backend="numpy").run({"ids": np.array([0, 3], np.int32), "w": words})
+    got = mg.compile(g, outputs=[y], backend="gpu").run({"ids": np.array([3, -1], np.int32), "w": words})[0]
+    assert not got.any()          # the GPU reads nothing out of bounds: zero rows
+    with pytest.raises(TypeError, match="quantized_embedding: ids 'f' have dtype f32, expected i32 or u32"):
+        mg.ops.quantized_embedding(g.input("f", (2,)), g.input("w2", words.shape, mg.u32), "Q8_0", 3, 32)
+
+
+@pytest.mark.parametrize("backend", ["gpu"])
+def test_tied_llama_with_quantized_embedding(backend):
+    """A Llama whose head is tied to a Q8_0 token embedding: the lookup and the head read
+    the same blocks (QuantizedEmbedding.as_linear)."""
+    import dataclasses
+
+    from meganeura.models.llama import LlamaConfig, LlamaForCausalLM
+    cfg = dataclasses.replace(LlamaConfig.tiny(), tie_word_embeddings=True)
+    ref = LlamaForCausalLM(cfg)
+    sd = {k: np.asarray(v) for k, v in ref.state_dict().items()}
+    t = gguf.GGMLQuantizationType.Q8_0
+    raw = quants.quantize(sd["model.embed_tokens.weight"], t)
+    ref.load_state_dict({**sd, "model.embed_tokens.weight": quants.dequantize(raw, t)})
+    qm = LlamaForCausalLM(cfg)
+    qm.load_state_dict(sd)
+    assert mg.nn.quantize_weights(qm, {"model.embed_tokens.weight": (raw, "Q8_0")}) == ["model.embed_tokens.weight"]
+    ids = np.array([[1, 7, 63, 2]], np.int32)
+    got = mg.jit(qm, backend=backend)(ids)
+    assert_close(got, mg.jit(ref, backend="numpy")(ids), 1e-5, 1e-5, "tied quantized head")

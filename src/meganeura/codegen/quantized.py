@@ -15,7 +15,8 @@ Kernels (``spec["mode"]``):
 - ``tiled`` (more rows, prompt processing): a 32 x 64 output tile per workgroup; per step
   of 32 columns of K each thread dequantizes one group into workgroup memory beside a
   32 x 32 tile of x, then accumulates 8 outputs;
-- ``dequant``: the (N, K) f32 weight, one thread per group (the gradient to x reads it).
+- ``dequant``: the (N, K) f32 weight, one thread per group (the gradient to x reads it);
+- ``embed``: the rows picked by integer ids (a quantized token embedding), likewise.
 """
 from __future__ import annotations
 
@@ -34,6 +35,9 @@ MAX_TRIPS = 60000
 def _lower(t, ins, out, materialize, temp):
     if t.op == "dequantize":
         return [Kernel("dequantize", "quantized", {"mode": "dequant", **t.attrs}, out, [materialize(ins[0], t.inputs[0])])]
+    if t.op == "quantized_embedding":
+        ids, w = (materialize(v, i) for v, i in zip(ins, t.inputs))
+        return [Kernel("quantized_embedding", "quantized", {"mode": "embed", **t.attrs}, out, [ids, w])] if ids.size else []
     x, w = (materialize(v, i) for v, i in zip(ins, t.inputs))
     m, k = t.inputs[0].shape
     if m == 0:
@@ -45,7 +49,7 @@ def _lower(t, ins, out, materialize, temp):
     return [Kernel(f"quantized_{mode}", "quantized", {"mode": mode, "m": m, **t.attrs}, out, [x, w])]
 
 
-LOWER = {"quantized_matmul": _lower, "dequantize": _lower}
+LOWER = {"quantized_matmul": _lower, "dequantize": _lower, "quantized_embedding": _lower}
 
 HALF = """fn qhalf(h: u32) -> f32 {
     let e = (h >> 10u) & 31u;
@@ -123,8 +127,19 @@ def render(kernel):
         raise NotImplementedError("quantized kernels read their weight from the start of its buffer")
     fns = _qfuncs(qtype, N, K, wb, wv.size)
     G = K // 8                 # groups per row
-    if s["mode"] == "dequant":
-        total = N * G
+    if s["mode"] in ("dequant", "embed"):
+        # one thread per group of 8 weights: of every row, or of the rows the ids pick
+        rows = N if s["mode"] == "dequant" else kernel.reads[0].size
+        total = rows * G
+        pick = "    qgroup(n, g);"
+        if s["mode"] == "embed":      # a bad id gives a zero row
+            iv = kernel.reads[0]
+            ib = b.index(iv.buf, iv.dtype)
+            raw = f"b{ib}[{iv.offset}u + n]"
+            pick = f"""    let id = {raw if iv.dtype.name == 'i32' else f'i32({raw})'};
+    qlo = vec4<f32>(0.0);
+    qhi = vec4<f32>(0.0);
+    if (id >= 0i && id < {N}i) {{ qgroup(u32(id), g); }}"""
         src = f"""{b.decls()}
 {store.module_text()}
 {fns}
@@ -132,7 +147,7 @@ def render(kernel):
     if (t >= {total}u) {{ return; }}
     let n = t / {G}u;
     let g = t % {G}u;
-    qgroup(n, g);
+{pick}
     let f = n * {K}u + g * 8u;
     store_out(f, qlo.x); store_out(f + 1u, qlo.y); store_out(f + 2u, qlo.z); store_out(f + 3u, qlo.w);
     store_out(f + 4u, qhi.x); store_out(f + 5u, qhi.y); store_out(f + 6u, qhi.z); store_out(f + 7u, qhi.w);

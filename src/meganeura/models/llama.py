@@ -249,7 +249,10 @@ class LlamaForCausalLM(nn.Module):
 
     def head(self, h):
         if self.config.tie_word_embeddings:
-            return ops.linear(h, self.model.embed_tokens.weight)
+            emb = self.model.embed_tokens
+            if isinstance(emb, nn.QuantizedEmbedding):     # GGUF blocks (nn.quantize_weights)
+                return emb.as_linear(h)
+            return ops.linear(h, emb.weight)
         return self.lm_head(h)
 
     def forward(self, ids, step: DecodeStep | None = None, past=None):
@@ -276,7 +279,7 @@ def _params(g: Graph, cfg: LlamaConfig) -> dict:
 # ------------------------------------------------------------------------- builders
 def build_causal_lm(cfg: LlamaConfig, batch: int, seq: int, model: "LlamaForCausalLM | None" = None):
     """Full-sequence forward. Returns (graph, ids input (batch, seq) i32, logits (batch, seq, vocab)).
-    ``model``: the module to build (one with quantized layers, ``nn.quantize_linears``); a new one by default."""
+    ``model``: the module to build (one with quantized layers, ``nn.quantize_weights``); a new one by default."""
     g = Graph()
     ids = g.input("input_ids", (batch, seq), i32)
     return g, ids, (model if model is not None else LlamaForCausalLM(cfg))(ids)

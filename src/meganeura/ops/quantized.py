@@ -18,6 +18,9 @@ Ops:
   the GPU dequantizes inside the operand loads (``codegen/quantized.py``). The gradient
   flows to x only; the weight is not trainable.
 - ``dequantize(words)``: the (N, K) f32 weight itself.
+- ``quantized_embedding(ids, words)``: rows of the weight picked by integer ids (a GGUF
+  token embedding, which a tied head also reads through ``quantized_matmul``). Ids are
+  range-checked by the NumPy reference; the GPU gives a zero row for a bad id.
 """
 from __future__ import annotations
 
@@ -26,7 +29,7 @@ import numpy as np
 from ..graph import ShapeError, fmt_shape
 from .registry import emit, op_error, register
 
-__all__ = ["quantized_linear", "dequantize"]
+__all__ = ["quantized_linear", "dequantize", "quantized_embedding"]
 
 # name -> (weights per block, bytes per block)
 QTYPES = {"Q8_0": (32, 34), "Q4_0": (32, 18), "Q4_K": (256, 144)}
@@ -128,7 +131,24 @@ def _deq_infer(ins, qtype, n, k):
     return (n, k), "f32"
 
 
+def _qemb_infer(ins, qtype, n, k):
+    ids, words = ins
+    if ids.dtype.is_float:
+        raise TypeError(f"quantized_embedding: ids {ids.name!r} have dtype {ids.dtype.name}, expected i32 or u32")
+    _check_words("quantized_embedding", words, qtype, n, k, ids)
+    return ids.shape + (k,), "f32"
+
+
+def _qemb_ref(ids, words, qtype, n, k):
+    from .nn import _check_ids
+    i = _check_ids("quantized_embedding", ids, n).reshape(-1)
+    rb = row_bytes(qtype, k)
+    rows = np.ascontiguousarray(words, dtype=np.uint32).view(np.uint8)[:n * rb].reshape(n, rb)[i]
+    return dequantize_words(weight_words(rows), qtype, i.size, k).reshape(ids.shape + (k,))
+
+
 register("quantized_matmul", _qmm_infer, _qmm_ref, _qmm_vjp)
+register("quantized_embedding", _qemb_infer, _qemb_ref, differentiable=False)
 register("dequantize", _deq_infer, lambda w, qtype, n, k: dequantize_words(w, qtype, n, k),
          differentiable=False)
 
@@ -169,3 +189,12 @@ def dequantize(weight, qtype, out_features, in_features):
     qtype = qtype_name("dequantize", qtype)
     n, k = _features("dequantize", qtype, out_features, in_features)
     return emit("dequantize", [weight], qtype=qtype, n=n, k=k)
+
+
+def quantized_embedding(input, weight, qtype, num_embeddings, embedding_dim):
+    """F.embedding with a weight in GGUF's packed block layout: the rows of the
+    (num_embeddings, embedding_dim) weight that ``weight`` holds as Q8_0 / Q4_0 / Q4_K
+    blocks in u32 words, picked by the integer ``input``. No gradient (inference)."""
+    qtype = qtype_name("quantized_embedding", qtype)
+    n, k = _features("quantized_embedding", qtype, num_embeddings, embedding_dim)
+    return emit("quantized_embedding", [input, weight], qtype=qtype, n=n, k=k)
