@@ -254,3 +254,27 @@ def test_tied_llama_with_quantized_embedding(backend):
     ids = np.array([[1, 7, 63, 2]], np.int32)
     got = mg.jit(qm, backend=backend)(ids)
     assert_close(got, mg.jit(ref, backend="numpy")(ids), 1e-5, 1e-5, "tied quantized head")
+
+
+def _train_three_steps(backend, raw):
+    from meganeura import nn
+    model = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.QuantizedLinear(64, 32, "Q8_0", blocks=raw), nn.Linear(32, 4))
+    for i, p in enumerate(model.parameters()):
+        p.data = np.linspace(-1, 1, p.data.size).reshape(p.data.shape).astype(np.float32) * (i + 1) / 4
+    step = mg.jit(lambda x, y: mg.ops.cross_entropy(model(x), y), optimizer=mg.optim.SGD(lr=0.1), backend=backend)
+    x = np.random.default_rng(1).standard_normal((8, 16)).astype(np.float32)
+    losses = [float(step(x, np.arange(8, dtype=np.int32) % 4)) for _ in range(3)]
+    return losses, model[0].weight.data.copy(), model.state_dict()["2.weight"]
+
+
+@pytest.mark.parametrize("backend", ["gpu", "wgpu"])
+def test_training_through_a_quantized_layer(backend):
+    """Layers before a quantized one train (the gradient passes through it as x @ W); its
+    blocks stay as they were."""
+    raw, _ = _blocks("Q8_0", 32, 64)
+    losses, w0, words = _train_three_steps(backend, raw)
+    ref_losses, ref_w0, _ = _train_three_steps("numpy", raw)
+    assert_close(losses, ref_losses, 1e-5, 1e-5, "losses")
+    assert_close(w0, ref_w0, 1e-5, 1e-5, "first layer after 3 steps")
+    assert losses[0] != losses[-1]
+    np.testing.assert_array_equal(words, weight_words(raw))
