@@ -3,7 +3,7 @@
     python bench/quantized.py [--backends gpu,wgpu] [--shapes 4096x4096,14336x4096] [--rows 1,128]
 
 For each (out_features x in_features) shape and row count, the f32 ``mg.ops.linear`` and
-``mg.ops.quantized_linear`` on Q8_0, Q4_0 and Q4_K weights (random blocks with finite f16
+``mg.ops.quantized_linear`` on each block type we read (random blocks with finite f16
 scales) run in a session of their own; the GPU time of the step is the median over
 ``--samples`` profiled runs (timestamps around every dispatch). Printed as JSON lines with
 the weight bytes streamed per microsecond (GB/s) and TFLOP/s; the GEMV's output is checked

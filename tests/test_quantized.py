@@ -15,19 +15,20 @@ BACKENDS = ["numpy", "gpu", "wgpu"]
 
 
 def _blocks(qtype, n, k, seed=0):
-    """(raw uint8 blocks (n, row bytes), their float64 dequantization by gguf). Q8_0 and
-    Q4_0 come from gguf.quants.quantize of seeded data whose rows span several magnitudes
-    (f16 scales subnormal for the smallest, a zero row: scale 0); gguf cannot quantize
-    Q4_K, so those super-blocks are random bytes with finite f16 d / dmin (some subnormal,
-    some negative), which any Q4_K reader must decode alike."""
+    """(raw uint8 blocks (n, row bytes), their float64 dequantization by gguf). Q8_0, Q4_0
+    and Q5_0 come from gguf.quants.quantize of seeded data whose rows span several
+    magnitudes (f16 scales subnormal for the smallest, a zero row: scale 0); gguf cannot
+    quantize the K types, so those super-blocks are random bytes with finite f16 scales
+    (some subnormal, some negative), which any reader must decode alike."""
     rng = np.random.default_rng(seed)
     t = gguf.GGMLQuantizationType[qtype]
-    if qtype == "Q4_K":
+    if qtype.endswith("_K"):
         bs, nb = QTYPES[qtype]
+        at = {"Q4_K": slice(0, 4), "Q6_K": slice(208, 210)}[qtype]     # d (and dmin)
         raw = rng.integers(0, 256, (n, k // bs, nb), dtype=np.uint8)
-        d = rng.standard_normal((n, k // bs, 2)) * 0.01
+        d = rng.standard_normal((n, k // bs, (at.stop - at.start) // 2)) * 0.01
         d.flat[::5] *= 1e-3                            # f16 subnormals
-        raw[..., 0:4] = d.astype(np.float16).view(np.uint8).reshape(n, k // bs, 4)
+        raw[..., at] = d.astype(np.float16).view(np.uint8).reshape(n, k // bs, -1)
         raw = raw.reshape(n, -1)
     else:
         data = rng.standard_normal((n, k)) * np.logspace(-7, 1, n)[:, None]
@@ -61,6 +62,7 @@ def test_numpy_decoding_matches_gguf(qtype):
 
 # Q8_0 / Q4_0 rows of 3 blocks (102 / 54 bytes): blocks and rows start off word boundaries
 SHAPES = {"Q8_0": [(1, 9, 96), (3, 5, 96), (37, 67, 96)], "Q4_0": [(1, 9, 96), (3, 5, 96), (37, 67, 96)],
+          "Q5_0": [(1, 9, 96), (37, 67, 96)], "Q6_K": [(1, 9, 512), (37, 67, 512)],
           "Q4_K": [(1, 9, 512), (3, 5, 256), (37, 67, 512)]}
 
 
@@ -131,7 +133,7 @@ def test_bad_shapes_and_types_are_named():
         mg.ops.quantized_linear(x, w, "Q8_0", 1, 96)
     with pytest.raises(mg.ShapeError, match=r"in_features 64 is not a multiple of Q4_K's block of 256"):
         mg.ops.quantized_linear(x, w, "Q4_K", 1, 64)
-    with pytest.raises(ValueError, match=r"qtype must be one of 'Q8_0', 'Q4_0', 'Q4_K' .*got 'Q5_K'"):
+    with pytest.raises(ValueError, match=r"qtype must be one of 'Q8_0', 'Q4_0', 'Q5_0', 'Q4_K', 'Q6_K' .*got 'Q5_K'"):
         mg.ops.quantized_linear(x, w, "Q5_K", 1, 64)
     with pytest.raises(TypeError, match=r"quantized_matmul: .* has dtype f16, expected f32"):
         mg.ops.quantized_linear(mg.ops.cast(x, mg.f16), g.input("w2", (17,), mg.u32), "Q8_0", 2, 64)

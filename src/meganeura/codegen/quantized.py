@@ -4,9 +4,10 @@
 The weight is bound as u32 words. Every block type reads as groups of 8 weights that are
 consecutive in a row (group g holds columns 8g .. 8g + 7): ``qgroup(n, g)`` sets the
 module's ``qlo`` / ``qhi`` to the 8 dequantized weights of group g of row n, from the
-group's block scale(s) and 8 bytes (Q8_0) or 4 bytes of nibbles (Q4_0, Q4_K). Q8_0 and
-Q4_0 blocks (34 and 18 bytes) are not word aligned: ``qword(p)`` reads the 4 bytes at any
-byte address from the word(s) holding them. f16 scales are decoded from their bits.
+group's block scale(s) and 8 bytes (Q8_0), 4 bytes of nibbles (Q4_0, Q4_K) and their high
+bits (Q5_0: 1 each, Q6_K: 2 each). Only Q4_K blocks (144 bytes) are word aligned: ``qword(p)``
+reads the 4 bytes at any byte address from the word(s) holding them. f16 scales (at even
+bytes, so in one word) are decoded from their bits.
 
 Kernels (``spec["mode"]``):
 - ``gemv`` (up to ``GEMV_MAX_ROWS`` rows of x, decoding): each output column is owned by
@@ -63,6 +64,15 @@ fn qs8(w: u32) -> vec4<f32> {
     return vec4<f32>(f32(i32(((w >> 0u) & 255u) ^ 128u) - 128i), f32(i32(((w >> 8u) & 255u) ^ 128u) - 128i),
                      f32(i32(((w >> 16u) & 255u) ^ 128u) - 128i), f32(i32((w >> 24u) ^ 128u) - 128i));
 }
+fn qb4(h: u32) -> vec4<f32> {
+    return vec4<f32>(f32(h & 1u), f32((h >> 1u) & 1u), f32((h >> 2u) & 1u), f32((h >> 3u) & 1u));
+}
+fn q6(w: u32, sl: u32, h: u32, sh: u32) -> vec4<f32> {
+    return vec4<f32>(f32(((w >> sl) & 15u) | (((h >> sh) & 3u) << 4u)),
+                     f32(((w >> (8u + sl)) & 15u) | (((h >> (8u + sh)) & 3u) << 4u)),
+                     f32(((w >> (16u + sl)) & 15u) | (((h >> (16u + sh)) & 3u) << 4u)),
+                     f32(((w >> (24u + sl)) & 15u) | (((h >> (24u + sh)) & 3u) << 4u)));
+}
 fn qn4(w: u32, s: u32) -> vec4<f32> {
     return vec4<f32>(f32((w >> s) & 15u), f32((w >> (8u + s)) & 15u), f32((w >> (16u + s)) & 15u),
                      f32((w >> (24u + s)) & 15u));
@@ -83,20 +93,40 @@ def _qfuncs(qtype, n_rows, k, wb, nwords) -> str:
     return (b{wb}[i] >> s) | (b{wb}[min(i + 1u, {nwords - 1}u)] << (32u - s));
 }}
 fn qbyte(p: u32) -> u32 {{ return (b{wb}[p >> 2u] >> ((p & 3u) * 8u)) & 255u; }}
+fn qscale(p: u32) -> f32 {{ return qhalf((b{wb}[p >> 2u] >> ((p & 2u) * 8u)) & 65535u); }}
 """
-    if qtype == "Q8_0":
+    if qtype == "Q8_0":     # f16 scales sit at even bytes: one word holds each
         body = f"""    let base = n * {rb}u + (g / 4u) * 34u;
-    let d = qhalf((b{wb}[base >> 2u] >> ((base & 2u) * 8u)) & 65535u);
+    let d = qscale(base);
     let p = base + 2u + (g % 4u) * 8u;
     qlo = d * qs8(qword(p));
     qhi = d * qs8(qword(p + 4u));"""
     elif qtype == "Q4_0":
         body = f"""    let base = n * {rb}u + (g / 4u) * 18u;
-    let d = qhalf((b{wb}[base >> 2u] >> ((base & 2u) * 8u)) & 65535u);
+    let d = qscale(base);
     let p = base + 2u + (g % 2u) * 8u;
     let s = ((g / 2u) % 2u) * 4u;
     qlo = d * (qn4(qword(p), s) - vec4<f32>(8.0));
     qhi = d * (qn4(qword(p + 4u), s) - vec4<f32>(8.0));"""
+    elif qtype == "Q5_0":   # weight j's fifth bit: bit j of the u32 at byte 2
+        body = f"""    let base = n * {rb}u + (g / 4u) * 22u;
+    let d = qscale(base);
+    let h = (qword(base + 2u) >> ((g % 4u) * 8u)) & 255u;
+    let p = base + 6u + (g % 2u) * 8u;
+    let s = ((g / 2u) % 2u) * 4u;
+    qlo = d * (qn4(qword(p), s) + 16.0 * qb4(h) - vec4<f32>(16.0));
+    qhi = d * (qn4(qword(p + 4u), s) + 16.0 * qb4(h >> 4u) - vec4<f32>(16.0));"""
+    elif qtype == "Q6_K":   # group g: weights e .. e + 7 of super-block g / 32, one scale
+        body = f"""    let base = n * {rb}u + (g / 32u) * 210u;
+    let e = (g % 32u) * 8u;
+    let r = e % 128u;
+    let ds = qscale(base + 208u) * f32(i32(qbyte(base + 192u + e / 16u) ^ 128u) - 128i);
+    let pl = base + (e / 128u) * 64u + r % 64u;
+    let ph = base + 128u + (e / 128u) * 32u + r % 32u;
+    let sl = (r / 64u) * 4u;
+    let sh = (r / 32u) * 2u;
+    qlo = ds * (q6(qword(pl), sl, qword(ph), sh) - vec4<f32>(32.0));
+    qhi = ds * (q6(qword(pl + 4u), sl, qword(ph + 4u), sh) - vec4<f32>(32.0));"""
     else:   # Q4_K: super-blocks of 144 bytes (word aligned); group g: sub-block j, quarter r
         body = f"""    let base = n * {rb}u + (g / 32u) * 144u;
     let j = (g / 4u) % 8u;

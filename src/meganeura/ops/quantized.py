@@ -8,10 +8,16 @@ bytes. Blocks, ``d``/``dmin`` as f16 bits:
 - ``Q8_0``: 34 bytes per 32 weights: f16 ``d``, 32 int8 ``q``; w = d * q.
 - ``Q4_0``: 18 bytes per 32 weights: f16 ``d``, 16 bytes; byte j holds weight j in its low
   nibble and weight j + 16 in its high one; w = d * (q - 8).
+- ``Q5_0``: 22 bytes per 32 weights: f16 ``d``, a u32 of high bits (bit j: weight j's),
+  16 bytes of low nibbles as Q4_0's; w = d * (q - 16).
 - ``Q4_K``: 144 bytes per 256 weights: f16 ``d``, f16 ``dmin``, 12 bytes of eight 6-bit
   scales and mins, 128 bytes of nibbles; sub-block j (32 weights) has
   w = d * scale_j * q - dmin * min_j, its nibbles the low (j even) or high (j odd) halves of
   bytes 32 (j // 2) .. 32 (j // 2) + 31.
+- ``Q6_K``: 210 bytes per 256 weights: 128 bytes of low nibbles, 64 of high 2-bit pairs,
+  16 int8 scales (one per 16 weights), f16 ``d``; weight 128 h + r (h < 2, r < 128) takes
+  its low 4 bits from byte 64 h + r % 64 (shifted by 4 (r // 64)) and its high 2 from byte
+  128 + 32 h + r % 32 (shifted by 2 (r // 32)); w = d * scale * (q - 32).
 
 Ops:
 - ``quantized_matmul(x, words)``: x (M, K) f32 times the (N, K) weight transposed, (M, N);
@@ -32,7 +38,7 @@ from .registry import emit, op_error, register
 __all__ = ["quantized_linear", "dequantize", "quantized_embedding"]
 
 # name -> (weights per block, bytes per block)
-QTYPES = {"Q8_0": (32, 34), "Q4_0": (32, 18), "Q4_K": (256, 144)}
+QTYPES = {"Q8_0": (32, 34), "Q4_0": (32, 18), "Q5_0": (32, 22), "Q4_K": (256, 144), "Q6_K": (256, 210)}
 
 
 def qtype_name(op, qtype) -> str:
@@ -78,12 +84,24 @@ def dequantize_words(words, qtype, out_features, in_features) -> np.ndarray:
     bs, nb = QTYPES[qtype]
     nbytes = out_features * row_bytes(qtype, in_features)
     b = np.ascontiguousarray(words, dtype=np.uint32).view(np.uint8)[:nbytes].reshape(-1, nb)
+    if qtype == "Q6_K":
+        e = np.arange(256)
+        r = e % 128
+        lo = (b[:, 64 * (e // 128) + r % 64] >> (4 * (r // 64)).astype(np.uint8)) & 15
+        hi = (b[:, 128 + 32 * (e // 128) + r % 32] >> (2 * (r // 32)).astype(np.uint8)) & 3
+        q = (lo | (hi << 4)).astype(np.float32) - 32.0
+        w = (_f16(b, 208)[:, None] * b[:, 192:208].view(np.int8).astype(np.float32)[:, e // 16]) * q
+        return w.reshape(out_features, in_features)
     d = _f16(b, 0)[:, None]
     if qtype == "Q8_0":
         w = d * b[:, 2:].view(np.int8).astype(np.float32)
     elif qtype == "Q4_0":
         q = b[:, 2:]
         w = d * (np.concatenate([q & 15, q >> 4], axis=1).astype(np.float32) - 8.0)
+    elif qtype == "Q5_0":
+        high = (b[:, 2:6].copy().view("<u4") >> np.arange(32, dtype=np.uint32)) & 1
+        q = b[:, 6:]
+        w = d * ((np.concatenate([q & 15, q >> 4], axis=1) | (high << 4)).astype(np.float32) - 16.0)
     else:
         dmin = _f16(b, 2)[:, None]
         s = b[:, 4:16].astype(np.uint32)
@@ -166,8 +184,9 @@ def _features(op, qtype, out_features, in_features):
 
 def quantized_linear(x, weight, qtype, out_features, in_features, bias=None):
     """F.linear with a weight in GGUF's packed block layout: ``x @ W.T (+ bias)``, W the
-    (out_features, in_features) weight whose Q8_0 / Q4_0 / Q4_K blocks ``weight`` holds as
-    u32 words; dequantized inside the product, never stored. Gradient to x only."""
+    (out_features, in_features) weight whose blocks (Q8_0, Q4_0, Q5_0, Q4_K or Q6_K)
+    ``weight`` holds as u32 words; dequantized inside the product, never stored. Gradient
+    to x only."""
     qtype = qtype_name("quantized_linear", qtype)
     n, k = _features("quantized_linear", qtype, out_features, in_features)
     if x.ndim < 1 or x.shape[-1] != k:
@@ -193,8 +212,8 @@ def dequantize(weight, qtype, out_features, in_features):
 
 def quantized_embedding(input, weight, qtype, num_embeddings, embedding_dim):
     """F.embedding with a weight in GGUF's packed block layout: the rows of the
-    (num_embeddings, embedding_dim) weight that ``weight`` holds as Q8_0 / Q4_0 / Q4_K
-    blocks in u32 words, picked by the integer ``input``. No gradient (inference)."""
+    (num_embeddings, embedding_dim) weight that ``weight`` holds as blocks (Q8_0, Q4_0,
+    Q5_0, Q4_K or Q6_K) in u32 words, picked by the integer ``input``. No gradient."""
     qtype = qtype_name("quantized_embedding", qtype)
     n, k = _features("quantized_embedding", qtype, num_embeddings, embedding_dim)
     return emit("quantized_embedding", [input, weight], qtype=qtype, n=n, k=k)
