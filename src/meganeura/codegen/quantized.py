@@ -4,10 +4,10 @@
 The weight is bound as u32 words. Every block type reads as groups of 8 weights that are
 consecutive in a row (group g holds columns 8g .. 8g + 7): ``qgroup(n, g)`` sets the
 module's ``qlo`` / ``qhi`` to the 8 dequantized weights of group g of row n, from the
-group's block scale(s) and 8 bytes (Q8_0), 4 bytes of nibbles (Q4_0, Q4_K) and their high
-bits (Q5_0: 1 each, Q6_K: 2 each). Only Q4_K blocks (144 bytes) are word aligned: ``qword(p)``
-reads the 4 bytes at any byte address from the word(s) holding them. f16 scales (at even
-bytes, so in one word) are decoded from their bits.
+group's block scale(s) (and offset) and 8 bytes (Q8_0), 4 bytes of nibbles (Q4_*) and
+their high bits (Q5_*: 1 each, Q6_K: 2 each). Only the Q4_K / Q5_K super-blocks (144 and
+176 bytes) are word aligned: ``qword(p)`` reads the 4 bytes at any byte address from the
+word(s) holding them. f16 scales (at even bytes, so in one word) are decoded from their bits.
 
 Kernels (``spec["mode"]``):
 - ``gemv`` (up to ``GEMV_MAX_ROWS`` rows of x, decoding): each output column is owned by
@@ -73,6 +73,10 @@ fn q6(w: u32, sl: u32, h: u32, sh: u32) -> vec4<f32> {
                      f32(((w >> (16u + sl)) & 15u) | (((h >> (16u + sh)) & 3u) << 4u)),
                      f32(((w >> (24u + sl)) & 15u) | (((h >> (24u + sh)) & 3u) << 4u)));
 }
+fn qbit(w: u32, j: u32) -> vec4<f32> {
+    return vec4<f32>(f32((w >> j) & 1u), f32((w >> (8u + j)) & 1u), f32((w >> (16u + j)) & 1u),
+                     f32((w >> (24u + j)) & 1u));
+}
 fn qn4(w: u32, s: u32) -> vec4<f32> {
     return vec4<f32>(f32((w >> s) & 15u), f32((w >> (8u + s)) & 15u), f32((w >> (16u + s)) & 15u),
                      f32((w >> (24u + s)) & 15u));
@@ -84,7 +88,7 @@ var<private> qhi: vec4<f32>;
 
 def _qfuncs(qtype, n_rows, k, wb, nwords) -> str:
     """The WGSL helpers and ``qgroup`` of one weight (binding ``wb``, ``nwords`` words)."""
-    from ..ops.quantized import row_bytes
+    from ..ops.quantized import QTYPES, row_bytes
     rb = row_bytes(qtype, k)
     read = f"""fn qword(p: u32) -> u32 {{
     let i = p >> 2u;
@@ -95,30 +99,31 @@ def _qfuncs(qtype, n_rows, k, wb, nwords) -> str:
 fn qbyte(p: u32) -> u32 {{ return (b{wb}[p >> 2u] >> ((p & 3u) * 8u)) & 255u; }}
 fn qscale(p: u32) -> f32 {{ return qhalf((b{wb}[p >> 2u] >> ((p & 2u) * 8u)) & 65535u); }}
 """
+    bs, nb = QTYPES[qtype]
+    base = f"    let base = n * {rb}u + (g / {bs // 8}u) * {nb}u;\n"
     if qtype == "Q8_0":     # f16 scales sit at even bytes: one word holds each
-        body = f"""    let base = n * {rb}u + (g / 4u) * 34u;
-    let d = qscale(base);
+        body = base + """    let d = qscale(base);
     let p = base + 2u + (g % 4u) * 8u;
     qlo = d * qs8(qword(p));
     qhi = d * qs8(qword(p + 4u));"""
-    elif qtype == "Q4_0":
-        body = f"""    let base = n * {rb}u + (g / 4u) * 18u;
-    let d = qscale(base);
-    let p = base + 2u + (g % 2u) * 8u;
+    elif qtype in ("Q4_0", "Q4_1", "Q5_0", "Q5_1"):
+        # d (and m), then Q5's fifth bits (bit j of a u32: weight j's), then 16 bytes whose
+        # low nibbles are weights 0..15 and high ones 16..31: group g reads 8 of them
+        five, ofs = qtype[1] == "5", 2 if qtype[3] == "0" else 4
+        q = [f"(qn4(qword(p{a}), s){f' + 16.0 * qb4(h{sh})' if five else ''})" for a, sh in (("", ""), (" + 4u", " >> 4u"))]
+        if ofs == 2:
+            off = 8.0 if qtype == "Q4_0" else 16.0
+            vals = [f"d * ({x} - vec4<f32>({off}))" for x in q]
+        else:
+            vals = [f"d * {x} + vec4<f32>(qscale(base + 2u))" for x in q]
+        body = base + f"""    let d = qscale(base);
+{f'    let h = (qword(base + {ofs}u) >> ((g % 4u) * 8u)) & 255u;' if five else ''}
+    let p = base + {ofs + 4 * five}u + (g % 2u) * 8u;
     let s = ((g / 2u) % 2u) * 4u;
-    qlo = d * (qn4(qword(p), s) - vec4<f32>(8.0));
-    qhi = d * (qn4(qword(p + 4u), s) - vec4<f32>(8.0));"""
-    elif qtype == "Q5_0":   # weight j's fifth bit: bit j of the u32 at byte 2
-        body = f"""    let base = n * {rb}u + (g / 4u) * 22u;
-    let d = qscale(base);
-    let h = (qword(base + 2u) >> ((g % 4u) * 8u)) & 255u;
-    let p = base + 6u + (g % 2u) * 8u;
-    let s = ((g / 2u) % 2u) * 4u;
-    qlo = d * (qn4(qword(p), s) + 16.0 * qb4(h) - vec4<f32>(16.0));
-    qhi = d * (qn4(qword(p + 4u), s) + 16.0 * qb4(h >> 4u) - vec4<f32>(16.0));"""
+    qlo = {vals[0]};
+    qhi = {vals[1]};"""
     elif qtype == "Q6_K":   # group g: weights e .. e + 7 of super-block g / 32, one scale
-        body = f"""    let base = n * {rb}u + (g / 32u) * 210u;
-    let e = (g % 32u) * 8u;
+        body = base + """    let e = (g % 32u) * 8u;
     let r = e % 128u;
     let ds = qscale(base + 208u) * f32(i32(qbyte(base + 192u + e / 16u) ^ 128u) - 128i);
     let pl = base + (e / 128u) * 64u + r % 64u;
@@ -127,9 +132,10 @@ fn qscale(p: u32) -> f32 {{ return qhalf((b{wb}[p >> 2u] >> ((p & 2u) * 8u)) & 6
     let sh = (r / 32u) * 2u;
     qlo = ds * (q6(qword(pl), sl, qword(ph), sh) - vec4<f32>(32.0));
     qhi = ds * (q6(qword(pl + 4u), sl, qword(ph + 4u), sh) - vec4<f32>(32.0));"""
-    else:   # Q4_K: super-blocks of 144 bytes (word aligned); group g: sub-block j, quarter r
-        body = f"""    let base = n * {rb}u + (g / 32u) * 144u;
-    let j = (g / 4u) % 8u;
+    else:   # Q4_K, Q5_K: word-aligned super-blocks; group g: sub-block j, quarter g % 4
+        five = qtype == "Q5_K"
+        q = [f"qn4(b{wb}[p{a}], s)" + (f" + 16.0 * qbit(b{wb}[ph{a}], j)" if five else "") for a in ("", " + 1u")]
+        body = base + f"""    let j = (g / 4u) % 8u;
     let dw = b{wb}[base >> 2u];
     let d = qhalf(dw & 65535u);
     let dmin = qhalf(dw >> 16u);
@@ -139,10 +145,11 @@ fn qscale(p: u32) -> f32 {{ return qhalf((b{wb}[p >> 2u] >> ((p & 2u) * 8u)) & 6
     let mn = select((hi >> 4u) | ((lo >> 6u) << 4u), hi & 63u, j < 4u);
     let ds = d * f32(sc);
     let dm = dmin * f32(mn);
-    let p = (base + 16u + (j / 2u) * 32u + (g % 4u) * 8u) >> 2u;
+    let p = (base + {48 if five else 16}u + (j / 2u) * 32u + (g % 4u) * 8u) >> 2u;
+    let ph = (base + 16u + (g % 4u) * 8u) >> 2u;
     let s = (j % 2u) * 4u;
-    qlo = ds * qn4(b{wb}[p], s) - vec4<f32>(dm);
-    qhi = ds * qn4(b{wb}[p + 1u], s) - vec4<f32>(dm);"""
+    qlo = ds * ({q[0]}) - vec4<f32>(dm);
+    qhi = ds * ({q[1]}) - vec4<f32>(dm);"""
     return HALF + read + f"fn qgroup(n: u32, g: u32) {{\n{body}\n}}\n"
 
 

@@ -8,12 +8,16 @@ bytes. Blocks, ``d``/``dmin`` as f16 bits:
 - ``Q8_0``: 34 bytes per 32 weights: f16 ``d``, 32 int8 ``q``; w = d * q.
 - ``Q4_0``: 18 bytes per 32 weights: f16 ``d``, 16 bytes; byte j holds weight j in its low
   nibble and weight j + 16 in its high one; w = d * (q - 8).
+- ``Q4_1``: 20 bytes per 32 weights: f16 ``d``, f16 ``m``, nibbles as Q4_0's; w = d * q + m.
 - ``Q5_0``: 22 bytes per 32 weights: f16 ``d``, a u32 of high bits (bit j: weight j's),
   16 bytes of low nibbles as Q4_0's; w = d * (q - 16).
+- ``Q5_1``: 24 bytes per 32 weights: f16 ``d``, f16 ``m``, then as Q5_0; w = d * q + m.
 - ``Q4_K``: 144 bytes per 256 weights: f16 ``d``, f16 ``dmin``, 12 bytes of eight 6-bit
   scales and mins, 128 bytes of nibbles; sub-block j (32 weights) has
   w = d * scale_j * q - dmin * min_j, its nibbles the low (j even) or high (j odd) halves of
   bytes 32 (j // 2) .. 32 (j // 2) + 31.
+- ``Q5_K``: 176 bytes per 256 weights: as Q4_K with 32 bytes of high bits before the
+  nibbles (bit j of byte i: weight 32 j + i's).
 - ``Q6_K``: 210 bytes per 256 weights: 128 bytes of low nibbles, 64 of high 2-bit pairs,
   16 int8 scales (one per 16 weights), f16 ``d``; weight 128 h + r (h < 2, r < 128) takes
   its low 4 bits from byte 64 h + r % 64 (shifted by 4 (r // 64)) and its high 2 from byte
@@ -38,7 +42,8 @@ from .registry import emit, op_error, register
 __all__ = ["quantized_linear", "dequantize", "quantized_embedding"]
 
 # name -> (weights per block, bytes per block)
-QTYPES = {"Q8_0": (32, 34), "Q4_0": (32, 18), "Q5_0": (32, 22), "Q4_K": (256, 144), "Q6_K": (256, 210)}
+QTYPES = {"Q8_0": (32, 34), "Q4_0": (32, 18), "Q4_1": (32, 20), "Q5_0": (32, 22), "Q5_1": (32, 24),
+          "Q4_K": (256, 144), "Q5_K": (256, 176), "Q6_K": (256, 210)}
 
 
 def qtype_name(op, qtype) -> str:
@@ -95,21 +100,26 @@ def dequantize_words(words, qtype, out_features, in_features) -> np.ndarray:
     d = _f16(b, 0)[:, None]
     if qtype == "Q8_0":
         w = d * b[:, 2:].view(np.int8).astype(np.float32)
-    elif qtype == "Q4_0":
-        q = b[:, 2:]
-        w = d * (np.concatenate([q & 15, q >> 4], axis=1).astype(np.float32) - 8.0)
-    elif qtype == "Q5_0":
-        high = (b[:, 2:6].copy().view("<u4") >> np.arange(32, dtype=np.uint32)) & 1
-        q = b[:, 6:]
-        w = d * ((np.concatenate([q & 15, q >> 4], axis=1) | (high << 4)).astype(np.float32) - 16.0)
+    elif qtype in ("Q4_0", "Q4_1", "Q5_0", "Q5_1"):
+        ofs = 2 if qtype in ("Q4_0", "Q5_0") else 4          # after d (and m)
+        q = b[:, ofs + 4 * (qtype[1] == "5"):]
+        q = np.concatenate([q & 15, q >> 4], axis=1).astype(np.uint32)
+        if qtype[1] == "5":
+            q |= ((b[:, ofs:ofs + 4].copy().view("<u4") >> np.arange(32, dtype=np.uint32)) & 1) << 4
+        q = q.astype(np.float32)
+        w = d * (q - (8.0 if qtype == "Q4_0" else 16.0)) if ofs == 2 else d * q + _f16(b, 2)[:, None]
     else:
         dmin = _f16(b, 2)[:, None]
         s = b[:, 4:16].astype(np.uint32)
         lo, mid, hi = s[:, 0:4], s[:, 4:8], s[:, 8:12]
         sc = np.concatenate([lo & 63, (hi & 15) | ((lo >> 6) << 4)], axis=1).astype(np.float32)
         mn = np.concatenate([mid & 63, (hi >> 4) | ((mid >> 6) << 4)], axis=1).astype(np.float32)
-        q = b[:, 16:].reshape(-1, 4, 1, 32) >> np.array([0, 4], np.uint8).reshape(1, 1, 2, 1)
-        q = (q & 15).reshape(-1, 8, 32).astype(np.float32)
+        ofs = 16 if qtype == "Q4_K" else 48
+        q = b[:, ofs:].reshape(-1, 4, 1, 32) >> np.array([0, 4], np.uint8).reshape(1, 1, 2, 1)
+        q = (q & 15).reshape(-1, 8, 32)
+        if qtype == "Q5_K":
+            q = q | (((b[:, None, 16:48] >> np.arange(8, dtype=np.uint8)[None, :, None]) & 1) << 4)
+        q = q.astype(np.float32)
         w = (d[:, :, None] * sc[:, :, None]) * q - (dmin[:, :, None] * mn[:, :, None])
     return w.reshape(out_features, in_features)
 
@@ -184,7 +194,7 @@ def _features(op, qtype, out_features, in_features):
 
 def quantized_linear(x, weight, qtype, out_features, in_features, bias=None):
     """F.linear with a weight in GGUF's packed block layout: ``x @ W.T (+ bias)``, W the
-    (out_features, in_features) weight whose blocks (Q8_0, Q4_0, Q5_0, Q4_K or Q6_K)
+    (out_features, in_features) weight whose blocks (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K or Q6_K)
     ``weight`` holds as u32 words; dequantized inside the product, never stored. Gradient
     to x only."""
     qtype = qtype_name("quantized_linear", qtype)
@@ -213,7 +223,7 @@ def dequantize(weight, qtype, out_features, in_features):
 def quantized_embedding(input, weight, qtype, num_embeddings, embedding_dim):
     """F.embedding with a weight in GGUF's packed block layout: the rows of the
     (num_embeddings, embedding_dim) weight that ``weight`` holds as blocks (Q8_0, Q4_0,
-    Q5_0, Q4_K or Q6_K) in u32 words, picked by the integer ``input``. No gradient."""
+    Q4_1, Q5_0, Q5_1, Q4_K, Q5_K or Q6_K) in u32 words, picked by the integer ``input``. No gradient."""
     qtype = qtype_name("quantized_embedding", qtype)
     n, k = _features("quantized_embedding", qtype, num_embeddings, embedding_dim)
     return emit("quantized_embedding", [input, weight], qtype=qtype, n=n, k=k)
