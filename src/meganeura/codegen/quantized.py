@@ -5,9 +5,9 @@ The weight is bound as u32 words. Every block type reads as groups of 8 weights 
 consecutive in a row (group g holds columns 8g .. 8g + 7): ``qgroup(n, g)`` sets the
 module's ``qlo`` / ``qhi`` to the 8 dequantized weights of group g of row n, from the
 group's block scale(s) (and offset) and 8 bytes (Q8_0), 4 bytes of nibbles (Q4_*) and
-their high bits (Q5_*: 1 each, Q6_K: 2 each). Only the Q4_K / Q5_K super-blocks (144 and
-176 bytes) are word aligned: ``qword(p)`` reads the 4 bytes at any byte address from the
-word(s) holding them. f16 scales (at even bytes, so in one word) are decoded from their bits.
+their high bits (Q5_*: 1 each, Q6_K: 2 each). Q4_0, Q5_0, Q8_0 and Q6_K blocks (18, 22, 34
+and 210 bytes) are not word aligned: ``qword(p)`` reads the 4 bytes at any byte address from
+the word(s) holding them. f16 scales (at even bytes, so in one word) are decoded from their bits.
 
 Kernels (``spec["mode"]``):
 - ``gemv`` (up to ``GEMV_MAX_ROWS`` rows of x, decoding): each output column is owned by
