@@ -291,3 +291,39 @@ def test_training_through_a_quantized_layer(backend):
     assert_close(w0, ref_w0, 1e-5, 1e-5, "first layer after 3 steps")
     assert losses[0] != losses[-1]
     np.testing.assert_array_equal(words, weight_words(raw))
+
+
+@pytest.mark.parametrize("backend", ["gpu", "wgpu"])
+@pytest.mark.parametrize("norm", ["layer_norm", "rms_norm"])
+def test_decoding_fusions(backend, norm):
+    """While decoding (2 rows), a norm read only by quantized GEMVs is computed in them,
+    sibling GEMVs over it share a launch (blocks of different types), and SwiGLU's gate and
+    up run in one loop: one launch for what would be six."""
+    k, rng = 256, np.random.default_rng(9)
+    ws = {q: _blocks(q, n, k, seed=i) for i, (q, n) in enumerate([("Q8_0", 5), ("Q4_K", 3), ("Q6_K", 7)])}
+    gate, up = _blocks("Q5_0", 6, k, seed=4), _blocks("Q4_1", 6, k, seed=5)
+    x, nw, nb = rng.standard_normal((2, k)).astype(np.float32), rng.standard_normal(k).astype(np.float32), \
+        rng.standard_normal(k).astype(np.float32)
+    g = mg.Graph()
+    xt, nwt, nbt = g.input("x", (2, k)), g.input("nw", (k,)), g.input("nb", (k,))
+    h = mg.ops.layer_norm(xt, (k,), nwt, nbt, 1e-5) if norm == "layer_norm" else mg.ops.rms_norm(xt, (k,), nwt, 1e-5)
+    feeds = {"x": x, "nw": nw, **({"nb": nb} if norm == "layer_norm" else {})}
+
+    def lin(name, q, raw, n):
+        words = weight_words(raw)
+        feeds[name] = words
+        return mg.ops.quantized_linear(h, g.input(name, words.shape, mg.u32), q, n, k)
+    outs = [lin(f"w{q}", q, raw, raw.shape[0]) for q, (raw, _) in ws.items()]
+    outs.append(mg.ops.silu(lin("gate", "Q5_0", gate[0], 6)) * lin("up", "Q4_1", up[0], 6))
+    sess = mg.compile(g, outputs=outs, backend=backend)
+    got = sess.run(feeds)
+    assert sess.executor.plans["run"].names == ["|".join([f"{norm}>quantized_gemv"] * 3 + [
+        f"{norm}>quantized_gemv&{norm}>quantized_gemv+silu+mul"])]
+    xd = x.astype(np.float64)
+    z = xd - xd.mean(1, keepdims=True) if norm == "layer_norm" else xd
+    hd = z / np.sqrt((z * z).mean(1, keepdims=True) + 1e-5) * nw + (nb if norm == "layer_norm" else 0)
+    wants = [hd @ w.T for _, w in ws.values()]
+    a, b = hd @ gate[1].T, hd @ up[1].T
+    wants.append(a / (1 + np.exp(-a)) * b)
+    for o, w in zip(got, wants):
+        assert_close(o, w, 1e-5, 1e-5, f"{norm} > quantized GEMVs")

@@ -21,10 +21,11 @@ Kernels (``spec["mode"]``):
 """
 from __future__ import annotations
 
+import re
+
 from ..schedule import Kernel
 from .common import ENTRY, GROUP_INDEX, Bindings, grid
 from .expr import OutputStore
-from .matmul import gemv_columns
 
 GEMV_MAX_ROWS = 4
 TM, TN, TK = 32, 64, 32            # the tiled kernel's output tile and K step
@@ -86,8 +87,9 @@ var<private> qhi: vec4<f32>;
 """
 
 
-def _qfuncs(qtype, n_rows, k, wb, nwords) -> str:
-    """The WGSL helpers and ``qgroup`` of one weight (binding ``wb``, ``nwords`` words)."""
+def weight_functions(qtype, k, wb, nwords, sfx="") -> str:
+    """WGSL ``qgroup{sfx}(n, g)`` of one weight (binding ``wb``, ``nwords`` words, rows of
+    ``k`` weights) and the byte readers it calls (``HALF``'s helpers come once a module)."""
     from ..ops.quantized import QTYPES, row_bytes
     rb = row_bytes(qtype, k)
     read = f"""fn qword(p: u32) -> u32 {{
@@ -150,11 +152,30 @@ fn qscale(p: u32) -> f32 {{ return qhalf((b{wb}[p >> 2u] >> ((p & 2u) * 8u)) & 6
     let s = (j % 2u) * 4u;
     qlo = ds * ({q[0]}) - vec4<f32>(dm);
     qhi = ds * ({q[1]}) - vec4<f32>(dm);"""
-    return HALF + read + f"fn qgroup(n: u32, g: u32) {{\n{body}\n}}\n"
+    text = read + f"fn qgroup(n: u32, g: u32) {{\n{body}\n}}\n"
+    return re.sub(r"\b(qword|qbyte|qscale|qgroup)\(", lambda m: f"{m.group(1)}{sfx}(", text)
+
+
+def x_loads(b, xv, K):
+    """``xvec(row, col)``: WGSL of the 4 floats of x (view ``xv``, rows of K) at
+    (row, col .. col + 3), col a multiple of 4: one vec4 load where the view starts on a
+    vec4 (rows of K, a multiple of 32, keep it there), else 4 scalar loads."""
+    vec = xv.offset % 4 == 0
+    xb = b.slot(xv.buf, "vec4<f32>") if vec else b.index(xv.buf, xv.dtype)
+
+    def xvec(row, col):
+        if vec:
+            return f"b{xb}[{xv.offset // 4}u + {row} * {K // 4}u + ({col}) / 4u]"
+        at = f"{xv.offset}u + {row} * {K}u + {col}"
+        return "vec4<f32>(" + ", ".join(f"b{xb}[{at} + {i}u]" for i in range(4)) + ")"
+    return xvec
 
 
 def render(kernel):
     s = kernel.spec
+    if s["mode"] == "gemv":
+        from .quantized_gemv import render_gemv
+        return render_gemv(kernel)
     qtype, N, K = s["qtype"], s["n"], s["k"]
     b = Bindings()
     store = OutputStore(kernel, b)
@@ -162,7 +183,7 @@ def render(kernel):
     wb = b.index(wv.buf, wv.dtype)
     if wv.offset:
         raise NotImplementedError("quantized kernels read their weight from the start of its buffer")
-    fns = _qfuncs(qtype, N, K, wb, wv.size)
+    fns = HALF + weight_functions(qtype, K, wb, wv.size)
     G = K // 8                 # groups per row
     if s["mode"] in ("dequant", "embed"):
         # one thread per group of 8 weights: of every row, or of the rows the ids pick
@@ -193,55 +214,7 @@ def render(kernel):
         return src, b.bufs, grid(-(-total // 256))
     xv = kernel.reads[0]
     M = s["m"]
-    vec = xv.offset % 4 == 0        # rows of K (a multiple of 32) floats: vec4 loads
-    xb = b.slot(xv.buf, "vec4<f32>") if vec else b.index(xv.buf, xv.dtype)
-
-    def xvec(row, col):
-        """The 4 floats of x at (row, col .. col + 3), col a multiple of 4."""
-        if vec:
-            return f"b{xb}[{xv.offset // 4}u + {row} * {K // 4}u + ({col}) / 4u]"
-        at = f"{xv.offset}u + {row} * {K}u + {col}"
-        return "vec4<f32>(" + ", ".join(f"b{xb}[{at} + {i}u]" for i in range(4)) + ")"
-    if s["mode"] == "gemv":
-        C = gemv_columns(N)
-        L = 256 // C
-        accs = "\n".join(f"    var acc{m} = 0.0;" for m in range(M))
-        fmas = "\n".join(f"            acc{m} = acc{m} + dot(qlo, {xvec(f'{m}u', 'k')}) + dot(qhi, {xvec(f'{m}u', 'k + 4u')});"
-                         for m in range(M))
-        parts = "\n".join(f"    part[{m * 256}u + lid] = acc{m};" for m in range(M))
-        red = "\n".join(f"            part[{m * 256}u + lid] = part[{m * 256}u + lid] + part[{m * 256}u + lid + s];"
-                        for m in range(M))
-        writes = "\n".join(f"        store_out({m * N}u + n, part[{m * 256}u + lid]);" for m in range(M))
-        groups = -(-N // C)
-        src = f"""{b.decls()}
-{store.module_text()}
-{fns}
-var<workgroup> part: array<f32, {256 * M}>;
-
-{ENTRY.format(wg=256)}    let lane = lid % {L}u;
-    let n = ({GROUP_INDEX}) * {C}u + lid / {L}u;
-{accs}
-    if (n < {N}u) {{
-        for (var g = lane; g < {G}u; g = g + {L}u) {{
-            qgroup(n, g);
-            let k = g * 8u;
-{fmas}
-        }}
-    }}
-{parts}
-    workgroupBarrier();
-    for (var s = {L // 2}u; s > 0u; s = s >> 1u) {{
-        if (lane < s) {{
-{red}
-        }}
-        workgroupBarrier();
-    }}
-    if (lane == 0u && n < {N}u) {{
-{writes}
-    }}
-}}
-"""
-        return src, b.bufs, grid(groups)
+    xvec = x_loads(b, xv, K)
     # tiled: thread (tr, tn) accumulates rows m0 + tr + 4 i (i < 8) of column n0 + tn
     R = TM * TN // 256
     accs = "\n".join(f"    var acc{i} = 0.0;" for i in range(R))

@@ -20,6 +20,8 @@ the memory planner and the runtime need no knowledge of them.
   and stores their values too (AdamW's moments with its parameter update).
 - ``hoist``: kernels that read only inputs and parameters move to the front, so that
   ``horizontal`` can merge the same work of every layer.
+- ``quantized``: GEMVs on quantized weights over the same x paired and merged
+  (``fuse_quantized.py``).
 - ``horizontal``: independent pointwise kernels close together run as one launch.
 """
 from __future__ import annotations
@@ -1126,9 +1128,11 @@ def hoist_independent(kernels, max_bindings):
     return levels[0] + levels[1] + rest
 
 
+from .fuse_quantized import fuse_quantized  # noqa: E402
+
 FUSION_PASSES = {"epilogue": fuse_epilogues, "prologue": fuse_prologues, "rows": fuse_rows,
                  "normstats": fuse_norm_stats, "stores": fuse_copy_stores, "outputs": fuse_producer_outputs,
-                 "hoist": hoist_independent, "horizontal": merge_horizontal}
+                 "hoist": hoist_independent, "quantized": fuse_quantized, "horizontal": merge_horizontal}
 
 
 def run_fusion(kernels, disabled=frozenset(), max_bindings=8):
