@@ -327,3 +327,22 @@ def test_decoding_fusions(backend, norm):
     wants.append(a / (1 + np.exp(-a)) * b)
     for o, w in zip(got, wants):
         assert_close(o, w, 1e-5, 1e-5, f"{norm} > quantized GEMVs")
+
+
+def test_quantized_llama_decode_budget():
+    """Device-free: a tiny Llama decoding with Q8_0 projections takes no more dispatches
+    than with f32 ones (the norm, q/k/v and gate/up fusions carry over)."""
+    from meganeura.compiler import compile_plan
+    from meganeura.models.llama import LlamaConfig, LlamaForCausalLM, build_decoder
+    cfg = LlamaConfig.tiny()
+
+    def dispatches(model):
+        g, logits, new = build_decoder(cfg, 1, 1, 16, cache_as_state=True, model=model)
+        return compile_plan([logits] + new).names
+    qm = LlamaForCausalLM(cfg)
+    sd = {k: np.asarray(v) for k, v in qm.state_dict().items()}
+    mg.nn.quantize_weights(qm, {k: (quants.quantize(v, gguf.GGMLQuantizationType.Q8_0), "Q8_0")
+                                for k, v in sd.items() if v.ndim == 2 and "embed" not in k})
+    names, f32_names = dispatches(qm), dispatches(LlamaForCausalLM(cfg))
+    assert len(names) <= len(f32_names), (names, f32_names)
+    assert sum(n.count("quantized_gemv") for n in names) == 15 and "rms_norm" not in names
