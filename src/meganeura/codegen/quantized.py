@@ -10,12 +10,8 @@ and 210 bytes) are not word aligned: ``qword(p)`` reads the 4 bytes at any byte 
 the word(s) holding them. f16 scales (at even bytes, so in one word) are decoded from their bits.
 
 Kernels (``spec["mode"]``):
-- ``gemv`` (up to ``GEMV_MAX_ROWS`` rows of x, decoding): each output column is owned by
-  L lanes striding over its groups, so consecutive lanes read consecutive bytes, then a
-  tree sum through workgroup memory;
-- ``tiled`` (more rows, prompt processing): a 32 x 64 output tile per workgroup; per step
-  of 32 columns of K each thread dequantizes one group into workgroup memory beside a
-  32 x 32 tile of x, then accumulates 8 outputs;
+- ``gemv`` (up to ``GEMV_MAX_ROWS`` rows of x, decoding): ``quantized_gemv.py``;
+- ``tiled`` (more rows, prompt processing): 64 x 64 output tiles (``quantized_tiled.py``);
 - ``dequant``: the (N, K) f32 weight, one thread per group (the gradient to x reads it);
 - ``embed``: the rows picked by integer ids (a quantized token embedding), likewise.
 """
@@ -28,7 +24,7 @@ from .common import ENTRY, GROUP_INDEX, Bindings, grid
 from .expr import OutputStore
 
 GEMV_MAX_ROWS = 4
-TM, TN, TK = 32, 64, 32            # the tiled kernel's output tile and K step
+TK = 32        # the tiled kernel's K step (quantized_tiled.py)
 # loop trips of one thread: the K loop of the tiled kernel (TK + 1 per step) and the
 # group loop of the GEMV stay below lavapipe's 65535 back-edges per invocation
 MAX_TRIPS = 60000
@@ -176,6 +172,9 @@ def render(kernel):
     if s["mode"] == "gemv":
         from .quantized_gemv import render_gemv
         return render_gemv(kernel)
+    if s["mode"] == "tiled":
+        from .quantized_tiled import render_tiled
+        return render_tiled(kernel)
     qtype, N, K = s["qtype"], s["n"], s["k"]
     b = Bindings()
     store = OutputStore(kernel, b)
@@ -212,65 +211,3 @@ def render(kernel):
 }}
 """
         return src, b.bufs, grid(-(-total // 256))
-    xv = kernel.reads[0]
-    M = s["m"]
-    xvec = x_loads(b, xv, K)
-    # tiled: thread (tr, tn) accumulates rows m0 + tr + 4 i (i < 8) of column n0 + tn
-    R = TM * TN // 256
-    accs = "\n".join(f"    var acc{i} = 0.0;" for i in range(R))
-    fmas = "\n".join(f"            acc{i} = fma(xs[{(4 * i) * TK}u + tr * {TK}u + kk], w, acc{i});" for i in range(R))
-    writes = "\n".join(f"        if (m0 + tr + {4 * i}u < {M}u) {{ store_out((m0 + tr + {4 * i}u) * {N}u + n, acc{i}); }}"
-                       for i in range(R))
-    # one vec4 of the 32 x 32 tile of x per thread
-    xloads = f"""        {{
-            let m = m0 + lid / {TK // 4}u;
-            let kq = (lid % {TK // 4}u) * 4u;
-            var v = vec4<f32>(0.0);
-            if (m < {M}u) {{ v = {xvec("m", "k0 + kq")}; }}
-            let e = (lid / {TK // 4}u) * {TK}u + kq;
-            xs[e] = v.x; xs[e + 1u] = v.y; xs[e + 2u] = v.z; xs[e + 3u] = v.w;
-        }}"""
-    wstores = "\n".join(f"        ws[(c8 + {i}u) * {TN}u + c] = {v}.{f};" for i, (v, f) in
-                        enumerate([("lo", f) for f in "xyzw"] + [("hi", f) for f in "xyzw"]))
-    src = f"""{b.decls()}
-{store.module_text()}
-{fns}
-var<workgroup> ws: array<f32, {TK * TN}>;
-var<workgroup> xs: array<f32, {TM * TK}>;
-
-@compute @workgroup_size(256)
-fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) lid: u32) {{
-    let n0 = wid.x * {TN}u;
-    let m0 = wid.y * {TM}u;
-    let tn = lid % {TN}u;
-    let tr = lid / {TN}u;
-    let c = lid / 4u;
-    let c8 = (lid % 4u) * 8u;
-{accs}
-    for (var kb = 0u; kb < {K // TK}u; kb = kb + 1u) {{
-        let k0 = kb * {TK}u;
-        var lo = vec4<f32>(0.0);
-        var hi = vec4<f32>(0.0);
-        if (n0 + c < {N}u) {{
-            qgroup(n0 + c, kb * {TK // 8}u + lid % 4u);
-            lo = qlo;
-            hi = qhi;
-        }}
-{wstores}
-{xloads}
-        workgroupBarrier();
-        for (var kk = 0u; kk < {TK}u; kk = kk + 1u) {{
-            let w = ws[kk * {TN}u + tn];
-{fmas}
-        }}
-        workgroupBarrier();
-    }}
-    let n = n0 + tn;
-    if (n < {N}u) {{
-{writes}
-    }}
-}}
-"""
-    if -(-M // TM) > 65535 or -(-N // TN) > 65535:
-        raise NotImplementedError(f"quantized_matmul: ({M}, {N}) outputs is past one launch's 65535 x 65535 tiles")
-    return src, b.bufs, (-(-N // TN), -(-M // TM), 1)
