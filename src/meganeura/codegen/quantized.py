@@ -31,6 +31,10 @@ MAX_TRIPS = 60000
 
 
 def _lower(t, ins, out, materialize, temp):
+    from ..ops.quantized import row_bytes
+    if t.attrs["n"] * row_bytes(t.attrs["qtype"], t.attrs["k"]) >= 1 << 32:
+        raise NotImplementedError(f"{t.op} {t.name!r}: the kernels address a weight's bytes in 32 bits; "
+                                  f"({t.attrs['n']}, {t.attrs['k']}) {t.attrs['qtype']} is 4 GiB or more")
     if t.op == "dequantize":
         return [Kernel("dequantize", "quantized", {"mode": "dequant", **t.attrs}, out, [materialize(ins[0], t.inputs[0])])]
     if t.op == "quantized_embedding":
