@@ -24,7 +24,8 @@ def _blocks(qtype, n, k, seed=0):
     t = gguf.GGMLQuantizationType[qtype]
     if qtype.endswith("_K"):
         bs, nb = QTYPES[qtype]
-        at = {"Q4_K": slice(0, 4), "Q5_K": slice(0, 4), "Q6_K": slice(208, 210)}[qtype]     # d (and dmin)
+        at = {"Q2_K": slice(80, 84), "Q3_K": slice(108, 110), "Q4_K": slice(0, 4), "Q5_K": slice(0, 4),
+              "Q6_K": slice(208, 210)}[qtype]     # d (and dmin)
         raw = rng.integers(0, 256, (n, k // bs, nb), dtype=np.uint8)
         d = rng.standard_normal((n, k // bs, (at.stop - at.start) // 2)) * 0.01
         d.flat[::5] *= 1e-3                            # f16 subnormals
@@ -64,7 +65,8 @@ def test_numpy_decoding_matches_gguf(qtype):
 SHAPES = {"Q8_0": [(1, 9, 96), (3, 5, 96), (37, 67, 96), (70, 130, 64)], "Q4_0": [(1, 9, 96), (3, 5, 96), (37, 67, 96)],
           "Q4_1": [(1, 9, 96), (37, 67, 96)], "Q5_0": [(1, 9, 96), (37, 67, 96)], "Q5_1": [(1, 9, 96), (37, 67, 96)],
           "Q4_K": [(1, 9, 512), (3, 5, 256), (37, 67, 512)], "Q5_K": [(1, 9, 512), (37, 67, 512)],
-          "Q6_K": [(1, 9, 512), (37, 67, 512)]}
+          "Q6_K": [(1, 9, 512), (37, 67, 512)], "Q2_K": [(1, 9, 512), (37, 67, 512)],
+          "Q3_K": [(1, 9, 512), (37, 67, 512)]}
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -90,7 +92,7 @@ def test_bias_and_leading_dims(backend):
 def _same_weights(got, want, qtype):
     """Weights that are scale x integer are exact in f32; the types with an offset (m, dmin)
     round once more, which a GPU may fuse into an fma: within an ulp of the row's largest."""
-    if qtype in ("Q8_0", "Q4_0", "Q5_0", "Q6_K"):
+    if qtype in ("Q8_0", "Q4_0", "Q5_0", "Q3_K", "Q6_K"):
         np.testing.assert_array_equal(got, want)
     else:
         err = np.abs(got - want) / np.maximum(np.abs(want).max(1, keepdims=True), 1e-30)
@@ -144,8 +146,8 @@ def test_bad_shapes_and_types_are_named():
         mg.ops.quantized_linear(x, w, "Q8_0", 1, 96)
     with pytest.raises(mg.ShapeError, match=r"in_features 64 is not a multiple of Q4_K's block of 256"):
         mg.ops.quantized_linear(x, w, "Q4_K", 1, 64)
-    with pytest.raises(ValueError, match=r"qtype must be one of 'Q8_0', 'Q4_0', .*'Q6_K' .*got 'Q2_K'"):
-        mg.ops.quantized_linear(x, w, "Q2_K", 1, 64)
+    with pytest.raises(ValueError, match=r"qtype must be one of 'Q8_0', 'Q4_0', .*'Q6_K' .*got 'IQ2_XS'"):
+        mg.ops.quantized_linear(x, w, "IQ2_XS", 1, 64)
     with pytest.raises(TypeError, match=r"quantized_matmul: .* has dtype f16, expected f32"):
         mg.ops.quantized_linear(mg.ops.cast(x, mg.f16), g.input("w2", (17,), mg.u32), "Q8_0", 2, 64)
     with pytest.raises(ValueError, match=r"load_blocks: a \(2, 64\) Q8_0 weight is 136 bytes \(uint8\), got uint8 \(10,\)"):

@@ -5,8 +5,8 @@ The weight is bound as u32 words. Every block type reads as groups of 8 weights 
 consecutive in a row (group g holds columns 8g .. 8g + 7): ``qgroup(n, g)`` sets the
 module's ``qlo`` / ``qhi`` to the 8 dequantized weights of group g of row n, from the
 group's block scale(s) (and offset) and 8 bytes (Q8_0), 4 bytes of nibbles (Q4_*) and
-their high bits (Q5_*: 1 each, Q6_K: 2 each). Q4_0, Q5_0, Q8_0 and Q6_K blocks (18, 22, 34
-and 210 bytes) are not word aligned: ``qword(p)`` reads the 4 bytes at any byte address from
+their high bits (Q5_*: 1 each, Q6_K: 2 each), or 2-bit q (Q2_K, Q3_K with a high bit each).
+Q4_0, Q5_0, Q8_0, Q3_K and Q6_K blocks (18, 22, 34, 110 and 210 bytes) are not word aligned: ``qword(p)`` reads the 4 bytes at any byte address from
 the word(s) holding them. f16 scales (at even bytes, so in one word) are decoded from their bits.
 
 Kernels (``spec["mode"]``):
@@ -78,6 +78,10 @@ fn qbit(w: u32, j: u32) -> vec4<f32> {
     return vec4<f32>(f32((w >> j) & 1u), f32((w >> (8u + j)) & 1u), f32((w >> (16u + j)) & 1u),
                      f32((w >> (24u + j)) & 1u));
 }
+fn q2(w: u32, s: u32) -> vec4<f32> {
+    return vec4<f32>(f32((w >> s) & 3u), f32((w >> (8u + s)) & 3u), f32((w >> (16u + s)) & 3u),
+                     f32((w >> (24u + s)) & 3u));
+}
 fn qn4(w: u32, s: u32) -> vec4<f32> {
     return vec4<f32>(f32((w >> s) & 15u), f32((w >> (8u + s)) & 15u), f32((w >> (16u + s)) & 15u),
                      f32((w >> (24u + s)) & 15u));
@@ -134,6 +138,27 @@ fn qscale(p: u32) -> f32 {{ return qhalf((b{wb}[p >> 2u] >> ((p & 2u) * 8u)) & 6
     let sh = (r / 32u) * 2u;
     qlo = ds * (q6(qword(pl), sl, qword(ph), sh) - vec4<f32>(32.0));
     qhi = ds * (q6(qword(pl + 4u), sl, qword(ph + 4u), sh) - vec4<f32>(32.0));"""
+    elif qtype == "Q2_K":   # word-aligned; weights e .. e + 7 share a scale and a min
+        body = base + f"""    let e = (g % 32u) * 8u;
+    let dw = b{wb}[(base + 80u) >> 2u];
+    let sc = qbyte(base + e / 16u);
+    let dl = qhalf(dw & 65535u) * f32(sc & 15u);
+    let ml = qhalf(dw >> 16u) * f32(sc >> 4u);
+    let p = (base + 16u + (e / 128u) * 32u + e % 32u) >> 2u;
+    let s = ((e % 128u) / 32u) * 2u;
+    qlo = dl * q2(b{wb}[p], s) - vec4<f32>(ml);
+    qhi = dl * q2(b{wb}[p + 1u], s) - vec4<f32>(ml);"""
+    elif qtype == "Q3_K":   # 6-bit scale s = e / 16: low nibble of byte s % 8, high pair of 8 + s % 4
+        body = base + """    let e = (g % 32u) * 8u;
+    let si = e / 16u;
+    let sc = ((qbyte(base + 96u + si % 8u) >> ((si / 8u) * 4u)) & 15u)
+        | (((qbyte(base + 104u + si % 4u) >> ((si / 4u) * 2u)) & 3u) << 4u);
+    let ds = qscale(base + 108u) * f32(i32(sc) - 32i);
+    let p = base + 32u + (e / 128u) * 32u + e % 32u;
+    let s = ((e % 128u) / 32u) * 2u;
+    let u = e / 32u;
+    qlo = ds * (q2(qword(p), s) + 4.0 * qbit(qword(base + e % 32u), u) - vec4<f32>(4.0));
+    qhi = ds * (q2(qword(p + 4u), s) + 4.0 * qbit(qword(base + e % 32u + 4u), u) - vec4<f32>(4.0));"""
     else:   # Q4_K, Q5_K: word-aligned super-blocks; group g: sub-block j, quarter g % 4
         five = qtype == "Q5_K"
         q = [f"qn4(b{wb}[p{a}], s)" + (f" + 16.0 * qbit(b{wb}[ph{a}], j)" if five else "") for a in ("", " + 1u")]

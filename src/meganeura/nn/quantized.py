@@ -1,5 +1,5 @@
 """``QuantizedLinear`` and ``QuantizedEmbedding``: layers whose weight stays in GGUF's
-packed blocks (Q8_0, Q4_0/1, Q5_0/1, Q4_K, Q5_K, Q6_K) on the device, dequantized inside the product
+packed blocks (Q8_0, Q4_0/1, Q5_0/1, Q2_K .. Q6_K) on the device, dequantized inside the product
 (mg.ops.quantized_linear) or the row lookup (mg.ops.quantized_embedding).
 
 The weight is a u32 buffer named ``weight`` (the graph state of that name), so a model

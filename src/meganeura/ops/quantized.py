@@ -12,6 +12,13 @@ bytes. Blocks, ``d``/``dmin`` as f16 bits:
 - ``Q5_0``: 22 bytes per 32 weights: f16 ``d``, a u32 of high bits (bit j: weight j's),
   16 bytes of low nibbles as Q4_0's; w = d * (q - 16).
 - ``Q5_1``: 24 bytes per 32 weights: f16 ``d``, f16 ``m``, then as Q5_0; w = d * q + m.
+- ``Q2_K``: 84 bytes per 256 weights: 16 bytes of 4-bit scale (low) and min (high) per 16
+  weights, 64 bytes of 2-bit q, f16 ``d``, f16 ``dmin``; weight 128 h + 32 t + j takes bits
+  2 t of byte 16 + 32 h + j; w = d * scale * q - dmin * min.
+- ``Q3_K``: 110 bytes per 256 weights: 32 bytes of high bits (weight 32 u + j: bit u of
+  byte j), 64 bytes of 2-bit q (as Q2_K's), 12 bytes of sixteen 6-bit scales (low nibbles in
+  bytes 0..7, scale s in byte s % 8 shifted by 4 (s // 8); high pairs in bytes 8..11, byte
+  8 + s % 4 shifted by 2 (s // 4)), f16 ``d``; w = d * (scale - 32) * (q - 4 (1 - high)).
 - ``Q4_K``: 144 bytes per 256 weights: f16 ``d``, f16 ``dmin``, 12 bytes of eight 6-bit
   scales and mins, 128 bytes of nibbles; sub-block j (32 weights) has
   w = d * scale_j * q - dmin * min_j, its nibbles the low (j even) or high (j odd) halves of
@@ -43,7 +50,7 @@ __all__ = ["quantized_linear", "dequantize", "quantized_embedding"]
 
 # name -> (weights per block, bytes per block)
 QTYPES = {"Q8_0": (32, 34), "Q4_0": (32, 18), "Q4_1": (32, 20), "Q5_0": (32, 22), "Q5_1": (32, 24),
-          "Q4_K": (256, 144), "Q5_K": (256, 176), "Q6_K": (256, 210)}
+          "Q2_K": (256, 84), "Q3_K": (256, 110), "Q4_K": (256, 144), "Q5_K": (256, 176), "Q6_K": (256, 210)}
 
 
 def qtype_name(op, qtype) -> str:
@@ -96,6 +103,22 @@ def dequantize_words(words, qtype, out_features, in_features) -> np.ndarray:
         hi = (b[:, 128 + 32 * (e // 128) + r % 32] >> (2 * (r // 32)).astype(np.uint8)) & 3
         q = (lo | (hi << 4)).astype(np.float32) - 32.0
         w = (_f16(b, 208)[:, None] * b[:, 192:208].view(np.int8).astype(np.float32)[:, e // 16]) * q
+        return w.reshape(out_features, in_features)
+    if qtype in ("Q2_K", "Q3_K"):
+        e = np.arange(256)
+        ofs = 16 if qtype == "Q2_K" else 32
+        q = ((b[:, ofs + 32 * (e // 128) + e % 32] >> (2 * ((e % 128) // 32)).astype(np.uint8)) & 3).astype(np.float32)
+        if qtype == "Q2_K":
+            sc = b[:, e // 16]
+            w = (_f16(b, 80)[:, None] * (sc & 15).astype(np.float32)) * q \
+                - _f16(b, 82)[:, None] * (sc >> 4).astype(np.float32)
+        else:
+            s16 = np.arange(16)
+            lo = (b[:, 96 + s16 % 8] >> (4 * (s16 // 8)).astype(np.uint8)) & 15
+            hi = (b[:, 104 + s16 % 4] >> (2 * (s16 // 4)).astype(np.uint8)) & 3
+            sc = (lo | (hi << 4)).astype(np.float32) - 32.0
+            high = (b[:, e % 32] >> (e // 32).astype(np.uint8)) & 1
+            w = (_f16(b, 108)[:, None] * sc[:, e // 16]) * (q - 4.0 * (1 - high).astype(np.float32))
         return w.reshape(out_features, in_features)
     d = _f16(b, 0)[:, None]
     if qtype == "Q8_0":
@@ -194,7 +217,7 @@ def _features(op, qtype, out_features, in_features):
 
 def quantized_linear(x, weight, qtype, out_features, in_features, bias=None):
     """F.linear with a weight in GGUF's packed block layout: ``x @ W.T (+ bias)``, W the
-    (out_features, in_features) weight whose blocks (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K or Q6_K)
+    (out_features, in_features) weight whose blocks (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 or Q2_K .. Q6_K)
     ``weight`` holds as u32 words; dequantized inside the product, never stored. Gradient
     to x only."""
     qtype = qtype_name("quantized_linear", qtype)
@@ -223,7 +246,7 @@ def dequantize(weight, qtype, out_features, in_features):
 def quantized_embedding(input, weight, qtype, num_embeddings, embedding_dim):
     """F.embedding with a weight in GGUF's packed block layout: the rows of the
     (num_embeddings, embedding_dim) weight that ``weight`` holds as blocks (Q8_0, Q4_0,
-    Q4_1, Q5_0, Q5_1, Q4_K, Q5_K or Q6_K) in u32 words, picked by the integer ``input``. No gradient."""
+    Q4_1, Q5_0, Q5_1 or Q2_K .. Q6_K) in u32 words, picked by the integer ``input``. No gradient."""
     qtype = qtype_name("quantized_embedding", qtype)
     n, k = _features("quantized_embedding", qtype, num_embeddings, embedding_dim)
     return emit("quantized_embedding", [input, weight], qtype=qtype, n=n, k=k)
