@@ -123,4 +123,6 @@ def _norm(kernels, max_bindings):
 
 
 def fuse_quantized(kernels, max_bindings):
+    if not any(_gemv(k) for k in kernels):
+        return kernels            # (a graph without quantized weights pays no index)
     return _merge(_pair(_norm(list(kernels), max_bindings), max_bindings), max_bindings)
