@@ -20,8 +20,8 @@ the memory planner and the runtime need no knowledge of them.
   and stores their values too (AdamW's moments with its parameter update).
 - ``hoist``: kernels that read only inputs and parameters move to the front, so that
   ``horizontal`` can merge the same work of every layer.
-- ``quantized``: GEMVs on quantized weights over the same x paired and merged
-  (``fuse_quantized.py``).
+- ``quantized``: GEMVs on quantized weights take the norm they read, pair (gate and up)
+  and merge (q, k, v) as matmul GEMVs do (``fuse_quantized.py``).
 - ``horizontal``: independent pointwise kernels close together run as one launch.
 """
 from __future__ import annotations
@@ -37,6 +37,7 @@ from ..codegen.common import broadcast_view_strides
 from ..codegen.matmul import block_of, rounded_operands
 from ..schedule import MAX_INLINE_DEPTH, Kernel, View, contiguous_strides, expr_depth, reshape_view
 from ..ops.registry import OPS
+from .fuse_quantized import fuse_quantized
 
 # archetypes whose renderers end in ``store_out`` (codegen.expr.OutputStore)
 EPILOGUE_ARCHETYPES = frozenset({"matmul", "reduce", "rows", "norm", "gather", "attention", "quantized"})
@@ -1127,8 +1128,6 @@ def hoist_independent(kernels, max_bindings):
         read |= {id(v.buf) for v in views}
     return levels[0] + levels[1] + rest
 
-
-from .fuse_quantized import fuse_quantized  # noqa: E402
 
 FUSION_PASSES = {"epilogue": fuse_epilogues, "prologue": fuse_prologues, "rows": fuse_rows,
                  "normstats": fuse_norm_stats, "stores": fuse_copy_stores, "outputs": fuse_producer_outputs,
