@@ -47,7 +47,7 @@ class _Blocks(Module):
     def requires_grad_(self, requires_grad=True):
         if requires_grad:
             raise TypeError(f"{type(self).__name__}: the {self.qtype} weight is not trainable (inference only); "
-                            "train a float layer, or an adapter beside this one")
+                            "the layers around it train (the gradient passes through it)")
         return super().requires_grad_(False)
 
 
