@@ -60,6 +60,11 @@ TORCH = {
     "cumsum": ("torch.cumsum", "log2(n) shifted adds"), "prod": ("torch.prod", "pairwise halving"),
     "logsumexp": ("torch.logsumexp", ""), "argmax": ("torch.argmax", "i32 indices"),
     "argmin": ("torch.argmin", "i32 indices"),
+    "quantized_linear": ("F.linear(x, dequantized W, bias)", "W kept as GGUF Q8_0, Q4_0/1, Q5_0/1 or Q2_K .. Q6_K blocks in u32 words, "
+                         "dequantized in the loads; gradient to x only"),
+    "quantized_embedding": ("F.embedding(ids, dequantized W)", "W kept as GGUF Q8_0, Q4_0/1, Q5_0/1 or Q2_K .. Q6_K blocks in u32 words; "
+                            "a bad id gives a zero row on the GPU; no gradient"),
+    "dequantize": ("gguf.quants.dequantize", "Q8_0, Q4_0/1, Q5_0/1 or Q2_K .. Q6_K blocks in u32 words to the f32 weight; no gradient"),
 }
 INTERNAL = {"emit", "register"}
 

@@ -88,6 +88,10 @@ CASES = [  # (id, build(g), exception, message pattern)
      NotImplementedError, r"getitem: 2 list/tensor indices in one subscript"),
     ("concat_nothing", lambda g: O.concat([]), ValueError, r"concat: needs at least one tensor"),
     ("stack_nothing", lambda g: O.stack([]), ValueError, r"stack: needs at least one tensor"),
+    ("quantized_linear_qtype", lambda g: O.quantized_linear(g.input("x", (1, 32)), g.input("w", (9,), mg.u32), "IQ2_XS", 1, 32),
+     ValueError, r"quantized_linear: qtype must be one of 'Q8_0', 'Q4_0', .*'Q6_K' \(GGUF block types\), got 'IQ2_XS'"),
+    ("dequantize_features", lambda g: O.dequantize(g.input("w", (9,), mg.u32), "Q8_0", 0, 32),
+     ValueError, r"dequantize: out_features must be a positive int, got 0"),
     # shape errors that name the argument (enable_gqa: each of key and value must divide the query heads)
     ("sdpa_gqa_value_heads", lambda g: O.scaled_dot_product_attention(
         g.input("q", (1, 6, 3, 4)), g.input("k", (1, 2, 5, 4)), g.input("v", (1, 4, 5, 4)), enable_gqa=True),

@@ -2,11 +2,11 @@
 (WGSL text, bound logical buffers in binding order, workgroup counts). Importing this
 package attaches the lowerings to the op registry records."""
 from ..ops.registry import OPS
-from . import attention, gather, layout, matmul, pointwise, reduce, rows, rowfuse
+from . import attention, gather, layout, matmul, pointwise, quantized, reduce, rows, rowfuse
 
 RENDER = {"pointwise": pointwise.render, "multi": pointwise.render_multi, "reduce": reduce.render, "matmul": matmul.render,
           "gather": gather.render, "rows": rows.render, "norm": rows.render_norm,
-          "attention": attention.render, "rowfuse": rowfuse.render}
+          "attention": attention.render, "rowfuse": rowfuse.render, "quantized": quantized.render}
 
 for _op in ("reduce_sum", "reduce_mean", "reduce_max"):
     OPS[_op].lower = reduce.lower_reduce
@@ -16,7 +16,7 @@ OPS["slice_grad"].lower = layout.lower_slice_grad
 OPS["softmax"].lower = OPS["log_softmax"].lower = OPS["safe_softmax"].lower = rows.lower_softmax
 OPS["layer_norm"].lower = OPS["rms_norm"].lower = rows.lower_norm
 OPS["norm_stat"].lower = rows.lower_norm_stat
-for _op, _lower in gather.LOWER.items():
+for _op, _lower in (*gather.LOWER.items(), *quantized.LOWER.items()):
     OPS[_op].lower = _lower
 
 

@@ -301,7 +301,10 @@ class LlamaForCausalLM(nn.Module):
 
     def head(self, h):
         if self.config.tie_word_embeddings:
-            return ops.linear(h, self.model.embed_tokens.weight)
+            emb = self.model.embed_tokens
+            if isinstance(emb, nn.QuantizedEmbedding):     # GGUF blocks (nn.quantize_weights)
+                return emb.as_linear(h)
+            return ops.linear(h, emb.weight)
         return self.lm_head(h)
 
     def forward(self, ids, step: DecodeStep | None = None, past=None):
@@ -326,11 +329,12 @@ def _params(g: Graph, cfg: LlamaConfig) -> dict:
 
 
 # ------------------------------------------------------------------------- builders
-def build_causal_lm(cfg: LlamaConfig, batch: int, seq: int):
-    """Full-sequence forward. Returns (graph, ids input (batch, seq) i32, logits (batch, seq, vocab))."""
+def build_causal_lm(cfg: LlamaConfig, batch: int, seq: int, model: "LlamaForCausalLM | None" = None):
+    """Full-sequence forward. Returns (graph, ids input (batch, seq) i32, logits (batch, seq, vocab)).
+    ``model``: the module to build (one with quantized layers, ``nn.quantize_weights``); a new one by default."""
     g = Graph()
     ids = g.input("input_ids", (batch, seq), i32)
-    return g, ids, LlamaForCausalLM(cfg)(ids)
+    return g, ids, (model if model is not None else LlamaForCausalLM(cfg))(ids)
 
 
 def build_training(cfg: LlamaConfig, batch: int, seq: int, shift_labels: bool = True):
@@ -362,7 +366,8 @@ def cache_names(cfg: LlamaConfig):
     return [f"past.{i}.{kv}" for i in range(cfg.num_hidden_layers) for kv in ("key", "value")]
 
 
-def build_decoder(cfg: LlamaConfig, batch: int, tokens: int, max_len: int, cache_as_state: bool = False):
+def build_decoder(cfg: LlamaConfig, batch: int, tokens: int, max_len: int, cache_as_state: bool = False,
+                  model: "LlamaForCausalLM | None" = None):
     """``tokens`` new tokens against a key/value cache of ``max_len`` positions.
 
     Inputs (see ``decode_feeds`` to make them):
@@ -375,7 +380,7 @@ def build_decoder(cfg: LlamaConfig, batch: int, tokens: int, max_len: int, cache
     Returns (graph, logits of the last token (batch, vocab), new caches in ``cache_names``
     order). With ``cache_as_state`` the caches are ``g.state`` tensors (kept on the device;
     compile with ``state_updates`` mapping them to the new caches) instead of inputs. The
-    cache update is ``LlamaAttention.decode``'s blend."""
+    cache update is ``LlamaAttention.decode``'s blend. ``model``: as ``build_causal_lm``'s."""
     g = Graph()
     hd, nkv = cfg.head_dim, cfg.num_key_value_heads
     ids = g.input("input_ids", (batch, tokens), i32)
@@ -387,7 +392,7 @@ def build_decoder(cfg: LlamaConfig, batch: int, tokens: int, max_len: int, cache
     past = [make(n, (batch, nkv, max_len, hd)) for n in cache_names(cfg)]
     keep = 1.0 - ops.sum(write, 1, keepdim=True)             # (max_len, 1): slots not written
     step = DecodeStep(tokens, cos, sin, mask, write, keep)
-    logits, new_cache = LlamaForCausalLM(cfg)(ids, step, past)
+    logits, new_cache = (model if model is not None else LlamaForCausalLM(cfg))(ids, step, past)
     return g, logits, new_cache
 
 

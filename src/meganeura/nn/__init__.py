@@ -18,4 +18,5 @@ from .layers import (AdaptiveAvgPool2d, AvgPool2d, BatchNorm1d, BatchNorm2d, Con
 from .module import (IncompatibleKeys, Module, ModuleDict, ModuleList, Parameter, Sequential,  # noqa: F401
                      random_feeds, state_updates)
 from . import lora  # noqa: F401,E402
+from .quantized import QuantizedEmbedding, QuantizedLinear, quantize_weights  # noqa: F401,E402
 from ..autodiff import checkpoint  # noqa: F401,E402

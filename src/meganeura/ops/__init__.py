@@ -18,3 +18,4 @@ from .updates import adam_step, ema, ema_sq  # noqa: F401
 from .nn import *  # noqa: F401,F403
 from .attention import *  # noqa: F401,F403
 from .conv import *  # noqa: F401,F403
+from .quantized import *  # noqa: F401,F403

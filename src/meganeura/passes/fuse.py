@@ -20,6 +20,8 @@ the memory planner and the runtime need no knowledge of them.
   and stores their values too (AdamW's moments with its parameter update).
 - ``hoist``: kernels that read only inputs and parameters move to the front, so that
   ``horizontal`` can merge the same work of every layer.
+- ``quantized``: GEMVs on quantized weights take the norm they read, pair (gate and up)
+  and merge (q, k, v) as matmul GEMVs do (``fuse_quantized.py``).
 - ``horizontal``: independent pointwise kernels close together run as one launch.
 """
 from __future__ import annotations
@@ -35,9 +37,10 @@ from ..codegen.common import broadcast_view_strides
 from ..codegen.matmul import block_of, rounded_operands
 from ..schedule import MAX_INLINE_DEPTH, Kernel, View, contiguous_strides, expr_depth, reshape_view
 from ..ops.registry import OPS
+from .fuse_quantized import fuse_quantized
 
 # archetypes whose renderers end in ``store_out`` (codegen.expr.OutputStore)
-EPILOGUE_ARCHETYPES = frozenset({"matmul", "reduce", "rows", "norm", "gather", "attention"})
+EPILOGUE_ARCHETYPES = frozenset({"matmul", "reduce", "rows", "norm", "gather", "attention", "quantized"})
 
 
 class _Uses:
@@ -1128,7 +1131,7 @@ def hoist_independent(kernels, max_bindings):
 
 FUSION_PASSES = {"epilogue": fuse_epilogues, "prologue": fuse_prologues, "rows": fuse_rows,
                  "normstats": fuse_norm_stats, "stores": fuse_copy_stores, "outputs": fuse_producer_outputs,
-                 "hoist": hoist_independent, "horizontal": merge_horizontal}
+                 "hoist": hoist_independent, "quantized": fuse_quantized, "horizontal": merge_horizontal}
 
 
 def run_fusion(kernels, disabled=frozenset(), max_bindings=8):
