@@ -562,3 +562,29 @@ def test_gguf_stays_optional(tmp_path):
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
     assert "quantize needs the optional package 'gguf': pip install 'meganeura[gguf]'" in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("backend", ["numpy", "gpu", "wgpu"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma"])
+def test_a_quantized_file_generates_from_its_blocks_as_from_its_dequantized_weights(tmp_path, arch, backend, capsys):
+    """LlamaGenerator.from_pretrained keeps a GGUF file's quantized matrices as blocks on the
+    device (quantized kernels); its logits and greedy tokens are those of the same weights
+    dequantized to f32 by the gguf package. Tied heads read the embedding's blocks."""
+    from meganeura.cli import main
+    from meganeura.models.generate import LlamaGenerator
+    cfg = tiny(arch, hidden_size=64, intermediate_size=128, num_hidden_layers=2, head_dim=16,
+               tie_word_embeddings=arch != "llama")
+    folder, _ = hf_folder(tmp_path, cfg)
+    out = tmp_path / "q.gguf"
+    assert main(["quantize", str(folder), "--q8_0", "--out", str(out), "--quiet"]) == 0
+    capsys.readouterr()
+    blocks = LlamaGenerator.from_pretrained(out, backend, quantized=True)
+    floats = LlamaGenerator.from_pretrained(out, backend, quantized=False)
+    assert set(v for _, v in blocks.blocks.values()) == {"Q8_0"} and not floats.blocks
+    assert "model.embed_tokens.weight" in blocks.blocks and "model.layers.0.mlp.down_proj.weight" in blocks.blocks
+    ids = np.array([[1, 5, 9, 2, 7]], np.int32)
+    a, b = blocks.forward(ids, 0, 32), floats.forward(ids, 0, 32)
+    assert rel(a, b) < 1e-5, rel(a, b)
+    assert not set(blocks.state) & set(blocks.blocks)          # no f32 copy of a quantized matrix
+    prompt = [3, 1, 4, 1, 5]
+    assert blocks.generate(prompt, 4, stop_at_eos=False) == floats.generate(prompt, 4, stop_at_eos=False)

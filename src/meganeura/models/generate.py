@@ -29,22 +29,42 @@ CACHE_ROUND = 32
 class LlamaGenerator:
     """Holds a model's weights and its compiled decoding sessions (reused across calls)."""
 
-    def __init__(self, config, state: dict, backend: str = "gpu", precision: str = "strict"):
+    def __init__(self, config, state: dict, backend: str = "gpu", precision: str = "strict", blocks=None):
+        """``blocks``: weights kept quantized on the device, {transformers name: (raw GGUF
+        bytes, type name)} (``nn.quantize_weights``); ``state`` holds the rest."""
         self.config, self.backend, self.precision = config, backend, precision
         self.state = state
+        self.blocks = dict(blocks or {})
+        self._model = None
         self.sessions: dict = {}
 
     @classmethod
-    def from_pretrained(cls, path, backend="gpu", precision="strict"):
-        """From a Hugging Face folder or a GGUF file (``*.gguf``)."""
+    def from_pretrained(cls, path, backend="gpu", precision="strict", quantized=True):
+        """From a Hugging Face folder or a GGUF file (``*.gguf``). A GGUF file's quantized
+        matrices stay in their blocks on the device (``quantized=False``: dequantized to f32)."""
         from ..io import load_gguf, load_hf
-        cfg, state = load_gguf(path, tokenizer=False) if _is_gguf(path) else load_hf(path)
-        return cls(cfg, state, backend, precision)
+        if not _is_gguf(path):
+            cfg, state = load_hf(path)
+            return cls(cfg, state, backend, precision)
+        m = load_gguf(path, tokenizer=False)
+        blocks = quantized_blocks(m) if quantized else {}
+        state = {n: v for n, v in m.state.items() if n not in blocks}
+        return cls(m.config, state, backend, precision, blocks)
+
+    def model(self):
+        """The module the graphs are built from: None (the builder's own) unless weights
+        stay quantized."""
+        if self.blocks and self._model is None:
+            from .. import nn
+            self._model = llama.LlamaForCausalLM(self.config)
+            nn.quantize_weights(self._model, self.blocks)
+        return self._model
 
     def session(self, batch: int, tokens: int, max_len: int):
         key = (batch, tokens, max_len)
         if key not in self.sessions:
-            g, logits, cache = llama.build_decoder(self.config, batch, tokens, max_len, cache_as_state=True)
+            g, logits, cache = llama.build_decoder(self.config, batch, tokens, max_len, cache_as_state=True,
+                                                   model=self.model())
             past = [g.states[n] for n in llama.cache_names(self.config)]
             # programs with the same cache shape share weights and cache on the device
             peer = next((s for (b, _, m), s in self.sessions.items() if (b, m) == (batch, max_len)), None)
@@ -200,6 +220,23 @@ def sample(logits, temperature=0.0, top_k=None, top_p=None, rng=None, min_p=None
     pr /= pr.sum(-1, keepdims=True)
     rng = rng if rng is not None else np.random.default_rng()
     return np.array([rng.choice(pr.shape[-1], p=row) for row in pr])
+
+
+# ggml types with quantized kernels (ops.quantized); other tensors load as f32
+FLOAT_TYPES = {"F32", "F16", "BF16", "F64"}
+
+
+def quantized_blocks(gguf_model) -> dict:
+    """{name: (raw bytes, type)} of a loaded GGUF file's quantized matrices (``load_gguf``)."""
+    from ..ops.quantized import QTYPES
+    out = {}
+    for name, qtype in gguf_model.quant_types.items():
+        if qtype in FLOAT_TYPES:
+            continue
+        if qtype not in QTYPES:
+            continue            # a block type without kernels: dequantized to f32 as loaded
+        out[name] = (gguf_model.tensors[name], qtype)
+    return out
 
 
 def _generator(model, backend):

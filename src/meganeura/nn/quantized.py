@@ -105,8 +105,11 @@ def quantize_weights(model: Module, blocks) -> list:
                              f"of {type(model).__name__}")
         path, old = where[key]
         if isinstance(old, Linear):
-            new = QuantizedLinear(old.in_features, old.out_features, qtype, blocks=raw)
-            if "bias" in old._parameters:
+            has_bias = old._parameters.get("bias") is not None
+            # made with its bias slot (a registered parameter), then given the old one: a bias
+            # set on a layer made without one stays a plain None attribute and is never read
+            new = QuantizedLinear(old.in_features, old.out_features, qtype, bias=has_bias, blocks=raw)
+            if has_bias:
                 new.bias = old._parameters["bias"]
         else:
             if old.padding_idx is not None:
