@@ -224,7 +224,7 @@ class BatchDecoder:
         self.running: dict = {}                       # slot -> Request
         self.lock = threading.Lock()
         self._ids = itertools.count()
-        self.steps = self.generated = 0
+        self.steps = self.generated = self.cancelled = 0
 
     @property
     def active(self) -> int:
@@ -356,6 +356,7 @@ class BatchDecoder:
     def _finish(self, r: Request, reason: str):
         """(holding the lock) mark ``r`` finished and free its slot."""
         r.finish_reason = reason
+        self.cancelled += reason == "cancelled"
         if r.slot is not None and self.running.get(r.slot) is r:
             del self.running[r.slot]
         r.finished.set()
