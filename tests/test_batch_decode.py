@@ -53,7 +53,7 @@ def weights():
     return cfg, random_state(cfg)
 
 
-@pytest.mark.parametrize("backend", ["numpy", "gpu"])
+@pytest.mark.parametrize("backend", ["numpy", "gpu", pytest.param("wgpu", marks=pytest.mark.slow)])
 def test_batched_greedy_equals_each_prompt_alone(weights, backend):
     cfg, state = weights
     gen = LlamaGenerator(cfg, state, backend=backend)
@@ -66,7 +66,7 @@ def test_batched_greedy_equals_each_prompt_alone(weights, backend):
     assert got == [a[:n] for a, n in zip(alone, lengths)]
     assert dec.active == 0 and dec.pending() == 0
     # all three at once, in a batch wider than the requests
-    wide = BatchDecoder(SlotCache(cfg, state, slots=4, max_len=64, chunk=8, backend=backend))
+    wide = BatchDecoder(SlotCache.from_generator(gen, slots=4, max_len=64, chunk=8))
     assert wide.generate(PROMPTS, SamplingParams(max_tokens=8, stop_at_eos=False)) == alone
     cache.close()
 

@@ -99,6 +99,11 @@ class SlotCache:
                 self.parameters = sum(int(np.prod(t.shape)) for t in g.parameters.values())
             self.sessions[tokens] = s
 
+    @classmethod
+    def from_generator(cls, gen, slots: int = 4, max_len: int = 256, chunk: int = 16):
+        """A slot cache for a ``models.generate.LlamaGenerator``'s model, backend and precision."""
+        return cls(gen.config, gen.state, slots, max_len, chunk, gen.backend, gen.precision)
+
     @property
     def cache_bytes(self) -> int:
         c = self.config
