@@ -204,6 +204,40 @@ def test_cancelled_stream_frees_its_slot(server, folder):
     assert r.choices[0].text == expected(folder, WORDS[0], 4)
 
 
+def test_a_failing_step_fails_its_requests_and_the_server_goes_on(server, folder):
+    c = server.client()
+    cache = server.served.cache
+    plain = cache.decode
+
+    def broken(rows):
+        raise RuntimeError("device lost")
+    cache.decode = broken
+    try:
+        with pytest.raises(openai.InternalServerError) as e:
+            c.completions.create(model=server.served.name, prompt=WORDS[0], max_tokens=4, temperature=0)
+        assert e.value.status_code == 500 and "device lost" in e.value.body["message"]
+    finally:
+        cache.decode = plain
+    server.wait_idle()
+    r = c.completions.create(model=server.served.name, prompt=WORDS[0], max_tokens=4, temperature=0)
+    assert r.choices[0].text == expected(folder, WORDS[0], 4)
+
+
+def test_a_client_gone_before_its_answer_frees_the_slot(server, folder):
+    cache = server.served.cache
+    plain = cache.decode
+    cache.decode = lambda rows: (time.sleep(0.03), plain(rows))[1]
+    try:
+        before = server.health()
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(server.url + "/v1/completions", timeout=0.3,
+                       json={"prompt": WORDS[0], "max_tokens": 24, "temperature": 0})
+        h = server.wait_idle(timeout=5)
+        assert h["cancelled"] == before["cancelled"] + 1
+    finally:
+        cache.decode = plain
+
+
 def test_errors_have_openai_shape_and_status(server, folder):
     c = server.client()
     name = os.path.basename(folder)

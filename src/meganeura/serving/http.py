@@ -313,9 +313,19 @@ def create_app(served: ServedModel):
             return req.finish_reason if req.finish_reason in ("stop", "length") else None
 
         if not stream:
+            loop = asyncio.get_running_loop()
+            checked = loop.time()
             try:
-                while (await queue.get())[1] is None:
-                    pass
+                while True:
+                    try:
+                        if (await asyncio.wait_for(queue.get(), 0.25))[1] is not None:
+                            break
+                    except asyncio.TimeoutError:
+                        pass
+                    if loop.time() - checked > 0.25:
+                        checked = loop.time()
+                        if await request.is_disconnected():     # nobody waits for the answer: free the slot
+                            return error(ApiError(499, "the client disconnected", code="client_closed_request"))
             finally:
                 cleanup()
             if req.finish_reason == "error":
