@@ -199,8 +199,9 @@ def cmd_serve(args):
     check_model_folder(args.model_dir, "MODEL_DIR")
     need("serve", "starlette", "uvicorn", "tokenizers")
     for opt in ("port", "slots", "max_concurrent", "max_tokens", "max_prompt_tokens", "max_body_bytes"):
-        if getattr(args, opt) < (0 if opt == "port" else 1):
-            raise CliError(f"--{opt.replace('_', '-')} must be >= {0 if opt == 'port' else 1}, got {getattr(args, opt)}")
+        least, v = (0 if opt == "port" else 1), getattr(args, opt)
+        if v < least:
+            raise CliError(f"--{opt.replace('_', '-')} must be >= {least}, got {v}")
     from .serving.http import Limits, serve
     limits = Limits(args.max_concurrent, args.max_tokens, args.max_prompt_tokens, args.max_body_bytes)
     return serve(args.model_dir, args.host, args.port, args.backend, args.precision, args.slots, limits, args.name)

@@ -279,7 +279,7 @@ def create_app(served: ServedModel):
             params = sampling_params(body, served, chat)
             ids = prompt_ids(body, served, chat)
             stream = _get(body, "stream", (bool,), False, want="true or false")
-            opts = body.get("stream_options") or {}
+            opts = _get(body, "stream_options", (dict,), {}, want="an object")
             if served.closing:
                 raise ApiError(503, "the server is shutting down", type="server_error", code="shutting_down")
             if served.inflight >= served.limits.max_concurrent:
