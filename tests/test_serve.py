@@ -351,3 +351,10 @@ def test_cli_serve_mistakes_are_one_line(tmp_path):
     _one_line_error(_cli(["serve", str(tmp_path)], block=["uvicorn"]), "pip install 'meganeura[serve]'")
     _one_line_error(_cli(["serve", str(tmp_path), "--backend", "numpy", "--max-prompt-tokens", "500"]),
                     "max_position_embeddings")
+
+
+def test_serving_modules_import_no_optional_package():
+    code = ("import sys, meganeura, meganeura.cli, meganeura.serving.batch, meganeura.serving.http\n"
+            "print([m for m in ('starlette', 'uvicorn', 'jinja2', 'tokenizers', 'torch') if m in sys.modules])")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.strip() == "[]", r.stdout + r.stderr
