@@ -58,15 +58,16 @@ def test_batched_greedy_equals_each_prompt_alone(weights, backend):
     cfg, state = weights
     gen = LlamaGenerator(cfg, state, backend=backend)
     alone = [gen.generate(p, 8, stop_at_eos=False) for p in PROMPTS]
-    # 2 slots for 3 prompts: the third joins when the first leaves; the 20-token prompt takes 3 prefill chunks
+    # 2 slots for 3 prompts: the third joins when the first leaves; the 20-token prompt takes 3 prefill
+    # chunks; each prompt is prefilled alone, its slot selected by a fed one-hot
     cache = SlotCache(cfg, state, slots=2, max_len=64, chunk=8, backend=backend)
     dec = BatchDecoder(cache)
     lengths = [8, 3, 8]
     got = dec.generate(PROMPTS, [SamplingParams(max_tokens=n, stop_at_eos=False) for n in lengths])
     assert got == [a[:n] for a, n in zip(alone, lengths)]
     assert dec.active == 0 and dec.pending() == 0
-    # all three at once, in a batch wider than the requests
-    wide = BatchDecoder(SlotCache.from_generator(gen, slots=4, max_len=64, chunk=8))
+    # all three at once, in a batch wider than the requests, prefilled together in one call of every slot
+    wide = BatchDecoder(SlotCache.from_generator(gen, slots=4, max_len=64, chunk=8, prefill_rows="all"))
     assert wide.generate(PROMPTS, SamplingParams(max_tokens=8, stop_at_eos=False)) == alone
     cache.close()
 

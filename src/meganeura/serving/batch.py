@@ -37,23 +37,32 @@ class ContextLengthError(ValueError):
 
 
 # ------------------------------------------------------------------------ the graphs
-def build_slot_decoder(cfg, slots: int, tokens: int, max_len: int):
+def build_slot_decoder(cfg, slots: int, tokens: int, max_len: int, one_row: bool = False):
     """``tokens`` new tokens per row against a device cache of ``slots`` rows (``g.state``
-    tensors ``past.{i}.key/value`` of shape (slots, kv_heads, max_len, head_dim)). Fed:
-    input_ids (slots, tokens) i32; rope_cos, rope_sin (slots, 1, tokens, head_dim);
-    attn_mask (slots, 1, tokens, max_len) additive; cache_write (slots, 1, max_len, tokens)
-    one-hot. Returns (graph, last column's logits (slots, vocab), new caches)."""
+    tensors ``past.{i}.key/value`` of shape (slots, kv_heads, max_len, head_dim)). Fed, with
+    R = slots rows: input_ids (R, tokens) i32; rope_cos, rope_sin (R, 1, tokens, head_dim);
+    attn_mask (R, 1, tokens, max_len) additive; cache_write (R, 1, max_len, tokens) one-hot.
+    ``one_row``: R = 1, and slot_select (slots, 1, 1, 1), one-hot, names the slot that row
+    reads and writes (the others are kept as they are). Returns (graph, last column's
+    logits (R, vocab), new caches)."""
     g = Graph()
     hd, nkv = cfg.head_dim, cfg.num_key_value_heads
-    ids = g.input("input_ids", (slots, tokens), i32)
-    cos = g.input("rope_cos", (slots, 1, tokens, hd))
-    sin = g.input("rope_sin", (slots, 1, tokens, hd))
-    mask = g.input("attn_mask", (slots, 1, tokens, max_len))
-    write = g.input("cache_write", (slots, 1, max_len, tokens))
+    rows = 1 if one_row else slots
+    ids = g.input("input_ids", (rows, tokens), i32)
+    cos = g.input("rope_cos", (rows, 1, tokens, hd))
+    sin = g.input("rope_sin", (rows, 1, tokens, hd))
+    mask = g.input("attn_mask", (rows, 1, tokens, max_len))
+    write = g.input("cache_write", (rows, 1, max_len, tokens))
     past = [g.state(n, (slots, nkv, max_len, hd)) for n in llama.cache_names(cfg)]
-    keep = 1.0 - ops.sum(write, -1, keepdim=True)          # (slots, 1, max_len, 1)
+    own = past
+    if one_row:
+        select = g.input("slot_select", (slots, 1, 1, 1))
+        own = [ops.sum(p * select, 0, keepdim=True) for p in past]      # the selected slot's cache
+    keep = 1.0 - ops.sum(write, -1, keepdim=True)          # (R, 1, max_len, 1)
     step = llama.DecodeStep(tokens, cos, sin, mask, write, keep)
-    logits, new_cache = llama.LlamaForCausalLM(cfg)(ids, step, past)
+    logits, new_cache = llama.LlamaForCausalLM(cfg)(ids, step, own)
+    if one_row:
+        new_cache = [p * (1.0 - select) + select * n for p, n in zip(past, new_cache)]
     return g, logits, new_cache
 
 
@@ -73,10 +82,15 @@ def slot_feeds(cfg, ids: np.ndarray, pos: np.ndarray, max_len: int) -> dict:
 
 class SlotCache:
     """The model's weights and a cache of ``slots`` rows of ``max_len`` positions on the
-    device, with a ``chunk``-token prefill program and a one-token decode program."""
+    device, with a ``chunk``-token prefill program and a one-token decode program.
+    ``prefill_rows``: "one" prefills one request per call (its slot selected by a fed
+    one-hot, so a join computes ``chunk`` tokens, not ``slots * chunk``), "all" feeds every
+    joining request in one call of all the slots."""
 
     def __init__(self, config, state: dict, slots: int = 4, max_len: int = 256, chunk: int = 16,
-                 backend: str = "gpu", precision: str = "strict"):
+                 backend: str = "gpu", precision: str = "strict", prefill_rows: str = "one"):
+        if prefill_rows not in ("one", "all"):
+            raise ValueError(f"SlotCache: prefill_rows must be 'one' or 'all', got {prefill_rows!r}")
         for name, v in (("slots", slots), ("max_len", max_len), ("chunk", chunk)):
             if not isinstance(v, int) or v < 1:
                 raise ValueError(f"SlotCache: {name} must be a positive integer, got {v!r}")
@@ -84,12 +98,12 @@ class SlotCache:
             raise ValueError(f"SlotCache: max_len {max_len} exceeds the model's max_position_embeddings "
                              f"({config.max_position_embeddings})")
         self.config, self.slots, self.max_len, self.chunk = config, slots, max_len, min(chunk, max_len)
-        self.backend = backend
+        self.backend, self.one_row = backend, prefill_rows == "one" and slots > 1
         self.sessions = {}
-        for tokens in (1, self.chunk):
-            if tokens in self.sessions:
+        for key in ((1, False), (self.chunk, self.one_row)):
+            if key in self.sessions:
                 continue
-            g, logits, cache = build_slot_decoder(config, slots, tokens, max_len)
+            g, logits, cache = build_slot_decoder(config, slots, key[0], max_len, one_row=key[1])
             past = [g.states[n] for n in llama.cache_names(config)]
             peer = next(iter(self.sessions.values()), None)
             s = api.compile(g, outputs=[logits], state_updates=dict(zip(past, cache)), backend=backend,
@@ -97,46 +111,54 @@ class SlotCache:
             if peer is None:
                 s.load_state_dict(llama.graph_state_dict(g, state), strict=True)
                 self.parameters = sum(int(np.prod(t.shape)) for t in g.parameters.values())
-            self.sessions[tokens] = s
+            self.sessions[key] = s
 
     @classmethod
-    def from_generator(cls, gen, slots: int = 4, max_len: int = 256, chunk: int = 16):
+    def from_generator(cls, gen, slots: int = 4, max_len: int = 256, chunk: int = 16, prefill_rows: str = "one"):
         """A slot cache for a ``models.generate.LlamaGenerator``'s model, backend and precision."""
-        return cls(gen.config, gen.state, slots, max_len, chunk, gen.backend, gen.precision)
+        return cls(gen.config, gen.state, slots, max_len, chunk, gen.backend, gen.precision, prefill_rows)
 
     @property
     def cache_bytes(self) -> int:
         c = self.config
         return 4 * 2 * c.num_hidden_layers * self.slots * c.num_key_value_heads * self.max_len * c.head_dim
 
-    def _run(self, tokens, ids, pos):
-        return self.sessions[tokens].run(slot_feeds(self.config, ids, pos, self.max_len))[0]
+    def _run(self, key, ids, pos, slot=None):
+        feeds = slot_feeds(self.config, ids, pos, self.max_len)
+        if slot is not None:
+            feeds["slot_select"] = (np.arange(self.slots) == slot).astype(np.float32).reshape(-1, 1, 1, 1)
+        return self.sessions[key].run(feeds)[0]
 
     def prefill(self, prompts: dict) -> dict:
         """Write each ``{slot: prompt ids}`` at positions 0.. of its slot (what the slot held
         before is ignored from then on); returns ``{slot: logits after the last token}``."""
-        b, t = self.slots, self.chunk
         for slot, p in prompts.items():
             if not 0 < len(p) <= self.max_len:
                 raise ContextLengthError(f"prefill: slot {slot}: a prompt of {len(p)} tokens does not fit "
                                          f"a slot of {self.max_len} positions")
-        calls = {s: -(-len(p) // t) for s, p in prompts.items()}
+        if self.one_row:
+            return {slot: self._prefill({0: p}, slot)[0] for slot, p in prompts.items()}
+        return self._prefill(prompts)
+
+    def _prefill(self, prompts: dict, slot=None) -> dict:
+        """``prompts`` by row, in as many calls as the longest needs, each row's first chunk
+        left-padded so that every row ends in the last call."""
+        t = self.chunk
+        b = 1 if slot is not None else self.slots
+        calls = {r: -(-len(p) // t) for r, p in prompts.items()}
         n = max(calls.values())
-        out = {}
         for call in range(n):
             ids, pos = np.zeros((b, t), np.int64), np.full((b, t), -1, np.int64)
-            for slot, p in prompts.items():
-                k = call - (n - calls[slot])             # this row's chunk index (its last is the last call)
+            for r, p in prompts.items():
+                k = call - (n - calls[r])             # this row's chunk index (its last is the last call)
                 if k < 0:
                     continue
-                end = len(p) - (calls[slot] - 1 - k) * t
+                end = len(p) - (calls[r] - 1 - k) * t
                 start = max(end - t, 0)
-                ids[slot, t - (end - start):] = p[start:end]
-                pos[slot, t - (end - start):] = np.arange(start, end)
-            logits = self._run(t, ids, pos)
-        for slot in prompts:
-            out[slot] = logits[slot]
-        return out
+                ids[r, t - (end - start):] = p[start:end]
+                pos[r, t - (end - start):] = np.arange(start, end)
+            logits = self._run((t, slot is not None), ids, pos, slot)
+        return {r: logits[r] for r in prompts}
 
     def decode(self, rows: dict) -> dict:
         """One token per ``{slot: (token, position)}``; returns ``{slot: logits}``."""
@@ -146,7 +168,7 @@ class SlotCache:
                 raise ContextLengthError(f"decode: slot {slot}: position {p} is outside a slot of "
                                          f"{self.max_len} positions")
             ids[slot, 0], pos[slot, 0] = tok, p
-        logits = self._run(1, ids, pos)
+        logits = self._run((1, False), ids, pos)
         return {slot: logits[slot] for slot in rows}
 
     def close(self):
