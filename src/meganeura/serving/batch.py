@@ -9,9 +9,12 @@ call, and a row that takes no part in a call (a free slot, a request still waiti
 nothing (its write column is zero) and reads only slot 0 (its output is dropped). A
 prompt longer than ``chunk`` is fed in several calls, its first chunk left-padded so that
 the last call ends with its last token (the programs return the last column's logits).
+By default a joining request is prefilled alone, by a one-row program that reads and
+writes the slot a fed one-hot selects (a join then costs ``chunk`` tokens of compute, not
+``slots * chunk``).
 
 ``BatchDecoder`` schedules requests over the slots: between two decode steps finished
-requests leave and waiting ones join (their prompts prefilled together). Each request has
+requests leave and waiting ones join. Each request has
 its own ``SamplingParams`` and random generator, and samples with ``models.generate``'s
 ``sample`` / ``penalize_repetition`` exactly as ``generate`` does for one prompt alone, so a
 request's tokens do not depend on what else is in the batch. ``Engine`` runs a decoder in a
