@@ -64,7 +64,7 @@ def test_argument_mistakes_exit_2_without_traceback():
         assert r.returncode == 2 and "Traceback" not in r.stderr and "usage:" in r.stderr, (args, r.stderr)
 
 
-@pytest.mark.parametrize("args", [[], ["info"], ["train-demo"], ["generate"], ["quantize"], ["bench"], ["bench", "run"],
+@pytest.mark.parametrize("args", [[], ["info"], ["train-demo"], ["generate"], ["quantize"], ["serve"], ["bench"], ["bench", "run"],
                                   ["bench", "gates"], ["bench", "train"], ["bench", "report"]])
 def test_help_everywhere(args):
     r = _cli(args + ["--help"])

@@ -17,7 +17,10 @@ INSTALL = {"sklearn": "pip install 'meganeura[examples]'  (scikit-learn)",
            "diffusers": "pip install 'meganeura[bench]'  (diffusers)",
            "matplotlib": "pip install 'meganeura[bench]'  (matplotlib)",
            "gguf": "pip install 'meganeura[gguf]'  (gguf)",
-           "onnx": "pip install 'meganeura[onnx]'  (onnx)"}
+           "onnx": "pip install 'meganeura[onnx]'  (onnx)",
+           "starlette": "pip install 'meganeura[serve]'  (starlette)",
+           "uvicorn": "pip install 'meganeura[serve]'  (uvicorn)",
+           "jinja2": "pip install 'meganeura[serve]'  (jinja2)"}
 
 
 class CliError(Exception):
@@ -215,6 +218,19 @@ def cmd_generate(args):
     print(f"{len(text)} characters in {time.perf_counter() - t1:.1f} s (compiles included)", file=sys.stderr)
 
 
+def cmd_serve(args):
+    """Serve a model folder over an OpenAI-compatible HTTP API (meganeura.serving.http)."""
+    check_model_folder(args.model_dir, "MODEL_DIR")
+    need("serve", "starlette", "uvicorn", "tokenizers")
+    for opt in ("port", "slots", "max_concurrent", "max_tokens", "max_prompt_tokens", "max_body_bytes"):
+        least, v = (0 if opt == "port" else 1), getattr(args, opt)
+        if v < least:
+            raise CliError(f"--{opt.replace('_', '-')} must be >= {least}, got {v}")
+    from .serving.http import Limits, serve
+    limits = Limits(args.max_concurrent, args.max_tokens, args.max_prompt_tokens, args.max_body_bytes)
+    return serve(args.model_dir, args.host, args.port, args.backend, args.precision, args.slots, limits, args.name)
+
+
 WEB_MODELS = ("digits-mlp", "llama-tiny")
 
 
@@ -355,18 +371,18 @@ def export_digits(args):
     print(f"open it: python3 -m http.server --directory {args.web} 8000, then http://localhost:8000")
 
 
-def check_model_folder(path):
+def check_model_folder(path, what="--model"):
     """A Hugging Face model folder as ``generate`` needs it, or one line saying what is missing."""
     if not os.path.exists(path):
-        raise CliError(f"--model {path!r} does not exist")
+        raise CliError(f"{what} {path!r} does not exist")
     if not os.path.isdir(path):
-        raise CliError(f"--model {path!r} is a file; give the model's folder (config.json, model.safetensors, "
+        raise CliError(f"{what} {path!r} is a file; give the model's folder (config.json, model.safetensors, "
                        "tokenizer.json)")
     for need_file in ("config.json", "tokenizer.json"):
         if not os.path.isfile(os.path.join(path, need_file)):
-            raise CliError(f"--model {path!r} has no {need_file}")
+            raise CliError(f"{what} {path!r} has no {need_file}")
     if not any(os.path.isfile(os.path.join(path, f)) for f in ("model.safetensors", "model.safetensors.index.json")):
-        raise CliError(f"--model {path!r} has no model.safetensors (or model.safetensors.index.json)")
+        raise CliError(f"{what} {path!r} has no model.safetensors (or model.safetensors.index.json)")
 
 
 def check_bench_json(path):
@@ -483,6 +499,22 @@ def _main(argv):
                       "rows do not divide into 256 fall back to Q5_0 (as llama.cpp's)")
     qz.add_argument("--out", required=True, metavar="FILE.gguf", help="GGUF file to write (atomically)")
     qz.add_argument("--quiet", action="store_true", help="no progress bars")
+    sv = command("serve", cmd_serve, "serve a Hugging Face Llama-family model folder over an OpenAI-compatible "
+                 "HTTP API (/v1/completions, /v1/chat/completions, /v1/models) with batched decoding")
+    sv.add_argument("model_dir", metavar="MODEL_DIR", help="folder with config.json, model.safetensors, tokenizer.json")
+    sv.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 exposes it to the network)")
+    sv.add_argument("--port", type=int, default=8000, help="TCP port")
+    sv.add_argument("--name", default=None, help="the model's name in the API (default: the folder's name)")
+    sv.add_argument("--slots", type=int, default=4, help="requests decoded together (rows of the key/value cache)")
+    sv.add_argument("--max-concurrent", type=int, default=64,
+                    help="requests accepted at once, running or queued; more get 429")
+    sv.add_argument("--max-tokens", type=int, default=256, help="new tokens a request may ask for at most")
+    sv.add_argument("--max-prompt-tokens", type=int, default=512,
+                    help="prompt tokens a request may have at most (a slot holds this plus --max-tokens)")
+    sv.add_argument("--max-body-bytes", type=int, default=1 << 20, help="request body size limit; larger get 413")
+    sv.add_argument("--backend", default="gpu", choices=["gpu", "vulkan", "wgpu", "numpy"], help=BACKEND_HELP)
+    sv.add_argument("--precision", default="strict", choices=["strict", "accelerated"],
+                    help="strict: f32 everywhere; accelerated: f16 operands for forward matmuls")
     ex = command("export", cmd_export, "export a model to run in the browser with WebGPU (--web DIR)")
     ex.add_argument("--web", metavar="DIR", help="folder to write: plan.json, weights.safetensors, meganeura.js, "
                     "index.html (serve it over http and open it)")

@@ -199,8 +199,14 @@ class LlamaAttention(nn.Module):
     def decode(self, h, step: DecodeStep, past_key, past_value):
         """(output, new key cache, new value cache). The cache update is a blend,
         cache * (1 - written) + cache_write @ k_new, so a slot is replaced exactly where a
-        token is written."""
-        q, k, v = self._qkv(h)
+        token is written. ``h`` is (batch, tokens, hidden), or (1, batch * tokens, hidden)
+        for a batch of several rows (see ``LlamaForCausalLM.forward``)."""
+        b, t = past_key.shape[0], step.tokens
+        if h.shape[0] != b:        # rows stacked: one matmul per projection, then split per row
+            q, k, v = (_heads(ops.reshape(p(h), (b, t, n * self.hd)), n, self.hd) for p, n in
+                       ((self.q_proj, self.nq), (self.k_proj, self.nkv), (self.v_proj, self.nkv)))
+        else:
+            q, k, v = self._qkv(h)
         q, k = rope_fed(q, step.cos, step.sin), rope_fed(k, step.cos, step.sin)
         keep, write = step.keep, step.write
         if step.tokens == 1:   # one new row: a broadcast product, pointwise with the blend
@@ -210,6 +216,8 @@ class LlamaAttention(nn.Module):
             kc = past_key * keep + ops.mm(write, k)
             vc = past_value * keep + ops.mm(write, v)
         out = _merge(ops.scaled_dot_product_attention(q, kc, vc, attn_mask=step.mask, enable_gqa=True))
+        if h.shape[0] != b:
+            out = ops.reshape(out, h.shape[:2] + (out.shape[-1],))
         return self.o_proj(out), kc, vc
 
 
@@ -314,10 +322,16 @@ class LlamaForCausalLM(nn.Module):
             return self.head(self.model(ids))
         m, cfg = self.model, self.config
         batch, tokens = ids.shape
-        x, new_cache = m.embed(ids), []
+        # several rows: the hidden states stay (1, batch * tokens, hidden), so each weight
+        # is one matmul over every row (a batched (batch, 1, hidden) product would read the
+        # weights once per row); attention splits them per row
+        flat = ops.reshape(ids, (1, batch * tokens)) if batch > 1 else ids
+        x, new_cache = m.embed(flat), []
         for i, layer in enumerate(m.layers):
             x, kc, vc = layer.decode(x, step, past[2 * i], past[2 * i + 1])
             new_cache.extend([kc, vc])
+        if batch > 1:
+            x = ops.reshape(x, (batch, tokens, cfg.hidden_size))
         last = x if tokens == 1 else ops.slice(x, 1, tokens - 1, tokens)
         return self.head(m.norm(ops.reshape(last, (batch, cfg.hidden_size)))), new_cache
 
