@@ -312,6 +312,23 @@ def test_serve_on_lavapipe_gpu(folder):
         assert s.wait_idle()["active"] == 0
 
 
+def test_serve_a_gguf_file_from_its_quantized_blocks(folder, tmp_path):
+    """A GGUF file (the folder quantized to Q8_0) served on lavapipe: its matrices stay
+    blocks on the device; greedy completions are generate_text's from the same file."""
+    pytest.importorskip("gguf")
+    from meganeura.cli import main
+    path = tmp_path / "tiny.gguf"
+    assert main(["quantize", str(folder), "--q8_0", "--out", str(path), "--quiet"]) == 0
+    served = ServedModel(path, backend="gpu", slots=2, limits=LIMITS)
+    assert served.name == "tiny" and "model.layers.0.mlp.down_proj.weight" in served.cache.quantized
+    with Server(served) as s:
+        c = s.client()
+        for p in WORDS[:2]:
+            got = c.completions.create(model="tiny", prompt=p, max_tokens=5, temperature=0).choices[0].text
+            assert got == generate_text(path, p, 5, backend="gpu")
+        assert s.wait_idle()["active"] == 0
+
+
 def test_cli_serve_prints_its_status_and_stops_on_interrupt(folder):
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))

@@ -220,7 +220,12 @@ def cmd_generate(args):
 
 def cmd_serve(args):
     """Serve a model folder over an OpenAI-compatible HTTP API (meganeura.serving.http)."""
-    check_model_folder(args.model_dir, "MODEL_DIR")
+    if args.model_dir.endswith(".gguf") and not os.path.isdir(args.model_dir):
+        if not os.path.isfile(args.model_dir):
+            raise CliError(f"MODEL_DIR {args.model_dir!r} does not exist")
+        need("serve", "gguf")
+    else:
+        check_model_folder(args.model_dir, "MODEL_DIR")
     need("serve", "starlette", "uvicorn", "tokenizers")
     for opt in ("port", "slots", "max_concurrent", "max_tokens", "max_prompt_tokens", "max_body_bytes"):
         least, v = (0 if opt == "port" else 1), getattr(args, opt)
@@ -501,7 +506,8 @@ def _main(argv):
     qz.add_argument("--quiet", action="store_true", help="no progress bars")
     sv = command("serve", cmd_serve, "serve a Hugging Face Llama-family model folder over an OpenAI-compatible "
                  "HTTP API (/v1/completions, /v1/chat/completions, /v1/models) with batched decoding")
-    sv.add_argument("model_dir", metavar="MODEL_DIR", help="folder with config.json, model.safetensors, tokenizer.json")
+    sv.add_argument("model_dir", metavar="MODEL_DIR", help="folder with config.json, model.safetensors, tokenizer.json; "
+                    "or a .gguf file (its quantized matrices stay quantized on the device)")
     sv.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 exposes it to the network)")
     sv.add_argument("--port", type=int, default=8000, help="TCP port")
     sv.add_argument("--name", default=None, help="the model's name in the API (default: the folder's name)")

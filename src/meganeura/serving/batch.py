@@ -40,14 +40,15 @@ class ContextLengthError(ValueError):
 
 
 # ------------------------------------------------------------------------ the graphs
-def build_slot_decoder(cfg, slots: int, tokens: int, max_len: int, one_row: bool = False):
+def build_slot_decoder(cfg, slots: int, tokens: int, max_len: int, one_row: bool = False, model=None):
     """``tokens`` new tokens per row against a device cache of ``slots`` rows (``g.state``
     tensors ``past.{i}.key/value`` of shape (slots, kv_heads, max_len, head_dim)). Fed, with
     R = slots rows: input_ids (R, tokens) i32; rope_cos, rope_sin (R, 1, tokens, head_dim);
     attn_mask (R, 1, tokens, max_len) additive; cache_write (R, 1, max_len, tokens) one-hot.
     ``one_row``: R = 1, and slot_select (slots, 1, 1, 1), one-hot, names the slot that row
     reads and writes (the others are kept as they are). Returns (graph, last column's
-    logits (R, vocab), new caches)."""
+    logits (R, vocab), new caches). ``model``: the module to build from (e.g. one whose
+    weights ``nn.quantize_weights`` made quantized), else a fresh ``LlamaForCausalLM``."""
     g = Graph()
     hd, nkv = cfg.head_dim, cfg.num_key_value_heads
     rows = 1 if one_row else slots
@@ -63,7 +64,7 @@ def build_slot_decoder(cfg, slots: int, tokens: int, max_len: int, one_row: bool
         own = [ops.sum(p * select, 0, keepdim=True) for p in past]      # the selected slot's cache
     keep = 1.0 - ops.sum(write, -1, keepdim=True)          # (R, 1, max_len, 1)
     step = llama.DecodeStep(tokens, cos, sin, mask, write, keep)
-    logits, new_cache = llama.LlamaForCausalLM(cfg)(ids, step, own)
+    logits, new_cache = (model if model is not None else llama.LlamaForCausalLM(cfg))(ids, step, own)
     if one_row:
         new_cache = [p * (1.0 - select) + select * n for p, n in zip(past, new_cache)]
     return g, logits, new_cache
@@ -91,7 +92,7 @@ class SlotCache:
     joining request in one call of all the slots."""
 
     def __init__(self, config, state: dict, slots: int = 4, max_len: int = 256, chunk: int = 16,
-                 backend: str = "gpu", precision: str = "strict", prefill_rows: str = "one"):
+                 backend: str = "gpu", precision: str = "strict", prefill_rows: str = "one", blocks=None):
         if prefill_rows not in ("one", "all"):
             raise ValueError(f"SlotCache: prefill_rows must be 'one' or 'all', got {prefill_rows!r}")
         for name, v in (("slots", slots), ("max_len", max_len), ("chunk", chunk)):
@@ -103,10 +104,15 @@ class SlotCache:
         self.config, self.slots, self.max_len, self.chunk = config, slots, max_len, min(chunk, max_len)
         self.backend, self.one_row = backend, prefill_rows == "one" and slots > 1
         self.sessions = {}
+        model, self.quantized = None, sorted(blocks or {})
+        if blocks:                   # GGUF blocks kept quantized on the device (generate.quantized_blocks)
+            from .. import nn
+            model = llama.LlamaForCausalLM(config)
+            nn.quantize_weights(model, blocks)
         for key in ((1, False), (self.chunk, self.one_row)):
             if key in self.sessions:
                 continue
-            g, logits, cache = build_slot_decoder(config, slots, key[0], max_len, one_row=key[1])
+            g, logits, cache = build_slot_decoder(config, slots, key[0], max_len, one_row=key[1], model=model)
             past = [g.states[n] for n in llama.cache_names(config)]
             peer = next(iter(self.sessions.values()), None)
             s = api.compile(g, outputs=[logits], state_updates=dict(zip(past, cache)), backend=backend,

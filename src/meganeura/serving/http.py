@@ -58,6 +58,24 @@ class Limits:
     max_body_bytes: int = 1 << 20
 
 
+def _load_gguf(path):
+    """A GGUF file's config, f32 tensors, quantized blocks (kept as blocks on the device),
+    tokenizer and chat template."""
+    from ..io import load_gguf
+    from ..models.generate import quantized_blocks
+    m = load_gguf(path)
+    if m.tokenizer is None:
+        raise ValueError(f"serve: {path} holds no tokenizer the server can use"
+                         + (f" ({m.tokenizer_error})" if m.tokenizer_error else ""))
+    blocks = quantized_blocks(m)
+    state = {n: v for n, v in m.state.items() if n not in blocks}
+
+    def token(i):
+        return m.tokenizer.id_to_token(int(i)) if isinstance(i, int) else None
+    chat = ChatTemplate(m.chat_template, token(m.config.bos_token_id), token(m.config.eos_token_id))
+    return m.config, state, blocks, m.tokenizer, chat
+
+
 class ServedModel:
     """A model folder loaded for serving: weights, tokenizer, chat template, the slot cache
     (``max_prompt_tokens + max_tokens`` positions a slot) and its engine thread."""
@@ -72,17 +90,21 @@ class ServedModel:
             if not isinstance(v, int) or v < 1:
                 raise ValueError(f"serve: {field} must be a positive integer, got {v!r}")
         self.model_dir, self.backend = os.fspath(model_dir), backend
-        self.name = name or os.path.basename(os.path.normpath(self.model_dir))
-        self.config, state = load_hf(self.model_dir)
-        self.tokenizer = load_tokenizer(self.model_dir)
-        self.chat = ChatTemplate.from_folder(self.model_dir)
+        self.name = name or os.path.basename(os.path.normpath(self.model_dir)).removesuffix(".gguf")
+        blocks = None
+        if self.model_dir.endswith(".gguf") and not os.path.isdir(self.model_dir):
+            self.config, state, blocks, self.tokenizer, self.chat = _load_gguf(self.model_dir)
+        else:
+            self.config, state = load_hf(self.model_dir)
+            self.tokenizer = load_tokenizer(self.model_dir)
+            self.chat = ChatTemplate.from_folder(self.model_dir)
         max_len = self.limits.max_prompt_tokens + self.limits.max_tokens
         if max_len > self.config.max_position_embeddings:
             raise ValueError(f"serve: max_prompt_tokens + max_tokens = {max_len} exceeds the model's "
                              f"max_position_embeddings ({self.config.max_position_embeddings}); lower them")
-        self.weight_bytes = sum(v.size for v in state.values()) * 4
+        self.weight_bytes = sum(v.size for v in state.values()) * 4 + sum(raw.size for raw, _ in (blocks or {}).values())
         self.cache = SlotCache(self.config, state, slots=slots, max_len=max_len, chunk=chunk, backend=backend,
-                               precision=precision)
+                               precision=precision, blocks=blocks)
         del state
         self.decoder = BatchDecoder(self.cache, self.tokenizer)
         self.engine = Engine(self.decoder)
