@@ -190,12 +190,7 @@ def cmd_train_demo(args):
 
 def cmd_generate(args):
     """Stream a continuation of ``--prompt`` from a Hugging Face Llama-family folder or a GGUF file."""
-    if args.model.endswith(".gguf") and not os.path.isdir(args.model):
-        if not os.path.isfile(args.model):
-            raise CliError(f"--model {args.model!r} does not exist")
-        need("generate", "gguf")
-    else:
-        check_model_folder(args.model)
+    check_model(args.model, "generate")
     need("generate", "tokenizers")
     if args.max_new_tokens < 1:
         raise CliError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
@@ -220,12 +215,7 @@ def cmd_generate(args):
 
 def cmd_serve(args):
     """Serve a model folder over an OpenAI-compatible HTTP API (meganeura.serving.http)."""
-    if args.model_dir.endswith(".gguf") and not os.path.isdir(args.model_dir):
-        if not os.path.isfile(args.model_dir):
-            raise CliError(f"MODEL_DIR {args.model_dir!r} does not exist")
-        need("serve", "gguf")
-    else:
-        check_model_folder(args.model_dir, "MODEL_DIR")
+    check_model(args.model_dir, "serve", "MODEL_DIR")
     need("serve", "starlette", "uvicorn", "tokenizers")
     for opt in ("port", "slots", "max_concurrent", "max_tokens", "max_prompt_tokens", "max_body_bytes"):
         least, v = (0 if opt == "port" else 1), getattr(args, opt)
@@ -374,6 +364,16 @@ def export_digits(args):
                                    "examples": digits_examples(xte, yte)})
     print(f"exported the digits MLP (test accuracy {acc * 100:.1f}%) to {args.web}")
     print(f"open it: python3 -m http.server --directory {args.web} 8000, then http://localhost:8000")
+
+
+def check_model(path, command, what="--model"):
+    """A GGUF file (with the gguf package there to read it) or a model folder (``check_model_folder``)."""
+    if path.endswith(".gguf") and not os.path.isdir(path):
+        if not os.path.isfile(path):
+            raise CliError(f"{what} {path!r} does not exist")
+        need(command, "gguf")
+    else:
+        check_model_folder(path, what)
 
 
 def check_model_folder(path, what="--model"):

@@ -13,18 +13,10 @@ import numpy as np
 
 from .. import ops
 from ..graph import Tensor
-from .errors import Unavailable
+from .errors import Unavailable, rule_table
 
 INT64_MAX = 2 ** 63 - 1
-TABLE: dict = {}
-
-
-def rule(*names):
-    def add(fn):
-        for n in names:
-            TABLE[n] = fn
-        return fn
-    return add
+TABLE, rule = rule_table()
 
 
 def _pair(cx, a, b):

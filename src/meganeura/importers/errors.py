@@ -22,3 +22,17 @@ class Unavailable:
 
     def __init__(self, why: str):
         self.why = why
+
+
+def rule_table():
+    """An importer's op table and the decorator that fills it: ``@rule("aten.add.Tensor")``
+    maps each name given to the function."""
+    table: dict = {}
+
+    def rule(*names):
+        def add(fn):
+            for n in names:
+                table[n] = fn
+            return fn
+        return add
+    return table, rule

@@ -16,17 +16,9 @@ import numpy as np
 
 from .. import ops
 from ..graph import Tensor, f16, f32, i32, u32
-from .errors import Unavailable
+from .errors import Unavailable, rule_table
 
-TABLE: dict = {}
-
-
-def rule(*names):
-    def add(fn):
-        for n in names:
-            TABLE[n] = fn
-        return fn
-    return add
+TABLE, rule = rule_table()
 
 
 # ONNX TensorProto element types -> meganeura dtypes (int64 and friends run as i32, bool as u32)
