@@ -17,8 +17,8 @@ CASES = [  # (id, build(g), exception, message pattern)
     # arguments we do not support (torch does): NotImplementedError naming the argument
     ("sdpa_dropout", lambda g: O.scaled_dot_product_attention(*(g.input(n, (1, 2, 3)) for n in "qkv"), dropout_p=0.1),
      NotImplementedError, r"scaled_dot_product_attention: dropout is not supported \(dropout_p=0.1\)"),
-    ("max_pool2d_return_indices", lambda g: O.max_pool2d(_x(g), 2, return_indices=True),
-     NotImplementedError, r"max_pool2d: return_indices=True is not supported"),
+    ("max_pool2d_indices_plane", lambda g: O.max_pool2d(_x(g, (1, 1, 4097, 4097)), 1, return_indices=True),
+     ValueError, r"max_pool2d: return_indices needs an input plane of at most 2\*\*24 elements, got 4097\*4097"),
     ("adaptive_avg_pool2d_uneven", lambda g: O.adaptive_avg_pool2d(_x(g), 3),
      NotImplementedError, r"adaptive_avg_pool2d: output size \(3, 3\) must divide .*\(4, 4\)"),
     ("upsample_fractional_scale", lambda g: O.upsample_nearest2d(_x(g), 1.5),

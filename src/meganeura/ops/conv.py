@@ -554,9 +554,8 @@ def _pool_args(op, kernel_size, stride, padding, dilation=1):
 
 
 def max_pool2d(input, kernel_size, stride=None, padding=0, dilation=1, ceil_mode=False, return_indices=False):
-    """torch.nn.functional.max_pool2d (padding acts as -inf; stride defaults to kernel_size)."""
-    if return_indices:
-        raise NotImplementedError("max_pool2d: return_indices=True is not supported")
+    """torch.nn.functional.max_pool2d (padding acts as -inf; stride defaults to kernel_size).
+    ``return_indices=True`` gives (values, i32 indices into each flattened input plane)."""
     k, s, p, d = _pool_args("max_pool2d", kernel_size, stride, padding, dilation)
     if ceil_mode:
         p = _ceil_padding(input.shape[-2:], k, s, p, d)      # the overhang is padding (-inf)
@@ -564,7 +563,14 @@ def max_pool2d(input, kernel_size, stride=None, padding=0, dilation=1, ceil_mode
     def run(x):
         return emit("max_pool2d", [x], kernel=k, stride=s, padding=p, dilation=d)
     run.__name__ = "max_pool2d"
-    return _unbatched(input, run)
+    if not return_indices:
+        return _unbatched(input, run)
+    from .pool_indices import max_pool2d_indices
+
+    def indices(x):
+        return max_pool2d_indices(x, k, s, p, d)
+    indices.__name__ = "max_pool2d"
+    return _unbatched(input, run), _unbatched(input, indices)
 
 
 # ------------------------------------------------------------------------- avg_pool2d
