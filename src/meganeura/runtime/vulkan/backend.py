@@ -282,6 +282,7 @@ class VulkanRuntime:
         raw = os.environ.get("MEGANEURA_GLSL_UNROLL", "").strip().lower()
         self.unroll_loops = (not self.is_software) if not raw else raw not in ("0", "false", "off", "no")
         self.features = {k for k, on in f.items() if on}
+        self.ieee_preserve = self.vk.float_controls["signed_zero_inf_nan_f32"]
         lim = self.vk.limits
         # the limits the compiler and the executor read, under wgpu's names
         self.limits = {
@@ -417,7 +418,8 @@ class VulkanRuntime:
                       subgroup={k: int(vk.subgroup[k]) for k in ("size", "min_size", "max_size")},
                       coop_shapes=tuple(dict(sh) for sh in vk.cooperative_matrix_shapes), vulkan=tuple(vk.api),
                       software=self.is_software, adapter=dict(self.adapter_info), coopmat_reason=self.coopmat_reason,
-                      unroll=self.unroll_loops, coopmat=coopmat_mode(), has_f16=self.has_f16)
+                      unroll=self.unroll_loops, coopmat=coopmat_mode(), has_f16=self.has_f16,
+                      ieee_preserve=self.ieee_preserve)
 
     def pipelines(self, kernels, threads=None, access=None):
         """Pipelines of ``kernels`` (``FinalKernel``s: SPIR-V and its reflection), in order, each
