@@ -45,7 +45,7 @@ TORCH = {
     "rotate_half": ("(Llama's rotate_half: cat(-x2, x1))", ""),
     "scaled_dot_product_attention": ("F.scaled_dot_product_attention", "batch dims broadcast; enable_gqa (key and value heads may differ); no dropout"),
     "conv1d": ("F.conv1d", ""), "conv2d": ("F.conv2d", ""), "max_pool2d": ("F.max_pool2d", "ceil_mode; return_indices"),
-    "avg_pool2d": ("F.avg_pool2d", "ceil_mode"), "adaptive_avg_pool2d": ("F.adaptive_avg_pool2d", ""),
+    "avg_pool2d": ("F.avg_pool2d", "ceil_mode"), "adaptive_avg_pool2d": ("F.adaptive_avg_pool2d", "uneven windows too"),
     "upsample_nearest2d": ("F.interpolate(mode='nearest')", "integer scale factors"),
     "unfold": ("F.unfold", ""), "fold": ("F.fold", ""),
     "sin": ("torch.sin", ""), "cos": ("torch.cos", ""), "reciprocal": ("torch.reciprocal", ""),
