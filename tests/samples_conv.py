@@ -53,6 +53,12 @@ SAMPLES = [
       lambda t, x: t.nn.functional.adaptive_avg_pool2d(x, 1), [F((2, 3, 4, 5))]),
     S("adaptive_avg_pool2d_2x3", lambda o, x: o.adaptive_avg_pool2d(x, (2, 3)),
       lambda t, x: t.nn.functional.adaptive_avg_pool2d(x, (2, 3)), [F((2, 2, 4, 6))]),
+    S("adaptive_avg_pool2d_uneven", lambda o, x: o.adaptive_avg_pool2d(x, (3, 4)),
+      lambda t, x: t.nn.functional.adaptive_avg_pool2d(x, (3, 4)), [F((2, 2, 7, 5))]),
+    S("adaptive_avg_pool2d_upsampling_unbatched", lambda o, x: o.adaptive_avg_pool2d(x, (5, None)),
+      lambda t, x: t.nn.functional.adaptive_avg_pool2d(x, (5, None)), [F((3, 4, 3))]),
+    S("avg_pool2d_negative_divisor", lambda o, x: o.avg_pool2d(x, 2, 1, divisor_override=-2),
+      lambda t, x: t.nn.functional.avg_pool2d(x, 2, 1, divisor_override=-2), [F((1, 2, 3, 4))]),
     # upsampling, unfold/fold
     S("upsample_nearest2d", lambda o, x: o.upsample_nearest2d(x, 2),
       lambda t, x: t.nn.functional.interpolate(x, scale_factor=2, mode="nearest"), [F((2, 2, 3, 4))]),

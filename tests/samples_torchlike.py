@@ -55,6 +55,10 @@ SAMPLES = [
       [F((4, 3, 2)), I((2, 2, 2), 4)]),
     S("gather_neg_dim", lambda o, x, i: o.gather(x, -1, i), lambda t, x, i: t.gather(x, -1, i),
       [F((2, 3, 4)), I((2, 3, 6), 4)]),
+    S("gather_scalar_input", lambda o, x, i: o.gather(x, 0, i), lambda t, x, i: t.gather(x, 0, i),
+      [F(()), I((1,), 1)]),
+    S("gather_empty_index_other_rank", lambda o, x, i: o.gather(x, 0, i), lambda t, x, i: t.gather(x, 0, i),
+      [F((5,)), I((2, 0), 5)]),
     S("index_select", lambda o, x, i: o.index_select(x, 1, i), lambda t, x, i: t.index_select(x, 1, i),
       [F((3, 5)), I((7,), 5)]),
     # var / std

@@ -73,7 +73,7 @@ def _fake_translator(tmp_path, monkeypatch, body):
 
 def test_what_a_worker_prints_does_not_reach_the_answers(two_workers, tmp_path, monkeypatch):
     _fake_translator(tmp_path, monkeypatch, "print('hello from the translator')\n"
-                     "def to_glsl(wgsl, name, unroll):\n    print('debug', name)\n    return wgsl.upper()\n")
+                     "def to_glsl(wgsl, name, unroll, preserve_ieee):\n    print('debug', name)\n    return wgsl.upper()\n")
     pool = translators.start()
     futs = [pool.submit(f"kernel {i}", f"k{i}", True) for i in range(50)]
     assert [f.result(timeout=60)[0] for f in futs] == [f"KERNEL {i}" for i in range(50)]

@@ -144,8 +144,9 @@ def compile_plan(targets, n_forward=None, options: CompileOptions | None = None,
     this returns or raises), so that a runtime creates pipelines while the rest compiles;
     kernels start finishing as they are rendered (``early_kernels``)."""
     opts = options or CompileOptions()
-    finisher = _finisher(target, opts, stream)
-    try:
+    finisher = None
+    try:            # the stream is closed whatever raises, the finisher's set-up too
+        finisher = _finisher(target, opts, stream)
         with gc_paused():
             plan = key = None
             if cache and not opts.checked:

@@ -75,6 +75,8 @@ _TABLE = [
            "workgroup memory", "codegen.pointwise"),
     Switch("MEGANEURA_GLSL_UNROLL", "flag", "hardware drivers only", "mark short constant loops [[unroll]]",
            "codegen.glsl"),
+    Switch("MEGANEURA_REQUIRE_IEEE", "flag", "0", "refuse a Vulkan device without float controls that keep "
+           "Inf, NaN and signed zeros (instead of a warning)", "compilation.float_controls", keyed=False),
     Switch("MEGANEURA_MATMUL_TILE", "int", "automatic", "force the matmul tile", "codegen.matmul, runtime.executor"),
     Switch("MEGANEURA_MATMUL_BLOCK", "text", "automatic", "force the matmul block TMxTN/WYxWX",
            "codegen.matmul, runtime.executor"),

@@ -296,6 +296,14 @@ def _ident(name: str) -> str:
     return name
 
 
+def clear_caches():
+    """Forget the translator's per-process memos of lines, literals and names (bounded; what a
+    process that compiled many distinct kernels may want back, as ``clear_caches`` of the
+    Vulkan runtime does)."""
+    for memo in (_line_tokens, _tok, _literal, _ident):
+        memo.cache_clear()
+
+
 @dataclass
 class Fn:
     name: str

@@ -35,7 +35,10 @@ class Target:
     key); ``vulkan``: the API version kernels are compiled for (SPIR-V environment);
     ``coopmat_reason``: why cooperative matrices cannot be used ('' where they can);
     ``unroll``: ``[[unroll]]`` hints in the GLSL (hardware drivers only: a software driver's
-    compile time explodes on unrolled kernels); ``coopmat``: ``coopmat_mode()``."""
+    compile time explodes on unrolled kernels); ``coopmat``: ``coopmat_mode()``;
+    ``ieee_preserve``: the device keeps Inf, NaN and signed zeros in f32 when a kernel asks
+    (Vulkan's shaderSignedZeroInfNanPreserveFloat32): the GLSL asks only where it is on
+    (``compilation.vulkan.ieee_preserve``)."""
     api: str
     limits: dict = field(default_factory=dict)
     features: frozenset = frozenset()
@@ -48,6 +51,7 @@ class Target:
     unroll: bool = True
     coopmat: str = "auto"
     has_f16: bool = True
+    ieee_preserve: bool = True
 
     def __post_init__(self):
         if self.api not in APIS:
@@ -85,7 +89,7 @@ class Target:
                 "subgroup": dict(self.subgroup), "coop_shapes": [dict(s) for s in self.coop_shapes],
                 "vulkan": list(self.vulkan), "software": self.software, "adapter": dict(self.adapter),
                 "coopmat_reason": self.coopmat_reason, "unroll": self.unroll, "coopmat": self.coopmat,
-                "has_f16": self.has_f16}
+                "has_f16": self.has_f16, "ieee_preserve": self.ieee_preserve}
 
     @staticmethod
     def from_dict(d: dict) -> "Target":

@@ -38,7 +38,8 @@ WORKERS_ENV = "MEGANEURA_TRANSLATE_WORKERS"
 MAX_WORKERS = 4
 MIN_KERNELS = 24       # fewer: in-process (the requests' round trips are not worth it)
 
-# the worker: frames of a little-endian u32 length and a pickle, (job, wgsl, name, unroll) in
+# the worker: frames of a little-endian u32 length and a pickle, (job, wgsl, name, unroll,
+# preserve_ieee) in
 # and (job, status, text, seconds) out; status True: GLSL, False: the translator's error,
 # None: anything else. Its first frame says it is ready. The channel is a private copy of
 # fd 1: whatever else writes to stdout goes to stderr (discarded), not into the frames.
@@ -63,10 +64,10 @@ while True:
     head = inp.read(4)
     if len(head) < 4:
         break
-    job, wgsl, name, unroll = pickle.loads(inp.read(struct.unpack("<I", head)[0]))
+    job, wgsl, name, unroll, ieee = pickle.loads(inp.read(struct.unpack("<I", head)[0]))
     t = time.process_time()
     try:
-        res = (job, True, mod.to_glsl(wgsl, name, unroll))
+        res = (job, True, mod.to_glsl(wgsl, name, unroll, ieee))
     except mod.GlslTranslationError as e:
         res = (job, False, str(e))
     except Exception as e:
@@ -217,7 +218,7 @@ class TranslatorPool:
         self.jobs = 0
         self.lock = threading.Lock()
 
-    def submit(self, wgsl: str, name: str, unroll: bool) -> Future:
+    def submit(self, wgsl: str, name: str, unroll: bool, preserve_ieee: bool = True) -> Future:
         fut: Future = Future()
         with self.lock:
             self.jobs += 1
@@ -226,7 +227,7 @@ class TranslatorPool:
         if worker is None:
             _settle(fut, error=WorkerLost("every translation worker ended"))
         else:
-            worker.submit(job, fut, pickle.dumps((job, wgsl, name, unroll), protocol=pickle.HIGHEST_PROTOCOL))
+            worker.submit(job, fut, pickle.dumps((job, wgsl, name, unroll, preserve_ieee), protocol=pickle.HIGHEST_PROTOCOL))
         return fut
 
     def alive(self) -> bool:

@@ -27,6 +27,7 @@ import time
 from dataclasses import replace
 
 from .executable import FinalKernel
+from .float_controls import ieee_preserve
 
 # archetypes with kernels on cooperative matrices: tiled matmuls and flash attention
 VARIANT_ARCHETYPES = ("matmul", "attention")
@@ -99,6 +100,7 @@ class VulkanKernels:
         from ..runtime.vulkan.cache import disk_cache_enabled
         self.target, self.precision, self.stream, self.threads = target, precision, stream, threads
         self.emulate = target.tensor_cores(precision)
+        self.ieee = ieee_preserve(target)      # warns (or raises, on request) where the device lacks it
         self.disk = disk_cache_enabled() if disk is None else bool(disk)
         self.stats = {"kernel_cache_hits": 0, "glsl_seconds": 0.0, "compile_seconds": 0.0, "kernels_compiled": 0,
                       "coopmat_kernels": 0}
@@ -110,7 +112,9 @@ class VulkanKernels:
     def _context(self) -> dict:
         from ..plan_cache import package_digest
         from .glslang import glslang_version_tag
-        return dict(target=self.target.spirv_env, glslang=glslang_version_tag(), package=package_digest())
+        # kernels without float controls are other kernels: their own cache entries
+        env = self.target.spirv_env + ("" if self.ieee else "+no-ieee-preserve")
+        return dict(target=env, glslang=glslang_version_tag(), package=package_digest())
 
     def kernel_key(self, text) -> str:
         """The key of ``text``'s compiled kernel (``cache.kernel_key``): the GLSL translation
@@ -163,7 +167,7 @@ class VulkanKernels:
             glsl = None
             if workers is not None:
                 try:
-                    glsl, seconds = workers.submit(text, label, self.target.unroll).result()
+                    glsl, seconds = workers.submit(text, label, self.target.unroll, self.ieee).result()
                 except translators.WorkerLost:
                     glsl = None
             if glsl is None:
@@ -285,7 +289,7 @@ class VulkanKernels:
         """(GLSL, seconds) of WGSL ``text`` translated on this thread."""
         from ..codegen.glsl import to_glsl
         t = time.perf_counter()
-        return to_glsl(text, label, unroll=self.target.unroll), time.perf_counter() - t
+        return to_glsl(text, label, unroll=self.target.unroll, preserve_ieee=self.ieee), time.perf_counter() - t
 
     def _final(self, label, key, ck, text, glsl=None, from_disk=False) -> FinalKernel:
         """``text``: the kernel's text before finishing (a variant's is GLSL already)."""
@@ -432,7 +436,7 @@ class VulkanKernels:
                     return
                 yield (text, label, key) + self._glsl_here(text, label)
             return
-        asked = {workers.submit(text, label, self.target.unroll): (text, label, key) for text, label, key in todo}
+        asked = {workers.submit(text, label, self.target.unroll, self.ieee): (text, label, key) for text, label, key in todo}
         try:
             for fut in as_completed(asked):
                 if failed.is_set():

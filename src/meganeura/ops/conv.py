@@ -554,9 +554,8 @@ def _pool_args(op, kernel_size, stride, padding, dilation=1):
 
 
 def max_pool2d(input, kernel_size, stride=None, padding=0, dilation=1, ceil_mode=False, return_indices=False):
-    """torch.nn.functional.max_pool2d (padding acts as -inf; stride defaults to kernel_size)."""
-    if return_indices:
-        raise NotImplementedError("max_pool2d: return_indices=True is not supported")
+    """torch.nn.functional.max_pool2d (padding acts as -inf; stride defaults to kernel_size).
+    ``return_indices=True`` gives (values, i32 indices into each flattened input plane)."""
     k, s, p, d = _pool_args("max_pool2d", kernel_size, stride, padding, dilation)
     if ceil_mode:
         p = _ceil_padding(input.shape[-2:], k, s, p, d)      # the overhang is padding (-inf)
@@ -564,7 +563,14 @@ def max_pool2d(input, kernel_size, stride=None, padding=0, dilation=1, ceil_mode
     def run(x):
         return emit("max_pool2d", [x], kernel=k, stride=s, padding=p, dilation=d)
     run.__name__ = "max_pool2d"
-    return _unbatched(input, run)
+    if not return_indices:
+        return _unbatched(input, run)
+    from .pool_indices import max_pool2d_indices
+
+    def indices(x):
+        return max_pool2d_indices(x, k, s, p, d)
+    indices.__name__ = "max_pool2d"
+    return _unbatched(input, run), _unbatched(input, indices)
 
 
 # ------------------------------------------------------------------------- avg_pool2d
@@ -628,8 +634,8 @@ register("avg_pool2d", _avg_pool_infer, _avg_pool_ref, _avg_pool_vjp, decompose=
 def avg_pool2d(input, kernel_size, stride=None, padding=0, ceil_mode=False, count_include_pad=True,
                divisor_override=None):
     """torch.nn.functional.avg_pool2d (stride defaults to kernel_size)."""
-    if divisor_override is not None and int(divisor_override) < 1:
-        raise ValueError(f"avg_pool2d: divisor_override must be a positive int, got {divisor_override!r}")
+    if divisor_override is not None and int(divisor_override) == 0:      # torch takes a negative one
+        raise ValueError(f"avg_pool2d: divisor_override must be a nonzero int, got {divisor_override!r}")
     k, s, p, d = _pool_args("avg_pool2d", kernel_size, stride, padding)
     if ceil_mode:
         p = _ceil_padding(input.shape[-2:], k, s, p, d)      # zeros, left out of every divisor
@@ -643,8 +649,8 @@ def avg_pool2d(input, kernel_size, stride=None, padding=0, ceil_mode=False, coun
 
 # ------------------------------------------------------------- adaptive pool, upsample
 def adaptive_avg_pool2d(input, output_size):
-    """torch.nn.functional.adaptive_avg_pool2d for output sizes that divide the input
-    (global pooling with output_size=1 included); None keeps that dimension."""
+    """torch.nn.functional.adaptive_avg_pool2d; None keeps that dimension. Output sizes that
+    divide the input pool as avg_pool2d, others with torch's uneven windows (``adaptive_pool``)."""
     from . import mean
     if input.ndim not in (3, 4):
         raise op_error("adaptive_avg_pool2d", "input must be 3-D (C, H, W) or 4-D (N, C, H, W)", input)
@@ -657,9 +663,8 @@ def adaptive_avg_pool2d(input, output_size):
     if out == (1, 1):
         return mean(input, (-2, -1), keepdim=True)
     if h % out[0] or w % out[1]:
-        raise NotImplementedError(f"adaptive_avg_pool2d: output size {fmt_shape(out)} must divide the input's "
-                                  f"spatial size {fmt_shape((h, w))} (uneven windows are not supported); "
-                                  f"input {input.name!r} {fmt_shape(input.shape)}")
+        from .adaptive_pool import adaptive_avg_pool2d_uneven
+        return adaptive_avg_pool2d_uneven(input, out)
     k = (h // out[0], w // out[1])
     return avg_pool2d(input, k, k)
 

@@ -324,6 +324,11 @@ def gather(input, dim, index):
     from .reduce import reduce_sum
     if index.dtype.is_float:
         raise TypeError(f"gather: index {index.name!r} has dtype {index.dtype.name}, expected an integer dtype")
+    if index.size == 0 and index.ndim != input.ndim:     # as torch: an empty index is not checked
+        return broadcast_to(reshape(reduce_sum(input, tuple(range(input.ndim))), ()), index.shape)
+    if index.ndim != input.ndim and max(index.ndim, input.ndim) == 1:     # as torch: a 0-d tensor is 1-D here
+        norm_dim("gather", dim, 1, input)
+        return reshape(gather(reshape(input, (input.size,)), 0, reshape(index, (index.size,))), index.shape)
     if index.ndim != input.ndim:
         raise op_error("gather", "index must have the same rank as input", input, index)
     if input.ndim == 0:

@@ -123,3 +123,19 @@ def parallel_map(make, jobs, threads=None) -> list:
         with ThreadPoolExecutor(n) as pool:
             return list(pool.map(make, jobs))
     return [make(j) for j in jobs]
+
+
+def return_freed_memory() -> bool:
+    """Hand the C heap's free pages back to the system (glibc's ``malloc_trim``), as
+    ``clear_caches`` does after dropping what it kept: freed memory otherwise stays in the
+    process (compiling and creating pipelines frees many small blocks, on several threads'
+    heaps). False where the C library has no such call."""
+    import ctypes
+    import ctypes.util
+    try:
+        trim = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
+    except (OSError, AttributeError):
+        return False
+    trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
+    trim(0)
+    return True

@@ -25,7 +25,7 @@ import wgpu
 from wgpu.backends.wgpu_native import _api as _wapi
 from wgpu.backends.wgpu_native._ffi import ffi, lib
 
-from .backends import PIPELINE_CACHE_SIZE, env_flag
+from .backends import PIPELINE_CACHE_SIZE, env_flag, return_freed_memory
 
 # Features requested when the adapter offers them. `timestamp-query-inside-encoders`
 # comes with `-inside-passes`; `shader-float32-atomic` lets scatter-add kernels use
@@ -351,7 +351,8 @@ class Device:
 
     def clear_caches(self):
         """Drop the cached pipelines and destroy the idle staging buffers (plans that
-        are alive keep their own pipelines and buffers)."""
+        are alive keep their own pipelines and buffers); the freed C heap goes back to the
+        system."""
         with self._lock:
             self._pipelines.clear()
             idle = [b for bufs in self._staging.values() for b in bufs]
@@ -359,6 +360,7 @@ class Device:
             self._staging_idle_bytes = 0
         for b in idle:
             b.destroy()
+        return_freed_memory()
 
     def cache_info(self) -> dict:
         with self._lock:

@@ -19,6 +19,7 @@ unchanged:
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 import threading
 import time
@@ -28,7 +29,7 @@ from collections import OrderedDict
 import numpy as np
 
 from ...compilation.target import COOPMAT_MODES, coopmat_mode  # noqa: F401 (the switch, read by callers too)
-from ..backends import env_flag
+from ..backends import env_flag, return_freed_memory
 from .device import VulkanDevice, get_vulkan_device
 from .memory import BufferRange
 from .program import Copy, Dispatch, Program
@@ -281,6 +282,7 @@ class VulkanRuntime:
         raw = os.environ.get("MEGANEURA_GLSL_UNROLL", "").strip().lower()
         self.unroll_loops = (not self.is_software) if not raw else raw not in ("0", "false", "off", "no")
         self.features = {k for k, on in f.items() if on}
+        self.ieee_preserve = self.vk.float_controls["signed_zero_inf_nan_f32"]
         lim = self.vk.limits
         # the limits the compiler and the executor read, under wgpu's names
         self.limits = {
@@ -416,7 +418,8 @@ class VulkanRuntime:
                       subgroup={k: int(vk.subgroup[k]) for k in ("size", "min_size", "max_size")},
                       coop_shapes=tuple(dict(sh) for sh in vk.cooperative_matrix_shapes), vulkan=tuple(vk.api),
                       software=self.is_software, adapter=dict(self.adapter_info), coopmat_reason=self.coopmat_reason,
-                      unroll=self.unroll_loops, coopmat=coopmat_mode(), has_f16=self.has_f16)
+                      unroll=self.unroll_loops, coopmat=coopmat_mode(), has_f16=self.has_f16,
+                      ieee_preserve=self.ieee_preserve)
 
     def pipelines(self, kernels, threads=None, access=None):
         """Pipelines of ``kernels`` (``FinalKernel``s: SPIR-V and its reflection), in order, each
@@ -518,12 +521,20 @@ class VulkanRuntime:
         return future
 
     def clear_caches(self):
-        """Drop the cached kernels and the in-process SPIR-V (plans that are alive keep their
-        own pipelines; the disk caches stay)."""
+        """Drop the cached kernels (their pipelines are destroyed once no live plan holds
+        them), and everything compiling kept in this process: the SPIR-V, the finished kernels
+        (GLSL, SPIR-V and reflection), the cooperative-matrix variants and the GLSL
+        translator's memos; then the freed C heap goes back to the system. The disk caches stay."""
         with self._lock:
             self._pipelines.clear()
+        from ...codegen.glsl import clear_caches as clear_translator
         from ...compilation.glslang import clear_memory_cache
+        from ...compilation.vulkan import clear_memory
         clear_memory_cache()
+        clear_memory()
+        clear_translator()
+        gc.collect()            # pipelines in reference cycles are destroyed now, not later
+        return_freed_memory()
 
     def cache_info(self) -> dict:
         with self._lock:

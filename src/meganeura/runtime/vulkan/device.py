@@ -469,10 +469,12 @@ class VulkanDevice:
         arr, n = _vk.enumerate_array(lambda c, a: lib.vkEnumerateDeviceExtensionProperties(pd, ffi.NULL, c, a),
                                      "VkExtensionProperties")
         self.extensions = sorted(string(arr[i].extensionName) for i in range(n))
-        # properties: base, 1.1 (subgroups), 1.3 (subgroup size range), driver
+        # properties: base, 1.1 (subgroups), 1.2 (float controls), 1.3 (subgroup size range), driver
         drv = new("VkPhysicalDeviceDriverProperties", sType=vk.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_DRIVER_PROPERTIES)
-        p11 = new("VkPhysicalDeviceVulkan11Properties", sType=vk.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_VULKAN_1_1_PROPERTIES,
+        p12 = new("VkPhysicalDeviceVulkan12Properties", sType=vk.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_VULKAN_1_2_PROPERTIES,
                   pNext=drv)
+        p11 = new("VkPhysicalDeviceVulkan11Properties", sType=vk.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_VULKAN_1_1_PROPERTIES,
+                  pNext=p12)
         pr = ffi.new("VkPhysicalDeviceProperties*")
         lib.vkGetPhysicalDeviceProperties(pd, pr)
         api = pr.apiVersion
@@ -495,6 +497,10 @@ class VulkanDevice:
         self.driver = dict(name=string(drv.driverName), info=string(drv.driverInfo),
                            version=int(prop.driverVersion), vendor_id=int(prop.vendorID), device_id=int(prop.deviceID))
         self.pipeline_cache_uuid = bytes(ffi.buffer(prop.pipelineCacheUUID, 16))
+        # whether a kernel may ask to keep Inf, NaN and signed zeros (SPV_KHR_float_controls'
+        # SignedZeroInfNanPreserve, core in 1.2): the GLSL asks only where this is on
+        self.float_controls = dict(signed_zero_inf_nan_f32=bool(p12.shaderSignedZeroInfNanPreserveFloat32),
+                                   signed_zero_inf_nan_f16=bool(p12.shaderSignedZeroInfNanPreserveFloat16))
         self.subgroup = dict(size=int(p11.subgroupSize),
                              min_size=int(p13.minSubgroupSize) if p13 else int(p11.subgroupSize),
                              max_size=int(p13.maxSubgroupSize) if p13 else int(p11.subgroupSize),
@@ -1042,7 +1048,7 @@ class VulkanDevice:
             devices=self.all_devices, index=self.index, name=self.name, type=self.device_type,
             is_software=self.is_software, api_version=f"{self.api[0]}.{self.api[1]}",
             driver=dict(self.driver), queue_family=self.queue_family, timestamp_bits=self.timestamp_bits,
-            subgroup=dict(self.subgroup), features=dict(self.features),
+            subgroup=dict(self.subgroup), features=dict(self.features), float_controls=dict(self.float_controls),
             enabled_extensions=list(self.enabled_extensions),
             cooperative_matrix=dict(enabled=self.features["cooperativeMatrix"], reason=self.cooperative_matrix_reason,
                                     shapes=list(self.cooperative_matrix_shapes)),
