@@ -22,7 +22,7 @@ def _norm_rows_key(k):
 
 @_in_place
 def fuse_norm_stats(kernels, uses, max_bindings):
-    """A norm statistic the backward reads (``ops.nn.norm_stat``: a stats-only norm kernel)
+    """A norm statistic the backward reads (``ops.normalization.norm_stat``: a stats-only norm kernel)
     over the same rows as an earlier norm kernel is stored by that kernel (``outs``), which
     computes it anyway: the backward does not reduce the input again."""
     norms = {}          # rows key -> position of the first norm kernel over those rows
