@@ -8,7 +8,7 @@ import itertools
 
 import numpy as np
 
-from ..codegen.matmul import block_of
+from ..codegen.matmul_tiles import block_of
 from ..schedule import Kernel
 from ..ops.registry import OPS
 from .fuse_index import _Uses, _has_rleaf, _relabel, _same_elements, _splice

@@ -9,7 +9,7 @@ import os
 
 import numpy as np
 
-from ..codegen.matmul import block_of, rounded_operands
+from ..codegen.matmul_tiles import block_of, rounded_operands
 from ..schedule import Kernel, View
 from .fuse_index import _has_rleaf, _in_place, _relabel, _same_elements
 
