@@ -7,6 +7,8 @@ import os
 from .common import (ENTRY, GROUP_INDEX, NOWHERE, WG, Bindings, bind_roles, broadcast_view_strides, coalesce, coords,
                      form_key, grid, offset_expr)
 from .expr import HELPERS, ExprWriter, Node, store_lines
+from .kernel_ast import (LID, NWG, WID, Assign, Bin, Buffer, ComputeKernel, Convert, Field, Group, Let, Line, Lit,
+                         Load, Name, ReturnIf, Store, Var, add, print_wgsl, u32)
 
 
 def sum_kernel(name, leaves, out):
@@ -100,6 +102,15 @@ def render(kernel) -> tuple[str, list, tuple]:
     """WGSL text, the bound logical buffers (binding order), and the workgroup counts."""
     if kernel.archetype == "multi":
         return render_multi(kernel)
+    n = kernel.out.size
+    tree = ast_kernel(kernel)
+    if tree is not None:        # (its GLSL: ``kernel_ast.print_glsl``)
+        return print_wgsl(tree[0]), tree[1], grid(-(-n // WG))
+    return _render_template(kernel)
+
+
+def _render_template(kernel) -> tuple[str, list, tuple]:
+    """``render`` of a pointwise kernel from the WGSL template (``_body``)."""
     n = kernel.out.size
     b = Bindings()
     helpers, lines = _body(kernel, b)
@@ -228,3 +239,57 @@ def _uses_coords(e) -> bool:
     if e[0] != "op":
         return False
     return e[1].op == "rotate_half" or any(_uses_coords(k) for k in e[2])
+
+
+# element types a kernel of the typed kernel AST stores and reads so far
+AST_TYPES = frozenset({"f32", "f16", "i32", "u32"})
+
+
+def ast_kernel(kernel):
+    """(``kernel_ast.ComputeKernel``, bound logical buffers) of a pointwise kernel that copies,
+    fills or casts (one output, its value a leaf, a literal or a cast of a leaf: concat's
+    copies, slice_grad's zero fill, f16 copies of weights), else None: the kernels whose WGSL
+    and GLSL both come from the typed kernel AST. The WGSL is the text the template below
+    (``_body``) writes for them."""
+    spec, out = kernel.spec, kernel.out
+    if kernel.archetype != "pointwise" or kernel.outs or spec.get("stores") or spec.get("flat_leaf") \
+            or any(v.dtype.name not in AST_TYPES for v in [out, *kernel.reads]):
+        return None
+    e = spec["expr"]
+    cast = e[0] == "op" and e[1].op == "cast" and e[2][0][0] == "leaf" and e[1].dtype.name in AST_TYPES
+    if not (e[0] == "leaf" or cast or e[0] == "lit" and not kernel.reads):
+        return None
+    b = Bindings()
+    ob = b.index(out.buf, out.dtype, write=True)
+    shape, (out_st, *read_st) = coalesce(out.shape, [out.strides] + [broadcast_view_strides(v, out.shape)
+                                                                       for v in kernel.reads])
+
+    def coord(d):
+        return Name(f"c{d}", "u32")
+
+    def at(offset, strides):       # ``common.offset_expr``
+        terms = ([u32(offset)] if offset else []) + [coord(d) if st == 1 else Bin("*", coord(d), u32(st))
+                                                     for d, st in enumerate(strides) if st != 0]
+        return add(*terms) if terms else u32(0)
+    i, cr, n = Name("i", "u32"), Name("cr", "u32"), out.size
+    body = [Let("i", add(Bin("*", Group(add(Field(WID, "x"), Bin("*", Field(WID, "y"), Field(NWG, "x")))), u32(WG)), LID)),
+            ReturnIf(Bin(">=", i, u32(n)))]
+    if shape:       # ``common.coords``
+        body.append(Var("cr", i))
+        body += [Line((Let(f"c{d}", Bin("%", cr, u32(shape[d]))), Assign("cr", Bin("/", cr, u32(shape[d])))))
+                 for d in range(len(shape) - 1, 0, -1)]
+        body.append(Let("c0", cr))
+    if e[0] == "lit":
+        val, ty = Lit(e[1], e[2]), e[2].name
+    else:
+        v = kernel.reads[0]
+        body.append(Let("v0", Load(b.index(v.buf, v.dtype), at(v.offset, read_st[0]), v.dtype.name)))
+        val, ty = Name("v0", v.dtype.name), v.dtype.name
+        if cast:                    # ``expr.ExprWriter``'s first value
+            body.append(Let("t1", Convert(e[1].dtype.name, val)))
+            val, ty = Name("t1", e[1].dtype.name), e[1].dtype.name
+    if ty != out.dtype.name:
+        val = Convert(out.dtype.name, val)
+    body.append(Store(ob, at(out.offset, out_st), val))
+    buffers = tuple(Buffer(t, id(x) in b.written) for x, t in zip(b.bufs, b.types))
+    return ComputeKernel(buffers, WG, tuple(body)), b.bufs

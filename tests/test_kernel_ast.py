@@ -1,0 +1,101 @@
+"""The typed kernel AST (``codegen/kernel_ast.py``): kernels built on it print WGSL equal to
+what their template wrote and GLSL equal to what the WGSL-to-GLSL translator makes of that
+WGSL (so their SPIR-V is unchanged), and the Vulkan runtime runs them printed, not translated."""
+import numpy as np
+import pytest
+
+import meganeura as mg
+from meganeura.codegen import kernel_ast, layout, pointwise
+from meganeura.codegen.expr import Node
+from meganeura.codegen.glsl import to_glsl
+from meganeura.graph import f16, f32, i32, u32
+from meganeura.schedule import Buf, Kernel, View
+
+SRC, DST = Buf(4 * 24, "input", "x"), Buf(4 * 48, "temp", "y")
+
+
+def _cast(to, src_dtype=f32):
+    return Kernel("cast", "pointwise", {"expr": ("op", Node("cast", to), [("leaf", 0)]), "dtype": to},
+                  View(DST, (24,), (1,), 0, to), [View(SRC, (24,), (1,), 0, src_dtype)])
+
+
+KERNELS = {
+    "fill_i32": layout.fill(View(DST, (24,), (1,), 0, i32), -3, "fill"),
+    "fill_u32": layout.fill(View(DST, (24,), (1,), 0, u32), 7, "fill"),
+    "fill_-inf": layout.fill(View(DST, (24,), (1,), 0, f32), float("-inf"), "fill"),
+    "fill_nan": layout.fill(View(DST, (24,), (1,), 0, f32), float("nan"), "fill"),
+    "fill_f16": layout.fill(View(DST, (24,), (1,), 0, f16), 1.5, "fill"),
+    "fill_strided": layout.fill(View(DST, (4, 6), (12, 1), 3, f32), 0, "fill"),
+    "fill_one": layout.fill(View(DST, (1,), (1,), 5, f32), 2.0, "fill"),
+    "copy_transposed": layout.copy_into(View(SRC, (4, 6), (1, 4), 0, f32), View(DST, (4, 6), (12, 2), 1, f32), "copy"),
+    "copy_broadcast": layout.copy_into(View(SRC, (2, 3, 4), (0, 4, 1), 0, f32),
+                                       View(DST, (2, 3, 4), (12, 4, 1), 0, f32), "copy"),
+    "copy_same_buffer": layout.copy_into(View(DST, (24,), (1,), 0, f32), View(DST, (24,), (1,), 24, f32), "copy"),
+    "cast_f16": _cast(f16),
+    "cast_i32": _cast(i32),
+    "cast_f32_from_f16": _cast(f32, f16),
+}
+
+
+def _same_as_template(k):
+    tree, bufs = pointwise.ast_kernel(k)
+    wgsl, template_bufs, _ = pointwise._render_template(k)
+    assert kernel_ast.print_wgsl(tree) == wgsl, k.name
+    assert kernel_ast.print_glsl(tree) == to_glsl(wgsl, k.name), k.name
+    assert bufs == template_bufs
+
+
+@pytest.mark.parametrize("name", sorted(KERNELS))
+def test_ast_kernels_print_the_template_wgsl_and_its_translation(name):
+    _same_as_template(KERNELS[name])
+
+
+def test_other_pointwise_kernels_stay_on_the_template():
+    """An expression with arithmetic, a second store or a bool output is not on the AST yet."""
+    x = View(SRC, (24,), (1,), 0, f32)
+    add = Kernel("add", "pointwise", {"expr": ("op", Node("add", f32), [("leaf", 0), ("leaf", 0)]), "dtype": f32},
+                 View(DST, (24,), (1,), 0, f32), [x])
+    stores = Kernel("copy", "pointwise", {"expr": ("leaf", 0), "dtype": f32, "stores": [View(DST, (24,), (1,), 24, f32)]},
+                    View(DST, (24,), (1,), 0, f32), [x])
+    assert pointwise.ast_kernel(add) is None and pointwise.ast_kernel(stores) is None
+
+
+@pytest.mark.parametrize("workload,precision", [("unet", "strict"), ("smollm2", "accelerated")])
+def test_every_ast_kernel_of_a_workload_prints_as_before(workload, precision):
+    """Each kernel of a tiny workload's training step that the AST builds (standalone
+    copies, fills and casts) prints the template's WGSL and its translation."""
+    from meganeura.bench.workloads import make
+    from meganeura.compiler import CompileOptions, compile_plan, f16_weights
+    from tests.test_compile import phase_targets
+    targets, n_forward, updates = phase_targets(make(workload, "tiny", device="cpu"), "train_step")
+    opts = CompileOptions(max_bindings=1 << 16, precision=precision)
+    if precision == "accelerated":
+        opts.f16_weights = f16_weights(targets[:n_forward])
+    kp = compile_plan(targets, n_forward=n_forward, options=opts, updates=updates)
+    found = [d.kernel for d in kp.dispatches if pointwise.ast_kernel(d.kernel) is not None]
+    for k in found:
+        _same_as_template(k)
+    assert found, "no kernel of the plan is on the kernel AST"
+
+
+def test_vulkan_runs_ast_kernels_printed(monkeypatch):
+    """Unfused, a concat's copies and casts run as AST kernels: the Vulkan runtime prints
+    their GLSL from the AST (none translated) and the results match NumPy's."""
+    pytest.importorskip("vulkan", reason="the vulkan extra (pip install 'meganeura[vulkan]')")
+    monkeypatch.setenv("MEGANEURA_NO_FUSE", "all")
+    monkeypatch.setenv("MEGANEURA_NO_DISK_CACHE", "1")
+    g = mg.Graph()
+    x, y = g.input("x", (3, 5)), g.input("y", (2, 5))
+    outs = [mg.ops.concat([x, y], 0), mg.ops.cast(x, "f16"), mg.ops.cast(y, "i32")]
+    rng = np.random.default_rng(0)
+    feeds = {"x": rng.standard_normal((3, 5)).astype(np.float32),
+             "y": (rng.standard_normal((2, 5)) * 4).astype(np.float32)}
+    want = mg.compile(g, outputs=outs, backend="numpy").run(feeds)
+    with mg.compile(g, outputs=outs, backend="vulkan") as s:
+        got = s.run(feeds)
+        plan = s.executor.plans["run"]
+        stats, kp = plan.executable.stats, plan.kernel_plan
+    for w, o in zip(want, got):
+        np.testing.assert_array_equal(o, w)
+    on_ast = {d.wgsl for d in kp.dispatches if pointwise.ast_kernel(d.kernel) is not None}
+    assert len(on_ast) == 4 and stats["kernels_printed"] == len(on_ast), (stats, kp.names)
