@@ -28,8 +28,8 @@ from .common import ENTRY, literal
 GLSL_TYPE = {"u32": "uint", "i32": "int", "f32": "float", "f16": "float16_t", "bool": "bool"}
 # WGSL binding precedence of the binary operators the kernels use (higher binds tighter)
 PRECEDENCE = {"*": 3, "/": 3, "%": 3, "+": 2, "-": 2, "<": 1, ">": 1, "<=": 1, ">=": 1, "==": 1, "!=": 1}
-# the header every kernel of the Vulkan backend carries (``glsl.IEEE_PRESERVE``: IEEE signed
-# zeros, infinities and NaN kept by the driver)
+# the header lines of every kernel of the Vulkan backend (IEEE signed zeros, infinities and NaN
+# kept by the driver: the translator's ``glsl.IEEE_PRESERVE``, which goes with it)
 GLSL_F16 = ["#extension GL_EXT_shader_explicit_arithmetic_types_float16 : require",
             "#extension GL_EXT_shader_16bit_storage : require"]
 GLSL_IEEE = ["#extension GL_EXT_spirv_intrinsics : require",
@@ -62,6 +62,15 @@ class Bin:
     @property
     def ty(self):
         return "bool" if PRECEDENCE[self.op] == 1 else self.a.ty
+
+
+@dataclass(frozen=True)
+class Neg:
+    e: object
+
+    @property
+    def ty(self):
+        return self.e.ty
 
 
 @dataclass(frozen=True)
@@ -177,6 +186,8 @@ class WgslPrinter:
             return f"b{e.binding}[{self.expr(e.index)}]"
         if isinstance(e, Convert):
             return f"{e.ty}({self.expr(e.e)})"
+        if isinstance(e, Neg):
+            return f"-{self.expr(e.e, 4)}"
         p = PRECEDENCE[e.op]
         # left-associative: the right operand binds tighter to print without parentheses
         text = f"{self.expr(e.a, p)} {e.op} {self.expr(e.b, p + 1)}"
@@ -219,6 +230,8 @@ class GlslPrinter:
             return f"b{e.binding}[{self.expr(e.index)}]"
         if isinstance(e, Convert):
             return f"{GLSL_TYPE[e.ty]}({self.expr(e.e)})"
+        if isinstance(e, Neg):
+            return f"(-{self.expr(e.e)})"
         return f"({self.expr(e.a)} {e.op} {self.expr(e.b)})"
 
     @staticmethod

@@ -8,7 +8,7 @@ from .common import (ENTRY, GROUP_INDEX, NOWHERE, WG, Bindings, bind_roles, broa
                      form_key, grid, offset_expr)
 from .expr import HELPERS, ExprWriter, Node, store_lines
 from .kernel_ast import (LID, NWG, WID, Assign, Bin, Buffer, ComputeKernel, Convert, Field, Group, Let, Line, Lit,
-                         Load, Name, ReturnIf, Store, Var, add, print_wgsl, u32)
+                         Load, Name, Neg, ReturnIf, Store, Var, add, print_wgsl, u32)
 
 
 def sum_kernel(name, leaves, out):
@@ -241,23 +241,60 @@ def _uses_coords(e) -> bool:
     return e[1].op == "rotate_half" or any(_uses_coords(k) for k in e[2])
 
 
-# element types a kernel of the typed kernel AST stores and reads so far
+# element types a kernel of the typed kernel AST stores and reads so far, and the ops of its
+# expressions (f32 arithmetic on values, as ``expr.op_text`` writes it: no literal operands,
+# which ``expr.ieee_guard`` may turn into helper calls)
 AST_TYPES = frozenset({"f32", "f16", "i32", "u32"})
+AST_BINARY = {"add": "+", "sub": "-", "mul": "*", "div": "/"}
+AST_SAME = frozenset({"stop_gradient", "recompute"})      # their value is their operand's
+
+
+class _NotOnAst(Exception):
+    """The kernel has something the AST does not build yet (its template writes it)."""
+
+
+def _ast_value(e, leaves, body, done):
+    """The AST name of expression ``e``'s value, its ``let`` lines appended to ``body`` as
+    ``expr.ExprWriter`` writes them (one ``t{n}`` per distinct node, in evaluation order)."""
+    if e[0] == "leaf":
+        return leaves[e[1]]
+    if e[0] != "op":
+        raise _NotOnAst(e[0])
+    t, kids = e[1], e[2]
+    args = [_ast_value(k, leaves, body, done) for k in kids]
+    key = (id(t), tuple(a.id for a in args))
+    if key in done:
+        return done[key]
+    if t.op == "cast" and t.dtype.name in AST_TYPES:
+        node = Convert(t.dtype.name, args[0])
+    elif t.dtype.name != "f32" or any(a.ty != "f32" for a in args):
+        raise _NotOnAst(t.dtype.name)
+    elif t.op in AST_BINARY and not (t.op == "sub" and args[0].id == args[1].id):    # (x - x: a helper)
+        node = Group(Bin(AST_BINARY[t.op], *args))
+    elif t.op == "neg":
+        node = Group(Neg(args[0]))
+    elif t.op in AST_SAME:
+        node = args[0]
+    else:
+        raise _NotOnAst(t.op)
+    name = f"t{len(done) + 1}"
+    body.append(Let(name, node))
+    done[key] = Name(name, node.ty)
+    return done[key]
 
 
 def ast_kernel(kernel):
-    """(``kernel_ast.ComputeKernel``, bound logical buffers) of a pointwise kernel that copies,
-    fills or casts (one output, its value a leaf, a literal or a cast of a leaf: concat's
-    copies, slice_grad's zero fill, f16 copies of weights), else None: the kernels whose WGSL
-    and GLSL both come from the typed kernel AST. The WGSL is the text the template below
-    (``_body``) writes for them."""
+    """(``kernel_ast.ComputeKernel``, bound logical buffers) of a pointwise kernel with one
+    output whose value is a literal, a cast of a leaf, or f32 arithmetic (add, sub, mul,
+    div, neg) on its leaves (concat's copies, slice_grad's zero fill, f16 copies of weights,
+    residual adds, gradient sums), else None: the kernels whose WGSL and GLSL both come from
+    the typed kernel AST. The WGSL is the text the template below (``_body``) writes for them."""
     spec, out = kernel.spec, kernel.out
     if kernel.archetype != "pointwise" or kernel.outs or spec.get("stores") or spec.get("flat_leaf") \
             or any(v.dtype.name not in AST_TYPES for v in [out, *kernel.reads]):
         return None
     e = spec["expr"]
-    cast = e[0] == "op" and e[1].op == "cast" and e[2][0][0] == "leaf" and e[1].dtype.name in AST_TYPES
-    if not (e[0] == "leaf" or cast or e[0] == "lit" and not kernel.reads):
+    if e[0] == "lit" and kernel.reads:
         return None
     b = Bindings()
     ob = b.index(out.buf, out.dtype, write=True)
@@ -279,16 +316,18 @@ def ast_kernel(kernel):
         body += [Line((Let(f"c{d}", Bin("%", cr, u32(shape[d]))), Assign("cr", Bin("/", cr, u32(shape[d])))))
                  for d in range(len(shape) - 1, 0, -1)]
         body.append(Let("c0", cr))
+    leaves = []
+    for k, v in enumerate(kernel.reads):
+        body.append(Let(f"v{k}", Load(b.index(v.buf, v.dtype), at(v.offset, read_st[k]), v.dtype.name)))
+        leaves.append(Name(f"v{k}", v.dtype.name))
     if e[0] == "lit":
-        val, ty = Lit(e[1], e[2]), e[2].name
+        val = Lit(e[1], e[2])
     else:
-        v = kernel.reads[0]
-        body.append(Let("v0", Load(b.index(v.buf, v.dtype), at(v.offset, read_st[0]), v.dtype.name)))
-        val, ty = Name("v0", v.dtype.name), v.dtype.name
-        if cast:                    # ``expr.ExprWriter``'s first value
-            body.append(Let("t1", Convert(e[1].dtype.name, val)))
-            val, ty = Name("t1", e[1].dtype.name), e[1].dtype.name
-    if ty != out.dtype.name:
+        try:
+            val = _ast_value(e, leaves, body, {})
+        except _NotOnAst:
+            return None
+    if val.ty != out.dtype.name:
         val = Convert(out.dtype.name, val)
     body.append(Store(ob, at(out.offset, out_st), val))
     buffers = tuple(Buffer(t, id(x) in b.written) for x, t in zip(b.bufs, b.types))
