@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 from .common import ENTRY, literal
 
+GLSL_NAMES = {"round": "roundEven", "inverseSqrt": "inversesqrt"}
 GLSL_TYPE = {"u32": "uint", "i32": "int", "f32": "float", "f16": "float16_t", "bool": "bool"}
 # WGSL binding precedence of the binary operators the kernels use (higher binds tighter)
 PRECEDENCE = {"*": 3, "/": 3, "%": 3, "+": 2, "-": 2, "<": 1, ">": 1, "<=": 1, ">=": 1, "==": 1, "!=": 1}
@@ -62,6 +63,15 @@ class Bin:
     @property
     def ty(self):
         return "bool" if PRECEDENCE[self.op] == 1 else self.a.ty
+
+
+@dataclass(frozen=True)
+class Call:
+    """A builtin function of the same meaning in both languages (``GLSL_NAMES`` where GLSL
+    spells it otherwise)."""
+    fn: str
+    args: tuple
+    ty: str
 
 
 @dataclass(frozen=True)
@@ -188,6 +198,8 @@ class WgslPrinter:
             return f"{e.ty}({self.expr(e.e)})"
         if isinstance(e, Neg):
             return f"-{self.expr(e.e, 4)}"
+        if isinstance(e, Call):
+            return f"{e.fn}({', '.join(self.expr(a) for a in e.args)})"
         p = PRECEDENCE[e.op]
         # left-associative: the right operand binds tighter to print without parentheses
         text = f"{self.expr(e.a, p)} {e.op} {self.expr(e.b, p + 1)}"
@@ -232,6 +244,8 @@ class GlslPrinter:
             return f"{GLSL_TYPE[e.ty]}({self.expr(e.e)})"
         if isinstance(e, Neg):
             return f"(-{self.expr(e.e)})"
+        if isinstance(e, Call):
+            return f"{GLSL_NAMES.get(e.fn, e.fn)}({', '.join(self.expr(a) for a in e.args)})"
         return f"({self.expr(e.a)} {e.op} {self.expr(e.b)})"
 
     @staticmethod

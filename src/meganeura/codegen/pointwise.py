@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import os
 
+from ..ops.registry import OPS
 from .common import (ENTRY, GROUP_INDEX, NOWHERE, WG, Bindings, bind_roles, broadcast_view_strides, coalesce, coords,
                      form_key, grid, offset_expr)
-from .expr import HELPERS, ExprWriter, Node, store_lines
-from .kernel_ast import (LID, NWG, WID, Assign, Bin, Buffer, ComputeKernel, Convert, Field, Group, Let, Line, Lit,
-                         Load, Name, Neg, ReturnIf, Store, Var, add, print_wgsl, u32)
+from .expr import HELPERS, ExprWriter, Node, ieee_guard, store_lines
+from .kernel_ast import (LID, NWG, WID, Assign, Bin, Buffer, Call, ComputeKernel, Convert, Field, Group, Let, Line,
+                         Lit, Load, Name, Neg, ReturnIf, Store, Var, WgslPrinter, add, print_wgsl, u32)
 
 
 def sum_kernel(name, leaves, out):
@@ -247,6 +248,8 @@ def _uses_coords(e) -> bool:
 AST_TYPES = frozenset({"f32", "f16", "i32", "u32"})
 AST_BINARY = {"add": "+", "sub": "-", "mul": "*", "div": "/"}
 AST_SAME = frozenset({"stop_gradient", "recompute"})      # their value is their operand's
+# f32 builtins whose op record's WGSL is ``name({0})``
+AST_CALLS = frozenset({"exp", "log", "sqrt", "rsqrt", "abs", "sin", "cos", "floor", "ceil", "trunc", "round", "sign"})
 
 
 class _NotOnAst(Exception):
@@ -258,19 +261,29 @@ def _ast_value(e, leaves, body, done):
     ``expr.ExprWriter`` writes them (one ``t{n}`` per distinct node, in evaluation order)."""
     if e[0] == "leaf":
         return leaves[e[1]]
+    if e[0] == "lit" and e[2].name == "f32":
+        return Lit(e[1], e[2])
+    if e[0] == "const" and e[1].dtype.name == "f32":
+        return Lit(e[1].attrs["value"].reshape(-1)[0], e[1].dtype)
     if e[0] != "op":
         raise _NotOnAst(e[0])
     t, kids = e[1], e[2]
     args = [_ast_value(k, leaves, body, done) for k in kids]
-    key = (id(t), tuple(a.id for a in args))
+    texts = [WgslPrinter().expr(a) for a in args]
+    key = (id(t), tuple(texts))
     if key in done:
         return done[key]
+    if ieee_guard(t, kids, texts, set()) is not None or all(isinstance(a, Lit) for a in args):
+        raise _NotOnAst(t.op)       # a helper call or a folded value; WGSL's abstract-typed literals
     if t.op == "cast" and t.dtype.name in AST_TYPES:
         node = Convert(t.dtype.name, args[0])
     elif t.dtype.name != "f32" or any(a.ty != "f32" for a in args):
         raise _NotOnAst(t.dtype.name)
-    elif t.op in AST_BINARY and not (t.op == "sub" and args[0].id == args[1].id):    # (x - x: a helper)
+    elif t.op in AST_BINARY:
         node = Group(Bin(AST_BINARY[t.op], *args))
+    elif t.op in AST_CALLS:
+        ex = OPS[t.op].extra["wgsl"]
+        node = Call(ex[:ex.index("(")], tuple(args), "f32")
     elif t.op == "neg":
         node = Group(Neg(args[0]))
     elif t.op in AST_SAME:
