@@ -6,6 +6,7 @@ import pytest
 
 import meganeura as mg
 from meganeura.codegen import kernel_ast, layout, pointwise
+from meganeura.codegen.pointwise_ast import ast_kernel
 from meganeura.codegen.expr import Node
 from meganeura.codegen.glsl import to_glsl
 from meganeura.graph import f16, f32, i32, u32
@@ -38,7 +39,7 @@ KERNELS = {
 
 
 def _same_as_template(k):
-    tree, bufs = pointwise.ast_kernel(k)
+    tree, bufs = ast_kernel(k)
     wgsl, template_bufs, _ = pointwise._render_template(k)
     assert kernel_ast.print_wgsl(tree) == wgsl, k.name
     assert kernel_ast.print_glsl(tree) == to_glsl(wgsl, k.name), k.name
@@ -87,7 +88,7 @@ def test_other_pointwise_kernels_stay_on_the_template():
               _pointwise(_op("tanh", ("leaf", 0)), [X]), _pointwise(_op("relu", ("leaf", 0)), [X]),
               _pointwise(_op("add", ("leaf", 0), ("leaf", 0), dtype=f16), [View(SRC, (24,), (1,), 0, f16)], f16),
               _pointwise(("leaf", 0), [X], stores=[View(DST, (24,), (1,), 24, f32)])):
-        assert pointwise.ast_kernel(k) is None, k.spec["expr"]
+        assert ast_kernel(k) is None, k.spec["expr"]
 
 
 @pytest.mark.parametrize("workload,precision", [("unet", "strict"), ("smollm2", "accelerated")])
@@ -102,7 +103,7 @@ def test_every_ast_kernel_of_a_workload_prints_as_before(workload, precision):
     if precision == "accelerated":
         opts.f16_weights = f16_weights(targets[:n_forward])
     kp = compile_plan(targets, n_forward=n_forward, options=opts, updates=updates)
-    found = [d.kernel for d in kp.dispatches if pointwise.ast_kernel(d.kernel) is not None]
+    found = [d.kernel for d in kp.dispatches if ast_kernel(d.kernel) is not None]
     for k in found:
         _same_as_template(k)
     assert found, "no kernel of the plan is on the kernel AST"
@@ -129,5 +130,5 @@ def test_vulkan_runs_ast_kernels_printed(monkeypatch):
         stats, kp = plan.executable.stats, plan.kernel_plan
     for w, o in zip(want, got):
         np.testing.assert_allclose(o, w, rtol=1e-5, atol=0)
-    on_ast = {d.wgsl for d in kp.dispatches if pointwise.ast_kernel(d.kernel) is not None}
+    on_ast = {d.wgsl for d in kp.dispatches if ast_kernel(d.kernel) is not None}
     assert len(on_ast) == 6 and stats["kernels_printed"] == len(on_ast), (stats, kp.names)

@@ -3,8 +3,8 @@ Vulkan backend): the way off "render WGSL, parse it, print GLSL" (``codegen/glsl
 
 A renderer that builds its kernel here gets both languages from one tree; the Vulkan
 finishing stage (``compilation.vulkan``) prints such kernels as GLSL directly instead of
-translating their WGSL. Families move here one at a time (``pointwise.ast_kernel`` says which
-kernels have moved); the others keep their WGSL templates and the translator.
+translating their WGSL. Families move here one at a time (``pointwise_ast.ast_kernel`` says
+which kernels have moved); the others keep their WGSL templates and the translator.
 
 The tree is what the printers must decide between the languages, no more:
 
@@ -222,8 +222,8 @@ class WgslPrinter:
 
     def kernel(self, k: ComputeKernel) -> str:
         enable = ["enable f16;"] if any(b.ty == "f16" for b in k.buffers) else []
-        decls = enable + [f"@group(0) @binding({j}) var<storage, {'read_write' if b.write else 'read'}> b{j}: array<{b.ty}>;"
-                          for j, b in enumerate(k.buffers)]
+        decls = enable + [f"@group(0) @binding({j}) var<storage, {'read_write' if b.write else 'read'}> "
+                          f"b{j}: array<{b.ty}>;" for j, b in enumerate(k.buffers)]
         return ("\n".join(decls) + "\n\n" + ENTRY.format(wg=k.workgroup)
                 + "\n".join("    " + self.stmt(s) for s in k.body) + "\n}\n")
 

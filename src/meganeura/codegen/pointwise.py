@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import os
 
-from ..ops.registry import OPS
 from .common import (ENTRY, GROUP_INDEX, NOWHERE, WG, Bindings, bind_roles, broadcast_view_strides, coalesce, coords,
                      form_key, grid, offset_expr)
-from .expr import HELPERS, ExprWriter, Node, ieee_guard, store_lines
-from .kernel_ast import (LID, NWG, WID, Assign, Bin, Buffer, Call, ComputeKernel, Convert, Field, Group, Let, Line,
-                         Lit, Load, Name, Neg, ReturnIf, Store, Var, WgslPrinter, add, print_wgsl, u32)
+from .expr import HELPERS, ExprWriter, Node, store_lines
+from .kernel_ast import print_wgsl
+from .pointwise_ast import ast_kernel
 
 
 def sum_kernel(name, leaves, out):
@@ -240,108 +239,3 @@ def _uses_coords(e) -> bool:
     if e[0] != "op":
         return False
     return e[1].op == "rotate_half" or any(_uses_coords(k) for k in e[2])
-
-
-# element types a kernel of the typed kernel AST stores and reads so far, and the ops of its
-# expressions (f32 arithmetic on values, as ``expr.op_text`` writes it: no literal operands,
-# which ``expr.ieee_guard`` may turn into helper calls)
-AST_TYPES = frozenset({"f32", "f16", "i32", "u32"})
-AST_BINARY = {"add": "+", "sub": "-", "mul": "*", "div": "/"}
-AST_SAME = frozenset({"stop_gradient", "recompute"})      # their value is their operand's
-# f32 builtins whose op record's WGSL is ``name({0})``
-AST_CALLS = frozenset({"exp", "log", "sqrt", "rsqrt", "abs", "sin", "cos", "floor", "ceil", "trunc", "round", "sign"})
-
-
-class _NotOnAst(Exception):
-    """The kernel has something the AST does not build yet (its template writes it)."""
-
-
-def _ast_value(e, leaves, body, done):
-    """The AST name of expression ``e``'s value, its ``let`` lines appended to ``body`` as
-    ``expr.ExprWriter`` writes them (one ``t{n}`` per distinct node, in evaluation order)."""
-    if e[0] == "leaf":
-        return leaves[e[1]]
-    if e[0] == "lit" and e[2].name == "f32":
-        return Lit(e[1], e[2])
-    if e[0] == "const" and e[1].dtype.name == "f32":
-        return Lit(e[1].attrs["value"].reshape(-1)[0], e[1].dtype)
-    if e[0] != "op":
-        raise _NotOnAst(e[0])
-    t, kids = e[1], e[2]
-    args = [_ast_value(k, leaves, body, done) for k in kids]
-    texts = [WgslPrinter().expr(a) for a in args]
-    key = (id(t), tuple(texts))
-    if key in done:
-        return done[key]
-    if ieee_guard(t, kids, texts, set()) is not None or all(isinstance(a, Lit) for a in args):
-        raise _NotOnAst(t.op)       # a helper call or a folded value; WGSL's abstract-typed literals
-    if t.op == "cast" and t.dtype.name in AST_TYPES:
-        node = Convert(t.dtype.name, args[0])
-    elif t.dtype.name != "f32" or any(a.ty != "f32" for a in args):
-        raise _NotOnAst(t.dtype.name)
-    elif t.op in AST_BINARY:
-        node = Group(Bin(AST_BINARY[t.op], *args))
-    elif t.op in AST_CALLS:
-        ex = OPS[t.op].extra["wgsl"]
-        node = Call(ex[:ex.index("(")], tuple(args), "f32")
-    elif t.op == "neg":
-        node = Group(Neg(args[0]))
-    elif t.op in AST_SAME:
-        node = args[0]
-    else:
-        raise _NotOnAst(t.op)
-    name = f"t{len(done) + 1}"
-    body.append(Let(name, node))
-    done[key] = Name(name, node.ty)
-    return done[key]
-
-
-def ast_kernel(kernel):
-    """(``kernel_ast.ComputeKernel``, bound logical buffers) of a pointwise kernel with one
-    output whose value is a literal, a cast of a leaf, or f32 arithmetic (add, sub, mul,
-    div, neg) on its leaves (concat's copies, slice_grad's zero fill, f16 copies of weights,
-    residual adds, gradient sums), else None: the kernels whose WGSL and GLSL both come from
-    the typed kernel AST. The WGSL is the text the template below (``_body``) writes for them."""
-    spec, out = kernel.spec, kernel.out
-    if kernel.archetype != "pointwise" or kernel.outs or spec.get("stores") or spec.get("flat_leaf") \
-            or any(v.dtype.name not in AST_TYPES for v in [out, *kernel.reads]):
-        return None
-    e = spec["expr"]
-    if e[0] == "lit" and kernel.reads:
-        return None
-    b = Bindings()
-    ob = b.index(out.buf, out.dtype, write=True)
-    shape, (out_st, *read_st) = coalesce(out.shape, [out.strides] + [broadcast_view_strides(v, out.shape)
-                                                                       for v in kernel.reads])
-
-    def coord(d):
-        return Name(f"c{d}", "u32")
-
-    def at(offset, strides):       # ``common.offset_expr``
-        terms = ([u32(offset)] if offset else []) + [coord(d) if st == 1 else Bin("*", coord(d), u32(st))
-                                                     for d, st in enumerate(strides) if st != 0]
-        return add(*terms) if terms else u32(0)
-    i, cr, n = Name("i", "u32"), Name("cr", "u32"), out.size
-    body = [Let("i", add(Bin("*", Group(add(Field(WID, "x"), Bin("*", Field(WID, "y"), Field(NWG, "x")))), u32(WG)), LID)),
-            ReturnIf(Bin(">=", i, u32(n)))]
-    if shape:       # ``common.coords``
-        body.append(Var("cr", i))
-        body += [Line((Let(f"c{d}", Bin("%", cr, u32(shape[d]))), Assign("cr", Bin("/", cr, u32(shape[d])))))
-                 for d in range(len(shape) - 1, 0, -1)]
-        body.append(Let("c0", cr))
-    leaves = []
-    for k, v in enumerate(kernel.reads):
-        body.append(Let(f"v{k}", Load(b.index(v.buf, v.dtype), at(v.offset, read_st[k]), v.dtype.name)))
-        leaves.append(Name(f"v{k}", v.dtype.name))
-    if e[0] == "lit":
-        val = Lit(e[1], e[2])
-    else:
-        try:
-            val = _ast_value(e, leaves, body, {})
-        except _NotOnAst:
-            return None
-    if val.ty != out.dtype.name:
-        val = Convert(out.dtype.name, val)
-    body.append(Store(ob, at(out.offset, out_st), val))
-    buffers = tuple(Buffer(t, id(x) in b.written) for x, t in zip(b.bufs, b.types))
-    return ComputeKernel(buffers, WG, tuple(body)), b.bufs

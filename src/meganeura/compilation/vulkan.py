@@ -5,7 +5,7 @@ becomes SPIR-V and its reflection (``FinalKernel``).
   attention (``codegen.flash_coop``, ``codegen.flash_grad_coop``) become kernels on
   cooperative matrices where the target has them (``Target.tensor_cores``): ``variants``;
 - kernels built on the typed kernel AST (``codegen.kernel_ast``; which ones:
-  ``codegen.pointwise.ast_kernel``) are printed as GLSL from it;
+  ``codegen.pointwise_ast.ast_kernel``) are printed as GLSL from it;
 - the rest is translated to GLSL (``codegen.glsl``, by the translation workers,
   ``translators``, for a large request) and every kernel compiled by glslang
   (``glslang``, a library: no device) and reflected (``spirv.reflect``);
@@ -130,7 +130,7 @@ class VulkanKernels:
         """Keep the kernel AST of ``kernel`` (whose WGSL is ``text``) where it has one, for
         its GLSL to be printed from it rather than translated."""
         if kernel.archetype == "pointwise" and text not in self._trees and _has_ir(kernel):
-            from ..codegen.pointwise import ast_kernel
+            from ..codegen.pointwise_ast import ast_kernel
             tree = ast_kernel(kernel)
             if tree is not None:
                 with self._lock:
