@@ -67,22 +67,30 @@ def _ast_value(e, leaves, body, done):
 
 
 def ast_kernel(kernel):
-    """(``kernel_ast.ComputeKernel``, bound logical buffers) of a pointwise kernel with one
-    output whose value is a literal, a cast of a leaf, or f32 arithmetic (add, sub, mul,
-    div, neg) on its leaves (concat's copies, slice_grad's zero fill, f16 copies of weights,
-    residual adds, gradient sums), else None: the kernels whose WGSL and GLSL both come from
-    the typed kernel AST. The WGSL is the text the template below (``_body``) writes for them."""
+    """(``kernel_ast.ComputeKernel``, bound logical buffers) of a pointwise kernel whose
+    values are a literal, casts, or f32 arithmetic and builtins over its operands (concat's
+    copies, slice_grad's zero fill, f16 copies, residual adds, gradient sums), with its
+    second stores and further outputs, else None: the kernels whose WGSL and GLSL both come
+    from the typed kernel AST. The WGSL is the text ``pointwise._body`` writes for them."""
     spec, out = kernel.spec, kernel.out
-    if kernel.archetype != "pointwise" or kernel.outs or spec.get("stores") or spec.get("flat_leaf") \
-            or any(v.dtype.name not in AST_TYPES for v in [out, *kernel.reads]):
+    stores, out_exprs = list(spec.get("stores", ())), list(spec.get("out_exprs", ()))
+    if kernel.archetype != "pointwise" or spec.get("flat_leaf") or len(kernel.outs) != len(out_exprs) \
+            or any(v.dtype.name not in AST_TYPES for v in [out, *kernel.reads, *stores, *kernel.outs]):
         return None
     e = spec["expr"]
-    if e[0] == "lit" and kernel.reads:
+    if e[0] == "lit" and (kernel.reads or kernel.outs):
         return None
     b = Bindings()
     ob = b.index(out.buf, out.dtype, write=True)
-    shape, (out_st, *read_st) = coalesce(out.shape, [out.strides] + [broadcast_view_strides(v, out.shape)
-                                                                       for v in kernel.reads])
+    # per view, the strides it is indexed by (as ``_body``: coalesced where all have the rank)
+    views = [[out.strides], [broadcast_view_strides(v, out.shape) for v in kernel.reads],
+             [v.strides for v in stores], [v.strides for v in kernel.outs]]
+    shape = out.shape
+    if all(len(st) == len(shape) for group in views for st in group):
+        shape, merged = coalesce(out.shape, [st for group in views for st in group])
+        it = iter(merged)
+        views = [[next(it) for _ in group] for group in views]
+    (out_st,), read_st, store_st, outs_st = views
 
     def coord(d):
         return Name(f"c{d}", "u32")
@@ -104,15 +112,25 @@ def ast_kernel(kernel):
     for k, v in enumerate(kernel.reads):
         body.append(Let(f"v{k}", Load(b.index(v.buf, v.dtype), at(v.offset, read_st[k]), v.dtype.name)))
         leaves.append(Name(f"v{k}", v.dtype.name))
-    if e[0] == "lit":
-        val = Lit(e[1], e[2])
-    else:
-        try:
-            val = _ast_value(e, leaves, body, {})
-        except _NotOnAst:
-            return None
-    if val.ty != out.dtype.name:
-        val = Convert(out.dtype.name, val)
-    body.append(Store(ob, at(out.offset, out_st), val))
+    done, stored = {}, []
+    try:
+        val = Lit(e[1], e[2]) if e[0] == "lit" else _ast_value(e, leaves, body, done)
+        if val.ty != out.dtype.name:
+            val = Convert(out.dtype.name, val)
+        if stores:          # ``expr.store_lines``
+            stored.append(Let("stored", val))
+            val = Name("stored", val.ty)
+        stored.append(Store(ob, at(out.offset, out_st), val))
+        for s, st in zip(stores, store_st):
+            sv = val if s.dtype.name == out.dtype.name else Convert(s.dtype.name, val)
+            stored.append(Store(b.index(s.buf, s.dtype, write=True), at(s.offset, st), sv))
+        # further outputs: each the value of its own expression over the same leaves
+        for view, oe, st in zip(kernel.outs, out_exprs, outs_st):
+            v = _ast_value(oe, leaves, body, done)
+            if v.ty != view.dtype.name:
+                v = Convert(view.dtype.name, v)
+            stored.append(Store(b.index(view.buf, view.dtype, write=True), at(view.offset, st), v))
+    except _NotOnAst:
+        return None
     buffers = tuple(Buffer(t, id(x) in b.written) for x, t in zip(b.bufs, b.types))
-    return ComputeKernel(buffers, WG, tuple(body)), b.bufs
+    return ComputeKernel(buffers, WG, tuple(body + stored)), b.bufs
