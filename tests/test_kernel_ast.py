@@ -68,6 +68,11 @@ KERNELS.update({
     "builtins": _pointwise(_op("mul", _op("exp", _op("abs", ("leaf", 0))), _op("rsqrt", _op("round", ("leaf", 1)))),
                            [X, Y]),
     "sign_sin_floor": _pointwise(_op("sign", _op("sin", _op("floor", ("leaf", 0)))), [X]),
+    "silu_sigmoid_reciprocal": _pointwise(_op("mul", _op("silu", ("leaf", 0)), _op("reciprocal", _op("sigmoid",
+                                                                                                   ("leaf", 1)))), [X, Y]),
+    "ema_adam": _pointwise(_op("adam_step", ("leaf", 0), _op("ema", ("leaf", 0), ("leaf", 1), ("lit", 0.9, f32),
+                                                             ("lit", 0.1, f32)), ("leaf", 1), ("lit", 1e-3, f32),
+                               ("lit", 2.0, f32), ("lit", 1e-8, f32)), [X, Y]),
     "second_stores": _pointwise(_op("add", ("leaf", 0), ("leaf", 1)), [X, Y],
                                 stores=[View(DST, (24,), (1,), 24, f32), View(SRC, (24,), (1,), 0, f16)]),
 })
@@ -84,14 +89,16 @@ def test_ast_kernels_print_the_template_wgsl_and_its_translation(name):
 
 def test_other_pointwise_kernels_stay_on_the_template():
     """What ``expr.ieee_guard`` turns into a helper (+ 0.0, x - x, * inf), an op of literals
-    alone (WGSL types them abstractly), functions with
-    helpers (tanh, relu's NaN-keeping max), f16 arithmetic or a second store is not on the
-    AST yet (nor a kernel reading a leaf in its own order, ``flat_leaf``)."""
+    alone (WGSL types them abstractly), helpers (tanh, relu's NaN-keeping max), select
+    (log1p), comparisons, f16 arithmetic, or a leaf read in its own order (``flat_leaf``) is
+    not on the AST yet."""
     lit = ("lit", 0.0, f32)
     for k in (_pointwise(_op("add", ("leaf", 0), lit), [X]), _pointwise(_op("sub", ("leaf", 0), ("leaf", 0)), [X]),
               _pointwise(_op("mul", ("leaf", 0), ("lit", float("inf"), f32)), [X]),
               _pointwise(_op("div", ("lit", 3.0, f32), ("lit", 2.0, f32)), [X]),
               _pointwise(_op("tanh", ("leaf", 0)), [X]), _pointwise(_op("relu", ("leaf", 0)), [X]),
+              _pointwise(_op("log1p", ("leaf", 0)), [X]), _pointwise(_op("lt", ("leaf", 0), ("leaf", 0), dtype=u32),
+                                                                     [X], u32),
               _pointwise(_op("add", ("leaf", 0), ("leaf", 0), dtype=f16), [View(SRC, (24,), (1,), 0, f16)], f16),
               _pointwise(("leaf", 0), [X], flat_leaf=True)):
         assert ast_kernel(k) is None, k.spec["expr"]

@@ -48,6 +48,7 @@ class Name:
 class Lit:
     value: object
     dtype: object       # a graph dtype (``graph.f32``...)
+    text: str = ""      # as a template wrote it (a float literal of an op record's WGSL)
 
     @property
     def ty(self):
@@ -187,7 +188,7 @@ class WgslPrinter:
         if isinstance(e, Name):
             return e.id
         if isinstance(e, Lit):
-            return literal(e.value, e.dtype)
+            return e.text or literal(e.value, e.dtype)
         if isinstance(e, Group):
             return f"({self.expr(e.e)})"
         if isinstance(e, Field):
@@ -250,6 +251,8 @@ class GlslPrinter:
 
     @staticmethod
     def literal(e: Lit) -> str:
+        if e.text:
+            return e.text
         name = e.dtype.name
         if name == "f32":
             v = float(e.value)

@@ -1,9 +1,12 @@
 """The pointwise kernels built on the typed kernel AST (``kernel_ast``): ``ast_kernel`` says
-which (one output; a literal, casts, f32 arithmetic and builtins over the operands) and
-builds them, line for line as ``pointwise._body`` and ``expr.ExprWriter`` write their WGSL,
+which (a literal, casts, f32 arithmetic over the operands as the ops' records spell it, with
+second stores and further outputs) and builds them, line for line as ``pointwise._body`` and ``expr.ExprWriter`` write their WGSL,
 so that ``pointwise.render`` prints their WGSL from the tree and the Vulkan compile stage
 their GLSL."""
 from __future__ import annotations
+
+import functools
+import re
 
 from ..ops.registry import OPS
 from .common import WG, Bindings, broadcast_view_strides, coalesce
@@ -12,18 +15,82 @@ from .kernel_ast import (LID, NWG, WID, Assign, Bin, Buffer, Call, ComputeKernel
                          Lit, Load, Name, Neg, ReturnIf, Store, Var, WgslPrinter, add, u32)
 
 
-# element types a kernel of the typed kernel AST stores and reads so far, and the ops of its
-# expressions (f32 arithmetic as ``expr.op_text`` writes it; what ``expr.ieee_guard`` turns
-# into helper calls stays on the template)
+# element types a kernel of the typed kernel AST stores and reads so far
 AST_TYPES = frozenset({"f32", "f16", "i32", "u32"})
-AST_BINARY = {"add": "+", "sub": "-", "mul": "*", "div": "/"}
-AST_SAME = frozenset({"stop_gradient", "recompute"})      # their value is their operand's
-# f32 builtins whose op record's WGSL is ``name({0})``
-AST_CALLS = frozenset({"exp", "log", "sqrt", "rsqrt", "abs", "sin", "cos", "floor", "ceil", "trunc", "round", "sign"})
+# ops whose f32 WGSL ``expr.op_text`` writes as its record's template (``wgsl``) alone, and
+# the builtins such a template may call (the same function in both languages, or renamed by
+# ``kernel_ast.GLSL_NAMES``); the other ops (helpers, select, comparisons) stay on the template
+AST_SPECIAL = frozenset({"cast", "pow", "gelu", "gelu_grad", "where", "tanh", "erf", "relu", "maximum", "minimum",
+                         "rotate_half"})
+AST_BUILTINS = frozenset({"exp", "log", "sqrt", "inverseSqrt", "abs", "sin", "cos", "floor", "ceil", "trunc", "round",
+                          "sign"})
+_TOKEN = re.compile(r"\s*(\{\d+\}|\d+\.\d*(?:e[-+]?\d+)?|[A-Za-z_]\w*|[-+*/(),])")
 
 
 class _NotOnAst(Exception):
     """The kernel has something the AST does not build yet (its template writes it)."""
+
+
+@functools.lru_cache(maxsize=256)
+def _template(text: str) -> tuple:
+    """An op record's WGSL template parsed into a builder of its tree from the argument trees
+    (precedence as WGSL's, a written pair of parentheses a ``Group``); raises ``_NotOnAst``
+    on anything but arguments, float literals, + - * /, unary minus and ``AST_BUILTINS``."""
+    toks = _TOKEN.findall(text)
+    if "".join(toks) != text.replace(" ", ""):
+        raise _NotOnAst(text)
+    pos = [0]
+
+    def peek():
+        return toks[pos[0]] if pos[0] < len(toks) else None
+
+    def take():
+        pos[0] += 1
+        return toks[pos[0] - 1]
+
+    def binary(ops, sub):
+        def parse():
+            left = sub()
+            while peek() in ops:
+                op, right = take(), sub()
+                left = (lambda op, a, b: lambda args: Bin(op, a(args), b(args)))(op, left, right)
+            return left
+        return parse
+
+    def unary():
+        if peek() == "-":
+            take()
+            inner = unary()
+            return lambda args: Neg(inner(args))
+        return primary()
+
+    def primary():
+        tok = take()
+        if tok.startswith("{"):
+            k = int(tok[1:-1])
+            return lambda args: args[k]
+        if tok[0].isdigit():
+            from ..graph import f32
+            return lambda args: Lit(float(tok), f32, tok)
+        if tok == "(":
+            inner = expr()
+            if take() != ")":
+                raise _NotOnAst(text)
+            return lambda args: Group(inner(args))
+        if tok in AST_BUILTINS and take() == "(":
+            params = [expr()]
+            while peek() == ",":
+                take()
+                params.append(expr())
+            if take() != ")":
+                raise _NotOnAst(text)
+            return lambda args: Call(tok, tuple(p(args) for p in params), "f32")
+        raise _NotOnAst(text)
+    expr = binary(("+", "-"), binary(("*", "/"), unary))
+    tree = expr()
+    if pos[0] != len(toks):
+        raise _NotOnAst(text)
+    return (tree,)
 
 
 def _ast_value(e, leaves, body, done):
@@ -47,19 +114,11 @@ def _ast_value(e, leaves, body, done):
         raise _NotOnAst(t.op)       # a helper call or a folded value; WGSL's abstract-typed literals
     if t.op == "cast" and t.dtype.name in AST_TYPES:
         node = Convert(t.dtype.name, args[0])
-    elif t.dtype.name != "f32" or any(a.ty != "f32" for a in args):
-        raise _NotOnAst(t.dtype.name)
-    elif t.op in AST_BINARY:
-        node = Group(Bin(AST_BINARY[t.op], *args))
-    elif t.op in AST_CALLS:
-        ex = OPS[t.op].extra["wgsl"]
-        node = Call(ex[:ex.index("(")], tuple(args), "f32")
-    elif t.op == "neg":
-        node = Group(Neg(args[0]))
-    elif t.op in AST_SAME:
-        node = args[0]
-    else:
+    elif t.dtype.name != "f32" or any(a.ty != "f32" for a in args) or t.op in AST_SPECIAL \
+            or not isinstance(OPS[t.op].extra.get("wgsl"), str):
         raise _NotOnAst(t.op)
+    else:
+        node = _template(OPS[t.op].extra["wgsl"])[0](args)
     name = f"t{len(done) + 1}"
     body.append(Let(name, node))
     done[key] = Name(name, node.ty)
