@@ -1,8 +1,8 @@
 """The pointwise kernels built on the typed kernel AST (``kernel_ast``): ``ast_kernel`` says
 which (a literal, casts, f32 arithmetic over the operands as the ops' records spell it, with
-second stores and further outputs) and builds them, line for line as ``pointwise._body`` and ``expr.ExprWriter`` write their WGSL,
-so that ``pointwise.render`` prints their WGSL from the tree and the Vulkan compile stage
-their GLSL."""
+second stores and further outputs) and builds them, line for line as ``pointwise._body``
+and ``expr.ExprWriter`` write their WGSL, so that ``pointwise.render`` prints their WGSL
+from the tree and the Vulkan compile stage their GLSL."""
 from __future__ import annotations
 
 import functools
