@@ -32,7 +32,15 @@ class _NotOnAst(Exception):
 
 
 @functools.lru_cache(maxsize=256)
-def _template(text: str) -> tuple:
+def _template(text: str):
+    """``_parse_template`` of ``text``, or None where it holds something else (both kept)."""
+    try:
+        return _parse_template(text)
+    except _NotOnAst:
+        return None
+
+
+def _parse_template(text: str):
     """An op record's WGSL template parsed into a builder of its tree from the argument trees
     (precedence as WGSL's, a written pair of parentheses a ``Group``); raises ``_NotOnAst``
     on anything but arguments, float literals, + - * /, unary minus and ``AST_BUILTINS``."""
@@ -90,7 +98,7 @@ def _template(text: str) -> tuple:
     tree = expr()
     if pos[0] != len(toks):
         raise _NotOnAst(text)
-    return (tree,)
+    return tree
 
 
 def _ast_value(e, leaves, body, done):
@@ -117,8 +125,10 @@ def _ast_value(e, leaves, body, done):
     elif t.dtype.name != "f32" or any(a.ty != "f32" for a in args) or t.op in AST_SPECIAL \
             or not isinstance(OPS[t.op].extra.get("wgsl"), str):
         raise _NotOnAst(t.op)
+    elif (build := _template(OPS[t.op].extra["wgsl"])) is None:
+        raise _NotOnAst(t.op)
     else:
-        node = _template(OPS[t.op].extra["wgsl"])[0](args)
+        node = build(args)
     name = f"t{len(done) + 1}"
     body.append(Let(name, node))
     done[key] = Name(name, node.ty)
