@@ -146,6 +146,14 @@ class ReturnIf:
 
 
 @dataclass(frozen=True)
+class CallIf:
+    """``if (cond) { fn(args); return; }``: a merged launch handing its workgroup to a part."""
+    cond: object
+    fn: str
+    args: tuple
+
+
+@dataclass(frozen=True)
 class Line:
     """Statements the WGSL text writes on one line (GLSL: one a line)."""
     stmts: tuple
@@ -158,12 +166,22 @@ class Buffer:
 
 
 @dataclass(frozen=True)
+class Function:
+    """A function without a result (a part of a merged launch), ``params`` names."""
+    name: str
+    params: tuple
+    body: tuple
+
+
+@dataclass(frozen=True)
 class ComputeKernel:
     """One compute entry point over storage buffers ``b0..``, with the builtins ``wid``
-    (workgroup id), ``lid`` (local invocation index) and ``nwg`` (workgroup counts)."""
+    (workgroup id), ``lid`` (local invocation index) and ``nwg`` (workgroup counts), after
+    ``functions``."""
     buffers: tuple
     workgroup: int
     body: tuple
+    functions: tuple = ()
 
 
 WID, LID, NWG = Name("wid", "vec3<u32>"), Name("lid", "u32"), Name("nwg", "vec3<u32>")
@@ -219,13 +237,20 @@ class WgslPrinter:
             return f"b{s.binding}[{self.expr(s.index)}] = {self.expr(s.value)};"
         if isinstance(s, ReturnIf):
             return f"if ({self.expr(s.cond)}) {{ return; }}"
+        if isinstance(s, CallIf):
+            return f"if ({self.expr(s.cond)}) {{ {s.fn}({', '.join(self.expr(a) for a in s.args)}); return; }}"
         raise TypeError(f"not a statement: {s!r}")
+
+    def function(self, f: Function) -> str:
+        params = ", ".join(f"{p.id}: {p.ty}" for p in f.params)
+        return f"fn {f.name}({params}) {{\n" + "\n".join("    " + self.stmt(s) for s in f.body) + "\n}"
 
     def kernel(self, k: ComputeKernel) -> str:
         enable = ["enable f16;"] if any(b.ty == "f16" for b in k.buffers) else []
         decls = enable + [f"@group(0) @binding({j}) var<storage, {'read_write' if b.write else 'read'}> "
                           f"b{j}: array<{b.ty}>;" for j, b in enumerate(k.buffers)]
-        return ("\n".join(decls) + "\n\n" + ENTRY.format(wg=k.workgroup)
+        fns = "".join("\n" + self.function(f) for f in k.functions)
+        return ("\n".join(decls) + ("\n" + fns if fns else "") + "\n\n" + ENTRY.format(wg=k.workgroup)
                 + "\n".join("    " + self.stmt(s) for s in k.body) + "\n}\n")
 
 
@@ -276,13 +301,22 @@ class GlslPrinter:
             return [f"b{s.binding}[{self.expr(s.index)}] = {self.expr(s.value)};"]
         if isinstance(s, ReturnIf):
             return [f"if ({self.expr(s.cond)}) {{", "    return;", "}"]
+        if isinstance(s, CallIf):
+            return [f"if ({self.expr(s.cond)}) {{", f"    {s.fn}({', '.join(self.expr(a) for a in s.args)});",
+                    "    return;", "}"]
         raise TypeError(f"not a statement: {s!r}")
+
+    def signature(self, f: Function) -> str:
+        return f"void {f.name}({', '.join(f'{GLSL_TYPE[p.ty]} {p.id}' for p in f.params)})"
 
     def kernel(self, k: ComputeKernel) -> str:
         head = ["#version 450"] + (GLSL_F16 if any(b.ty == "f16" for b in k.buffers) else []) + GLSL_IEEE
         head.append(f"layout(local_size_x = {k.workgroup}, local_size_y = 1, local_size_z = 1) in;")
         head += [f"layout(std430, set = 0, binding = {j}) {'' if b.write else 'readonly '}buffer B{j}_ "
                  f"{{ {GLSL_TYPE[b.ty]} b{j}[]; }};" for j, b in enumerate(k.buffers)]
+        head += [self.signature(f) + ";" for f in k.functions]        # prototypes first, as WGSL needs none
+        for f in k.functions:
+            head += [self.signature(f) + " {"] + ["    " + ln for s in f.body for ln in self.stmts(s)] + ["}"]
         body = ["uvec3 wid = gl_WorkGroupID;", "uint lid = gl_LocalInvocationIndex;", "uvec3 nwg = gl_NumWorkGroups;"]
         body += [line for s in k.body for line in self.stmts(s)]
         return "\n".join(head + ["void main() {"] + ["    " + ln for ln in body] + ["}"]) + "\n"

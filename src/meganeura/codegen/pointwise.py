@@ -8,7 +8,7 @@ from .common import (ENTRY, GROUP_INDEX, NOWHERE, WG, Bindings, bind_roles, broa
                      form_key, grid, offset_expr)
 from .expr import HELPERS, ExprWriter, Node, store_lines
 from .kernel_ast import print_wgsl
-from .pointwise_ast import ast_kernel
+from .pointwise_ast import ast_kernel, ast_multi
 
 
 def sum_kernel(name, leaves, out):
@@ -127,11 +127,19 @@ def render_multi(kernel, array_limit=0):
     and parts alike but for their buffers share one body (``_render_shared``) where that
     stays within the limit (an array binds a buffer two parts share twice, which the fusion
     passes counted once)."""
-    from . import reduce
     if array_limit:
         shared = _render_shared(kernel)
         if shared is not None and len(shared[1]) <= array_limit:
             return shared
+    tree = ast_multi(kernel)
+    if tree is not None:        # (its GLSL: ``kernel_ast.print_glsl``)
+        return print_wgsl(tree[0]), tree[1], grid(tree[2])
+    return _render_multi_template(kernel)
+
+
+def _render_multi_template(kernel):
+    """``render_multi`` of a merged launch from the WGSL template (one function per part)."""
+    from . import reduce
     b = Bindings()
     fns, helpers, branches, g0, scratch = [], {}, [], 0, ""
     for j, part in enumerate(kernel.spec["parts"]):

@@ -11,8 +11,8 @@ import re
 from ..ops.registry import OPS
 from .common import WG, Bindings, broadcast_view_strides, coalesce
 from .expr import ieee_guard
-from .kernel_ast import (LID, NWG, WID, Assign, Bin, Buffer, Call, ComputeKernel, Convert, Field, Group, Let, Line,
-                         Lit, Load, Name, Neg, ReturnIf, Store, Var, WgslPrinter, add, u32)
+from .kernel_ast import (LID, NWG, WID, Assign, Bin, Buffer, Call, CallIf, ComputeKernel, Convert, Field, Function,
+                         Group, Let, Line, Lit, Load, Name, Neg, ReturnIf, Store, Var, WgslPrinter, add, u32)
 
 
 # element types a kernel of the typed kernel AST stores and reads so far
@@ -140,7 +140,47 @@ def ast_kernel(kernel):
     values are a literal, casts, or f32 arithmetic and builtins over its operands (concat's
     copies, slice_grad's zero fill, f16 copies, residual adds, gradient sums), with its
     second stores and further outputs, else None: the kernels whose WGSL and GLSL both come
-    from the typed kernel AST. The WGSL is the text ``pointwise._body`` writes for them."""
+    from the typed kernel AST. The WGSL is the text ``pointwise.render`` writes for them."""
+    b = Bindings()
+    body = _part(kernel, b)
+    if body is None:
+        return None
+    i = Name("i", "u32")
+    group = Group(add(Field(WID, "x"), Bin("*", Field(WID, "y"), Field(NWG, "x"))))     # ``common.GROUP_INDEX``
+    head = [Let("i", add(Bin("*", group, u32(WG)), LID)), ReturnIf(Bin(">=", i, u32(kernel.out.size)))]
+    return ComputeKernel(_buffers(b), WG, tuple(head + body)), b.bufs
+
+
+def ast_multi(kernel):
+    """(``kernel_ast.ComputeKernel``, bound logical buffers, workgroups) of a merged launch
+    of pointwise kernels that are each on the AST (``ast_kernel``), each part a function
+    owning a range of workgroups, as ``pointwise.render_multi`` writes it; else None."""
+    parts = kernel.spec["parts"]
+    if any(p.archetype != "pointwise" for p in parts):
+        return None
+    b, fns, branches, g0 = Bindings(), [], [], 0
+    i, g = Name("i", "u32"), Name("g", "u32")
+    for j, part in enumerate(parts):
+        body = _part(part, b)
+        if body is None:
+            return None
+        n = part.out.size
+        fns.append(Function(f"part{j}", (i,), (ReturnIf(Bin(">=", i, u32(n))), *body)))
+        g1 = g0 + -(-n // WG)
+        branches.append(CallIf(Bin("<", g, u32(g1)), f"part{j}",
+                               (add(Bin("*", Group(Bin("-", g, u32(g0))), u32(WG)), LID),)))
+        g0 = g1
+    body = [Let("g", add(Field(WID, "x"), Bin("*", Field(WID, "y"), Field(NWG, "x")))), *branches]
+    return ComputeKernel(_buffers(b), WG, tuple(body), tuple(fns)), b.bufs, g0
+
+
+def _buffers(b: Bindings) -> tuple:
+    return tuple(Buffer(t, id(x) in b.written) for x, t in zip(b.bufs, b.types))
+
+
+def _part(kernel, b: Bindings):
+    """The statements of ``pointwise._body`` for ``kernel`` (its buffers registered on
+    ``b``), or None where the kernel is not on the AST."""
     spec, out = kernel.spec, kernel.out
     stores, out_exprs = list(spec.get("stores", ())), list(spec.get("out_exprs", ()))
     if kernel.archetype != "pointwise" or spec.get("flat_leaf") or len(kernel.outs) != len(out_exprs) \
@@ -149,7 +189,6 @@ def ast_kernel(kernel):
     e = spec["expr"]
     if e[0] == "lit" and (kernel.reads or kernel.outs):
         return None
-    b = Bindings()
     ob = b.index(out.buf, out.dtype, write=True)
     # per view, the strides it is indexed by (as ``_body``: coalesced where all have the rank)
     views = [[out.strides], [broadcast_view_strides(v, out.shape) for v in kernel.reads],
@@ -168,10 +207,8 @@ def ast_kernel(kernel):
         terms = ([u32(offset)] if offset else []) + [coord(d) if st == 1 else Bin("*", coord(d), u32(st))
                                                      for d, st in enumerate(strides) if st != 0]
         return add(*terms) if terms else u32(0)
-    i, cr, n = Name("i", "u32"), Name("cr", "u32"), out.size
-    group = Group(add(Field(WID, "x"), Bin("*", Field(WID, "y"), Field(NWG, "x"))))     # ``common.GROUP_INDEX``
-    body = [Let("i", add(Bin("*", group, u32(WG)), LID)),
-            ReturnIf(Bin(">=", i, u32(n)))]
+    i, cr = Name("i", "u32"), Name("cr", "u32")
+    body = []
     if shape:       # ``common.coords``
         body.append(Var("cr", i))
         body += [Line((Let(f"c{d}", Bin("%", cr, u32(shape[d]))), Assign("cr", Bin("/", cr, u32(shape[d])))))
@@ -201,5 +238,4 @@ def ast_kernel(kernel):
             stored.append(Store(b.index(view.buf, view.dtype, write=True), at(view.offset, st), v))
     except _NotOnAst:
         return None
-    buffers = tuple(Buffer(t, id(x) in b.written) for x, t in zip(b.bufs, b.types))
-    return ComputeKernel(buffers, WG, tuple(body + stored)), b.bufs
+    return body + stored

@@ -5,7 +5,7 @@ becomes SPIR-V and its reflection (``FinalKernel``).
   attention (``codegen.flash_coop``, ``codegen.flash_grad_coop``) become kernels on
   cooperative matrices where the target has them (``Target.tensor_cores``): ``variants``;
 - kernels built on the typed kernel AST (``codegen.kernel_ast``; which ones:
-  ``codegen.pointwise_ast.ast_kernel``) are printed as GLSL from it;
+  ``codegen.pointwise_ast``) are printed as GLSL from it;
 - the rest is translated to GLSL (``codegen.glsl``, by the translation workers,
   ``translators``, for a large request) and every kernel compiled by glslang
   (``glslang``, a library: no device) and reflected (``spirv.reflect``);
@@ -127,12 +127,14 @@ class VulkanKernels:
 
     # ------------------------------------------------------------------ kernels on the kernel AST
     def _note(self, kernel, text):
-        """Keep the kernel AST of ``kernel`` (whose WGSL is ``text``) where it has one, for
-        its GLSL to be printed from it rather than translated."""
-        if kernel.archetype == "pointwise" and text not in self._trees and _has_ir(kernel):
-            from ..codegen.pointwise_ast import ast_kernel
-            tree = ast_kernel(kernel)
-            if tree is not None:
+        """Keep the kernel AST of ``kernel`` (whose WGSL is ``text``) where it has one and
+        it prints ``text`` (not another form of the kernel: a merged launch on arrays of
+        buffers, a checked kernel), for its GLSL to be printed from it rather than translated."""
+        if kernel.archetype in ("pointwise", "multi") and text not in self._trees and _has_ir(kernel):
+            from ..codegen.kernel_ast import print_wgsl
+            from ..codegen.pointwise_ast import ast_kernel, ast_multi
+            tree = (ast_kernel if kernel.archetype == "pointwise" else ast_multi)(kernel)
+            if tree is not None and print_wgsl(tree[0]) == text:
                 with self._lock:
                     self._trees[text] = tree[0]
 
