@@ -106,6 +106,7 @@ class VulkanKernels:
                       "coopmat_kernels": 0, "kernels_printed": 0}
         self._early: dict = {}          # WGSL text -> Future of its FinalKernel (``start``)
         self._trees: dict = {}          # WGSL text -> its kernel AST (``_note``)
+        self._noted: set = set()        # WGSL texts looked at by ``_note``
         self._pool = None
         self._lock = threading.Lock()
 
@@ -130,7 +131,8 @@ class VulkanKernels:
         """Keep the kernel AST of ``kernel`` (whose WGSL is ``text``) where it has one and
         it prints ``text`` (not another form of the kernel: a merged launch on arrays of
         buffers, a checked kernel), for its GLSL to be printed from it rather than translated."""
-        if kernel.archetype in ("pointwise", "multi") and text not in self._trees and _has_ir(kernel):
+        if kernel.archetype in ("pointwise", "multi") and text not in self._noted and _has_ir(kernel):
+            self._noted.add(text)
             from ..codegen.kernel_ast import print_wgsl
             from ..codegen.pointwise_ast import ast_kernel, ast_multi
             tree = (ast_kernel if kernel.archetype == "pointwise" else ast_multi)(kernel)
