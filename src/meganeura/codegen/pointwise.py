@@ -7,8 +7,7 @@ import os
 from .common import (ENTRY, GROUP_INDEX, NOWHERE, WG, Bindings, bind_roles, broadcast_view_strides, coalesce, coords,
                      form_key, grid, offset_expr)
 from .expr import HELPERS, ExprWriter, Node, store_lines
-from .kernel_ast import print_wgsl
-from .pointwise_ast import ast_kernel, ast_multi
+from .pointwise_ast import ast_kernel, ast_multi, printed
 
 
 def sum_kernel(name, leaves, out):
@@ -105,7 +104,7 @@ def render(kernel) -> tuple[str, list, tuple]:
     n = kernel.out.size
     tree = ast_kernel(kernel)
     if tree is not None:        # (its GLSL: ``kernel_ast.print_glsl``)
-        return print_wgsl(tree[0]), tree[1], grid(-(-n // WG))
+        return printed(tree[0]), tree[1], grid(-(-n // WG))
     return _render_template(kernel)
 
 
@@ -133,7 +132,7 @@ def render_multi(kernel, array_limit=0):
             return shared
     tree = ast_multi(kernel)
     if tree is not None:        # (its GLSL: ``kernel_ast.print_glsl``)
-        return print_wgsl(tree[0]), tree[1], grid(tree[2])
+        return printed(tree[0]), tree[1], grid(tree[2])
     return _render_multi_template(kernel)
 
 

@@ -106,7 +106,6 @@ class VulkanKernels:
                       "coopmat_kernels": 0, "kernels_printed": 0}
         self._early: dict = {}          # WGSL text -> Future of its FinalKernel (``start``)
         self._trees: dict = {}          # WGSL text -> its kernel AST (``_note``)
-        self._noted: set = set()        # WGSL texts looked at by ``_note``
         self._pool = None
         self._lock = threading.Lock()
 
@@ -128,17 +127,16 @@ class VulkanKernels:
 
     # ------------------------------------------------------------------ kernels on the kernel AST
     def _note(self, kernel, text):
-        """Keep the kernel AST of ``kernel`` (whose WGSL is ``text``) where it has one and
-        it prints ``text`` (not another form of the kernel: a merged launch on arrays of
-        buffers, a checked kernel), for its GLSL to be printed from it rather than translated."""
-        if kernel.archetype in ("pointwise", "multi") and text not in self._noted and _has_ir(kernel):
-            self._noted.add(text)
-            from ..codegen.kernel_ast import print_wgsl
-            from ..codegen.pointwise_ast import ast_kernel, ast_multi
-            tree = (ast_kernel if kernel.archetype == "pointwise" else ast_multi)(kernel)
-            if tree is not None and print_wgsl(tree[0]) == text:
+        """Keep the kernel AST that ``text`` (``kernel``'s WGSL) was printed from, where it
+        was (``codegen.pointwise_ast.tree_of``; not another form of the kernel: a merged
+        launch on arrays of buffers, a checked kernel), for its GLSL to be printed from it
+        rather than translated."""
+        if kernel.archetype in ("pointwise", "multi") and text not in self._trees:
+            from ..codegen.pointwise_ast import tree_of
+            tree = tree_of(text)
+            if tree is not None:
                 with self._lock:
-                    self._trees[text] = tree[0]
+                    self._trees[text] = tree
 
     def _printed(self, text):
         """(GLSL, seconds) of ``text`` printed from its kernel AST, or None (translated)."""
@@ -484,12 +482,14 @@ class VulkanKernels:
 
 
 def clear_memory():
-    """Forget the finished kernels and cooperative-matrix variants kept in memory (the disk
-    keeps its own)."""
+    """Forget the finished kernels, cooperative-matrix variants and kernel ASTs kept in memory
+    (the disk keeps its own)."""
     with _variants_lock:
         _variants.clear()
     with _finished_lock:
         _finished.clear()
+    from ..codegen.pointwise_ast import clear_printed
+    clear_printed()
 
 
 __all__ = ["VulkanKernels", "VARIANT_ARCHETYPES", "clear_memory", "prompt_gil_handoff"]
