@@ -207,7 +207,7 @@ def gloo_only(ctx, args, counts):
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "gloo_streams.json"), "w") as f:
             json.dump(dict(gloo_mb=args.gloo_mb, bucket_mb=args.bucket_mb, world_size=ctx.world_size,
-                           min_piece_bytes=dist.MIN_PIECE_BYTES, rows=rows,
+                           min_piece_bytes=dist.transports.MIN_PIECE_BYTES, rows=rows,
                            gloo_socket_ifname=os.environ.get("GLOO_SOCKET_IFNAME"),
                            host=dict(platform=platform.platform(), cpus=os.cpu_count(),
                                      torch=torch.__version__)), f, indent=1)

@@ -91,7 +91,7 @@ def worker(mode, out_dir):
             dist.barrier()
         elif mode == "streams":
             # buckets split over 3 concurrent all-reduce streams give the sums of one stream
-            dist.MIN_PIECE_BYTES = 256          # so that these small buckets are split too
+            dist.transports.MIN_PIECE_BYTES = 256          # so that these small buckets are split too
             assert ctx.streams == 3 and len(ctx.groups) == 3
             # and through shared memory (the ranks share this host) as through Gloo
             for streams, transport in ((1, "gloo"), (3, "gloo"), (1, "shm"), (3, "shm")):
@@ -240,7 +240,7 @@ def test_transport_is_validated(monkeypatch):
     monkeypatch.setenv(dist.TRANSPORT_ENV, "nccl")
     with pytest.raises(ValueError, match=r"\$MEGANEURA_DP_TRANSPORT='nccl'"):
         dist._transport_setting()
-    monkeypatch.setattr(dist, "SHM_DIR", "/nonexistent-shm-folder")
+    monkeypatch.setattr(dist.transports, "SHM_DIR", "/nonexistent-shm-folder")
     assert not dist._shm_room(1)
 
 

@@ -559,9 +559,9 @@ def test_norm_read_by_many_tiled_workgroups_keeps_its_launch(monkeypatch):
     """A norm before a wide projection whose column tiles would each recompute the rows'
     statistics (more elements read than the limit, lowered here to keep the test small)
     stays a kernel of its own; the result is the same."""
-    from meganeura.passes import fuse
-    monkeypatch.setattr(fuse, "TILED_PROLOGUE_READ_ELEMENTS", 320 * 96 * 8)
-    TILED_PROLOGUE_READ_ELEMENTS = fuse.TILED_PROLOGUE_READ_ELEMENTS
+    from meganeura.passes import fuse_prologue
+    monkeypatch.setattr(fuse_prologue, "TILED_PROLOGUE_READ_ELEMENTS", 320 * 96 * 8)
+    TILED_PROLOGUE_READ_ELEMENTS = fuse_prologue.TILED_PROLOGUE_READ_ELEMENTS
     g = mg.Graph()
     x = g.input("x", (320, 96))
     ln = mg.ops.layer_norm(x, (96,), g.parameter("lw", (96,), init="normal"), g.parameter("lb", (96,), init="normal"))

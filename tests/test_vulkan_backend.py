@@ -94,10 +94,10 @@ def test_kernels_nobody_holds_are_destroyed(monkeypatch, staged_device):
     """Kernels evicted from the runtime's cache, once their sessions are closed, are
     collected and their pipelines destroyed (not kept until the device closes)."""
     import gc
-    from meganeura.runtime.vulkan import device as vkdevice
+    from meganeura.runtime.vulkan import pipelines
     destroyed = []
-    real = vkdevice._destroy_kernel
-    monkeypatch.setattr(vkdevice, "_destroy_kernel", lambda *a: (destroyed.append(a[1]), real(*a)))
+    real = pipelines._destroy_kernel
+    monkeypatch.setattr(pipelines, "_destroy_kernel", lambda *a: (destroyed.append(a[1]), real(*a)))
     rt = backend.VulkanRuntime(staged_device)
     rt.pipeline_cache_size = 1
     monkeypatch.setattr(backend, "_runtime", rt)

@@ -84,6 +84,7 @@ vulkan = pytest.importorskip("vulkan", reason="the vulkan extra (pip install 'me
 from meganeura.compilation import vulkan as vk_finish  # noqa: E402
 from meganeura.runtime.vulkan import backend  # noqa: E402
 from meganeura.runtime.vulkan import device as vkdevice  # noqa: E402
+from meganeura.runtime.vulkan import pipelines  # noqa: E402
 
 
 class _Runtime:
@@ -144,7 +145,7 @@ def _forbid_compiling(monkeypatch):
         raise AssertionError("compiled a kernel the cache holds")
     monkeypatch.setattr(glsl, "to_glsl", fail)
     monkeypatch.setattr(glslang, "compile_glsl", fail)
-    monkeypatch.setattr(vkdevice, "reflect", fail)
+    monkeypatch.setattr(pipelines, "reflect", fail)
 
 
 def _same(a, b):

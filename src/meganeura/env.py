@@ -40,10 +40,10 @@ _TABLE = [
     Switch("MEGANEURA_ADAPTER", "text", "", "wgpu adapter: an index or a name substring",
            "runtime.device, distributed", keyed=False),
     Switch("MEGANEURA_VK_DEVICE", "text", "", "Vulkan physical device: an index or a name substring",
-           "runtime.vulkan.device, distributed"),
+           "runtime.vulkan.selection, distributed.ranks"),
     Switch("MEGANEURA_VK_LOADER", "path", "", "the libvulkan.so.1 to load", "runtime.vulkan._vk"),
     Switch("MEGANEURA_VK_WORKGROUP_MEMORY", "int", "the device's", "bytes of workgroup memory the kernels may use",
-           "runtime.vulkan.device"),
+           "runtime.vulkan.pipelines"),
     Switch("MEGANEURA_GLSLANG_LIB", "path", "", "folder holding another glslang library",
            "runtime.vulkan.glslang"),
     Switch("MEGANEURA_SPIRV_VALIDATE", "flag", "0", "run SPIRV-Tools' validator on every compile",
@@ -70,29 +70,30 @@ _TABLE = [
     # compiler and kernels
     Switch("MEGANEURA_NO_FUSE", "list", "", "fusion passes to switch off (or all)", "compiler"),
     Switch("MEGANEURA_TILED_PROLOGUE_READ_ELEMENTS", "int", str(6 << 20), "largest input a tiled kernel's "
-           "prologue may read", "passes.fuse"),
+           "prologue may read", "passes.fuse_prologue"),
     Switch("MEGANEURA_SHARED_MAX_ELEMENTS", "int", str(1 << 16), "largest row a pointwise kernel stages in "
            "workgroup memory", "codegen.pointwise"),
     Switch("MEGANEURA_GLSL_UNROLL", "flag", "hardware drivers only", "mark short constant loops [[unroll]]",
            "codegen.glsl"),
     Switch("MEGANEURA_REQUIRE_IEEE", "flag", "0", "refuse a Vulkan device without float controls that keep "
            "Inf, NaN and signed zeros (instead of a warning)", "compilation.float_controls", keyed=False),
-    Switch("MEGANEURA_MATMUL_TILE", "int", "automatic", "force the matmul tile", "codegen.matmul, runtime.executor"),
+    Switch("MEGANEURA_MATMUL_TILE", "int", "automatic", "force the matmul tile",
+           "codegen.matmul_tiles, runtime.executor"),
     Switch("MEGANEURA_MATMUL_BLOCK", "text", "automatic", "force the matmul block TMxTN/WYxWX",
-           "codegen.matmul, runtime.executor"),
-    Switch("MEGANEURA_MATMUL_TK", "int", "the tile's", "K per matmul step: 8, 16 or 32", "codegen.matmul"),
+           "codegen.matmul_tiles, runtime.executor"),
+    Switch("MEGANEURA_MATMUL_TK", "int", "the tile's", "K per matmul step: 8, 16 or 32", "codegen.matmul_tiles"),
     Switch("MEGANEURA_MATMUL_SPLIT", "int", "0 (automatic)", "force the matmul K split",
-           "codegen.matmul, runtime.executor"),
-    Switch("MEGANEURA_MATMUL_GROUPS", "int", "256", "workgroups a matmul aims for", "codegen.matmul"),
-    Switch("MEGANEURA_MATMUL_MAX_SPLIT", "int", "32", "most K splits of a matmul", "codegen.matmul"),
+           "codegen.matmul_tiles, runtime.executor"),
+    Switch("MEGANEURA_MATMUL_GROUPS", "int", "256", "workgroups a matmul aims for", "codegen.matmul_tiles"),
+    Switch("MEGANEURA_MATMUL_MAX_SPLIT", "int", "32", "most K splits of a matmul", "codegen.matmul_tiles"),
     Switch("MEGANEURA_FLASH_SMEM", "int", "the device's", "bytes of workgroup memory flash attention tiles use",
            "codegen.flash"),
     Switch("MEGANEURA_FLASH_SPLIT", "int", "automatic", "splits of a flash attention forward (1: none)",
            "codegen.flash_split, codegen.flash_grad"),
     # data-parallel training
-    Switch("MEGANEURA_DP_STREAMS", "int", "4", "concurrent all-reduce streams", "distributed"),
+    Switch("MEGANEURA_DP_STREAMS", "int", "4", "concurrent all-reduce streams", "distributed.ranks"),
     Switch("MEGANEURA_DP_TRANSPORT", "text", "gloo", "gradient all-reduce transport: auto, shm or gloo",
-           "distributed"),
+           "distributed.transports"),
 ]
 SWITCHES = {s.name: s for s in _TABLE}
 

@@ -35,7 +35,7 @@ from __future__ import annotations
 import numpy as np
 
 from .common import Bindings, broadcast_view_strides, grid
-from .coopmat import ROW, CoopOps, EmulatedOps
+from .coopmat_ops import ROW, CoopOps, EmulatedOps
 from .expr import OutputStore
 
 BKV = 64            # keys per tile

@@ -6,237 +6,30 @@ through double-buffered workgroup memory laid out as vec4, so each step of K rea
 vector per 4 rows or columns a thread owns. Shapes are baked in, so bounds checks are
 emitted only for dimensions that are not tile multiples. Operands are dense (strided views
 are copied first).
+
+The lowering and tile planning are in ``matmul_tiles``, the GEMV kernels in ``gemv``, WGSL
+pieces both kernels use in ``matmul_wgsl``; this module re-exports their names.
 """
 from __future__ import annotations
 
-import os
-
 import numpy as np
 
-from ..schedule import Kernel, View, contiguous_strides
 from .expr import OutputStore
-from .common import LOOP_BOUND, NOWHERE, Bindings, bind_roles, contiguous_batch_strides, form_key
+from .common import NOWHERE, Bindings, bind_roles, form_key
 from .gather import as_function as gather_function
-from .pointwise import as_function as pointwise_function, sum_kernel
+from .pointwise import as_function as pointwise_function
+from .gemv import render_gemv
+from .matmul_tiles import (BLOCKS, DEEP_BLOCK, DEEP_MIN_K, DEEP_MIN_OUTPUTS, GEMV_MAX_ROWS, GEMV_TARGET_GROUPS, K_STEPS,
+                           MAX_SPLIT, SHALLOW_K, SHALLOW_MIN_GROUPS, TARGET_GROUPS, accelerate, block_of, gemv_columns,
+                           gemv_split, k_step, lower_matmul, parse_block, plan_tiles, rounded_operands, split_k)
+from .matmul_wgsl import ROUND_F16, _affine, _batch_offsets
 
-
-def lower_matmul(t, ins, out, materialize, temp):
-    if t.size == 0:
-        return []          # nothing to write (a zero-size batch or output dim)
-    if (t.inputs[0].shape[-2] if t.attrs["ta"] else t.inputs[0].shape[-1]) == 0:
-        from .layout import fill
-        return [fill(out, 0, "matmul.empty_k")]     # an empty sum: zeros
-    a, b = (materialize(v, x) for v, x in zip(ins, t.inputs))
-    m, n = t.shape[-2:]
-    k = t.inputs[0].shape[-2] if t.attrs["ta"] else t.inputs[0].shape[-1]
-    spec = {"ta": t.attrs["ta"], "tb": t.attrs["tb"], "batch": tuple(t.shape[:-2])}
-    if t.attrs.get("f16_round"):        # (flags as ``accelerate`` emitted them)
-        spec["f16_round"] = t.attrs["f16_round"]
-    nb = int(np.prod(t.shape[:-2], dtype=np.int64))
-    if m <= GEMV_MAX_ROWS and -(-n // 8) <= 65535 and "f16_round" not in spec:
-        split = gemv_split(k, spec["tb"])
-        if split == 1:
-            return [Kernel("gemv", "matmul", {**spec, "gemv": True}, out, [a, b])]
-        return _split_k(t, out, temp, Kernel("gemv", "matmul", {**spec, "gemv": True, "split": split},
-                                             temp((nb, split, m, n), out.dtype), [a, b]), split)
-    # f16 operands (accelerated precision) keep square tiles: the cooperative-matrix kernels
-    # that replace them choose their own tile by it and share the K splits
-    f32 = all(v.dtype.name == "f32" for v in t.inputs) and "f16_round" not in spec
-    tile, block, split = plan_tiles(m, n, k, nb, BLOCKS if f32 else ())
-    spec.update(tile=tile, split=split, tk=k_step(tile), block=block)
-    if split == 1:
-        return [Kernel("matmul", "matmul", {**spec, "split": 1}, out, [a, b])]
-    part = temp((nb, split, m, n), out.dtype)
-    return _split_k(t, out, temp, Kernel("matmul", "matmul", spec, part, [a, b]), split)
-
-
-def _split_k(t, out, temp, mm, split):
-    """Split-K: ``mm`` writes the partial products side by side, then their sum runs as a
-    pointwise kernel (one strided view per split), which fusion treats like any other:
-    epilogues, merging."""
-    part = mm.out
-    m, n = t.shape[-2:]
-    batch = tuple(t.shape[:-2])
-    bst = tuple(s * split for s in contiguous_strides(batch + (m, n))[:len(batch)])
-    leaves = [View(part.buf, t.shape, bst + (n, 1), part.offset + s * m * n, out.dtype) for s in range(split)]
-    return [mm, sum_kernel("matmul.splitk_sum", leaves, out)]
-
-
-def accelerate(a, b, ta, tb, f16_round=None):
-    """A matmul in accelerated precision: f16 operands (cast where they are not), f32
-    accumulation and output. ``f16_round``: (a, b) flags of operands kept f32 and rounded to
-    f16 precision by the kernel as it loads them, scaled into f16's range (a gradient: see
-    ``ROUND_F16``), instead of cast."""
-    from ..ops import cast, emit
-    if not f16_round or not any(f16_round):
-        return emit("matmul", [cast(a, "f16"), cast(b, "f16")], ta=ta, tb=tb, out_dtype="f32")
-    ops = [x if r else cast(x, "f16") for x, r in zip((a, b), f16_round)]
-    return emit("matmul", ops, ta=ta, tb=tb, out_dtype="f32", f16_round=tuple(bool(r) for r in f16_round))
-
-
-# An operand flagged in ``spec["f16_round"]`` is f32 in memory and holds f16's precision in
-# the product (11 significant bits, to nearest even) without f16's range: the tiled kernel
-# rounds its bits as it loads it; the cooperative-matrix kernel (codegen.coopmat) scales the
-# workgroup's share of it by a power of two into f16's range and converts, which rounds alike.
-# So a gradient far below f16's smallest normal needs no max reduction and scaled cast of its
-# own before a tensor-core product.
-ROUND_F16 = """fn round_f16(x: f32) -> f32 {
-    let b = bitcast<u32>(x);
-    return bitcast<f32>((b + 0xfffu + ((b >> 13u) & 1u)) & 0xffffe000u);
-}
-fn round_f16v(x: vec4<f32>) -> vec4<f32> {
-    let b = bitcast<vec4<u32>>(x);
-    return bitcast<vec4<f32>>((b + vec4<u32>(0xfffu) + ((b >> vec4<u32>(13u)) & vec4<u32>(1u))) & vec4<u32>(0xffffe000u));
-}"""
-
-
-# K elements per double-buffered step (one barrier each), by tile. Workgroup memory: 2
-# stages x 2 operands x TK x T floats (16 KiB for 64 x 16). The 64 tile, with 16 per step
-# and more K splits (plan_tiles), took SmolVLA's expert 2.25 -> 1.78 ms and ResNet-50's
-# batch-1 inference 2.34 -> 1.65 ms on an H200.
-K_STEPS = {32: 8, 64: 16, 128: 8}
-
-
-def block_of(spec) -> tuple:
-    """(TM, TN, WY, WX) of a tiled matmul: its TM x TN output tile and its WY x WX threads
-    (rows by columns), each thread holding (TM / WY) x (TN / WX) outputs in 4 x 4 groups.
-    ``spec["block"]`` when set (``plan_tiles`` chose it), else square from ``spec["tile"]``:
-    16 x 16 threads (8 x 8 for the 32 tile)."""
-    if spec.get("block"):
-        return tuple(spec["block"])
-    t = spec["tile"]
-    w = 8 if t == 32 else 16
-    return (t, t, w, w)
-
-
-def parse_block(text) -> tuple:
-    """``TMxTN/WYxWX`` -> (TM, TN, WY, WX), checked: every thread holds whole 4 x 4 groups."""
-    try:
-        tile, threads = text.split("/")
-        TM, TN = (int(v) for v in tile.split("x"))
-        WY, WX = (int(v) for v in threads.split("x"))
-    except ValueError:
-        raise ValueError(f"matmul block {text!r}: expected TMxTN/WYxWX, e.g. 128x64/16x16") from None
-    if TM % (4 * WY) or TN % (4 * WX) or WY * WX > 1024 or min(TM, TN, WY, WX) <= 0:
-        raise ValueError(f"matmul block {text!r}: TM must be a multiple of 4 x WY and TN of 4 x WX, "
-                         f"with at most 1024 threads")
-    return TM, TN, WY, WX
-
-
-def k_step(tile) -> int:
-    """K per step of ``tile``: MEGANEURA_MATMUL_TK (8, 16 or 32) or the tile's default."""
-    forced = os.environ.get("MEGANEURA_MATMUL_TK")
-    if not forced:
-        return K_STEPS[tile]
-    tk = int(forced)
-    if tk not in (8, 16, 32) or tk * tile > 4096:
-        raise ValueError(f"MEGANEURA_MATMUL_TK={tk}: expected 8, 16 or 32 (at most 4096 / tile {tile})")
-    return tk
-
-
-def _env_count(name, default) -> int:
-    """A positive integer from the environment (a sweep's switch), else ``default``."""
-    raw = os.environ.get(name, "").strip()
-    if not raw:
-        return default
-    try:
-        value = int(raw, 10)
-    except ValueError:
-        value = 0
-    if value < 1 or not raw.isascii():
-        raise ValueError(f"{name}={raw!r}: expected a positive integer (unset: {default})")
-    return value
-
-
-# enough workgroups to occupy a large GPU (an H200 has 132 SMs); MEGANEURA_MATMUL_GROUPS
-# overrides it for sweeps (the 128-wide tile needs half as many of its own)
-TARGET_GROUPS = _env_count("MEGANEURA_MATMUL_GROUPS", 256)
-# K splits at most (MEGANEURA_MATMUL_MAX_SPLIT for sweeps). 32 instead of 8 gives the few
-# output tiles of batch-1 convolutions more workgroups; H200, ms of a call: U-Net inference
-# 1.87 -> 1.63, ResNet-50 batch-1 1.40 -> 1.20 (its im2col matmuls 23 -> 20 us), ResNet-50
-# forward+loss+backward 10.2 -> 9.9, SmolVLA 1.49 -> 1.45. Extra workgroups (a target of 512
-# instead of 256) lost on ResNet-50's batch-8 inference 2.99 -> 3.21.
-MAX_SPLIT = _env_count("MEGANEURA_MATMUL_MAX_SPLIT", 32)
-
-
-# A product at most SHALLOW_K deep on a grid of SHALLOW_MIN_GROUPS workgroups or more is not
-# split: its sum of partials costs a launch and a pass over the output that the few K steps a
-# split saves do not win back. H200, ms (splitting as before -> whole from 192 workgroups ->
-# from 12): SmolLM2's train step (weight gradients over 128 tokens) 11.14 -> 10.71 -> 10.26;
-# U-Net train step 4.80 -> 4.79 -> 4.74 (all shallow products whole: 4.88), inference 1.54 either way
-SHALLOW_K = 128
-SHALLOW_MIN_GROUPS = 12
-
-
-# f32 blocks (TM, TN, WY, WX) of 128 threads with 16 x 8 or 8 x 8 outputs each, the largest
-# that still yields this many workgroups before K splits; smaller products take the square
-# 64 tile of 256 threads (4 x 4 outputs each) with K splits. H200, TFLOP/s of GPU time
-# against the 128 x 128 tile of 256 threads (8 x 8 outputs each): 4096^3 39.7 -> 43.5,
-# 2048^3 38.2 -> 41.8; 128 x 64: Whisper's 1500 x 384 x 1536 20.3 -> 23.8, 1024^3 26.5 -> 28.1
-BLOCKS = (((128, 128, 8, 16), 256), ((128, 64, 16, 8), 128))
-# Deep products too small for those blocks (at least DEEP_MIN_K deep, DEEP_MIN_OUTPUTS
-# outputs) still take the 128 x 64 block, with K splits making up the workgroups, not the
-# 64 tile of 256 threads with 4 x 4 outputs each. H200, GPU us: Whisper-tiny's fc2 (1500 x
-# 1536 x 384) 95 -> 78 with 4 splits, its second convolution (384 x 1152 x 1500) 100 -> 79;
-# 64 x 64 tiles of 128 threads took them to 89 and 98. (128-thread 64 x 64 tiles as the
-# fallback of every smaller product were slower: SmolVLA, the U-Net, SmolLM2.)
-DEEP_BLOCK = (128, 64, 16, 8)
-DEEP_MIN_K = 1024
-DEEP_MIN_OUTPUTS = 1 << 18
-
-
-def plan_tiles(M, N, K, nb, blocks=BLOCKS):
-    """(tile, block, K splits): the first of ``blocks`` with enough workgroups, else 64-wide
-    tiles (256 threads each; 32-wide tiles of 64 threads were slower on every measured
-    shape) with K split so that more workgroups share the work. ``tile`` (the block's rows)
-    is what the cooperative-matrix kernels choose their own tile by."""
-    groups = lambda tm, tn: -(-M // tm) * -(-N // tn) * nb  # noqa: E731
-    forced_block = os.environ.get("MEGANEURA_MATMUL_BLOCK")     # TMxTN/WYxWX, for sweeps
-    forced_tile = os.environ.get("MEGANEURA_MATMUL_TILE")
-    fitting = [blk for blk, least in blocks if groups(*blk[:2]) >= least]
-    if forced_block:
-        block = parse_block(forced_block)
-    elif forced_tile:
-        block = block_of({"tile": int(forced_tile)})
-    elif fitting:
-        block = fitting[0]
-    elif not blocks and groups(128, 128) >= TARGET_GROUPS // 2:
-        block = block_of({"tile": 128})      # f16 operands: the square 128 tile
-    elif blocks and K >= DEEP_MIN_K and M * N * nb >= DEEP_MIN_OUTPUTS:
-        block = DEEP_BLOCK
-    else:
-        block = block_of({"tile": 64})
-    tile = block[0]
-    # up to MAX_SPLIT K splits of at least 64 each, toward TARGET_GROUPS workgroups. Splits of at
-    # least 128 cut the U-Net's launches 247 -> 219 but cost it 5-10% (H200)
-    split = int(os.environ.get("MEGANEURA_MATMUL_SPLIT", "0"))
-    if not split:
-        n = groups(*block[:2])
-        whole = K <= SHALLOW_K and n >= SHALLOW_MIN_GROUPS
-        split = 1 if whole else max(1, min(-(-TARGET_GROUPS // n), K // 64, MAX_SPLIT))
-    tk = k_step(tile)
-    split = max(split, -(-K // (tk * (LOOP_BOUND - 1))))   # each split loops K / split / tk + 1 times
-    return tile, block, -(-K // split_k(K, split, tk))   # no empty splits
-
-
-def split_k(K, split, tk):
-    """K per split: a whole number of K steps of ``tk``."""
-    return -(-(-(-K // split)) // tk) * tk
-
-
-def _batch_offsets(a, b, batch, index):
-    """WGSL lines splitting the batch ``index`` into coordinates, and the element offset
-    terms of each operand (broadcast batch dims contribute nothing)."""
-    sa = contiguous_batch_strides(a.shape[:-2], batch, a.shape[-2] * a.shape[-1])
-    sb = contiguous_batch_strides(b.shape[:-2], batch, b.shape[-2] * b.shape[-1])
-    lines, aoff, boff = [f"    var br = {index};"], [f"{a.offset}u"], [f"{b.offset}u"]
-    for d in range(len(batch) - 1, -1, -1):
-        lines.append(f"    let z{d} = br % {batch[d]}u; br = br / {batch[d]}u;")
-        if sa[d]:
-            aoff.append(f"z{d} * {sa[d]}u")
-        if sb[d]:
-            boff.append(f"z{d} * {sb[d]}u")
-    return lines, aoff, boff
+# the names of the matmul modules, as ``matmul.<name>``
+__all__ = ["BLOCKS", "DEEP_BLOCK", "DEEP_MIN_K", "DEEP_MIN_OUTPUTS", "GEMV_MAX_ROWS", "GEMV_TARGET_GROUPS", "K_STEPS",
+           "MAX_SPLIT", "PEELED_ROWS", "ROUND_F16", "SHALLOW_K", "SHALLOW_MIN_GROUPS", "TARGET_GROUPS", "_affine",
+           "_batch_offsets", "accelerate", "block_of", "gemv_columns", "gemv_split", "k_step", "lower_matmul",
+           "operand_function", "parse_block", "peeled", "plan_tiles", "render", "render_gemv", "rounded_operands",
+           "split_k"]
 
 
 def _ind(lines, n):
@@ -528,18 +321,6 @@ def _tiled_norm_prologue(kernel, bind, M, K, T, th, ab, a_vec):
     return lines, transform
 
 
-def _affine(e, ks, K, weight, bias, ty="f32"):
-    """``e * weight[k] + bias[k]`` (each term where present) at the row positions ``ks``
-    (one, or four for a vec4), indices clamped to the row."""
-    def read(binding, view):
-        return ", ".join(f"f32(b{binding}[{view.offset}u + min({k}, {K - 1}u)])" for k in ks)
-    if weight[0] is not None:
-        e = f"{e} * {ty}({read(*weight)})"
-    if bias[0] is not None:
-        e = f"{e} + {ty}({read(*bias)})"
-    return e
-
-
 def _block(kernel) -> tuple:
     """(TM, TN, WY, WX) of one tiled matmul: as lowering chose it, else as ``plan_tiles`` would."""
     if "tile" in kernel.spec:
@@ -558,11 +339,6 @@ def operand_function(kernel, j, op, gs, bind):
     fname = f"gat{j}_{op}"
     make = pointwise_function if "expr" in gs else gather_function
     return fname, make(gs, kernel.reads[gs["first"]:gs["first"] + gs["n"]], bind, fname)
-
-
-def rounded_operands(spec) -> tuple:
-    """(a, b): which operands of a matmul's ``spec`` are rounded to f16 in its loads."""
-    return spec.get("f16_round") or (False, False)
 
 
 def _round_f16_load(value, vec):
@@ -666,181 +442,3 @@ fn mm{j}(wid: vec3<u32>, lid3: vec3<u32>) {{
 }}
 """
     return src, (-(-N // TN), -(-M // TM), nb * S), TK
-
-
-GEMV_MAX_ROWS = 4
-GEMV_TARGET_GROUPS = 256    # enough workgroups to occupy a large GPU
-
-
-def gemv_split(K, tb) -> int:
-    """K splits of a GEMV whose lanes would otherwise loop past ``LOOP_BOUND``: B
-    transposed, at least 32 lanes stride over K; B plain, one thread walks all of K. Only
-    K decides it, so sibling GEMVs (one merged launch) split alike."""
-    return -(-K // (LOOP_BOUND * (32 if tb else 1)))
-
-
-def gemv_columns(N) -> int:
-    """Output columns per 256-thread workgroup of the B-transposed GEMV: 8 (32 lanes over K
-    each) for wide outputs, fewer, with more lanes each, for narrow ones so that the GPU
-    still gets enough workgroups."""
-    for c in (8, 4, 2):
-        if -(-N // c) >= GEMV_TARGET_GROUPS:
-            return c
-    return 2
-
-
-def render_gemv(kernel):
-    """Few-row products (one-token decoding): the weight is streamed once, coalesced.
-
-    B transposed ([N, K], the linear layout): 32 lanes share one output column and stride
-    over K, then combine through workgroup memory (8 columns per workgroup). B plain
-    ([K, N]): one thread per output column walks K. Sibling GEMVs that share A (q, k and v
-    projections) run as one launch (``spec["parts"]``): each owns a range of workgroups."""
-    parts = kernel.spec.get("parts", [kernel])
-    bind = Bindings()
-    fns, branches, g0 = [], [], 0
-    per_group = 8 if parts[0].spec["tb"] else 256
-    for j, part in enumerate(parts):
-        fn, gx, nb = _gemv_part(part, bind, j)     # nb: batch x K splits, alike for merged parts
-        fns.append(fn)
-        branches.append(f"    if (wid.x < {g0 + gx}u) {{ gemv{j}(wid.x - {g0}u, wid.z, lid); return; }}")
-        g0 += gx
-    M = parts[0].shape[-2]
-    paired = 2 if any("pair" in p.spec for p in parts) else 1
-    shared = f"var<workgroup> part: array<f32, {256 * M * paired}>;\n" if per_group == 8 else ""
-    src = f"""{bind.decls()}
-{shared}{chr(10).join(fns)}
-
-@compute @workgroup_size(256)
-fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) lid: u32) {{
-{chr(10).join(branches)}
-}}
-"""
-    return src, bind.bufs, (g0, 1, nb)
-
-
-def _norm_prologue(kernel, bind, M, K, a_at, ab):
-    """WGSL computing each A row's normalisation statistics (a norm fused into the GEMV
-    that reads it, ``spec["prologue"]``), and the normalised A element as a function of
-    (m, k)."""
-    pro = kernel.spec["prologue"]
-    extra = kernel.reads[2:kernel.spec.get("pair", {}).get("b_index", len(kernel.reads))]
-    w = extra[0] if pro["has_w"] else None
-    b = extra[-1] if pro["has_b"] else None
-    wb = bind.index(w.buf, w.dtype) if w is not None else None
-    bb = bind.index(b.buf, b.dtype) if b is not None else None
-    center = pro["kind"] == "layer_norm"
-    lines = []
-
-    def tree(expr, m):
-        return ["    { var s = 0.0;",
-                f"      for (var k = lid; k < {K}u; k = k + 256u) {{ let x = f32(b{ab}[{a_at(str(m) + 'u', 'k')}]); s = s + {expr}; }}",
-                f"      part[{m * 256}u + lid] = s; }}"]
-    for m in range(M):
-        if center:
-            lines += tree("x", m)
-        else:
-            lines.append(f"    let mean{m} = 0.0;")
-    red = lambda: ["    workgroupBarrier();", "    for (var s = 128u; s > 0u; s = s >> 1u) {",  # noqa: E731
-                   "        if (lid < s) {"] + [f"            part[{m * 256}u + lid] = part[{m * 256}u + lid] + "
-                                                f"part[{m * 256}u + lid + s];" for m in range(M)] + \
-        ["        }", "        workgroupBarrier();", "    }"]
-    if center:
-        lines += red() + [f"    let mean{m} = part[{m * 256}u] / {float(K)!r};" for m in range(M)] + ["    workgroupBarrier();"]
-    for m in range(M):
-        lines += tree(f"(x - mean{m}) * (x - mean{m})", m)
-    lines += red() + [f"    let inv{m} = inverseSqrt(part[{m * 256}u] / {float(K)!r} + {pro['eps']!r});" for m in range(M)]
-    lines.append("    workgroupBarrier();")
-
-    def elem(m, k):
-        return _affine(f"(f32(b{ab}[{a_at(str(m) + 'u', k)}]) - mean{m}) * inv{m}", [k], K, (wb, w), (bb, b))
-    return lines, elem
-
-
-def _gemv_part(kernel, bind, j):
-    """(WGSL functions of one GEMV, its x workgroups, its batch workgroups)."""
-    a, bv = kernel.reads[:2]
-    ta, tb = kernel.spec["ta"], kernel.spec["tb"]
-    M, N = kernel.shape[-2:]
-    K = a.shape[-2] if ta else a.shape[-1]
-    S = kernel.spec.get("split", 1)      # K splits: the output is (batch, S, M, N) partials
-    batch = kernel.spec["batch"] if S > 1 else kernel.shape[:-2]
-    nb = int(np.prod(batch, dtype=np.int64))
-    KC = -(-K // S)
-    store = OutputStore(kernel, bind, name=f"store_out{j}")
-    ab, bb = bind.index(a.buf, a.dtype), bind.index(bv.buf, bv.dtype)
-    bl, aoff, boff = _batch_offsets(a, bv, batch, f"wz / {S}u" if S > 1 else "wz")
-    bl.append(f"    let kbeg = (wz % {S}u) * {KC}u; let kend = min(kbeg + {KC}u, {K}u);")
-    a_at = (lambda m, k: f"aoff + {k} * {M}u + {m}") if ta else (lambda m, k: f"aoff + {m} * {K}u + {k}")
-    head = f"""{store.module_text()}
-fn gemv{j}(wx: u32, wz: u32, lid: u32) {{
-{chr(10).join(bl)}
-    let aoff = {" + ".join(aoff)};
-    let boff = {" + ".join(boff)};
-    let coff = wz * {M * N}u;
-"""
-    accs = "\n".join(f"    var acc{m} = 0.0;" for m in range(M))
-    if tb:
-        pro_lines, elem = [], (lambda m, k: f"f32(b{ab}[{a_at(str(m) + 'u', k)}])")
-        if "prologue" in kernel.spec:
-            pro_lines, elem = _norm_prologue(kernel, bind, M, K, a_at, ab)
-        head += "\n".join(pro_lines) + "\n"
-        pair = kernel.spec.get("pair")
-        R = 2 * M if pair else M          # accumulators: this product's, then the paired one's
-        if pair:
-            # a paired GEMV (gate beside up): the same A against a second weight in the same
-            # loop, its result handed to this one's epilogue as acc2
-            pv = kernel.reads[pair["b_index"]]
-            pbb = bind.index(pv.buf, pv.dtype)
-            boff2 = _batch_offsets(a, pv, batch, "wz")[2]
-            head += f"    let boff2 = {' + '.join(boff2)};\n"
-            fmas = "\n".join(f"            let a{m} = {elem(m, 'k')};\n            acc{m} = fma(a{m}, w, acc{m});\n"
-                             f"            acc{M + m} = fma(a{m}, w2, acc{M + m});" for m in range(M))
-            fmas = f"            let w2 = f32(b{pbb}[boff2 + n * {K}u + k]);\n" + fmas
-        else:
-            fmas = "\n".join(f"            acc{m} = fma({elem(m, 'k')}, w, acc{m});" for m in range(M))
-        accs = "\n".join(f"    var acc{m} = 0.0;" for m in range(R))
-        parts = "\n".join(f"    part[{m * 256}u + lid] = acc{m};" for m in range(R))
-        reduce = "\n".join(f"            part[{m * 256}u + lid] = part[{m * 256}u + lid] + part[{m * 256}u + lid + s];"
-                           for m in range(R))
-        second = (lambda m: f", part[{(M + m) * 256}u + lid]") if pair else (lambda m: "")  # noqa: E731
-        writes = "\n".join(f"        store_out{j}(coff + {m * N}u + n, part[{m * 256}u + lid]{second(m)});"
-                           for m in range(M))
-        C = gemv_columns(N)
-        L = 256 // C
-        body = f"""    let lane = lid % {L}u;
-    let n = wx * {C}u + lid / {L}u;
-{accs}
-    if (n < {N}u) {{
-        for (var k = kbeg + lane; k < kend; k = k + {L}u) {{
-            let w = f32(b{bb}[boff + n * {K}u + k]);
-{fmas}
-        }}
-    }}
-{parts}
-    workgroupBarrier();
-    for (var s = {L // 2}u; s > 0u; s = s >> 1u) {{
-        if (lane < s) {{
-{reduce}
-        }}
-        workgroupBarrier();
-    }}
-    if (lane == 0u && n < {N}u) {{
-{writes}
-    }}
-}}
-"""
-        return head + body, -(-N // C), nb * S
-    fmas = "\n".join(f"        acc{m} = fma(f32(b{ab}[{a_at(str(m) + 'u', 'k')}]), w, acc{m});" for m in range(M))
-    writes = "\n".join(f"    store_out{j}(coff + {m * N}u + n, acc{m});" for m in range(M))
-    body = f"""    let n = wx * 256u + lid;
-    if (n >= {N}u) {{ return; }}
-{accs}
-    for (var k = kbeg; k < kend; k = k + 1u) {{
-        let w = f32(b{bb}[boff + k * {N}u + n]);
-{fmas}
-    }}
-{writes}
-}}
-"""
-    return head + body, -(-N // 256), nb * S

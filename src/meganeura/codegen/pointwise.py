@@ -7,6 +7,7 @@ import os
 from .common import (ENTRY, GROUP_INDEX, NOWHERE, WG, Bindings, bind_roles, broadcast_view_strides, coalesce, coords,
                      form_key, grid, offset_expr)
 from .expr import HELPERS, ExprWriter, Node, store_lines
+from .pointwise_ast import ast_kernel, ast_multi, printed
 
 
 def sum_kernel(name, leaves, out):
@@ -101,6 +102,15 @@ def render(kernel) -> tuple[str, list, tuple]:
     if kernel.archetype == "multi":
         return render_multi(kernel)
     n = kernel.out.size
+    tree = ast_kernel(kernel)
+    if tree is not None:        # (its GLSL: ``kernel_ast.print_glsl``)
+        return printed(tree[0]), tree[1], grid(-(-n // WG))
+    return _render_template(kernel)
+
+
+def _render_template(kernel) -> tuple[str, list, tuple]:
+    """``render`` of a pointwise kernel from the WGSL template (``_body``)."""
+    n = kernel.out.size
     b = Bindings()
     helpers, lines = _body(kernel, b)
     src = "\n".join([b.decls()] + helpers) + "\n\n" + ENTRY.format(wg=WG) + \
@@ -116,11 +126,19 @@ def render_multi(kernel, array_limit=0):
     and parts alike but for their buffers share one body (``_render_shared``) where that
     stays within the limit (an array binds a buffer two parts share twice, which the fusion
     passes counted once)."""
-    from . import reduce
     if array_limit:
         shared = _render_shared(kernel)
         if shared is not None and len(shared[1]) <= array_limit:
             return shared
+    tree = ast_multi(kernel)
+    if tree is not None:        # (its GLSL: ``kernel_ast.print_glsl``)
+        return printed(tree[0]), tree[1], grid(tree[2])
+    return _render_multi_template(kernel)
+
+
+def _render_multi_template(kernel):
+    """``render_multi`` of a merged launch from the WGSL template (one function per part)."""
+    from . import reduce
     b = Bindings()
     fns, helpers, branches, g0, scratch = [], {}, [], 0, ""
     for j, part in enumerate(kernel.spec["parts"]):

@@ -87,7 +87,7 @@ def lower_norm(t, ins, out, materialize, temp):
 
 
 def lower_norm_stat(t, ins, out, materialize, temp):
-    """A norm's statistic alone (``ops.nn.norm_stat``): a row kernel that stores it, unless
+    """A norm's statistic alone (``ops.normalization.norm_stat``): a row kernel that stores it, unless
     the fusion pass ``normstats`` moves it into the norm kernel over the same rows."""
     a = t.attrs
     spec = {"kind": "layer_norm" if a["center"] else "rms_norm", "eps": float(a["eps"]),

@@ -4,8 +4,9 @@ The translator (``codegen.glsl``) is Python. In-process it runs on the thread th
 kernels to the compile pool, holding the GIL while sixteen threads wait for kernels (H200,
 the U-Net's training plans: 1.8 s translating 422 kernels; with translation made free
 their cold compile went 3.0 / 3.5 -> 2.9 / 3.2 s, ResNet-50's 2.0 / 2.8 -> 1.8 / 2.1). A few
-worker processes translate side by side instead. Each loads ``codegen/glsl.py`` by its path
-(standard library only, no package import), so one starts in tens of milliseconds; they
+worker processes translate side by side instead. Each loads ``codegen/glsl.py`` and
+``codegen/glsl_lex.py`` from their folder as a package of their own (standard library only,
+no meganeura import), so one starts in tens of milliseconds; they
 start when a plan begins compiling (``compilation.vulkan.VulkanKernels.prepare``), beside the compiler
 passes, and serve the process's later compiles.
 
@@ -44,7 +45,7 @@ MIN_KERNELS = 24       # fewer: in-process (the requests' round trips are not wo
 # None: anything else. Its first frame says it is ready. The channel is a private copy of
 # fd 1: whatever else writes to stdout goes to stderr (discarded), not into the frames.
 _BOOT = r"""
-import importlib.util, os, pickle, struct, sys, time
+import importlib, os, pickle, struct, sys, time, types
 out = os.fdopen(os.dup(1), "wb")
 os.dup2(2, 1)
 sys.stdout = sys.stderr
@@ -55,10 +56,12 @@ def send(res):
     out.write(struct.pack("<I", len(data)) + data)
     out.flush()
 
-spec = importlib.util.spec_from_file_location("_meganeura_glsl", sys.argv[1])
-mod = importlib.util.module_from_spec(spec)
-sys.modules[spec.name] = mod
-spec.loader.exec_module(mod)
+# codegen/glsl.py and the module it imports (glsl_lex.py) as a package of their own, without
+# the rest of meganeura
+pkg = types.ModuleType("_meganeura_glsl")
+pkg.__path__ = [os.path.dirname(sys.argv[1])]
+sys.modules[pkg.__name__] = pkg
+mod = importlib.import_module("_meganeura_glsl." + os.path.splitext(os.path.basename(sys.argv[1]))[0])
 send((0, True, "ready", 0.0))
 while True:
     head = inp.read(4)

@@ -4,6 +4,8 @@ becomes SPIR-V and its reflection (``FinalKernel``).
 - in accelerated precision, tiled matmuls with f16 operands (``codegen.coopmat``) and flash
   attention (``codegen.flash_coop``, ``codegen.flash_grad_coop``) become kernels on
   cooperative matrices where the target has them (``Target.tensor_cores``): ``variants``;
+- kernels built on the typed kernel AST (``codegen.kernel_ast``; which ones:
+  ``codegen.pointwise_ast``) are printed as GLSL from it;
 - the rest is translated to GLSL (``codegen.glsl``, by the translation workers,
   ``translators``, for a large request) and every kernel compiled by glslang
   (``glslang``, a library: no device) and reflected (``spirv.reflect``);
@@ -103,8 +105,9 @@ class VulkanKernels:
         self.ieee = ieee_preserve(target)      # warns (or raises, on request) where the device lacks it
         self.disk = disk_cache_enabled() if disk is None else bool(disk)
         self.stats = {"kernel_cache_hits": 0, "glsl_seconds": 0.0, "compile_seconds": 0.0, "kernels_compiled": 0,
-                      "coopmat_kernels": 0}
+                      "coopmat_kernels": 0, "kernels_printed": 0}
         self._early: dict = {}          # WGSL text -> Future of its FinalKernel (``start``)
+        self._trees: dict = {}          # WGSL text -> its kernel AST (``_note``)
         self._pool = None
         self._lock = threading.Lock()
 
@@ -126,6 +129,30 @@ class VulkanKernels:
         from ..runtime.vulkan.cache import kernel_set_key
         return kernel_set_key(texts, unroll=self.target.unroll, **self._context())
 
+    # ------------------------------------------------------------------ kernels on the kernel AST
+    def _note(self, kernel, text):
+        """Keep the kernel AST that ``text`` (``kernel``'s WGSL) was printed from, where it
+        was (``codegen.pointwise_ast.tree_of``; not another form of the kernel: a merged
+        launch on arrays of buffers, a checked kernel), for its GLSL to be printed from it
+        rather than translated."""
+        if kernel.archetype in ("pointwise", "multi") and text not in self._trees:
+            from ..codegen.pointwise_ast import tree_of
+            tree = tree_of(text)
+            if tree is not None:
+                with self._lock:
+                    self._trees[text] = tree
+
+    def _printed(self, text):
+        """(GLSL, seconds) of ``text`` printed from its kernel AST, or None (translated)."""
+        tree = self._trees.get(text)
+        if tree is None:
+            return None
+        from ..codegen.kernel_ast import print_glsl
+        t = time.perf_counter()
+        glsl = print_glsl(tree)
+        self._add("kernels_printed", 1)
+        return glsl, time.perf_counter() - t
+
     # ------------------------------------------------------------------ early kernels
     def prepare(self):
         """A plan is being compiled (not read from the plan cache): glslang's first compile of
@@ -143,6 +170,7 @@ class VulkanKernels:
         again and raises there)."""
         if self.emulate is not None and kernel.archetype in VARIANT_ARCHETYPES:
             return
+        self._note(kernel, text)
         with self._lock:
             if text in self._early:
                 return
@@ -163,8 +191,9 @@ class VulkanKernels:
         elif ck is not None:
             fk = self._remember(self._final(label, key, ck, text, from_disk=True))
         else:
-            workers = translators.pool_for(translators.MIN_KERNELS)
-            glsl = None
+            printed = self._printed(text)
+            glsl, seconds = printed if printed is not None else (None, 0.0)
+            workers = translators.pool_for(translators.MIN_KERNELS) if glsl is None else None
             if workers is not None:
                 try:
                     glsl, seconds = workers.submit(text, label, self.target.unroll, self.ieee).result()
@@ -190,6 +219,8 @@ class VulkanKernels:
         on cooperative matrices replaced by their variant (GLSL text, other groups). A
         variant binds the WGSL kernel's buffers in the same order, so it is a function of the
         WGSL text: kept by it in memory and on disk, one file per plan's set of them too."""
+        for k, sh in zip(kernels, shaders):
+            self._note(k, sh[0])
         emulate = self.emulate
         texts = sorted({sh[0] for k, sh in zip(kernels, shaders) if k.archetype in VARIANT_ARCHETYPES})
         if emulate is None or not texts:
@@ -427,6 +458,8 @@ class VulkanKernels:
         for text, label, key in sorted(misses, key=lambda m: -len(m[0])):
             if _is_glsl(text):          # a variant's GLSL already
                 yield text, label, key, text, 0.0
+            elif (printed := self._printed(text)) is not None:     # from its kernel AST
+                yield (text, label, key) + printed
             else:
                 todo.append((text, label, key))
         workers = translators.pool_for(len(todo))
@@ -453,12 +486,14 @@ class VulkanKernels:
 
 
 def clear_memory():
-    """Forget the finished kernels and cooperative-matrix variants kept in memory (the disk
-    keeps its own)."""
+    """Forget the finished kernels, cooperative-matrix variants and kernel ASTs kept in memory
+    (the disk keeps its own)."""
     with _variants_lock:
         _variants.clear()
     with _finished_lock:
         _finished.clear()
+    from ..codegen.pointwise_ast import clear_printed
+    clear_printed()
 
 
 __all__ = ["VulkanKernels", "VARIANT_ARCHETYPES", "clear_memory", "prompt_gil_handoff"]

@@ -16,6 +16,8 @@ from .scan import argmax, argmin, cumsum, logsumexp, prod  # noqa: F401
 from .linalg import linear, matmul, mm  # noqa: F401
 from .updates import adam_step, ema, ema_sq  # noqa: F401
 from .nn import *  # noqa: F401,F403
+from .normalization import *  # noqa: F401,F403
+from .rotary import *  # noqa: F401,F403
 from .attention import *  # noqa: F401,F403
 from .conv import *  # noqa: F401,F403
 from .quantized import *  # noqa: F401,F403

@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 from ..schedule import Kernel, View
+from .fuse_index import _relabel, _same_elements, _Uses
 
 MAX_PARTS = 8
 
@@ -30,7 +31,6 @@ def _bindings(ks) -> int:
 
 
 def _pair(kernels, max_bindings):
-    from .fuse import _Uses, _relabel, _same_elements       # (fuse.py lists this pass)
     uses = _Uses(kernels)
     for ui, u in enumerate(kernels):
         if not _gemv(u) or "pair" in u.spec:
@@ -91,7 +91,6 @@ MAX_NORM_ROW = 16384      # the statistics loop over a row stays short
 
 
 def _norm(kernels, max_bindings):
-    from .fuse import _Uses, _same_elements
     uses = _Uses(kernels)
     for ni, nk in enumerate(kernels):
         if nk is None or nk.archetype != "norm" or nk.epilogue is not None or nk.outs or nk.out.buf.kind != "temp" \
