@@ -29,6 +29,7 @@ from .. import ops
 from . import init
 from .layers import Dropout, Identity, Linear
 from .module import Module, Parameter
+from .quantized import QuantizedLinear
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"
@@ -89,6 +90,40 @@ class LoraLinear(Linear):
         return super().extra_repr() + f", r={self.r}, alpha={self.lora_alpha:g}{', merged' if self.merged else ''}"
 
 
+class LoraQuantizedLinear(Module):
+    """LoRA over a ``QuantizedLinear`` (QLoRA's arrangement): the GGUF blocks stay as they
+    are, read by the quantized kernels (``base_layer``, frozen), and ``lora_A`` / ``lora_B``
+    train in f32. The adapters save and load as ``LoraLinear``'s; a quantized weight cannot
+    take a merge (``merge`` refuses: dequantize the base first)."""
+
+    def __init__(self, base: QuantizedLinear, r: int, alpha: float, dropout: float = 0.0, use_rslora: bool = False):
+        super().__init__()
+        if not isinstance(r, int) or isinstance(r, bool) or r < 1:
+            raise ValueError(f"lora: r must be a positive int, got {r!r}")
+        self.in_features, self.out_features = base.in_features, base.out_features
+        self.base_layer = base
+        self.r, self.lora_alpha, self.use_rslora = r, float(alpha), bool(use_rslora)
+        self.scaling = self.lora_alpha / (math.sqrt(r) if use_rslora else r)
+        self.lora_dropout = Dropout(dropout) if dropout else Identity()
+        self.lora_A = Linear(self.in_features, r, bias=False)
+        self.lora_B = Linear(r, self.out_features, bias=False)
+        init.kaiming_uniform_(self.lora_A._parameters["weight"], a=math.sqrt(5))
+        init.zeros_(self.lora_B._parameters["weight"])
+        self.merged = False
+
+    def merge(self):
+        raise TypeError(f"lora: a LoRA over a {self.base_layer.qtype} weight cannot be merged into its blocks; "
+                        "load the model with dequantized weights to merge")
+
+    unmerge = merge
+
+    def forward(self, x):
+        return self.base_layer(x) + self.lora_B(self.lora_A(self.lora_dropout(x))) * self.scaling
+
+    def extra_repr(self):
+        return f"{self.base_layer.qtype}, r={self.r}, alpha={self.lora_alpha:g}"
+
+
 def _matches(name: str, target_modules) -> bool:
     """peft's rule: a string is a regular expression the full name must match; a list
     names modules by their last dotted components."""
@@ -108,8 +143,8 @@ def apply(model: Module, r: int = 8, alpha: float = 8, target_modules=("q_proj",
         raise TypeError(f"lora.apply: target_modules must be a list of module names or a regex string, "
                         f"got {type(target_modules).__name__}")
     found = [(n, m) for n, m in model.named_modules()
-             if n and isinstance(m, Linear) and not isinstance(m, LoraLinear) and _matches(n, target_modules)
-             and not re.search(r"(^|\.)lora_[AB]$", n)]
+             if n and isinstance(m, (Linear, QuantizedLinear)) and not isinstance(m, LoraLinear)
+             and _matches(n, target_modules) and not re.search(r"(^|\.)(lora_[AB]|base_layer)$", n)]
     if not found:
         linears = [n for n, m in model.named_modules() if isinstance(m, Linear)][:8]
         raise ValueError(f"lora.apply: target_modules {target_modules!r} names no Linear of "
@@ -118,15 +153,16 @@ def apply(model: Module, r: int = 8, alpha: float = 8, target_modules=("q_proj",
     for name, lin in found:
         parent, _, leaf = name.rpartition(".")
         owner = model.get_submodule(parent) if parent else model
-        owner._modules[leaf] = LoraLinear(lin, r, alpha, dropout, use_rslora)
+        wrap = LoraQuantizedLinear if isinstance(lin, QuantizedLinear) else LoraLinear
+        owner._modules[leaf] = wrap(lin, r, alpha, dropout, use_rslora)
     object.__setattr__(model, "lora_config", {"r": r, "lora_alpha": alpha, "lora_dropout": float(dropout),
                                               "target_modules": target_modules, "use_rslora": bool(use_rslora)})
     return model
 
 
 def adapters(model: Module) -> dict:
-    """{path: LoraLinear} of ``model``."""
-    return {n: m for n, m in model.named_modules() if isinstance(m, LoraLinear)}
+    """{path: LoraLinear or LoraQuantizedLinear} of ``model``."""
+    return {n: m for n, m in model.named_modules() if isinstance(m, (LoraLinear, LoraQuantizedLinear))}
 
 
 def _need(model):

@@ -116,6 +116,7 @@ def quantize_weights(model: Module, blocks) -> list:
                 raise ValueError(f"quantize_weights: {key!r} has a padding_idx, which QuantizedEmbedding has not")
             new = QuantizedEmbedding(old.num_embeddings, old.embedding_dim, qtype, blocks=raw)
         parent, _, child = path.rpartition(".")
-        setattr(model.get_submodule(parent), child, new)
+        # in place: a Sequential runs its children in their order of registration
+        (model.get_submodule(parent) if parent else model)._modules[child] = new
         swapped.append(key)
     return swapped
