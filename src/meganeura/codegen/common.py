@@ -168,6 +168,23 @@ def contiguous_batch_strides(shape, batch, mat_size):
 BUFFER_USE = re.compile(r"\bb(\d+)\[")      # a binding indexed, as every renderer writes it
 
 
+def batch_offset_terms(a, b, batch):
+    """How a batched product's batch index splits into coordinates ``z{d}``: the dims
+    (d, size), innermost first, and each operand's element offset terms (its view's offset,
+    then ``z{d} * stride``; broadcast batch dims contribute nothing). The WGSL and GLSL
+    renderers print the lines in their own syntax."""
+    sa = contiguous_batch_strides(a.shape[:-2], batch, a.shape[-2] * a.shape[-1])
+    sb = contiguous_batch_strides(b.shape[:-2], batch, b.shape[-2] * b.shape[-1])
+    dims, aoff, boff = [], [f"{a.offset}u"], [f"{b.offset}u"]
+    for d in range(len(batch) - 1, -1, -1):
+        dims.append((d, batch[d]))
+        if sa[d]:
+            aoff.append(f"z{d} * {sa[d]}u")
+        if sb[d]:
+            boff.append(f"z{d} * {sb[d]}u")
+    return dims, aoff, boff
+
+
 def bind_roles(b: Bindings, members, text: str, index: str) -> str:
     """``text``, a body rendered on a Bindings of its own (``members[0]``; the other members
     are the Bindings of bodies of the same text for other parts), with its bindings bound on

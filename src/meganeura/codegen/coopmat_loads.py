@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .common import contiguous_batch_strides
+from .common import batch_offset_terms
 
 
 @dataclass
@@ -195,14 +195,7 @@ def _im2col_fetch(op: _Operand, reg, off, ld, row_conds, col_check):
 
 def _batch_offsets(a, b, batch, index):
     """GLSL lines splitting the batch ``index`` into coordinates, and each operand's element
-    offset terms (as ``matmul._batch_offsets``: broadcast batch dims contribute nothing)."""
-    sa = contiguous_batch_strides(a.shape[:-2], batch, a.shape[-2] * a.shape[-1])
-    sb = contiguous_batch_strides(b.shape[:-2], batch, b.shape[-2] * b.shape[-1])
-    lines, aoff, boff = [f"uint br = {index};"], [f"{a.offset}u"], [f"{b.offset}u"]
-    for d in range(len(batch) - 1, -1, -1):
-        lines.append(f"uint z{d} = br % {batch[d]}u; br = br / {batch[d]}u;")
-        if sa[d]:
-            aoff.append(f"z{d} * {sa[d]}u")
-        if sb[d]:
-            boff.append(f"z{d} * {sb[d]}u")
+    offset (``common.batch_offset_terms``, as the WGSL renderers' ``matmul_wgsl._batch_offsets``)."""
+    dims, aoff, boff = batch_offset_terms(a, b, batch)
+    lines = [f"uint br = {index};"] + [f"uint z{d} = br % {n}u; br = br / {n}u;" for d, n in dims]
     return lines, " + ".join(aoff), " + ".join(boff)

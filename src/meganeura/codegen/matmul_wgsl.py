@@ -2,7 +2,7 @@
 rounding of f32 operands in the loads, batch offsets, and a norm's affine."""
 from __future__ import annotations
 
-from .common import contiguous_batch_strides
+from .common import batch_offset_terms
 
 
 # An operand flagged in ``spec["f16_round"]`` is f32 in memory and holds f16's precision in
@@ -23,16 +23,9 @@ fn round_f16v(x: vec4<f32>) -> vec4<f32> {
 
 def _batch_offsets(a, b, batch, index):
     """WGSL lines splitting the batch ``index`` into coordinates, and the element offset
-    terms of each operand (broadcast batch dims contribute nothing)."""
-    sa = contiguous_batch_strides(a.shape[:-2], batch, a.shape[-2] * a.shape[-1])
-    sb = contiguous_batch_strides(b.shape[:-2], batch, b.shape[-2] * b.shape[-1])
-    lines, aoff, boff = [f"    var br = {index};"], [f"{a.offset}u"], [f"{b.offset}u"]
-    for d in range(len(batch) - 1, -1, -1):
-        lines.append(f"    let z{d} = br % {batch[d]}u; br = br / {batch[d]}u;")
-        if sa[d]:
-            aoff.append(f"z{d} * {sa[d]}u")
-        if sb[d]:
-            boff.append(f"z{d} * {sb[d]}u")
+    terms of each operand (``common.batch_offset_terms``)."""
+    dims, aoff, boff = batch_offset_terms(a, b, batch)
+    lines = [f"    var br = {index};"] + [f"    let z{d} = br % {n}u; br = br / {n}u;" for d, n in dims]
     return lines, aoff, boff
 
 
