@@ -47,8 +47,7 @@ class LlamaGenerator:
             cfg, state = load_hf(path)
             return cls(cfg, state, backend, precision)
         m = load_gguf(path, tokenizer=False)
-        blocks = quantized_blocks(m) if quantized else {}
-        state = {n: v for n, v in m.state.items() if n not in blocks}
+        state, blocks = split_quantized(m) if quantized else (m.state, {})
         return cls(m.config, state, backend, precision, blocks)
 
     def model(self):
@@ -222,21 +221,13 @@ def sample(logits, temperature=0.0, top_k=None, top_p=None, rng=None, min_p=None
     return np.array([rng.choice(pr.shape[-1], p=row) for row in pr])
 
 
-# ggml types with quantized kernels (ops.quantized); other tensors load as f32
-FLOAT_TYPES = {"F32", "F16", "BF16", "F64"}
-
-
-def quantized_blocks(gguf_model) -> dict:
-    """{name: (raw bytes, type)} of a loaded GGUF file's quantized matrices (``load_gguf``)."""
+def split_quantized(gguf_model):
+    """(f32 state, blocks) of a loaded GGUF file (``load_gguf``): ``blocks`` {name: (raw
+    bytes, type)} holds the matrices of a type with quantized kernels (``ops.quantized``),
+    the state everything else (a type without kernels is dequantized to f32 as loaded)."""
     from ..ops.quantized import QTYPES
-    out = {}
-    for name, qtype in gguf_model.quant_types.items():
-        if qtype in FLOAT_TYPES:
-            continue
-        if qtype not in QTYPES:
-            continue            # a block type without kernels: dequantized to f32 as loaded
-        out[name] = (gguf_model.tensors[name], qtype)
-    return out
+    blocks = {n: (gguf_model.tensors[n], t) for n, t in gguf_model.quant_types.items() if t in QTYPES}
+    return {n: v for n, v in gguf_model.state.items() if n not in blocks}, blocks
 
 
 def _generator(model, backend):

@@ -36,27 +36,34 @@ ADAPTER_CONFIG = "adapter_config.json"
 PEFT_PREFIX = "base_model.model."
 
 
+def _add_adapters(layer, r, alpha, dropout, use_rslora):
+    """``layer``'s ``lora_A`` (Kaiming-uniform) and ``lora_B`` (zeros), its scaling (alpha / r,
+    alpha / sqrt(r) with rsLoRA) and dropout, as peft sets them up; ``in_features`` and
+    ``out_features`` are set first."""
+    if not isinstance(r, int) or isinstance(r, bool) or r < 1:
+        raise ValueError(f"lora: r must be a positive int, got {r!r}")
+    layer.r, layer.lora_alpha, layer.use_rslora = r, float(alpha), bool(use_rslora)
+    layer.scaling = layer.lora_alpha / (math.sqrt(r) if use_rslora else r)
+    layer.lora_dropout = Dropout(dropout) if dropout else Identity()
+    layer.lora_A = Linear(layer.in_features, r, bias=False)
+    layer.lora_B = Linear(r, layer.out_features, bias=False)
+    init.kaiming_uniform_(layer.lora_A._parameters["weight"], a=math.sqrt(5))
+    init.zeros_(layer.lora_B._parameters["weight"])
+    layer.merged = False
+
+
 class LoraLinear(Linear):
     """A Linear whose (frozen) weight and bias are the wrapped layer's own Parameters, plus
     ``lora_A`` and ``lora_B``. ``scaling`` is alpha / r (alpha / sqrt(r) with rsLoRA)."""
 
     def __init__(self, base: Linear, r: int, alpha: float, dropout: float = 0.0, use_rslora: bool = False):
         Module.__init__(self)
-        if not isinstance(r, int) or isinstance(r, bool) or r < 1:
-            raise ValueError(f"lora: r must be a positive int, got {r!r}")
         self.in_features, self.out_features = base.in_features, base.out_features
         self.weight = base._parameters["weight"].requires_grad_(False)
         self.bias = base._parameters.get("bias")
         if self.bias is not None:
             self.bias.requires_grad_(False)
-        self.r, self.lora_alpha, self.use_rslora = r, float(alpha), bool(use_rslora)
-        self.scaling = self.lora_alpha / (math.sqrt(r) if use_rslora else r)
-        self.lora_dropout = Dropout(dropout) if dropout else Identity()
-        self.lora_A = Linear(self.in_features, r, bias=False)
-        self.lora_B = Linear(r, self.out_features, bias=False)
-        init.kaiming_uniform_(self.lora_A._parameters["weight"], a=math.sqrt(5))
-        init.zeros_(self.lora_B._parameters["weight"])
-        self.merged = False
+        _add_adapters(self, r, alpha, dropout, use_rslora)
 
     @property
     def trace_variant(self):
@@ -98,18 +105,9 @@ class LoraQuantizedLinear(Module):
 
     def __init__(self, base: QuantizedLinear, r: int, alpha: float, dropout: float = 0.0, use_rslora: bool = False):
         super().__init__()
-        if not isinstance(r, int) or isinstance(r, bool) or r < 1:
-            raise ValueError(f"lora: r must be a positive int, got {r!r}")
         self.in_features, self.out_features = base.in_features, base.out_features
         self.base_layer = base
-        self.r, self.lora_alpha, self.use_rslora = r, float(alpha), bool(use_rslora)
-        self.scaling = self.lora_alpha / (math.sqrt(r) if use_rslora else r)
-        self.lora_dropout = Dropout(dropout) if dropout else Identity()
-        self.lora_A = Linear(self.in_features, r, bias=False)
-        self.lora_B = Linear(r, self.out_features, bias=False)
-        init.kaiming_uniform_(self.lora_A._parameters["weight"], a=math.sqrt(5))
-        init.zeros_(self.lora_B._parameters["weight"])
-        self.merged = False
+        _add_adapters(self, r, alpha, dropout, use_rslora)
 
     def merge(self):
         raise TypeError(f"lora: a LoRA over a {self.base_layer.qtype} weight cannot be merged into its blocks; "

@@ -105,7 +105,7 @@ class SlotCache:
         self.backend, self.one_row = backend, prefill_rows == "one" and slots > 1
         self.sessions = {}
         model, self.quantized = None, sorted(blocks or {})
-        if blocks:                   # GGUF blocks kept quantized on the device (generate.quantized_blocks)
+        if blocks:                   # GGUF blocks kept quantized on the device (generate.split_quantized)
             from .. import nn
             model = llama.LlamaForCausalLM(config)
             nn.quantize_weights(model, blocks)

@@ -62,13 +62,12 @@ def _load_gguf(path):
     """A GGUF file's config, f32 tensors, quantized blocks (kept as blocks on the device),
     tokenizer and chat template."""
     from ..io import load_gguf
-    from ..models.generate import quantized_blocks
+    from ..models.generate import split_quantized
     m = load_gguf(path)
     if m.tokenizer is None:
         raise ValueError(f"serve: {path} holds no tokenizer the server can use"
                          + (f" ({m.tokenizer_error})" if m.tokenizer_error else ""))
-    blocks = quantized_blocks(m)
-    state = {n: v for n, v in m.state.items() if n not in blocks}
+    state, blocks = split_quantized(m)
 
     def token(i):
         return m.tokenizer.id_to_token(int(i)) if isinstance(i, int) else None
