@@ -171,6 +171,29 @@ def bandwidth(backend, given):
     return 4800.0 if "H200" in name else 3350.0 if "H100" in name else None
 
 
+def write(a, bw, device, cells):
+    """decode.json and decode.md under ``--out`` (rewritten after every cell: a run cut short keeps
+    what it measured)."""
+    os.makedirs(a.out, exist_ok=True)
+    result = {"size": a.size, "backend": a.backend, "prompt": a.prompt, "steps": a.steps,
+              "bandwidth_gbs": bw, "torch_device": device if a.torch else None, "cells": cells}
+    with open(os.path.join(a.out, "decode.json"), "w") as f:
+        json.dump(result, f, indent=1)
+    lines = ["| format | batch | ours tok/s | prompt tok/s | bound tok/s (ours: x its time) | best PyTorch tok/s "
+             "| time ours / PyTorch (below 1: faster) | gate |",
+             "|---|---|---|---|---|---|---|---|"]
+    for c in cells:
+        bound = f"{c['bound_tok_s']:.0f} ({c['of_bound']:.1f}x)" if "bound_tok_s" in c else "-"
+        torch_s = f"{c['torch_best_tok_s']:.0f} ({c['torch_best'][6:]})" if "torch_best" in c else "-"
+        vs = f"{c['ratio']:.2f}" if "ratio" in c else "-"
+        gate = f"{c['gate_rel_l2']:.1e} {'pass' if c['gate_pass'] else 'FAIL'}" if "gate_rel_l2" in c else "-"
+        lines.append(f"| {c['format']} | {c['batch']} | {c['decode_tok_s']:.0f} | {c['prefill_tok_s']:.0f} | {bound} "
+                     f"| {torch_s} | {vs} | {gate} |")
+    with open(os.path.join(a.out, "decode.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    return lines
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--size", choices=("real", "tiny"), default="real")
@@ -218,23 +241,8 @@ def main(argv=None):
                 cell["ratio"] = best[0] / cell["decode_tok_s"]     # time a token, ours / PyTorch's
             cells.append(cell)
             print(json.dumps(cell))
-    os.makedirs(a.out, exist_ok=True)
-    result = {"size": a.size, "backend": a.backend, "prompt": a.prompt, "steps": a.steps,
-              "bandwidth_gbs": bw, "torch_device": device if a.torch else None, "cells": cells}
-    with open(os.path.join(a.out, "decode.json"), "w") as f:
-        json.dump(result, f, indent=1)
-    lines = ["| format | batch | ours tok/s | prompt tok/s | bound tok/s (ours: x its time) | best PyTorch tok/s "
-             "| time ours / PyTorch (below 1: faster) | gate |",
-             "|---|---|---|---|---|---|---|---|"]
-    for c in cells:
-        bound = f"{c['bound_tok_s']:.0f} ({c['of_bound']:.1f}x)" if "bound_tok_s" in c else "-"
-        torch_s = f"{c['torch_best_tok_s']:.0f} ({c['torch_best'][6:]})" if "torch_best" in c else "-"
-        vs = f"{c['ratio']:.2f}" if "ratio" in c else "-"
-        gate = f"{c['gate_rel_l2']:.1e} {'pass' if c['gate_pass'] else 'FAIL'}" if "gate_rel_l2" in c else "-"
-        lines.append(f"| {c['format']} | {c['batch']} | {c['decode_tok_s']:.0f} | {c['prefill_tok_s']:.0f} | {bound} "
-                     f"| {torch_s} | {vs} | {gate} |")
-    with open(os.path.join(a.out, "decode.md"), "w") as f:
-        f.write("\n".join(lines) + "\n")
+            write(a, bw, device, cells)
+    lines = write(a, bw, device, cells)
     print("\n".join(lines))
     return 0 if all(c.get("gate_pass", True) for c in cells) else 1
 
