@@ -7,16 +7,16 @@ from __future__ import annotations
 
 import functools
 import re
-import threading
-from collections import OrderedDict
 
 from ..ops.registry import OPS
 from .common import WG, Bindings, broadcast_view_strides, coalesce
 from .expr import ieee_guard
 from .kernel_ast import (LID, NWG, WID, Assign, Bin, Buffer, Call, CallIf, ComputeKernel, Convert, Field, Function,
-                         Group, Let, Line, Lit, Load, Name, Neg, ReturnIf, Store, Var, WgslPrinter, add, print_wgsl,
-                         u32)
+                         Group, Let, Line, Lit, Load, Name, Neg, ReturnIf, Store, Var, WgslPrinter, add, clear_printed,
+                         printed, tree_of, u32)
 
+# (the registry of printed trees moved to ``kernel_ast``; its names stay importable from here)
+__all__ = ["ast_kernel", "ast_multi", "printed", "tree_of", "clear_printed"]
 
 # element types a kernel of the typed kernel AST stores and reads so far
 AST_TYPES = frozenset({"f32", "f16", "i32", "u32"})
@@ -136,35 +136,6 @@ def _ast_value(e, leaves, body, done):
     body.append(Let(name, node))
     done[key] = Name(name, node.ty)
     return done[key]
-
-
-# the trees of the WGSL texts printed from the AST in this process (``printed``), by text: the
-# Vulkan compile stage prints their GLSL from them (``tree_of``) without building them again
-PRINTED_KEEP = 4096
-_printed: OrderedDict = OrderedDict()
-_printed_lock = threading.Lock()
-
-
-def printed(tree) -> str:
-    """``tree``'s WGSL, the tree kept for ``tree_of``."""
-    text = print_wgsl(tree)
-    with _printed_lock:
-        _printed[text] = tree
-        _printed.move_to_end(text)
-        while len(_printed) > PRINTED_KEEP:
-            _printed.popitem(last=False)
-    return text
-
-
-def tree_of(text):
-    """The tree whose WGSL is ``text`` (printed in this process), or None."""
-    with _printed_lock:
-        return _printed.get(text)
-
-
-def clear_printed():
-    with _printed_lock:
-        _printed.clear()
 
 
 def ast_kernel(kernel):
