@@ -242,7 +242,7 @@ class WgslPrinter:
         if k is For and not s.inline:
             return [f"{pad}{self.for_head(s)} {{"] + self.block(s.body, depth + 1) + [f"{pad}}}"]
         if k is Block:
-            return [f"{pad}{{"] + self.block(s.body, depth + 1) + [f"{pad}}}"]
+            return [f"{pad}{{"] + self.block(s.body, depth + (not s.flat)) + [f"{pad}}}"]
         if k.__module__ != Let.__module__ and hasattr(s, "wgsl"):
             text = s.wgsl(self)
             return [pad + ln if ln else "" for ln in (text.split("\n") if isinstance(text, str) else text)]
