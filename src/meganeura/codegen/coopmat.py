@@ -7,8 +7,8 @@ from here instead of the f32 FMA tiles (``select`` says which kernels qualify). 
 around a kernel relies on stays as the WGSL kernel has it: batch broadcasting, transposes
 (``ta``, ``tb``), K splits (partials side by side, summed by the next kernel), sibling matmuls
 merged into one launch (``parts``), the bindings in the same order, and the epilogue:
-``store_out`` of ``codegen.expr.OutputStore`` (built on the kernel AST, ``coop_library``, and
-printed as GLSL with the buffer declarations), called per element once an accumulator
+``store_out`` of ``codegen.expr.OutputStore`` (its tree, printed as GLSL with the buffer
+declarations by ``coop_library``), called per element once an accumulator
 fragment has gone through workgroup memory (a plain f32 output is stored straight from the
 fragments instead). The output tile of a workgroup, and so the grid, may differ: it
 comes from ``CONFIGS`` by the WGSL kernel's tile (square and the same by default).
@@ -35,9 +35,10 @@ import os
 import numpy as np
 
 from .common import Bindings
-from .coop_library import StoreTree, glsl_library
+from .coop_library import glsl_library
 from .coopmat_loads import _Operand, _batch_offsets, _fetch_store, _ind, _raw_peak_lines, _scale_from_peak
 from .coopmat_ops import COL, FRAG, ROW, SUBGROUP, CoopOps, EmulatedOps
+from .expr import OutputStore
 from .matmul import k_step, rounded_operands, split_k
 
 # the names of the cooperative-matrix modules, as ``coopmat.<name>``
@@ -217,7 +218,7 @@ class _Part:
         for operand, rounded, name in zip((self.A, self.B), rounded_operands(s), ("sca", "scb")):
             if rounded:
                 operand.scale = name
-        self.store = StoreTree(kernel, bind, name=f"store_out{j}")
+        self.store = OutputStore(kernel, bind, name=f"store_out{j}")
         self.store_bindings = {self.store.ob} | {bind.index(v.buf, v.dtype) for v in kernel.epi_reads}
         out = kernel.out
         # a plain f32 output written in whole fragments goes straight from the fragments
@@ -274,7 +275,7 @@ def render(kernel, workgroup_storage=49152, emulate=False, bufs=()):
     if nbytes > workgroup_storage:
         raise ValueError(f"kernel {kernel.name!r}: {nbytes} B of workgroup memory on cooperative matrices "
                          f"(the device allows {workgroup_storage})")
-    lib = glsl_library(bind, [it for p in parts for it in p.store.items()])
+    lib = glsl_library(bind, [it for p in parts for it in p.store.module_items()])
     geo = dict(BM=BM, BN=BN, BK=BK, SG_M=SG_M, SG_N=SG_N, DEPTH=DEPTH, WM=BM // (FRAG * SG_M), WN=BN // (FRAG * SG_N),
                NT=SUBGROUP * nsg, size_a=size_a, size_b=size_b)
     fns, branches, x0 = [], [], 0

@@ -35,8 +35,9 @@ from __future__ import annotations
 import numpy as np
 
 from .common import Bindings, broadcast_view_strides, grid
-from .coop_library import StoreTree, glsl_library
+from .coop_library import glsl_library
 from .coopmat_ops import ROW, CoopOps, EmulatedOps
+from .expr import OutputStore
 
 BKV = 64            # keys per tile
 TAU = 8.0           # how far past its reference a row's max may go before the output is rescaled
@@ -182,7 +183,7 @@ class Frame:
         for bi, on in self.vec.items():
             if on:
                 b.types[bi] = "vec4<f32>"
-        self.lib = glsl_library(b, store.items())
+        self.lib = glsl_library(b, store.module_items())
 
     def base(self, x, head):
         """The element offset of view ``x`` at batch coordinates z0.. and head ``head``."""
@@ -340,7 +341,7 @@ def render(kernel, workgroup_storage=49152, emulate=False):
     DP, DVP, KS, VS, PS, CW = (lay[x] for x in ("dp", "dvp", "ks", "vs", "ps", "cw"))
     # bindings in the WGSL kernel's order: the store's, q, k, v, the mask, the log-sum-exp
     b = Bindings()
-    store = StoreTree(kernel, b)
+    store = OutputStore(kernel, b)
     qb, kb, vb = (b.index(x.buf, x.dtype) for x in (q, k, v))
     mb = b.index(kernel.reads[3].buf, kernel.reads[3].dtype) if spec["masked"] else None
     lse = kernel.outs[0] if kernel.outs else None

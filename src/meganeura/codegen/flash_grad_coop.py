@@ -29,7 +29,7 @@ from __future__ import annotations
 import numpy as np
 
 from .common import Bindings, grid
-from .coop_library import StoreTree
+from .expr import OutputStore
 from .flash_coop import NEG_INF, Frame, _pad16, _stage, check, fitting_subgroups
 
 BY = 64               # walked rows per tile
@@ -97,7 +97,7 @@ def render(kernel, workgroup_storage=49152, emulate=False):
     DP, DVP, SS, VS, PS, CW = (lay[x] for x in ("dp", "dvp", "ss", "vs", "ps", "cw"))
     # bindings in the WGSL kernel's order: the store's, q, k, v, dO, LSE, D, the mask, dV
     b = Bindings()
-    store = StoreTree(kernel, b)
+    store = OutputStore(kernel, b)
     qb, kb, vb, ob, lb, db = (b.index(x.buf, x.dtype) for x in (q, k, v, do, lse, delta))
     mb = b.index(kernel.reads[6].buf, kernel.reads[6].dtype) if spec["masked"] else None
     dvv = None if dq else kernel.outs[0]
