@@ -439,9 +439,14 @@ def printed(tree) -> str:
 
 
 def tree_of(text):
-    """The tree whose WGSL is ``text`` (printed in this process), or None."""
+    """The tree whose WGSL is ``text`` (printed in this process, and not among the oldest
+    past ``PRINTED_KEEP``; a renderer's memo may hand out a text again without printing it,
+    so a text asked for is kept as if printed again), or None."""
     with _printed_lock:
-        return _printed.get(text)
+        tree = _printed.get(text)
+        if tree is not None:
+            _printed.move_to_end(text)
+        return tree
 
 
 def clear_printed():
