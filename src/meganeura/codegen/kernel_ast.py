@@ -393,6 +393,13 @@ class ComputeKernel:
         return self.enable_f16 or any(b.ty == "f16" for b in self.buffers)
 
 
+def buffers(b) -> tuple:
+    """The storage buffers a ``common.Bindings`` bound, as ``Buffer`` declarations (an array
+    binding: ``count`` buffers; a position never claimed: words, unused)."""
+    return tuple(Buffer(t, id(x) in b.written, len(x) if isinstance(x, tuple) else None)
+                 for x, t in zip(b.bufs, b.types))
+
+
 def add(*terms):
     """``terms`` summed left to right (one term: itself)."""
     e = terms[0]
@@ -417,6 +424,10 @@ def name(id: str, ty: str = "u32") -> Name:
 def f32(v: float, text: str = "") -> Lit:
     from ..graph import f32 as F32
     return Lit(float(v), F32, text)
+
+
+# the linear workgroup index under ``common.grid`` (``common.GROUP_INDEX``)
+GROUP = add(Field(WID, "x"), Bin("*", Field(WID, "y"), Field(NWG, "x")))
 
 
 # -------------------------------------------------------------------- printed kernels, by text
