@@ -9,17 +9,11 @@ from . import kernel_ast as K
 from .kernel_ast_print import GlslPrinter
 
 
-def buffers(bind) -> tuple:
-    """The storage buffers of ``bind`` as module items of the AST (an array binding's count)."""
-    return tuple(K.Buffer(t, id(b) in bind.written, len(b) if isinstance(b, tuple) else None)
-                 for b, t in zip(bind.bufs, bind.types))
-
-
 def glsl_library(bind, items) -> str:
     """GLSL of the buffers of ``bind`` and the module ``items`` (functions, workgroup
     arrays): declarations, prototypes and function bodies, without a header or an entry
     point (the kernel that includes it writes those; its header enables 16-bit types)."""
-    tree = K.ComputeKernel(buffers(bind), 1, (), module=tuple(items), builtins=(), enable_f16=bind.enable_f16)
+    tree = K.ComputeKernel(K.buffers(bind), 1, (), module=tuple(items), builtins=(), enable_f16=bind.enable_f16)
     lines = GlslPrinter(unroll=False, preserve_ieee=False).kernel(tree).splitlines()
     assert lines[-2:] == ["void main() {", "}"], lines[-2:]
     code = [ln for ln in lines[:-2] if not ln.startswith(("#version", "#extension", "layout(local_size"))]
