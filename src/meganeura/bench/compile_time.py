@@ -25,13 +25,15 @@ speed at a fixed compile job is recorded beside the rows (``host_reference``).
 
 ``--digests``: a digest of every plan (each workload's inference and training phases, strict
 and accelerated, H200 options) and its compile CPU seconds; ``--against FILE`` names the plans
-that differ from an earlier run's. A change meant to make the compiler faster, not different,
+that differ from an earlier run's of the same size (``bench/results/plan_digests.json``: the
+real size's, ``plan_digests_tiny.json``: the tiny size's). A change meant to make the compiler faster, not different,
 shows no difference (the names of intermediates and constants are left out: they follow the
 order in which nodes were made).
 
 ``--spirv``: what a cold compile hands the GPU driver, device-free: each graph's distinct
-kernel texts (all its phases, as one session compiles them), translated as for a hardware
-driver and compiled by glslang, counted in kernels and KiB of SPIR-V by archetype. The NVIDIA
+kernel texts (all its phases, as one session compiles them), finished by the Vulkan compile
+stage as for the H200 (``stage_kernels``: GLSL printed from the kernel AST or translated,
+compiled by glslang), counted in kernels and KiB of SPIR-V by archetype. The NVIDIA
 driver's pipeline creation on the H200 grew with that size (``DRIVER_MS_PER_KIB``), so the
 column ``driver`` estimates its seconds summed over threads: a change meant to shorten cold
 compiles can be judged before it reaches the device. The estimate holds for code that does
@@ -183,11 +185,26 @@ def digests(names, size, precisions=("strict", "accelerated")) -> dict:
     return out
 
 
+def stage_kernels(kernels_by_text, threads=1) -> tuple:
+    """The Vulkan compile stage's kernels of WGSL texts ``{text: kernel}`` for the H200
+    (``Target.h200``: unrolled loops, IEEE float controls, Vulkan 1.3), as a plan's compile
+    finishes them: GLSL printed from the kernel AST where the text was printed from one (else
+    translated), compiled by glslang on ``threads`` threads, no disk caches. Returns
+    ({text: FinalKernel}, the stage's stats)."""
+    from ..compilation.target import Target
+    from ..compilation.vulkan import VulkanKernels
+    stage = VulkanKernels(Target.h200(), disk=False, threads=threads)
+    try:
+        for text, k in kernels_by_text.items():
+            stage.start(k, text)
+        return stage.finish([(text, k.name) for text, k in kernels_by_text.items()]), stage.stats
+    finally:
+        stage.close()
+
+
 def kernel_code(name, size, graph) -> dict:
     """The SPIR-V of one workload graph's distinct kernels (see ``--spirv`` in the module doc)."""
-    from ..codegen.glsl import to_glsl
     from ..compiler import compile_plan
-    from ..compilation.glslang import compile_glsl
     w = make(name, size=size, device="cpu")
     _, s, _ = _session(w, graph, "numpy")
     opts = _h200_options()
@@ -197,18 +214,19 @@ def kernel_code(name, size, graph) -> dict:
         kp = compile_plan(targets, n_forward=n_forward, options=opts, updates=updates)
         for d in kp.dispatches:
             texts.setdefault(d.wgsl, d.kernel)
-    families, largest, glslang_s = {}, (0, ""), 0.0
+    done, stats = stage_kernels(texts)
+    families, largest = {}, (0, "")
     for text, k in texts.items():
-        t0 = time.perf_counter()
-        kib = len(compile_glsl(to_glsl(text, k.name, unroll=True), name=k.name, disk_cache=False)) / 1024
-        glslang_s += time.perf_counter() - t0
+        kib = len(done[text].spirv) / 1024
         fam = k.archetype + (" merged" if "|" in k.name else "")
         n, total = families.get(fam, (0, 0.0))
         families[fam] = (n + 1, total + kib)
         largest = max(largest, (kib, k.name))
     kib = sum(total for _, total in families.values())
     return {"workload": name, "graph": graph, "kernels": len(texts), "spirv_kib": kib,
-            "driver_s": kib * DRIVER_MS_PER_KIB / 1e3, "translate_and_glslang_s": glslang_s,
+            "driver_s": kib * DRIVER_MS_PER_KIB / 1e3,
+            "translate_and_glslang_s": stats["glsl_seconds"] + stats["compile_seconds"],
+            "printed_from_ast": stats["kernels_printed"],
             "largest": {"name": largest[1][:80], "spirv_kib": largest[0]},
             "families": {f: {"kernels": n, "spirv_kib": total}
                          for f, (n, total) in sorted(families.items(), key=lambda x: -x[1][1])}}
@@ -396,32 +414,30 @@ REFERENCE_COMPILES = 32
 def host_reference(threads=None) -> dict:
     """The host's speed at a fixed compile job, so that runs on hosts of other speeds (cold
     times move by up to 2x between runs of the same code on one machine type) can be set side
-    by side: seconds to translate a 256^3 matmul kernel to GLSL and compile it with glslang
-    ``REFERENCE_COMPILES`` times on one thread, and as many times on each of ``threads``
-    (``backends.compile_threads``) threads at once. Empty without glslang. The SPIR-V is
-    validated, as every compile was before the runtime turned the validator off, so the job
-    stays the one earlier runs recorded."""
+    by side: seconds to compile the GLSL of a 256^3 matmul kernel (as the Vulkan compile stage
+    makes it for the H200) with glslang ``REFERENCE_COMPILES`` times on one thread, and as
+    many times on each of ``threads`` (``backends.compile_threads``) threads at once. Empty
+    without glslang. The SPIR-V is validated, as every compile was before the runtime turned
+    the validator off. (Until the kernels moved onto the kernel AST the job translated the
+    WGSL to GLSL each time too: ``job`` tells the records apart.)"""
     from concurrent.futures import ThreadPoolExecutor
 
     import meganeura as mg
-    from ..codegen.glsl import to_glsl
     from ..compiler import CompileOptions, compile_plan
     from ..runtime.backends import compile_threads
     from ..compilation.glslang import GlslangUnavailable, compile_glsl
     g = mg.Graph()
     y = mg.ops.matmul(g.input("a", (256, 256)), g.input("b", (256, 256)))
-    wgsl = compile_plan([y], n_forward=1, options=CompileOptions(workgroup_storage=H200_WORKGROUP_STORAGE)) \
-        .dispatches[0].wgsl
+    d = compile_plan([y], n_forward=1, options=CompileOptions(workgroup_storage=H200_WORKGROUP_STORAGE)).dispatches[0]
     n = compile_threads(threads)
+    try:
+        glsl = stage_kernels({d.wgsl: d.kernel})[0][d.wgsl].text     # glslang's process set-up too
+    except GlslangUnavailable:
+        return {}
 
     def job(i):
         # the trailing comment makes each source new to glslang's in-memory cache
-        compile_glsl(to_glsl(wgsl, "reference", unroll=True) + f"\n// {i}\n", name="reference", disk_cache=False,
-                     validate=True)
-    try:
-        job(-1)                 # glslang's process set-up
-    except GlslangUnavailable:
-        return {}
+        compile_glsl(glsl + f"\n// {i}\n", name="reference", disk_cache=False, validate=True)
     t0 = time.perf_counter()
     for i in range(REFERENCE_COMPILES):
         job(i)
@@ -429,7 +445,8 @@ def host_reference(threads=None) -> dict:
     t0 = time.perf_counter()
     with ThreadPoolExecutor(n) as pool:
         list(pool.map(job, range(REFERENCE_COMPILES, REFERENCE_COMPILES * (n + 1))))
-    return {"compiles": REFERENCE_COMPILES, "one_thread_s": one, "threads": n, "all_threads_s": time.perf_counter() - t0}
+    return {"compiles": REFERENCE_COMPILES, "job": "glslang", "one_thread_s": one, "threads": n,
+            "all_threads_s": time.perf_counter() - t0}
 
 
 def main(argv=None):
@@ -451,7 +468,11 @@ def main(argv=None):
     args = ap.parse_args(argv)
     if args.digests:
         got = digests(parse_list(args.workloads, WORKLOADS, "workloads"), args.size)
-        before = json.load(open(args.against))["plans"] if args.against else {}
+        ref = json.load(open(args.against)) if args.against else {}
+        if ref and ref.get("size", args.size) != args.size:
+            raise SystemExit(f"--against {args.against}: its plans are of size {ref['size']!r}, this run's of "
+                             f"{args.size!r} (run --size {ref['size']}, or compare with a {args.size} run)")
+        before = ref.get("plans", {})
         for key, p in got.items():
             was = before.get(key)
             mark = "" if was is None else " same" if was["digest"] == p["digest"] else \

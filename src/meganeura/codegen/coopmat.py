@@ -7,9 +7,10 @@ from here instead of the f32 FMA tiles (``select`` says which kernels qualify). 
 around a kernel relies on stays as the WGSL kernel has it: batch broadcasting, transposes
 (``ta``, ``tb``), K splits (partials side by side, summed by the next kernel), sibling matmuls
 merged into one launch (``parts``), the bindings in the same order, and the epilogue:
-``store_out`` of ``codegen.expr.OutputStore``, translated to GLSL, called per element once an
-accumulator fragment has gone through workgroup memory (a plain f32 output is stored straight
-from the fragments instead). The output tile of a workgroup, and so the grid, may differ: it
+``store_out`` of ``codegen.expr.OutputStore`` (its tree, printed as GLSL with the buffer
+declarations by ``coop_library``), called per element once an accumulator
+fragment has gone through workgroup memory (a plain f32 output is stored straight from the
+fragments instead). The output tile of a workgroup, and so the grid, may differ: it
 comes from ``CONFIGS`` by the WGSL kernel's tile (square and the same by default).
 
 Inside a workgroup: SG_M x SG_N subgroups of 32 lanes, each owning WM x WN accumulator
@@ -34,10 +35,11 @@ import os
 import numpy as np
 
 from .common import Bindings
+from .coop_library import glsl_library
 from .coopmat_loads import _Operand, _batch_offsets, _fetch_store, _ind, _raw_peak_lines, _scale_from_peak
 from .coopmat_ops import COL, FRAG, ROW, SUBGROUP, CoopOps, EmulatedOps
 from .expr import OutputStore
-from .matmul import k_step, operand_function, rounded_operands, split_k
+from .matmul import k_step, rounded_operands, split_k
 
 # the names of the cooperative-matrix modules, as ``coopmat.<name>``
 __all__ = ["COL", "CONFIGS", "FRAG", "RAW_CHUNKS", "ROW", "SUBGROUP", "WIDE", "CoopOps", "EmulatedOps", "config_key",
@@ -131,6 +133,10 @@ def select(kernel, workgroup_storage=None, emulate=False) -> str:
         for what in ("prologue", "pair"):
             if s.get(what):
                 return f"a {what}"
+        if any(not gs.get("im2col") for gs in s.get("gathers", {}).values()):
+            # (none do: a pointwise operand computed in the loads is f32, and of the
+            # gathers only im2col is computed in a consumer's loads, by ``_im2col_fetch``)
+            return "an operand computed by a function in its loads"
         a, b = p.reads[:2]
         rounded = rounded_operands(s)
         if any(x.dtype.name != ("f32" if r else "f16") for x, r in zip((a, b), rounded)):
@@ -188,18 +194,14 @@ class _Part:
         self.kernel, self.j = kernel, j
         a, b = kernel.reads[:2]
         s = kernel.spec
-        # operands computed in the loads (``codegen.matmul``'s functions, bound first as there)
-        self.functions, loads, convs = [], {}, {}
+        # im2col columns computed in the loads (``_im2col_fetch``; bound first, as the WGSL
+        # kernel's function binds its input)
+        loads, convs = {}, {}
         for op, gs in s.get("gathers", {}).items():
             reads = kernel.reads[gs["first"]:gs["first"] + gs["n"]]
-            if gs.get("im2col"):      # fetched by _im2col_fetch (the same binding as the function's)
-                xb = bind.index(reads[0].buf, reads[0].dtype)
-                bind.scalar.add(xb)
-                loads[op], convs[op] = ("", gs["offset"]), (gs["im2col"], xb, reads[0])
-                continue
-            fname, fn = operand_function(kernel, j, op, gs, bind)
-            self.functions.append(fn)
-            loads[op] = (fname, gs["offset"])
+            xb = bind.index(reads[0].buf, reads[0].dtype)
+            bind.scalar.add(xb)
+            loads[op], convs[op] = gs["offset"], (gs["im2col"], xb, reads[0])
         index = lambda op, v: None if op in loads else bind.index(v.buf, v.dtype)  # noqa: E731
         self.ta, self.tb = bool(s["ta"]), bool(s["tb"])
         self.M, self.N = kernel.shape[-2:]
@@ -210,9 +212,9 @@ class _Part:
         self.KC = split_k(self.K, self.S, s.get("tk") or k_step(s.get("tile") or 128))
         # bindings in the WGSL kernel's order: A, B, then the store's (output, epilogue)
         self.A = _Operand(a, index(0, a), not self.ta, self.M, BM, self.K, "m0", self.M % BM != 0, False, False,
-                          *loads.get(0, ("", 0)), convs.get(0, ()))
+                          loads.get(0, 0), convs.get(0, ()))
         self.B = _Operand(b, index(1, b), self.tb, self.N, BN, self.K, "n0", self.N % BN != 0, False, False,
-                          *loads.get(1, ("", 0)), convs.get(1, ()))
+                          loads.get(1, 0), convs.get(1, ()))
         for operand, rounded, name in zip((self.A, self.B), rounded_operands(s), ("sca", "scb")):
             if rounded:
                 operand.scale = name
@@ -237,7 +239,6 @@ def render(kernel, workgroup_storage=49152, emulate=False, bufs=()):
     why = select(kernel)
     if why:
         raise ValueError(f"kernel {kernel.name!r} cannot run on cooperative matrices: {why}")
-    from .glsl import to_glsl_library
     ops = EmulatedOps() if emulate else CoopOps()
     parts_ir = kernel.spec.get("parts", [kernel])
     tile = parts_ir[0].spec["tile"]
@@ -274,8 +275,7 @@ def render(kernel, workgroup_storage=49152, emulate=False, bufs=()):
     if nbytes > workgroup_storage:
         raise ValueError(f"kernel {kernel.name!r}: {nbytes} B of workgroup memory on cooperative matrices "
                          f"(the device allows {workgroup_storage})")
-    wgsl = bind.decls() + "\n" + "\n".join(f for p in parts for f in p.functions + [p.store.module_text()]) + "\n"
-    lib = to_glsl_library(wgsl, kernel.name)
+    lib = glsl_library(bind, [it for p in parts for it in p.store.module_items()])
     geo = dict(BM=BM, BN=BN, BK=BK, SG_M=SG_M, SG_N=SG_N, DEPTH=DEPTH, WM=BM // (FRAG * SG_M), WN=BN // (FRAG * SG_N),
                NT=SUBGROUP * nsg, size_a=size_a, size_b=size_b)
     fns, branches, x0 = [], [], 0
@@ -284,7 +284,7 @@ def render(kernel, workgroup_storage=49152, emulate=False, bufs=()):
         gx = p.groups()[0]
         branches.append(f"    if (wid.x < {x0 + gx}u) {{ mm{p.j}(uvec3(wid.x - {x0}u, wid.y, wid.z)); return; }}")
         x0 += gx
-    ext = [e for e in lib.extensions if e not in ops.header]
+    ext = []     # (the library's 16-bit types are enabled by the header)
     shared = [f"shared uvec4 As[{2 * size_a}];", f"shared uvec4 Bs[{2 * size_b}];"]
     if staged:
         shared.append(f"shared float Cs[{FRAG * FRAG * nsg}];")
@@ -292,7 +292,7 @@ def render(kernel, workgroup_storage=49152, emulate=False, bufs=()):
         shared.append(f"shared float Pk[{geo['NT']}];")
         if not emulate:
             ext.append("#extension GL_KHR_shader_subgroup_arithmetic : require")
-    src = "\n".join([ops.header] + ext + [f"layout(local_size_x = {geo['NT']}) in;", lib.code.rstrip()] + shared +
+    src = "\n".join([ops.header] + ext + [f"layout(local_size_x = {geo['NT']}) in;", lib.rstrip()] + shared +
                     [ops.helpers] + fns + ["void main() {", "    uvec3 wid = gl_WorkGroupID;"] + branches + ["}"]) + "\n"
     if emulate:     # loops kept: unrolled, the emulated fragments take LLVM (lavapipe) minutes to compile
         src = src.replace("[[unroll]]", "[[dont_unroll]]")

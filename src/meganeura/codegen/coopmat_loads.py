@@ -23,9 +23,8 @@ class _Operand:
     chk_own: bool
     chk_k: bool
     vec: bool = False
-    load: str = ""    # the operand computed in the loads: the WGSL function of its flat index (binding None)
-    load_offset: int = 0
-    conv: tuple = ()  # an im2col computed in the loads: (geometry, input binding, input view), no function
+    load_offset: int = 0  # an operand computed in the loads: its view's offset in the gather's output
+    conv: tuple = ()  # an im2col computed in the loads: (geometry, input binding, input view)
     scale: str = ""   # an f32 operand rounded to f16 (``matmul.ROUND_F16``): the GLSL name of its scale
     raw: bool = False  # (scaled) fetched as f32 (two vec4 a group of 8), converted as it is stored
 
@@ -52,7 +51,7 @@ class _Operand:
         return total, -(-total // NT), row0, col0, row_ext, col_ext, ld, self.view.offset + self.view.size - 1
 
     def vectorizable(self):
-        return not self.load and not self.conv and (self.K if self.rows_own else self.own) % 8 == 0 and self.view.offset % 8 == 0
+        return not self.conv and (self.K if self.rows_own else self.own) % 8 == 0 and self.view.offset % 8 == 0
 
 
 def _ind(lines, n):
@@ -92,12 +91,9 @@ def _fetch_store(op: _Operand, BK, NT, reg, off, shared):
         body = [f"uint e = {off} + gr * {ld}u + gc;", f"{'float' if op.raw else 'float16_t'} h[8];"]
         for i in range(8):
             conds = [c for c, on in ((f"gr < {row_ext}", chk_row), (f"gc + {i}u < {col_ext}", chk_col)) if on]
-            if op.load:           # computed (the function clamps its index)
-                value = f"float16_t({op.load}(e + {i}u - {op.load_offset}u))"
-            else:
-                value = f"{b}[min(e + {i}u, {last}u)]" if conds else f"{b}[e + {i}u]"
-                if op.scale and not op.raw:
-                    value = f"float16_t({value} * {op.scale})"
+            value = f"{b}[min(e + {i}u, {last}u)]" if conds else f"{b}[e + {i}u]"
+            if op.scale and not op.raw:
+                value = f"float16_t({value} * {op.scale})"
             zero = "0.0" if op.raw else "float16_t(0.0)"
             body.append(f"h[{i}] = ({' && '.join(conds)}) ? {value} : {zero};" if conds else f"h[{i}] = {value};")
         if op.raw:

@@ -8,72 +8,21 @@ the nodes' dtypes; mixed f16/f32 operands are converted where a node's inputs di
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
-from ..ops.registry import OPS
 from ..graph import f32 as _F32
-from .common import broadcast_view_strides, coords, literal, offset_expr
+from .common import broadcast_view_strides
+from .expr_ast import HELPER_FUNCTIONS, ieee_guard_node, op_node
+from .expr_ast import coords as coords_stmts
+from .expr_ast import offset_expr as offset_node
+from .kernel_ast import Bin, Convert, Function, Group, Let, Lit, Load, Name, Neg, Select, Store, WgslPrinter, add, u32
 
-# WGSL helpers, included when an expression uses them. erf: Abramowitz-Stegun 7.1.26
-# (|error| < 1.5e-7, below f32 resolution of the results). NaN is tested on the bits:
-# SPIR-V's FMax/FMin/FClamp leave NaN operands undefined (llvmpipe drops them) and a
-# driver may fold ``x != x`` to false, so max/min/relu/tanh select the NaN explicitly.
-HELPERS = {
-    "isnan_f": """fn isnan_f(x: f32) -> bool { return (bitcast<u32>(x) & 0x7fffffffu) > 0x7f800000u; }""",
-    "fmax_f32": """fn fmax_f32(a: f32, b: f32) -> f32 { return select(select(max(a, b), b, isnan_f(b)), a, isnan_f(a)); }""",
-    "fmin_f32": """fn fmin_f32(a: f32, b: f32) -> f32 { return select(select(min(a, b), b, isnan_f(b)), a, isnan_f(a)); }""",
-    "erf_f": """fn erf_f(x: f32) -> f32 {
-    let t = 1.0 / (1.0 + 0.3275911 * abs(x));
-    let y = 1.0 - (((((1.061405429 * t - 1.453152027) * t) + 1.421413741) * t - 0.284496736) * t + 0.254829592) * t * exp(-x * x);
-    return select(select(-y, y, x >= 0.0), x, isnan_f(x));
-}""",
-    # exp is clamped so it cannot overflow; tiny |x| returns x (exact to f32, keeps -0.0)
-    "tanh_f": """fn tanh_f(x: f32) -> f32 {
-    let e = exp(2.0 * clamp(x, -15.0, 15.0));
-    return select((e - 1.0) / (e + 1.0), x, abs(x) < 1e-4 || isnan_f(x));
-}""",
-    "gelu_erf": """fn gelu_erf(x: f32) -> f32 { return 0.5 * x * (1.0 + erf_f(x * 0.70710678118654752)); }""",
-    "gelu_erf_grad": """fn gelu_erf_grad(x: f32) -> f32 {
-    return 0.5 * (1.0 + erf_f(x * 0.70710678118654752)) + x * exp(-0.5 * x * x) * 0.39894228040143268;
-}""",
-    "gelu_tanh": """fn gelu_tanh(x: f32) -> f32 {
-    return 0.5 * x * (1.0 + tanh_f(0.79788456080286536 * (x + 0.044715 * x * x * x)));
-}""",
-    "gelu_tanh_grad": """fn gelu_tanh_grad(x: f32) -> f32 {
-    let c = 0.79788456080286536;
-    let t = tanh_f(c * (x + 0.044715 * x * x * x));
-    return 0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * c * (1.0 + 3.0 * 0.044715 * x * x);
-}""",
-    # products, quotients and differences whose value a driver would fold (see ieee_guard),
-    # computed on the bits: exact as IEEE 754 defines them, with no float operation to fold
-    "mul_zero_f": """fn mul_zero_f(x: f32, sign: u32) -> f32 {
-    let b = bitcast<u32>(x);
-    return select(bitcast<f32>((b & 0x80000000u) ^ sign), bitcast<f32>(0x7fc00000u), (b & 0x7fffffffu) >= 0x7f800000u);
-}""",
-    "div_zero_f": """fn div_zero_f(x: f32, sign: u32) -> f32 {
-    let b = bitcast<u32>(x);
-    let m = b & 0x7fffffffu;
-    return select(bitcast<f32>(((b & 0x80000000u) ^ sign) | 0x7f800000u), bitcast<f32>(0x7fc00000u), m == 0u || m > 0x7f800000u);
-}""",
-    "sub_self_f": """fn sub_self_f(x: f32) -> f32 {
-    return select(0.0, bitcast<f32>(0x7fc00000u), (bitcast<u32>(x) & 0x7fffffffu) >= 0x7f800000u);
-}""",
-    "add_zero_f": """fn add_zero_f(x: f32) -> f32 { return select(x, 0.0, x == 0.0); }""",
-}
+# WGSL helpers, included when an expression uses them: printed from their trees
+# (``expr_ast.HELPER_FUNCTIONS``, which says what each computes and why)
+HELPERS = {name: WgslPrinter().function(fn) for name, fn in HELPER_FUNCTIONS.items()}
 HELPER_DEPS = {"gelu_erf": ["erf_f", "isnan_f"], "gelu_erf_grad": ["erf_f", "isnan_f"],
                "gelu_tanh": ["tanh_f", "isnan_f"], "gelu_tanh_grad": ["tanh_f", "isnan_f"],
                "erf_f": ["isnan_f"], "tanh_f": ["isnan_f"], "fmax_f32": ["isnan_f"], "fmin_f32": ["isnan_f"]}
-
-
-def nan_max(a, b, dtype, used, op="max"):
-    """WGSL ``max``/``min`` of ``a`` and ``b`` that returns NaN if either is NaN (as torch);
-    float maths is f32 here (f16 nodes are computed in f32)."""
-    if not dtype.is_float:
-        return f"{op}({a}, {b})"
-    name = f"f{op}_{dtype.name}"
-    used.update([name, "isnan_f"])
-    return f"{name}({a}, {b})"
 
 
 @dataclass(frozen=True)
@@ -87,99 +36,21 @@ class Node:
 
 
 def op_text(t, args, arg_dtypes, used):
-    """WGSL for elementwise node ``t`` applied to argument expressions ``args``."""
-    ex = OPS[t.op].extra["wgsl"]
-    if t.op == "cast":
-        return f"{t.dtype.wgsl}({args[0]})"
-    # operands of another float type than the node's (an f16 load into an f32 node) convert
-    if t.op not in ("where",) and t.dtype.is_float:
-        args = [a if d is t.dtype or not d.is_float else f"{t.dtype.wgsl}({a})" for a, d in zip(args, arg_dtypes)]
-    if t.op == "pow":
-        e = t.attrs["exponent"]
-        if float(e).is_integer() and abs(e) <= 8:
-            n = int(abs(e))
-            prod = "(" + " * ".join([args[0]] * n) + ")" if n else literal(1.0, t.dtype)
-            return prod if e >= 0 else f"({literal(1.0, t.dtype)} / {prod})"
-        if e == 0.5:
-            return f"sqrt({args[0]})"
-        return f"pow({args[0]}, {literal(e, t.dtype)})"
-    if t.op in ("gelu", "gelu_grad"):
-        ex = ex[t.attrs["approximate"]]
-    if t.op == "where":
-        if arg_dtypes[0].name != "u32":
-            args = [f"u32({args[0]})"] + list(args[1:])
-        args = [args[0]] + [a if d is t.dtype or not d.is_float else f"{t.dtype.wgsl}({a})"
-                            for a, d in zip(args[1:], arg_dtypes[1:])]
-    if t.op == "tanh":
-        ex = "tanh_f({0})"
-    if t.op == "erf":
-        ex = "erf_f({0})"
-    if t.op == "sign" and not t.dtype.is_float:
-        ex = "sign({0})"
-    for name in HELPERS:
-        if name + "(" in ex:
-            used.add(name)
-            used.update(HELPER_DEPS.get(name, []))
-    if t.op == "relu":
-        return nan_max(args[0], literal(0, t.dtype), t.dtype, used)
-    if t.op in ("maximum", "minimum"):
-        return nan_max(args[0], args[1], t.dtype, used, t.op[:3])
-    return ex.format(*args)
-
-
-def _literal_value(e):
-    """The value of a literal expression (a ``lit`` or a scalar ``const``), else None."""
-    if e[0] == "lit":
-        return float(e[1])
-    if e[0] == "const" and e[1].dtype.is_float:
-        return float(e[1].attrs["value"].reshape(-1)[0])
-    return None
+    """WGSL for elementwise node ``t`` applied to argument expressions ``args`` (texts)."""
+    names = [Name(a, d.wgsl) for a, d in zip(args, arg_dtypes)]
+    return _WGSL.expr(op_node(t, names, arg_dtypes, used, HELPER_DEPS))
 
 
 def ieee_guard(t, kids, args, used):
     """f32 text for an add, sub, mul or div whose IEEE result a driver folds away, else None.
     Drivers fold ``x * 0.0`` to 0, ``x / 0.0`` to anything (llvmpipe: 0), ``x - x`` to 0
     and ``x + 0.0`` to x (wrong for -0.0), whatever the value of x, and ``x * NaN`` or
-    ``x * inf`` to what a constant x would give (0 * NaN folds to 0 once x is known 0); float controls stop the
-    last two only where a device offers them, and never on the WGSL path, so these are
-    computed on the bits (helpers ``mul_zero_f``, ``div_zero_f``, ``sub_self_f``, ``add_zero_f``)."""
-    if t.op not in ("add", "sub", "mul", "div") or t.dtype.name != "f32" or len(kids) != 2:
-        return None
-    vals = [_literal_value(k) for k in kids]
-    sign = lambda v: "0x80000000u" if math.copysign(1.0, v) < 0 else "0u"   # noqa: E731
-    text = None
-    if None not in vals:
-        # literals on both sides with a non-finite result (WGSL refuses 0.0 / 0.0): folded
-        # here as IEEE says; finite ones are left to the shader compiler
-        import numpy as np
-        a, b = np.float32(vals[0]), np.float32(vals[1])
-        with np.errstate(all="ignore"):
-            v = {"add": a + b, "sub": a - b, "mul": a * b, "div": a / b}[t.op]
-        return literal(v, t.dtype) if not np.isfinite(v) or (t.op == "div" and b == 0) else None
-    if any(v is not None and math.isnan(v) for v in vals):
-        # NaN whatever the other operand (a folded 0 * NaN would be 0)
-        return literal(float("nan"), t.dtype)
-    if t.op == "mul" and any(v is not None and math.isinf(v) for v in vals) and None in vals:
-        x = vals.index(None)
-        text, name = f"div_zero_f({args[x]}, {sign(vals[1 - x])})", "div_zero_f"   # x * inf == x / 0
-    elif t.op == "mul" and 0.0 in vals:
-        z = vals.index(0.0)
-        if vals[1 - z] is None:
-            text, name = f"mul_zero_f({args[1 - z]}, {sign(vals[z])})", "mul_zero_f"
-    elif t.op == "div" and vals[1] == 0.0 and vals[0] is None:
-        text, name = f"div_zero_f({args[0]}, {sign(vals[1])})", "div_zero_f"
-    elif t.op == "sub" and args[0] == args[1] and vals[0] is None:
-        text, name = f"sub_self_f({args[0]})", "sub_self_f"
-    elif t.op in ("add", "sub") and None in vals:
-        x = vals.index(None)
-        other = vals[1 - x]
-        # x + 0.0 and x - (-0.0) are x except that -0.0 becomes +0.0
-        plus_zero = other == 0.0 and (math.copysign(1.0, other) > 0) == (t.op == "add")
-        if plus_zero and (t.op == "add" or x == 0):
-            text, name = f"add_zero_f({args[x]})", "add_zero_f"
-    if text is not None:
-        used.add(name)
-    return text
+    ``x * inf`` to what a constant x would give (0 * NaN folds to 0 once x is known 0); float
+    controls stop the last two only where a device offers them, and never on the WGSL path,
+    so these are computed on the bits (helpers ``mul_zero_f``, ``div_zero_f``, ``sub_self_f``,
+    ``add_zero_f``): ``expr_ast.ieee_guard_node``."""
+    node = ieee_guard_node(t, kids, [Name(a, "f32") for a in args], used)
+    return None if node is None else _WGSL.expr(node)
 
 
 def _as_f32(t):
@@ -187,59 +58,83 @@ def _as_f32(t):
     return Node(t.op, _F32, dict(t.attrs), tuple(t.shape))
 
 
-class ExprWriter:
-    """Emits an expression tree as WGSL ``let`` lines; ``leaf(e)`` gives (text, dtype) for
-    ("leaf", i), ("rleaf", i) (a leaf read through its consumer's index function) and
-    ("acc",) nodes. ``last_coord``: the output's last coordinate (for rotate_half)."""
+_WGSL = WgslPrinter()
 
-    def __init__(self, leaf, prefix="t", last_coord=None):
-        self.leaf, self.prefix, self.last_coord = leaf, prefix, last_coord
-        self.lines, self.used, self.n = [], set(), 0
+
+class ExprWriter:
+    """Emits an expression tree as ``let`` statements of the kernel AST (``stmts``; as WGSL
+    lines: ``lines``). ``leaf(e)`` gives (value, dtype) for ("leaf", i), ("rleaf", i) (a leaf
+    read through its consumer's index function) and ("acc",) nodes: the value a node of the
+    kernel AST (``ast=True``; ``emit`` then returns nodes) or its WGSL text (``emit`` returns
+    texts). ``last_coord``: the output's last coordinate (for rotate_half), a name or a node."""
+
+    def __init__(self, leaf, prefix="t", last_coord=None, ast=False):
+        self.leaf, self.prefix, self.last_coord, self.ast = leaf, prefix, last_coord, ast
+        self.stmts, self.used, self.n = [], set(), 0
         # (node, its arguments' values) -> value: a subexpression that appears twice (a
         # producer's value both stored and used by its reader) is computed once
         self.done = {}
 
+    @property
+    def lines(self) -> list[str]:
+        return ["    " + _WGSL.stmt(s) for s in self.stmts]
+
     def emit(self, e):
+        node, dt = self.node(e)
+        return (node if self.ast else _WGSL.expr(node)), dt
+
+    def _leaf(self, e):
+        v, dt = self.leaf(e)
+        return (v if self.ast else Name(v, dt.wgsl)), dt
+
+    def node(self, e):
+        """(the node of ``e``'s value, its dtype), its ``let`` statements appended."""
         if e[0] in ("leaf", "acc", "rleaf", "acc2", "red"):
-            return self.leaf(e)
+            return self._leaf(e)
         if e[0] == "lit":
-            return literal(e[1], e[2]), e[2]
+            return Lit(e[1], e[2]), e[2]
         if e[0] == "const":
             c = e[1]
-            return literal(c.attrs["value"].reshape(-1)[0], c.dtype), c.dtype
+            return Lit(c.attrs["value"].reshape(-1)[0], c.dtype), c.dtype
         _, t, kids = e
-        args = [self.emit(k) for k in kids]
-        key = (id(t), tuple(a for a, _ in args))
+        args = [self.node(k) for k in kids]
+        key = (id(t), tuple(_WGSL.expr(a) for a, _ in args))
         if key in self.done:
             return self.done[key]
         if t.op == "rotate_half":
             # the operand was read at (j + h) mod 2h; the first half is negated
             a = args[0][0]
-            text = f"select({a}, -{a}, {self.last_coord} < {t.shape[-1] // 2}u)"
-        elif (guarded := ieee_guard(t, kids, [a for a, d in args], self.used)) is not None and \
+            last = self.last_coord if not isinstance(self.last_coord, str) else Name(self.last_coord, "u32")
+            node = Select(a, Neg(a), Bin("<", last, u32(t.shape[-1] // 2)))
+        elif (guarded := ieee_guard_node(t, kids, [a for a, _ in args], self.used)) is not None and \
                 all(d.name == "f32" for _, d in args):
-            text = guarded
+            node = guarded
         elif t.dtype.name == "f16" and t.op not in ("cast", "where"):
             # half-precision maths runs in f32 and rounds once per op (as NumPy and
             # PyTorch's CPU kernels do); the helpers are f32 functions
             f32 = _F32
-            text = op_text(_as_f32(t), [a if d.name != "f16" else f"f32({a})" for a, d in args],
-                           [f32 if d.name == "f16" else d for _, d in args], self.used)
-            text = f"f16({text})"
+            node = op_node(_as_f32(t), [a if d.name != "f16" else Convert("f32", a) for a, d in args],
+                           [f32 if d.name == "f16" else d for _, d in args], self.used, HELPER_DEPS)
+            node = Convert("f16", node)
         else:
-            text = op_text(t, [a for a, _ in args], [d for _, d in args], self.used)
+            node = op_node(t, [a for a, _ in args], [d for _, d in args], self.used, HELPER_DEPS)
         self.n += 1
-        self.lines.append(f"    let {self.prefix}{self.n} = {text};")
-        self.done[key] = f"{self.prefix}{self.n}", t.dtype
+        name = f"{self.prefix}{self.n}"
+        self.stmts.append(Let(name, node))
+        self.done[key] = Name(name, node.ty), t.dtype
         return self.done[key]
 
     def helpers(self, bind=None) -> list[str]:
         """The helper functions the emitted lines call; with ``bind``, only those not yet
         in that module (which then records them)."""
+        return [_WGSL.function(f) for f in self.helper_functions(bind)]
+
+    def helper_functions(self, bind=None) -> list:
+        """``helpers`` as functions of the kernel AST."""
         names = [h for h in HELPERS if h in self.used and (bind is None or h not in bind.helpers_done)]
         if bind is not None:
             bind.helpers_done.update(names)
-        return [HELPERS[h] for h in names]
+        return [HELPER_FUNCTIONS[h] for h in names]
 
 
 def expr_ops(e) -> list[str]:
@@ -249,39 +144,47 @@ def expr_ops(e) -> list[str]:
     return [n for k in e[2] for n in expr_ops(k)] + [e[1].op]
 
 
-def read_leaves(leaves, shape, bind, prefix="c"):
-    """WGSL ``let v{k} = ...`` lines reading each view (broadcast) at the coordinates
-    ``prefix0..`` of ``shape``, and the (name, dtype) pairs an ExprWriter's leaves map to."""
-    lines, vals = [], []
+def read_leaves(leaves, shape, bind, prefix="c", ast=False):
+    """``let v{k} = ...`` reading each view (broadcast) at the coordinates ``prefix0..`` of
+    ``shape``, and the (value, dtype) pairs an ExprWriter's leaves map to: WGSL lines and
+    names, or (``ast``) statements and nodes of the kernel AST."""
+    stmts, vals = [], []
     for k, v in enumerate(leaves):
         bi = bind.index(v.buf, v.dtype)
-        lines.append(f"    let v{k} = b{bi}[{offset_expr(v.offset, broadcast_view_strides(v, shape), prefix)}];")
-        vals.append((f"v{k}", v.dtype))
-    return lines, vals
+        stmts.append(Let(f"v{k}", Load(bi, offset_node(v.offset, broadcast_view_strides(v, shape), prefix), v.dtype.wgsl)))
+        vals.append((Name(f"v{k}", v.dtype.wgsl) if ast else f"v{k}", v.dtype))
+    return (stmts if ast else ["    " + _WGSL.stmt(x) for x in stmts]), vals
+
+
+def store_stmts(bind, ob, idx, val, dtype, stores=(), prefix="c", store_strides=None) -> list:
+    """Statements storing ``val`` (a node of ``dtype``) at ``idx`` (a node) of binding ``ob``
+    and, converted, at each view of ``stores`` (second stores of the same value: a concat's
+    slice, an f16 copy), indexed by the coordinates ``prefix0..`` of the output (through
+    ``store_strides``, one per store, where the caller indexes coalesced coordinates)."""
+    out = []
+    if stores:
+        out.append(Let("stored", val))
+        val = Name("stored", val.ty)
+    out.append(Store(ob, idx, val))
+    for j, s in enumerate(stores):
+        sb = bind.index(s.buf, s.dtype, write=True)
+        sv = val if s.dtype is dtype else Convert(s.dtype.wgsl, val)
+        strides = s.strides if store_strides is None else store_strides[j]
+        out.append(Store(sb, offset_node(s.offset, strides, prefix), sv))
+    return out
 
 
 def store_lines(bind, ob, idx, val, dtype, stores=(), prefix="c", store_strides=None) -> list[str]:
-    """WGSL lines storing ``val`` (of ``dtype``) at ``idx`` of binding ``ob`` and, converted,
-    at each view of ``stores`` (second stores of the same value: a concat's slice, an f16
-    copy), indexed by the coordinates ``prefix0..`` of the output (through ``store_strides``,
-    one per store, where the caller indexes coalesced coordinates)."""
-    lines = []
-    if stores:
-        lines.append(f"    let stored = {val};")
-        val = "stored"
-    lines.append(f"    b{ob}[{idx}] = {val};")
-    for j, s in enumerate(stores):
-        sb = bind.index(s.buf, s.dtype, write=True)
-        sv = val if s.dtype is dtype else f"{s.dtype.wgsl}({val})"
-        strides = s.strides if store_strides is None else store_strides[j]
-        lines.append(f"    b{sb}[{offset_expr(s.offset, strides, prefix)}] = {sv};")
-    return lines
+    """``store_stmts`` as WGSL lines, ``idx`` and ``val`` texts."""
+    stmts = store_stmts(bind, ob, Name(idx, "u32"), Name(val, dtype.wgsl), dtype, stores, prefix, store_strides)
+    return ["    " + _WGSL.stmt(s) for s in stmts]
 
 
 class OutputStore:
     """``fn store_out(f: u32, acc: f32)``: stores an archetype's value for the output
     element of flat (row-major, logical) index ``f``, through the kernel's epilogue if it
-    has one. Registers the output and epilogue bindings on ``bind``."""
+    has one. Registers the output and epilogue bindings on ``bind``. ``function``: the
+    function on the kernel AST (``module_items``: with the helpers it calls), ``fn`` its WGSL."""
 
     def __init__(self, kernel, bind, acc_dtype=None, name="store_out"):
         from ..graph import f32
@@ -292,8 +195,9 @@ class OutputStore:
         leaves = [(bind.index(v.buf, v.dtype), v) for v in kernel.epi_reads]
         # read element by element here: a sibling part of the launch must not redeclare them vec4
         bind.scalar.update(bi for bi, _ in leaves)
-        lines = []
+        stmts = []
         smap = kernel.spec.get("store_map")
+        F, FD = Name("f", "u32"), Name("fd", "u32")
         if smap is not None:
             # a transposed store: element f of the archetype's output goes where the copy
             # that was fused away put it (row-major position of its coordinates in ``shape``)
@@ -301,37 +205,41 @@ class OutputStore:
             rm = [1] * len(shape)
             for d in range(len(shape) - 2, -1, -1):
                 rm[d] = rm[d + 1] * shape[d + 1]
-            terms = [f"((f / {s}u) % {n}u) * {r}u" for s, n, r in zip(strides, shape, rm) if n != 1]
-            lines.append(f"    let fd = {' + '.join(terms) or '0u'};")
+            terms = [Bin("*", Group(Bin("%", Group(Bin("/", F, u32(s))), u32(n))), u32(r))
+                     for s, n, r in zip(strides, shape, rm) if n != 1]
+            stmts.append(Let("fd", add(*terms) if terms else u32(0)))
         # operands are views of the iteration shape they were fused at, indexed by f (or,
         # for those fused after a transposed store, by fd): split the index into
         # coordinates of each distinct (index, shape)
         fd_from = kernel.spec.get("fd_from", len(leaves)) if smap is not None else len(leaves)
-        dest = "fd" if smap is not None else "f"
-        spaces = {(dest, out.shape): "e"}
-        lines += coords(dest, out.shape, "e")
+        dest = FD if smap is not None else F
+        spaces = {(dest.id, out.shape): "e"}
+        stmts += coords_stmts(dest, out.shape, "e")
         for k, (bi, v) in enumerate(leaves):
             key = ("fd" if k >= fd_from else "f", v.shape)
             if key not in spaces:
                 spaces[key] = f"s{len(spaces)}_"
-                lines += coords(key[0], v.shape, spaces[key])
-            lines.append(f"    let l{k} = b{bi}[{offset_expr(v.offset, broadcast_view_strides(v, v.shape), spaces[key])}];")
+                stmts += coords_stmts(Name(key[0], "u32"), v.shape, spaces[key])
+            at = offset_node(v.offset, broadcast_view_strides(v, v.shape), spaces[key])
+            stmts.append(Let(f"l{k}", Load(bi, at, v.dtype.wgsl)))
+        acc_ty = self.acc_dtype.wgsl
 
         def leaf(e):
             if e[0] == "acc":
-                return "acc", self.acc_dtype
+                return Name("acc", acc_ty), self.acc_dtype
             if e[0] == "acc2":          # a paired product's value (kernel.spec["pair"])
-                return "acc2", self.acc_dtype
-            return f"l{e[1]}", leaves[e[1]][1].dtype
-        w = ExprWriter(leaf)
+                return Name("acc2", acc_ty), self.acc_dtype
+            return Name(f"l{e[1]}", leaves[e[1]][1].dtype.wgsl), leaves[e[1]][1].dtype
+        w = ExprWriter(leaf, ast=True)
         val, dt = w.emit(kernel.epilogue or ("acc",))
         if dt is not out.dtype:
-            val = f"{out.dtype.wgsl}({val})"
-        idx = f"{out.offset}u + {dest}" if out.is_contiguous() else offset_expr(out.offset, out.strides, "e")
+            val = Convert(out.dtype.wgsl, val)
+        idx = add(u32(out.offset), dest) if out.is_contiguous() else offset_node(out.offset, out.strides, "e")
         self.used = w.used
-        body = lines + w.lines + store_lines(bind, self.ob, idx, val, out.dtype, kernel.spec.get("stores", ()), "e")
-        acc2 = f", acc2: {self.acc_dtype.wgsl}" if "pair" in kernel.spec else ""
-        self.fn = f"fn {name}(f: u32, acc: {self.acc_dtype.wgsl}{acc2}) {{\n" + "\n".join(body) + "\n}"
+        body = stmts + w.stmts + store_stmts(bind, self.ob, idx, val, out.dtype, kernel.spec.get("stores", ()), "e")
+        params = (F, Name("acc", acc_ty)) + ((Name("acc2", acc_ty),) if "pair" in kernel.spec else ())
+        self.function = Function(name, params, tuple(body))
+        self.fn = _WGSL.function(self.function)
 
     def require(self, *names):
         """Helpers the archetype's own body calls (emitted once, with the epilogue's)."""
@@ -339,9 +247,14 @@ class OutputStore:
             self.used.update([n] + HELPER_DEPS.get(n, []))
         return self
 
-    def module_text(self) -> str:
-        """The helpers and ``store_out``, for module scope (after the binding decls)."""
-        # several stores can share a module (merged matmuls): each helper once per module
+    def module_items(self) -> list:
+        """The helpers and ``store_out`` as functions of the kernel AST, for module scope
+        (after the bindings); several stores can share a module (merged matmuls): each
+        helper once per module."""
         new = [h for h in HELPERS if h in self.used and h not in self.bind.helpers_done]
         self.bind.helpers_done.update(new)
-        return "\n".join([HELPERS[h] for h in new] + [self.fn])
+        return [HELPER_FUNCTIONS[h] for h in new] + [self.function]
+
+    def module_text(self) -> str:
+        """``module_items`` as WGSL."""
+        return "\n".join(_WGSL.item(it) for it in self.module_items())

@@ -35,6 +35,7 @@ from __future__ import annotations
 import numpy as np
 
 from .common import Bindings, broadcast_view_strides, grid
+from .coop_library import glsl_library
 from .coopmat_ops import ROW, CoopOps, EmulatedOps
 from .expr import OutputStore
 
@@ -173,7 +174,6 @@ class Frame:
     a head's base offset, accumulator declarations and the assembled source."""
 
     def __init__(self, kernel, b, store, reads, others, nbd, emulate):
-        from .glsl import to_glsl_library
         self.ops = FlashEmulatedOps() if emulate else FlashCoopOps()
         self.emulate, self.nbd = emulate, nbd
         views = {}
@@ -183,7 +183,7 @@ class Frame:
         for bi, on in self.vec.items():
             if on:
                 b.types[bi] = "vec4<f32>"
-        self.lib = to_glsl_library(b.decls() + "\n" + store.module_text() + "\n", kernel.name)
+        self.lib = glsl_library(b, store.module_items())
 
     def base(self, x, head):
         """The element offset of view ``x`` at batch coordinates z0.. and head ``head``."""
@@ -265,8 +265,7 @@ class Frame:
 
     def source(self, threads, shared, helpers, body):
         ops = self.ops
-        ext = [e for e in self.lib.extensions if e not in ops.header]
-        src = "\n".join([ops.header] + ext + [f"layout(local_size_x = {threads}) in;", self.lib.code.rstrip()] + shared
+        src = "\n".join([ops.header, f"layout(local_size_x = {threads}) in;", self.lib.rstrip()] + shared
                         + [ops.helpers] + helpers + ["void main() {"] + ["    " + x for x in body] + ["}"]) + "\n"
         # emulated, the loops stay: unrolled, the emulated fragments take LLVM minutes to compile
         return src.replace("[[unroll]]", "[[dont_unroll]]") if self.emulate else src

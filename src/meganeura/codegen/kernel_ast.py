@@ -1,34 +1,45 @@
 """A small typed kernel AST, printed as WGSL (wgpu) or as GLSL 4.50 (glslang, the direct
 Vulkan backend): the way off "render WGSL, parse it, print GLSL" (``codegen/glsl.py``).
 
-A renderer that builds its kernel here gets both languages from one tree; the Vulkan
-finishing stage (``compilation.vulkan``) prints such kernels as GLSL directly instead of
-translating their WGSL. Families move here one at a time (``pointwise_ast.ast_kernel`` says
-which kernels have moved); the others keep their WGSL templates and the translator.
+A renderer that builds its kernel here gets both languages from one tree (``printed``
+returns its WGSL and keeps the tree; the Vulkan finishing stage, ``compilation.vulkan``,
+finds it again by that text, ``tree_of``, and prints its GLSL instead of translating).
+Families move here one at a time; the others keep their WGSL templates and the translator.
 
-The tree is what the printers must decide between the languages, no more:
+The tree holds what the printers must decide between the languages, no more:
 
-- expressions carry their WGSL type name (``u32``, ``i32``, ``f32``, ``f16``): GLSL
-  declarations need it, WGSL's ``let`` does not;
+- expressions carry their WGSL type name (``u32``, ``f32``, ``vec4<f32>``...): GLSL
+  declarations need it, WGSL's ``let`` does not; a literal carries the type WGSL gives it
+  where it stands (an abstract ``0.0`` beside an f16 is an f16), and its WGSL spelling;
 - ``Group`` is a pair of parentheses the kernel writes; otherwise WGSL prints binary
   operators by precedence and GLSL parenthesises every one;
-- literals, conversions and storage declarations are spelled per language.
+- the layout of the WGSL text (statements sharing a line: ``Line``; a block on one line:
+  ``inline``; an empty line: ``Blank``) so that a moved template prints the same bytes.
+
+A node class of another module (a family's own construct) prints itself: the printers call
+its ``wgsl(printer)`` / ``glsl(printer)`` methods (an expression returns its text and has a
+``ty``; a statement returns its lines, or one text, unindented; a module item its WGSL
+text and its GLSL declaration lines).
 
 While the translator still exists, the GLSL printer writes exactly what it writes for the
-same WGSL (``tests/test_kernel_ast.py`` checks it kernel by kernel), so the SPIR-V of a
-moved kernel is the same as before.
+same WGSL (``tests/test_kernel_ast.py`` checks it node by node and kernel by kernel), so the
+SPIR-V of a moved kernel is the same as before. The printers are in ``kernel_ast_print``.
 """
 from __future__ import annotations
 
-import math
+import functools
+import threading
+from collections import OrderedDict
 from dataclasses import dataclass
 
-from .common import ENTRY, literal
-
-GLSL_NAMES = {"round": "roundEven", "inverseSqrt": "inversesqrt"}
+GLSL_NAMES = {"round": "roundEven", "inverseSqrt": "inversesqrt", "atan2": "atan", "countOneBits": "bitCount",
+              "reverseBits": "bitfieldReverse"}
 GLSL_TYPE = {"u32": "uint", "i32": "int", "f32": "float", "f16": "float16_t", "bool": "bool"}
-# WGSL binding precedence of the binary operators the kernels use (higher binds tighter)
-PRECEDENCE = {"*": 3, "/": 3, "%": 3, "+": 2, "-": 2, "<": 1, ">": 1, "<=": 1, ">=": 1, "==": 1, "!=": 1}
+# WGSL binding precedence of the binary operators (higher binds tighter; unary operators: UNARY)
+PRECEDENCE = {"||": 1, "&&": 2, "|": 3, "^": 4, "&": 5, "==": 6, "!=": 6, "<": 7, ">": 7, "<=": 7, ">=": 7,
+              "<<": 8, ">>": 8, "+": 9, "-": 9, "*": 10, "/": 10, "%": 10}
+UNARY = 11
+COMPARE = frozenset({"==", "!=", "<", ">", "<=", ">="})
 # the header lines of every kernel of the Vulkan backend (IEEE signed zeros, infinities and NaN
 # kept by the driver: the translator's ``glsl.IEEE_PRESERVE``, which goes with it)
 GLSL_F16 = ["#extension GL_EXT_shader_explicit_arithmetic_types_float16 : require",
@@ -37,25 +48,52 @@ GLSL_IEEE = ["#extension GL_EXT_spirv_intrinsics : require",
              'spirv_execution_mode(extensions = ["SPV_KHR_float_controls"], capabilities = [4466], 4461, 32);']
 
 
+# nodes are dataclasses that are never changed once built (the printers keep a node's text on
+# it): hashed and compared by their fields, but not frozen, as building a frozen dataclass
+# costs three times as much and renderers build a few hundred nodes per kernel
+def node(cls):
+    cls._wgsl = None            # (the printers' memo of the node's WGSL text and abstract value)
+    cls._abstract = ()
+    return dataclass(unsafe_hash=True)(cls)
+
+
+def is_vec(ty: str) -> bool:
+    return ty.startswith("vec")
+
+
+def scalar_of(ty: str) -> str:
+    """The element type of a scalar, vector or array type name."""
+    if ty.startswith("array<"):
+        return scalar_of(ty[6:].rsplit(",", 1)[0] if "," in ty else ty[6:-1])
+    return ty[5:-1] if is_vec(ty) else ty
+
+
+def is_float(ty: str) -> bool:
+    return scalar_of(ty) in ("f32", "f16")
+
+
 # ----------------------------------------------------------------------------- expressions
-@dataclass(frozen=True)
+@node
 class Name:
     id: str
     ty: str
 
 
-@dataclass(frozen=True)
+@node
 class Lit:
+    """A literal of ``dtype`` (a graph dtype, or a WGSL type name such as ``bool``);
+    ``text``: its WGSL spelling where the kernel writes it otherwise than ``common.literal``
+    (an abstract ``0``, ``0.0``, a template's ``1e-3``)."""
     value: object
-    dtype: object       # a graph dtype (``graph.f32``...)
-    text: str = ""      # as a template wrote it (a float literal of an op record's WGSL)
+    dtype: object
+    text: str = ""
 
     @property
     def ty(self):
-        return self.dtype.name
+        return getattr(self.dtype, "name", self.dtype)
 
 
-@dataclass(frozen=True)
+@node
 class Bin:
     op: str
     a: object
@@ -63,19 +101,27 @@ class Bin:
 
     @property
     def ty(self):
-        return "bool" if PRECEDENCE[self.op] == 1 else self.a.ty
+        a = self.a.ty
+        if self.op in COMPARE:
+            v = a if is_vec(a) else self.b.ty
+            return f"vec{v[3]}<bool>" if is_vec(v) else "bool"
+        if self.op in ("&&", "||"):
+            return "bool"
+        if self.op in ("<<", ">>"):
+            return a
+        return a if is_vec(a) else self.b.ty
 
 
-@dataclass(frozen=True)
+@node
 class Call:
-    """A builtin function of the same meaning in both languages (``GLSL_NAMES`` where GLSL
-    spells it otherwise)."""
+    """A builtin (the same meaning in both languages, ``GLSL_NAMES`` where GLSL spells it
+    otherwise) or a function of the module."""
     fn: str
     args: tuple
     ty: str
 
 
-@dataclass(frozen=True)
+@node
 class Neg:
     e: object
 
@@ -84,7 +130,16 @@ class Neg:
         return self.e.ty
 
 
-@dataclass(frozen=True)
+@node
+class Not:
+    e: object
+
+    @property
+    def ty(self):
+        return self.e.ty
+
+
+@node
 class Group:
     e: object
 
@@ -93,59 +148,167 @@ class Group:
         return self.e.ty
 
 
-@dataclass(frozen=True)
+@node
 class Field:
-    """A component of a builtin vector (``wid.x``)."""
-    e: Name
+    """A component (or swizzle) of a vector (``wid.x``)."""
+    e: object
     name: str
     ty: str = "u32"
 
 
-@dataclass(frozen=True)
-class Load:
-    binding: int
+@node
+class Index:
+    """An element of a workgroup, private or local array (or of a vector)."""
+    base: object
     index: object
     ty: str
 
 
-@dataclass(frozen=True)
+@node
+class Load:
+    """``b{binding}[index]``; ``member``: the buffer of an array binding (``binding_array``)."""
+    binding: int
+    index: object
+    ty: str
+    member: object = None
+
+
+@node
 class Convert:
     ty: str
     e: object
 
 
+@node
+class Select:
+    """WGSL ``select(f, t, cond)``."""
+    f: object
+    t: object
+    cond: object
+
+    @property
+    def ty(self):
+        return self.t.ty
+
+
+@node
+class Bitcast:
+    ty: str
+    e: object
+
+
+@node
+class Construct:
+    """``vec4<f32>(...)``, ``array<f32, 4>(...)``."""
+    ty: str
+    args: tuple
+
+
 # ------------------------------------------------------------------------------ statements
-@dataclass(frozen=True)
+@node
 class Let:
     name: str
     e: object
+    ty: str | None = None       # written in the WGSL (``let x: f32 = ...``)
 
 
-@dataclass(frozen=True)
+@node
 class Var:
+    """``var name = e;``, ``var name: ty;`` (zero, as WGSL's), ``var name: ty = e;``."""
     name: str
-    e: object
+    e: object = None
+    ty: str | None = None
 
 
-@dataclass(frozen=True)
+@node
 class Assign:
-    name: str
+    """``name = e;`` (``name``: a variable's name, or an ``Index`` / ``Field`` / ``Load``)."""
+    name: object
     e: object
 
 
-@dataclass(frozen=True)
+@node
+class AssignIndex:
+    base: object
+    index: object
+    e: object
+
+
+@node
+class AssignOp:
+    """``name op= e;`` (``op`` without the ``=``)."""
+    name: object
+    op: str
+    e: object
+
+
+@node
 class Store:
     binding: int
     index: object
     value: object
+    member: object = None
 
 
-@dataclass(frozen=True)
+@node
+class ExprStmt:
+    e: object
+
+
+@node
+class If:
+    """``orelse``: statements, or an ``If`` (``else if``); ``inline``: the WGSL writes the
+    whole statement on one line."""
+    cond: object
+    then: tuple
+    orelse: object = ()
+    inline: bool = False
+
+
+@node
+class For:
+    """``for (init; cond; update) { body }``: ``init`` a ``Var`` / ``Let`` / ``Assign`` or
+    None, ``update`` an ``Assign`` / ``AssignOp`` or None."""
+    init: object
+    cond: object
+    update: object
+    body: tuple
+    inline: bool = False
+
+
+@node
+class Block:
+    """``{ body }``; ``flat``: the WGSL indents the body as the braces."""
+    body: tuple
+    flat: bool = False
+
+
+@node
+class Break:
+    pass
+
+
+@node
+class Continue:
+    pass
+
+
+@node
+class Return:
+    value: object = None
+
+
+@node
+class Barrier:
+    kind: str = "workgroup"        # "workgroup" / "storage" / "subgroup"
+
+
+@node
 class ReturnIf:
     cond: object
 
 
-@dataclass(frozen=True)
+@node
 class CallIf:
     """``if (cond) { fn(args); return; }``: a merged launch handing its workgroup to a part."""
     cond: object
@@ -153,38 +316,88 @@ class CallIf:
     args: tuple
 
 
-@dataclass(frozen=True)
+@node
 class Line:
     """Statements the WGSL text writes on one line (GLSL: one a line)."""
     stmts: tuple
 
 
-@dataclass(frozen=True)
+@node
+class Blank:
+    """An empty line of the WGSL text (a statement or a module item; GLSL: nothing)."""
+
+
+# ---------------------------------------------------------------------------- module level
+@node
 class Buffer:
-    ty: str             # element type
+    ty: str             # element type (None: a binding never used, declared as words)
     write: bool
+    count: int | None = None     # an array of ``count`` buffers (``binding_array``)
 
 
-@dataclass(frozen=True)
+@node
+class Shared:
+    """``var<workgroup> name: array<ty, count>;``"""
+    name: str
+    ty: str
+    count: int
+
+
+@node
+class Private:
+    """``var<private> name: ty;`` (a scalar or vector, set before it is read)."""
+    name: str
+    ty: str
+
+
+@node
 class Function:
-    """A function without a result (a part of a merged launch), ``params`` names."""
+    """A function of the module, ``params`` Names; ``ret``: its result type (None: none);
+    ``inline``: the WGSL writes it on one line."""
     name: str
     params: tuple
     body: tuple
-
-
-@dataclass(frozen=True)
-class ComputeKernel:
-    """One compute entry point over storage buffers ``b0..``, with the builtins ``wid``
-    (workgroup id), ``lid`` (local invocation index) and ``nwg`` (workgroup counts), after
-    ``functions``."""
-    buffers: tuple
-    workgroup: int
-    body: tuple
-    functions: tuple = ()
+    ret: str | None = None
+    inline: bool = False
 
 
 WID, LID, NWG = Name("wid", "vec3<u32>"), Name("lid", "u32"), Name("nwg", "vec3<u32>")
+ENTRY_BUILTINS = (("workgroup_id", WID), ("local_invocation_index", LID), ("num_workgroups", NWG))
+
+
+@node
+class ComputeKernel:
+    """One compute entry point over storage buffers ``b0..`` with the ``builtins`` (pairs of
+    the WGSL builtin and its Name; by default ``wid``, ``lid``, ``nwg`` as ``common.ENTRY``)
+    and a ``workgroup`` size (an int or a tuple). ``module``: the items before the entry in
+    text order (``Function``, ``Shared``, ``Private``, ``Blank``); None: an empty line, the
+    ``shared`` arrays and ``functions``, and an empty line (the pointwise layout).
+    ``enable_f16``: ``enable f16;`` without an f16 binding."""
+    buffers: tuple
+    workgroup: object
+    body: tuple
+    functions: tuple = ()
+    shared: tuple = ()
+    module: tuple | None = None
+    builtins: tuple = ENTRY_BUILTINS
+    enable_f16: bool = False
+
+    def items(self) -> tuple:
+        if self.module is not None:
+            return tuple(self.module)
+        if self.shared or self.functions:
+            return (Blank(), *self.shared, *self.functions, Blank())
+        return (Blank(),)
+
+    def uses_f16(self) -> bool:
+        return self.enable_f16 or any(b.ty == "f16" for b in self.buffers)
+
+
+def buffers(b) -> tuple:
+    """The storage buffers a ``common.Bindings`` bound, as ``Buffer`` declarations (an array
+    binding: ``count`` buffers; a position never claimed: words, unused)."""
+    return tuple(Buffer(t, id(x) in b.written, len(x) if isinstance(x, tuple) else None)
+                 for x, t in zip(b.bufs, b.types))
 
 
 def add(*terms):
@@ -195,136 +408,74 @@ def add(*terms):
     return e
 
 
-def u32(n: int) -> Lit:
-    from ..graph import u32 as U32
-    return Lit(int(n), U32)
+@functools.lru_cache(maxsize=8192)
+def u32(n: int, text: str = "") -> Lit:
+    """A u32 literal (one node per value: nodes are never changed, and kernels use the same
+    few constants many times)."""
+    return Lit(int(n), "u32", text)
 
 
-# -------------------------------------------------------------------------------- printers
-class WgslPrinter:
-    def expr(self, e, parent=0) -> str:
-        if isinstance(e, Name):
-            return e.id
-        if isinstance(e, Lit):
-            return e.text or literal(e.value, e.dtype)
-        if isinstance(e, Group):
-            return f"({self.expr(e.e)})"
-        if isinstance(e, Field):
-            return f"{self.expr(e.e)}.{e.name}"
-        if isinstance(e, Load):
-            return f"b{e.binding}[{self.expr(e.index)}]"
-        if isinstance(e, Convert):
-            return f"{e.ty}({self.expr(e.e)})"
-        if isinstance(e, Neg):
-            return f"-{self.expr(e.e, 4)}"
-        if isinstance(e, Call):
-            return f"{e.fn}({', '.join(self.expr(a) for a in e.args)})"
-        p = PRECEDENCE[e.op]
-        # left-associative: the right operand binds tighter to print without parentheses
-        text = f"{self.expr(e.a, p)} {e.op} {self.expr(e.b, p + 1)}"
-        return f"({text})" if p < parent else text
-
-    def stmt(self, s) -> str:
-        if isinstance(s, Line):
-            return " ".join(self.stmt(x) for x in s.stmts)
-        if isinstance(s, Let):
-            return f"let {s.name} = {self.expr(s.e)};"
-        if isinstance(s, Var):
-            return f"var {s.name} = {self.expr(s.e)};"
-        if isinstance(s, Assign):
-            return f"{s.name} = {self.expr(s.e)};"
-        if isinstance(s, Store):
-            return f"b{s.binding}[{self.expr(s.index)}] = {self.expr(s.value)};"
-        if isinstance(s, ReturnIf):
-            return f"if ({self.expr(s.cond)}) {{ return; }}"
-        if isinstance(s, CallIf):
-            return f"if ({self.expr(s.cond)}) {{ {s.fn}({', '.join(self.expr(a) for a in s.args)}); return; }}"
-        raise TypeError(f"not a statement: {s!r}")
-
-    def function(self, f: Function) -> str:
-        params = ", ".join(f"{p.id}: {p.ty}" for p in f.params)
-        return f"fn {f.name}({params}) {{\n" + "\n".join("    " + self.stmt(s) for s in f.body) + "\n}"
-
-    def kernel(self, k: ComputeKernel) -> str:
-        enable = ["enable f16;"] if any(b.ty == "f16" for b in k.buffers) else []
-        decls = enable + [f"@group(0) @binding({j}) var<storage, {'read_write' if b.write else 'read'}> "
-                          f"b{j}: array<{b.ty}>;" for j, b in enumerate(k.buffers)]
-        fns = "".join("\n" + self.function(f) for f in k.functions)
-        return ("\n".join(decls) + ("\n" + fns if fns else "") + "\n\n" + ENTRY.format(wg=k.workgroup)
-                + "\n".join("    " + self.stmt(s) for s in k.body) + "\n}\n")
+@functools.lru_cache(maxsize=8192)
+def name(id: str, ty: str = "u32") -> Name:
+    """``Name(id, ty)``, one node per pair (as ``u32``)."""
+    return Name(id, ty)
 
 
-class GlslPrinter:
-    def expr(self, e) -> str:
-        if isinstance(e, Name):
-            return e.id
-        if isinstance(e, Lit):
-            return self.literal(e)
-        if isinstance(e, Group):
-            return f"({self.expr(e.e)})"
-        if isinstance(e, Field):
-            return f"{self.expr(e.e)}.{e.name}"
-        if isinstance(e, Load):
-            return f"b{e.binding}[{self.expr(e.index)}]"
-        if isinstance(e, Convert):
-            return f"{GLSL_TYPE[e.ty]}({self.expr(e.e)})"
-        if isinstance(e, Neg):
-            return f"(-{self.expr(e.e)})"
-        if isinstance(e, Call):
-            return f"{GLSL_NAMES.get(e.fn, e.fn)}({', '.join(self.expr(a) for a in e.args)})"
-        return f"({self.expr(e.a)} {e.op} {self.expr(e.b)})"
+def f32(v: float, text: str = "") -> Lit:
+    from ..graph import f32 as F32
+    return Lit(float(v), F32, text)
 
-    @staticmethod
-    def literal(e: Lit) -> str:
-        if e.text:
-            return e.text
-        name = e.dtype.name
-        if name == "f32":
-            v = float(e.value)
-            if math.isnan(v) or math.isinf(v):     # the bit patterns WGSL's literal has
-                return "uintBitsToFloat(" + literal(v, e.dtype)[len("bitcast<f32>("):]
-            return literal(v, e.dtype)
-        if name == "f16":
-            return f"float16_t({float(e.value)!r})"
-        if name == "i32":
-            return f"({int(e.value)})" if int(e.value) < 0 else str(int(e.value))
-        return literal(e.value, e.dtype)
 
-    def stmts(self, s) -> list[str]:
-        if isinstance(s, Line):
-            return [x for t in s.stmts for x in self.stmts(t)]
-        if isinstance(s, (Let, Var)):
-            return [f"{GLSL_TYPE[s.e.ty]} {s.name} = {self.expr(s.e)};"]
-        if isinstance(s, Assign):
-            return [f"{s.name} = {self.expr(s.e)};"]
-        if isinstance(s, Store):
-            return [f"b{s.binding}[{self.expr(s.index)}] = {self.expr(s.value)};"]
-        if isinstance(s, ReturnIf):
-            return [f"if ({self.expr(s.cond)}) {{", "    return;", "}"]
-        if isinstance(s, CallIf):
-            return [f"if ({self.expr(s.cond)}) {{", f"    {s.fn}({', '.join(self.expr(a) for a in s.args)});",
-                    "    return;", "}"]
-        raise TypeError(f"not a statement: {s!r}")
+# the linear workgroup index under ``common.grid`` (``common.GROUP_INDEX``)
+GROUP = add(Field(WID, "x"), Bin("*", Field(WID, "y"), Field(NWG, "x")))
 
-    def signature(self, f: Function) -> str:
-        return f"void {f.name}({', '.join(f'{GLSL_TYPE[p.ty]} {p.id}' for p in f.params)})"
 
-    def kernel(self, k: ComputeKernel) -> str:
-        head = ["#version 450"] + (GLSL_F16 if any(b.ty == "f16" for b in k.buffers) else []) + GLSL_IEEE
-        head.append(f"layout(local_size_x = {k.workgroup}, local_size_y = 1, local_size_z = 1) in;")
-        head += [f"layout(std430, set = 0, binding = {j}) {'' if b.write else 'readonly '}buffer B{j}_ "
-                 f"{{ {GLSL_TYPE[b.ty]} b{j}[]; }};" for j, b in enumerate(k.buffers)]
-        head += [self.signature(f) + ";" for f in k.functions]        # prototypes first, as WGSL needs none
-        for f in k.functions:
-            head += [self.signature(f) + " {"] + ["    " + ln for s in f.body for ln in self.stmts(s)] + ["}"]
-        body = ["uvec3 wid = gl_WorkGroupID;", "uint lid = gl_LocalInvocationIndex;", "uvec3 nwg = gl_NumWorkGroups;"]
-        body += [line for s in k.body for line in self.stmts(s)]
-        return "\n".join(head + ["void main() {"] + ["    " + ln for ln in body] + ["}"]) + "\n"
+# -------------------------------------------------------------------- printed kernels, by text
+# the trees of the WGSL texts printed from the AST in this process (``printed``), by text: the
+# Vulkan compile stage prints their GLSL from them (``tree_of``) without building them again
+PRINTED_KEEP = 4096
+_printed: OrderedDict = OrderedDict()
+_printed_lock = threading.Lock()
+
+
+def printed(tree) -> str:
+    """``tree``'s WGSL, the tree kept for ``tree_of``."""
+    text = print_wgsl(tree)
+    with _printed_lock:
+        _printed[text] = tree
+        _printed.move_to_end(text)
+        while len(_printed) > PRINTED_KEEP:
+            _printed.popitem(last=False)
+    return text
+
+
+def tree_of(text):
+    """The tree whose WGSL is ``text`` (printed in this process, and not among the oldest
+    past ``PRINTED_KEEP``; a renderer's memo may hand out a text again without printing it,
+    so a text asked for is kept as if printed again), or None."""
+    with _printed_lock:
+        tree = _printed.get(text)
+        if tree is not None:
+            _printed.move_to_end(text)
+        return tree
+
+
+def clear_printed():
+    with _printed_lock:
+        _printed.clear()
 
 
 def print_wgsl(k: ComputeKernel) -> str:
     return WgslPrinter().kernel(k)
 
 
-def print_glsl(k: ComputeKernel) -> str:
-    return GlslPrinter().kernel(k)
+def print_glsl(k: ComputeKernel, unroll: bool | None = None, preserve_ieee: bool = True) -> str:
+    """``k``'s GLSL; ``unroll`` and ``preserve_ieee`` as ``glsl.to_glsl``'s (None: the
+    MEGANEURA_GLSL_UNROLL switch, else no)."""
+    if unroll is None:
+        from .glsl import unroll_switch
+        unroll = bool(unroll_switch())
+    return GlslPrinter(unroll, preserve_ieee).kernel(k)
+
+
+from .kernel_ast_print import GlslPrinter, WgslPrinter  # noqa: E402  (the printers use the nodes above)

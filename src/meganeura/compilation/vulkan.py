@@ -4,8 +4,8 @@ becomes SPIR-V and its reflection (``FinalKernel``).
 - in accelerated precision, tiled matmuls with f16 operands (``codegen.coopmat``) and flash
   attention (``codegen.flash_coop``, ``codegen.flash_grad_coop``) become kernels on
   cooperative matrices where the target has them (``Target.tensor_cores``): ``variants``;
-- kernels built on the typed kernel AST (``codegen.kernel_ast``; which ones:
-  ``codegen.pointwise_ast``) are printed as GLSL from it;
+- kernels built on the typed kernel AST (``codegen.kernel_ast``: those whose WGSL was
+  printed from a tree, ``kernel_ast.tree_of``) are printed as GLSL from it;
 - the rest is translated to GLSL (``codegen.glsl``, by the translation workers,
   ``translators``, for a large request) and every kernel compiled by glslang
   (``glslang``, a library: no device) and reflected (``spirv.reflect``);
@@ -132,11 +132,10 @@ class VulkanKernels:
     # ------------------------------------------------------------------ kernels on the kernel AST
     def _note(self, kernel, text):
         """Keep the kernel AST that ``text`` (``kernel``'s WGSL) was printed from, where it
-        was (``codegen.pointwise_ast.tree_of``; not another form of the kernel: a merged
-        launch on arrays of buffers, a checked kernel), for its GLSL to be printed from it
-        rather than translated."""
-        if kernel.archetype in ("pointwise", "multi") and text not in self._trees:
-            from ..codegen.pointwise_ast import tree_of
+        was (``codegen.kernel_ast.tree_of``, by the text: any archetype), for its GLSL to
+        be printed from it rather than translated."""
+        if text not in self._trees:
+            from ..codegen.kernel_ast import tree_of
             tree = tree_of(text)
             if tree is not None:
                 with self._lock:
@@ -149,7 +148,7 @@ class VulkanKernels:
             return None
         from ..codegen.kernel_ast import print_glsl
         t = time.perf_counter()
-        glsl = print_glsl(tree)
+        glsl = print_glsl(tree, unroll=self.target.unroll, preserve_ieee=self.ieee)
         self._add("kernels_printed", 1)
         return glsl, time.perf_counter() - t
 
@@ -492,7 +491,7 @@ def clear_memory():
         _variants.clear()
     with _finished_lock:
         _finished.clear()
-    from ..codegen.pointwise_ast import clear_printed
+    from ..codegen.kernel_ast import clear_printed
     clear_printed()
 
 
