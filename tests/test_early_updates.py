@@ -93,3 +93,19 @@ def test_early_updates_train_as_updates_at_the_end(backend, monkeypatch):
     for k, v in w0.items():
         np.testing.assert_allclose(w1[k], v, rtol=1e-5, atol=1e-6, err_msg=k)
         np.testing.assert_allclose(w1[k], ref.state_dict()[k], rtol=1e-4, atol=1e-5, err_msg=k)
+
+
+def test_role_breakdown_sees_the_gradients_go(monkeypatch):
+    from meganeura.bench.memory_roles import role_breakdown
+    from meganeura.passes import order
+    monkeypatch.setattr(order, "MIN_GROUP_BYTES", 0)
+    g, loss = _graph(False)
+    s = mg.compile(g, loss=loss, optimizer=mg.optim.AdamW(lr=1e-3), backend="numpy")
+    late, early = (role_breakdown(kp, kp.target_locs[0][0], S * CFG.vocab_size * 4)
+                   for kp in (_step_plan(s, {"early_updates"}), _step_plan(s)))
+    n_params = sum(int(np.prod(p.shape)) for p in g.parameters.values())
+    assert late["persistent"]["weights"] * 2 ** 20 == pytest.approx(4 * n_params)
+    assert late["persistent"]["optimizer_moments"] == pytest.approx(2 * late["persistent"]["weights"])
+    # with the updates at the end every gradient is live at once
+    assert late["most_live"]["gradients"] == pytest.approx(late["persistent"]["weights"], rel=1e-3)
+    assert early["most_live"]["gradients"] < 0.5 * late["most_live"]["gradients"]
