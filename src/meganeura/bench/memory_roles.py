@@ -6,8 +6,9 @@ other backward values (cotangents), forward temporaries, and targets.
 
 The roles of planned values come from the launches: the forward pass ends at the launch
 that writes the loss; a gradient is a value that a launch writing a parameter or a state
-(the optimizer's update of a moment or a weight) reads; a logits buffer holds at least
-``rows * vocab`` f32 values; a recomputed value is written in the backward pass by a launch reading only forward values,
+(the optimizer's update of a moment or a weight) reads, or one summed elementwise into
+such a value (a tied weight's two contributions); a logits buffer holds ``rows * vocab``
+f32 values; a recomputed value is written in the backward pass by a launch reading only forward values,
 recomputed values and persistent ones, at least one recomputed (the chain starts at the
 ``recompute`` copies of a region's inputs)."""
 from __future__ import annotations
@@ -31,7 +32,7 @@ def _persistent_role(b) -> str:
 
 def value_roles(kp, loss_buf, logits_bytes) -> dict:
     """{planned Buf: role} of a step's plan; ``loss_buf``: the loss's buffer; a planned
-    value of ``logits_bytes`` or more that is no gradient counts as logits."""
+    value of ``logits_bytes`` that is no gradient counts as logits."""
     m = kp.memory
     units = list(launch_units([d.kernel for d in kp.dispatches]))
     end_fwd = max((i for i, u in units if loss_buf in u.written_bufs()), default=-1)
@@ -42,6 +43,11 @@ def value_roles(kp, loss_buf, logits_bytes) -> dict:
             grads.update(v.buf for v in u.read_views() if v.buf in m.slot_of)
         for b in writes:
             written_at.setdefault(b, i)
+    # parts of a gradient: summed elementwise into one (a tied weight's two contributions)
+    for i, u in reversed(units):
+        out = [b for b in u.written_bufs() if b in grads]
+        if out and u.archetype == "pointwise":
+            grads.update(v.buf for v in u.read_views() if v.buf in m.slot_of and v.buf.nbytes == out[0].nbytes)
     for i, u in units:
         if i <= end_fwd:
             continue
@@ -55,7 +61,7 @@ def value_roles(kp, loss_buf, logits_bytes) -> dict:
             r = "gradients"
         elif b.kind == "target":
             r = "targets"
-        elif b.nbytes >= logits_bytes:
+        elif b.nbytes == logits_bytes:
             r = "logits_ce"
         elif lo <= end_fwd < hi:
             r = "kept_for_backward"
