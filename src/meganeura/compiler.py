@@ -29,11 +29,12 @@ from .compilation.precision import (BACKWARD_CONV_ROUND_MAX_K, BACKWARD_F16_MIN_
                                     precision_constants, refresh_f16_copies)
 from .memplan import MemoryPlan, plan_memory, write_over_dying_operands
 from .passes import lower_to_primitives
+from .passes.order import early_update_order, reorder
 from .passes.remat import rematerialize
 from .passes.fuse import FUSION_PASSES, run_fusion
 
 # switches MEGANEURA_NO_FUSE also accepts besides the fusion passes
-OTHER_PASSES = ("inplace", "remat")
+OTHER_PASSES = ("inplace", "remat", "early_updates")
 from .schedule import Buf, Kernel, build_schedule
 
 
@@ -230,6 +231,12 @@ def _compile_plan(targets, n_forward, opts, updates, on_render=None) -> KernelPl
         g3, new_targets = rematerialize(new_targets, len(fwd))
         if g3 is not None:
             g2._drop_nodes()       # the lowered copy, replaced
+            g2 = g3
+    if updates and "early_updates" not in opts.disabled:
+        order = early_update_order(new_targets, updates.keys(), updates.values())
+        if order is not None:
+            g3, new_targets = reorder(new_targets, order)
+            g2._drop_nodes()
             g2 = g3
     clock.lap("lower")
     smem = codegen.flash.ADAPTER_SMEM.set(opts.workgroup_storage)

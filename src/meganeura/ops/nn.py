@@ -223,7 +223,17 @@ def _ce_target(logits, labels, ignore_index, label_smoothing):
 
 def _ce_graph(logits, labels, ignore_index, reduction, label_smoothing):
     q, oh = _ce_target(logits, labels, ignore_index, label_smoothing)
-    loss = neg(reduce_sum(_target_terms(q, _log_softmax_graph(logits, 1)), (1,)))
+    if logits.size == 0:
+        loss = neg(reduce_sum(_target_terms(q, _log_softmax_graph(logits, 1)), (1,)))
+    else:
+        # -sum(q * log p) = sum(q) * logsumexp(x) - sum(q * x): the target terms read the
+        # logits themselves, before anything else, so the shifted logits x - max are never
+        # stored for them (they are one more rows x classes buffer: SmolLM2 at 1024 tokens,
+        # 192 MiB) and exp(x - max) may be written over the logits
+        picked = reduce_sum(_target_terms(q, logits), (1,))
+        m = stop_gradient(amax(logits, 1, keepdim=True))
+        lse = reshape(m, m.shape[:1]) + log(reduce_sum(exp(logits - m), (1,)))
+        loss = reduce_sum(q, (1,)) * lse - picked
     if reduction == "none":
         return loss
     total = reduce_sum(loss, (0,))

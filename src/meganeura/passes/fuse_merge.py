@@ -69,6 +69,10 @@ class _Group:
         self.writes, self.reads = set(), set()
         self.bindings = set()       # what _bindings counts, kept as kernels join
         self.passed = self.groups = 0
+        # persistent buffers that a kernel writing a new value (a target) reads: the old
+        # value of a parameter or moment, replaced in place after fusion when no launch reads
+        # it later, so the groups whose kernels read it are emitted first
+        self.replaced = set()
         # a group that reads only persistent buffers (an optimizer update reads gradients,
         # parameters and moments) extends no intermediate's life, so it may float any distance
         self.temps = False
@@ -88,6 +92,8 @@ class _Group:
         self.groups += groups
         self.bindings |= _binding_keys(k)
         self.temps |= any(v.buf.kind == "temp" for v in k.read_views())
+        if any(b.kind == "target" for b in k.written_bufs()):
+            self.replaced |= {id(v.buf) for v in k.read_views() if v.buf.kind in ("parameter", "state")}
 
     def kernel(self):
         ks = self.kernels
@@ -99,6 +105,19 @@ class _Group:
         if self.key[0] == "tiled":
             return Kernel(name, "matmul", {"parts": list(ks)}, ks[0].out)
         return Kernel(name, "matmul", {"gemv": True, "tb": True, "parts": list(ks)}, ks[0].out)
+
+
+def _reaches(a, b) -> bool:
+    """Group ``a`` is emitted after group ``b`` (depends on it, through its dependencies)."""
+    seen, stack = set(), [a]
+    while stack:
+        g = stack.pop()
+        if g is b:
+            return True
+        if id(g) not in seen:
+            seen.add(id(g))
+            stack.extend(g.deps)
+    return False
 
 
 def _pair_gemvs(kernels, max_bindings):
@@ -216,15 +235,25 @@ def merge_horizontal(kernels, max_bindings):
             continue
         groups = _groups_of(k)
         last_hit = max((open_.index(g) for g in hits), default=-1)
-        g = next((g for g in open_[last_hit + 1:] if g.key == key), None)   # the earliest it may join
+        hit = set(hits)
+        g = next((g for g in open_[last_hit + 1:]                      # the earliest it may join
+                  if g.key == key and not any(_reaches(h, g) for h in hit)), None)
         if g is not None and not g.fits(k, groups, max_bindings):
             close(g)
             g = None
         if g is None:
             g = _Group(key, next(seq))
             open_.append(g)
-        g.deps |= set(hits)
+        g.deps |= hit
         g.add(k, kw, kr, groups)
+        for o in open_:
+            if o is g:
+                continue
+            # a group replacing what k reads comes after k's; one reading what k replaces, before
+            if o.replaced & kr and not _reaches(g, o):
+                o.deps.add(g)
+            if g.replaced & o.reads and not _reaches(o, g):
+                g.deps.add(o)
     while open_:
         close(open_[0])
     del close               # it holds itself through its cell: a cycle holding every group
