@@ -47,6 +47,22 @@ def torch_peaks(path) -> dict:
     return out
 
 
+def live_peak_launch(kp) -> tuple[int, int]:
+    """(launch, bytes) of a plan's live peak: the launch at which its planned values' live
+    bytes (``memory.intervals``) sum highest."""
+    n = len(kp.dispatches)
+    live = [0] * (n + 2)
+    for b, (lo, hi) in kp.memory.intervals.items():
+        live[lo] += b.nbytes
+        live[hi + 1] -= b.nbytes
+    acc, at, best = 0, 0, -1
+    for k in range(n + 1):
+        acc += live[k]
+        if acc > best:
+            best, at = acc, k
+    return at, best
+
+
 def breakdown(kp, top=10) -> dict:
     """Where a plan's bytes go: persistent bytes by kind, and the ``top`` largest values
     live at the launch of the live peak (name, kind, bytes, first and last launch, writer)."""
@@ -56,15 +72,7 @@ def breakdown(kp, top=10) -> dict:
         if b not in m.slot_of:
             persistent[b.kind] = persistent.get(b.kind, 0) + b.nbytes
     n = len(kp.dispatches)
-    live = [0] * (n + 2)
-    for b, (lo, hi) in m.intervals.items():
-        live[lo] += b.nbytes
-        live[hi + 1] -= b.nbytes
-    acc, at, best = 0, 0, -1
-    for k in range(n + 1):
-        acc += live[k]
-        if acc > best:
-            best, at = acc, k
+    at, _ = live_peak_launch(kp)
     writer = {}
     for k, d in enumerate(kp.dispatches):
         for b in d.kernel.written_bufs():

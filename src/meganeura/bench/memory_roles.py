@@ -16,6 +16,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..memplan import launch_units
+from .memory import live_peak_launch
 
 ROLES = ("gradients", "logits_ce", "kept_for_backward", "recompute", "backward_other", "forward_temp", "targets")
 PERSISTENT_ROLES = ("weights", "optimizer_moments", "inputs_constants")
@@ -82,15 +83,7 @@ def role_breakdown(kp, loss_buf, logits_bytes) -> dict:
     m = kp.memory
     roles = value_roles(kp, loss_buf, logits_bytes)
     n = len(kp.dispatches)
-    live = [0] * (n + 2)
-    for b, (lo, hi) in m.intervals.items():
-        live[lo] += b.nbytes
-        live[hi + 1] -= b.nbytes
-    acc, at, best = 0, 0, -1
-    for k in range(n + 1):
-        acc += live[k]
-        if acc > best:
-            best, at = acc, k
+    at, _ = live_peak_launch(kp)
     out = {r: 0.0 for r in PERSISTENT_ROLES}
     for b in kp.bufs:
         if b not in m.slot_of:
