@@ -15,13 +15,14 @@ keys and values of every slot up to its position) over the device's bandwidth
 (``--bandwidth-gbs``; by default the H200's 4800 or the H100's 3350 where the adapter
 says so). ``--torch``: transformers' LlamaForCausalLM with a StaticCache on the same
 weights (dequantized for the quantized formats), eager and, on CUDA, the step captured in
-a CUDA graph, in f32 and bf16 autocast. Each cell also gates ours: the first decode
+a CUDA graph, in f32 and with the weights in bf16. Each cell also gates ours: the first decode
 step's logits against PyTorch eager f32 on the same (dequantized) weights.
 Writes ``decode.json`` and ``decode.md`` under ``--out``.
 """
 from __future__ import annotations
 
 import argparse
+import copy
 import inspect
 import json
 import os
@@ -107,14 +108,15 @@ def time_torch(model, cfg, batch, prompt, steps, device, bf16):
     import transformers
     max_len = prompt + steps + 1
     ids = torch.randint(0, cfg.vocab_size, (batch, prompt), generator=torch.Generator().manual_seed(1)).to(device)
+    if bf16:        # the model's weights in bf16 (autocast would hand the f32 cache bf16 keys)
+        model = copy.deepcopy(model).to(torch.bfloat16)
     cache = transformers.StaticCache(config=model.config, max_cache_len=max_len)
-    auto = torch.autocast(device, dtype=torch.bfloat16) if bf16 else torch.autocast(device, enabled=False)
     tok = torch.ones(batch, 1, dtype=torch.long, device=device)
     pos = torch.tensor([prompt], device=device)
     # transformers 5 renamed past_key_values to cache
     key = "cache" if "cache" in inspect.signature(type(model).forward).parameters else "past_key_values"
     out = {}
-    with torch.no_grad(), auto:
+    with torch.no_grad():
         model(ids, **{key: cache}, cache_position=torch.arange(prompt, device=device), use_cache=True)
 
         def step():

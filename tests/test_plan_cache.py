@@ -270,3 +270,31 @@ def test_session_key_follows_forward_parameters_optimizer_and_options(monkeypatc
     class Custom(mg.optim.SGD):      # a user's optimizer may bake anything into its update: never keyed
         pass
     assert key(opt=Custom(lr=0.1)) is None
+
+
+def test_a_checkpointed_session_is_not_the_plain_one_from_the_cache(cache):
+    """The same forward graph with its hidden layer checkpointed recomputes it in the backward
+    pass: another training program, so another manifest (it had shared the plain one's and
+    silently run without recomputation)."""
+    def session(checkpointed):
+        g = mg.Graph()
+        x, y = g.input("x", (4, 8)), g.input("y", (4,), mg.i32)
+        w1, w0, w2 = g.parameter("w1", (16, 8)), g.parameter("w0", (16, 16)), g.parameter("w2", (3, 16))
+
+        def hidden(t):
+            return mg.ops.tanh(mg.ops.linear(mg.ops.gelu(mg.ops.linear(t, w1)), w0))
+        h = mg.nn.checkpoint(hidden, x) if checkpointed else hidden(x)
+        loss = mg.ops.cross_entropy(mg.ops.linear(h, w2), y)
+        return mg.compile(g, loss=loss, optimizer=mg.optim.AdamW(lr=1e-2), backend="gpu")
+
+    rng = np.random.default_rng(0)
+    feeds = {"x": rng.standard_normal((4, 8)).astype(np.float32), "y": np.array([0, 1, 2, 1], np.int32)}
+    seen, losses = [], []
+    for checkpointed in (False, True, True):
+        s = session(checkpointed)
+        losses.append([s.step(feeds) for _ in range(2)])
+        seen.append((type(s.program).__name__, s.executor.plans["step"].kernel_plan.stats["cache"]))
+        s.close()
+    # the checkpointed program is built and its plan stored; only a second checkpointed session hits
+    assert seen == [("Program", "stored"), ("Program", "stored"), ("CachedProgram", "hit")], seen
+    np.testing.assert_allclose(losses[1], losses[0], rtol=1e-6)

@@ -347,8 +347,10 @@ def _from_manifest(graph, fetches, optimizer, backend, precision, plan_cache, bu
     # what the session keeps beside optimizer state: every parameter and state
     kept = list(graph.parameters.values()) + [t for t in graph.states.values() if not t.attrs.get("optimizer_state")]
     run_as = precision if precision == "strict" or dev.has_f16 else "strict"     # as the executor runs it
+    from .autodiff import checkpointed_regions
     key = pc.session_key(fetches + list(graph.updates.values()), kept, optimizer,
-                         CompileOptions.from_env(run_as, dev.limits), dev.adapter_info, [t.name for t in graph.updates])
+                         CompileOptions.from_env(run_as, dev.limits), dev.adapter_info, [t.name for t in graph.updates],
+                         checkpointed_regions(graph))
     manifest = pc.load_manifest(key) if key else None
     if manifest is None:
         return key, None

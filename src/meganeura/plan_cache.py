@@ -159,12 +159,13 @@ def plan_key(targets, n_forward, options, updates, adapter=None) -> str | None:
     return hashlib.sha256(desc.encode()).hexdigest()
 
 
-def session_key(targets, params, optimizer, options, adapter=None, updated=()) -> str | None:
+def session_key(targets, params, optimizer, options, adapter=None, updated=(), checkpointed=()) -> str | None:
     """The manifest key of a training session: ``targets`` (the fetched outputs, the loss and
     the values of the graph's own state updates, whose states ``updated`` names), ``params``
     (the parameters and the states other than optimizer state), ``optimizer`` (one of
     ``meganeura.optim``'s, its type and hyperparameters; the learning rate and its schedule are
-    fed per step and left out), the compile options (``CompileOptions.from_env`` for the
+    fed per step and left out), the graph's checkpointed regions (``autodiff.checkpointed_regions``:
+    the same forward graph recomputes them in its backward pass, another program), the compile options (``CompileOptions.from_env`` for the
     device) and what every plan key holds (``_context``). None when the graph or the optimizer
     cannot be keyed: a user's optimizer class may build its update from anything."""
     if type(optimizer).__module__ != "meganeura.optim":
@@ -178,7 +179,7 @@ def session_key(targets, params, optimizer, options, adapter=None, updated=()) -
         return None
     entries = [(p.name, p.shape, p.dtype.name) + (("frozen",) if p.attrs.get("requires_grad") is False else ())
                for p in params]         # a frozen parameter (no gradient, no update) is marked
-    desc = repr(("session", g, entries, list(updated), "".join(hyper),
+    desc = repr(("session", g, entries, list(updated), "".join(hyper), list(checkpointed),
                  _context(options, adapter)))
     return hashlib.sha256(desc.encode()).hexdigest()
 
