@@ -123,7 +123,7 @@ def multi_tree(kernel):
 
 
 def shared_tree(kernel, max_elements):
-    """``multi_tree`` with one body per form (``pointwise._render_shared`` says when and
+    """``multi_tree`` with one body per form (``pointwise.render_multi`` says when and
     why): (``ComputeKernel``, the buffers bound, one per descriptor, workgroups), or None
     where no two parts are alike."""
     from .reduce import part_tree, SCRATCH_AST
