@@ -1,0 +1,249 @@
+"""Shorthands that the matmul, GEMV and quantized kernels build their trees with (on
+``kernel_ast``'s nodes), the spellings of those templates that the core nodes do not have
+(a block opened on a line of statements, an expression broken over two lines), and the
+output store every one of them ends with (``expr.OutputStore``) as a tree, for kernels
+without a fused epilogue."""
+from __future__ import annotations
+
+from dataclasses import replace
+
+from .kernel_ast import (LID, NWG, WID, AssignIndex, Bin, Blank, Buffer, CallIf, ComputeKernel, Construct, Convert,
+                         Field, Function, Group, Let, Line, Lit, Name, Private, Shared, Store, Var, Assign)
+
+U32, F32, VEC4 = "u32", "f32", "vec4<f32>"
+LID3 = Name("lid3", "vec3<u32>")
+# the entry's builtins: common.ENTRY's; workgroup id and local index; workgroup and local ids
+ENTRY_1D = (("workgroup_id", WID), ("local_invocation_index", LID), ("num_workgroups", NWG))
+ENTRY_LOCAL_INDEX = (("workgroup_id", WID), ("local_invocation_index", LID))
+ENTRY_LOCAL_ID = (("workgroup_id", WID), ("local_invocation_id", LID3))
+GROUP_INDEX = Bin("+", Field(WID, "x"), Bin("*", Field(WID, "y"), Field(NWG, "x")))    # common.GROUP_INDEX
+GROUP = Group(GROUP_INDEX)
+
+
+def U(n: int, text: str = "") -> Lit:
+    """A u32 literal (``4u``; ``text`` "4": an abstract one, an index)."""
+    return Lit(int(n), U32, text)
+
+
+def I(n: int) -> Lit:      # noqa: E743
+    """An i32 literal (``128i``)."""
+    return Lit(int(n), "i32")
+
+
+def F(text: str) -> Lit:
+    """An abstract float as the template writes it (``0.0``, ``1e-05``), an f32 where it stands."""
+    from ..graph import f32
+    return Lit(float(text), f32, text)
+
+
+def b_(op, a, b):
+    return Bin(op, a, b)
+
+
+def g(e):
+    """A pair of parentheses the template writes."""
+    return Group(e)
+
+
+def add(*terms):
+    """``terms`` summed left to right."""
+    e = terms[0]
+    for t in terms[1:]:
+        e = Bin("+", e, t)
+    return e
+
+
+def terms(e) -> list:
+    """The terms of a sum ``add`` built (so that a sum goes on as one chain)."""
+    if type(e) is Bin and e.op == "+":
+        return terms(e.a) + [e.b]
+    return [e]
+
+
+def v4(*args):
+    """``vec4<f32>(...)``."""
+    return Construct(VEC4, tuple(args))
+
+
+def assign(name, e):
+    return Assign(name, e)
+
+
+def assign_index(base, index, e):
+    return AssignIndex(base, index, e)
+
+
+def blank():
+    return Blank()
+
+
+def line(*stmts):
+    return Line(tuple(stmts))
+
+
+def inline(stmt):
+    """An ``If`` / ``For`` the template writes on one line."""
+    return replace(stmt, inline=True)
+
+
+def call_if(cond, fn, args):
+    return CallIf(cond, fn, tuple(args))
+
+
+def shared(name, ty, count):
+    return Shared(name, ty, count)
+
+
+def private(name, ty):
+    return Private(name, ty)
+
+
+class Broken:
+    """``a op b`` with the WGSL text broken before ``op`` onto a line of its own, ``pad``
+    indented (the quantized Q3_K scale); GLSL: the operator as any other."""
+
+    def __init__(self, op, a, b, pad="        "):
+        self.bin, self.pad = Bin(op, a, b), pad
+
+    @property
+    def ty(self):
+        return self.bin.ty
+
+    def wgsl(self, p):
+        return f"{p.expr(self.bin.a)}\n{self.pad}{self.bin.op} {p.expr(self.bin.b)}"
+
+    def glsl(self, p):
+        return p.expr(self.bin)
+
+
+def broken(e: Bin, pad="        "):
+    return Broken(e.op, e.a, e.b, pad)
+
+
+class OpenBlock:
+    """``{ s1 s2`` on one line, then ``body`` a statement a line, then ``}`` (``head``: the
+    statements on the opening line; GLSL: a block as any other)."""
+
+    def __init__(self, head, body):
+        self.head, self.body = tuple(head), tuple(body)
+
+    def wgsl(self, p):
+        return ["{ " + p.inline(self.head)] + p.block(self.body, 1) + ["}"]
+
+    def glsl(self, p):
+        return ["{"] + p.block(self.head + self.body, 1) + ["}"]
+
+
+def buffers(b) -> tuple:
+    """The ``Buffer`` declarations of a ``common.Bindings`` (arrays of buffers included)."""
+    return tuple(Buffer(t, id(x) in b.written, len(x) if isinstance(x, tuple) else None)
+                 for x, t in zip(b.bufs, b.types))
+
+
+def module(b, items, workgroup, body, builtins=ENTRY_1D) -> ComputeKernel:
+    """The kernel of a template ``{b.decls()}\\n{items}\\n\\n{entry}``."""
+    return ComputeKernel(buffers(b), workgroup, tuple(body), module=tuple(items) + (Blank(),), builtins=builtins,
+                         enable_f16=b.enable_f16)
+
+
+# ------------------------------------------------------------------------ the output store
+def store_supported(kernel) -> bool:
+    """Whether ``store_function`` builds ``kernel``'s store (no epilogue: an expression
+    of the epilogue is ``expr.ExprWriter``'s text still)."""
+    return kernel.epilogue in (None, ("acc",)) and not kernel.epi_reads
+
+
+def coords(var, shape, prefix) -> list:
+    """``common.coords`` as statements."""
+    if not shape:
+        return []
+    r = Name(f"{prefix}r", U32)
+    out = [Var(r.id, var)]
+    out += [Line((Let(f"{prefix}{d}", Bin("%", r, U(shape[d]))), Assign(r.id, Bin("/", r, U(shape[d])))))
+            for d in range(len(shape) - 1, 0, -1)]
+    return out + [Let(f"{prefix}0", r)]
+
+
+def offset(off, strides, prefix):
+    """``common.offset_expr`` as a tree."""
+    ts = [U(off)] if off else []
+    ts += [Name(f"{prefix}{d}", U32) if st == 1 else Bin("*", Name(f"{prefix}{d}", U32), U(st))
+           for d, st in enumerate(strides) if st != 0]
+    return add(*ts) if ts else U(0)
+
+
+def store_function(kernel, bind, name="store_out"):
+    """``expr.OutputStore(kernel, bind, name=name)``'s module items (its function) for a
+    kernel without an epilogue (``store_supported``), its bindings registered on ``bind``
+    as OutputStore registers them."""
+    assert store_supported(kernel), kernel.name
+    out = kernel.out
+    ob = bind.index(out.buf, out.dtype, write=True)
+    f = Name("f", U32)
+    body = []
+    smap = kernel.spec.get("store_map")
+    if smap is not None:
+        shape, strides = smap
+        rm = [1] * len(shape)
+        for d in range(len(shape) - 2, -1, -1):
+            rm[d] = rm[d + 1] * shape[d + 1]
+        ts = [Bin("*", Group(Bin("%", Group(Bin("/", f, U(s))), U(n))), U(r)) for s, n, r in zip(strides, shape, rm)
+              if n != 1]
+        body.append(Let("fd", add(*ts) if ts else U(0)))
+    dest = Name("fd" if smap is not None else "f", U32)
+    body += coords(dest, out.shape, "e")
+    val = Name("acc", F32)
+    if out.dtype.name != "f32":
+        val = Convert(out.dtype.wgsl, val)
+    idx = add(U(out.offset), dest) if out.is_contiguous() else offset(out.offset, out.strides, "e")
+    stores = kernel.spec.get("stores", ())
+    if stores:
+        body.append(Let("stored", val))
+        val = Name("stored", val.ty)
+    body.append(Store(ob, idx, val))
+    for s in stores:
+        sb = bind.index(s.buf, s.dtype, write=True)
+        body.append(Store(sb, offset(s.offset, s.strides, "e"), val if s.dtype is out.dtype else Convert(s.dtype.wgsl, val)))
+    params = (f, Name("acc", F32)) + ((Name("acc2", F32),) if "pair" in kernel.spec else ())
+    return [Function(name, params, tuple(body))]
+
+
+class Wrapped:
+    """A ``Construct`` whose WGSL arguments run over several lines, ``rows`` of them a line,
+    each further line ``pad`` indented (the quantized decoders); GLSL: the constructor as
+    any other."""
+
+    def __init__(self, ty, args, rows, pad):
+        self.c, self.rows, self.pad = Construct(ty, tuple(args)), tuple(rows), pad
+
+    @property
+    def ty(self):
+        return self.c.ty
+
+    def wgsl(self, p):
+        args, lines, i = [p.expr(a) for a in self.c.args], [], 0
+        for n in self.rows:
+            lines.append(", ".join(args[i:i + n]))
+            i += n
+        return f"{self.c.ty}(" + f",\n{self.pad}".join(lines) + ")"
+
+    def glsl(self, p):
+        return p.expr(self.c)
+
+
+class Minus:
+    """``-1.0``: a negated literal where WGSL keeps it abstract (both operands of a
+    ``select`` literals), which the translator prints as ``(-1.0)``."""
+
+    def __init__(self, lit: Lit):
+        self.lit = lit
+
+    @property
+    def ty(self):
+        return self.lit.ty
+
+    def wgsl(self, p):
+        return "-" + p.expr(self.lit)
+
+    def glsl(self, p):
+        return f"(-{p.expr(self.lit)})"
