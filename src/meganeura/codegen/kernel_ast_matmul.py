@@ -7,8 +7,9 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from .kernel_ast import (LID, NWG, WID, AssignIndex, Bin, Blank, Buffer, CallIf, ComputeKernel, Construct, Convert,
-                         Field, Function, Group, Let, Line, Lit, Name, Private, Shared, Store, Var, Assign)
+from .kernel_ast import (LID, NWG, WID, Assign, AssignIndex, Bin, Blank, Buffer, Call, CallIf, ComputeKernel,
+                         Construct, Convert, Field, Function, Group, Let, Line, Lit, Load, Name, Private, Shared, Store,
+                         Var)
 
 U32, F32, VEC4 = "u32", "f32", "vec4<f32>"
 LID3 = Name("lid3", "vec3<u32>")
@@ -247,3 +248,61 @@ class Minus:
 
     def glsl(self, p):
         return f"(-{p.expr(self.lit)})"
+
+
+class Lines:
+    """Statements the WGSL text lays out on lines of its own making: ``rows``, each a tuple
+    of statements printed on one line after its ``indent`` (the GEMV norm's sums, a block
+    whose braces share lines with statements); GLSL: a block of them all when ``block``,
+    else the statements one a line."""
+
+    def __init__(self, rows, indents, block=True):
+        self.rows, self.indents, self.block = tuple(tuple(r) for r in rows), tuple(indents), block
+
+    def wgsl(self, p):
+        return [ind + p.inline(r) for ind, r in zip(self.indents, self.rows)]
+
+    def glsl(self, p):
+        body = [s for r in self.rows for s in r if not isinstance(s, Text)]
+        return ["{"] + p.block(body, 1) + ["}"] if self.block else p.block(body, 0)
+
+
+class Text:
+    """A brace of a ``Lines`` row (``{`` or ``}``): WGSL layout only."""
+
+    def __init__(self, text):
+        self.text = text
+
+    def wgsl(self, p):
+        return self.text
+
+
+def batch_offsets(a, b, batch, index):
+    """``matmul_wgsl._batch_offsets`` as statements and the operands' offset trees."""
+    from .common import contiguous_batch_strides
+    sa = contiguous_batch_strides(a.shape[:-2], batch, a.shape[-2] * a.shape[-1])
+    sb = contiguous_batch_strides(b.shape[:-2], batch, b.shape[-2] * b.shape[-1])
+    br = Name("br", U32)
+    lines, aoff, boff = [Var("br", index)], [U(a.offset)], [U(b.offset)]
+    for d in range(len(batch) - 1, -1, -1):
+        z = Name(f"z{d}", U32)
+        lines.append(Line((Let(z.id, Bin("%", br, U(batch[d]))), Assign("br", Bin("/", br, U(batch[d]))))))
+        if sa[d]:
+            aoff.append(Bin("*", z, U(sa[d])))
+        if sb[d]:
+            boff.append(Bin("*", z, U(sb[d])))
+    return lines, add(*aoff), add(*boff)
+
+
+def affine(e, ks, K, weight, bias, ty="f32"):
+    """``matmul_wgsl._affine`` as a tree: ``e * ty(weight[k]) + ty(bias[k])`` at the row
+    positions ``ks``, indices clamped to the row."""
+    def read(binding, view):
+        vals = tuple(Convert(F32, Load(binding, add(U(view.offset), Call("min", (k, U(K - 1)), U32)), view.dtype.wgsl))
+                     for k in ks)
+        return Convert(ty, vals[0]) if ty == F32 else Construct(ty, vals)
+    if weight[0] is not None:
+        e = Bin("*", e, read(*weight))
+    if bias[0] is not None:
+        e = Bin("+", e, read(*bias))
+    return e

@@ -1,0 +1,124 @@
+"""The matmul archetype on the typed kernel AST (``codegen/gemv_ast.py``, ``matmul_ast.py``):
+GEMVs and tiled products of many shapes and options print the WGSL their templates write
+and GLSL equal to what the translator makes of that WGSL (each unroll and IEEE setting the
+Vulkan stage uses); kernels the tree does not build yet (a fused epilogue, an operand
+computed in the loads) keep the template; the Vulkan runtime runs the others printed."""
+import numpy as np
+import pytest
+
+import meganeura as mg
+from meganeura.codegen import gemv, kernel_ast, matmul
+from meganeura.codegen.glsl import to_glsl
+from meganeura.compiler import compile_plan
+
+
+def _template(k):
+    if k.spec.get("gemv"):
+        return gemv._render_template(k)
+    return getattr(matmul, "_render_template", matmul.render)(k)
+
+
+def check_kernel(k, text, bufs, groups, template=_template):
+    """``text`` (a kernel's WGSL as rendered) against its template's, and the GLSL printed from
+    its tree against the translator's; False where the template wrote it."""
+    tree = kernel_ast.tree_of(text)
+    wgsl, tbufs, tgroups = template(k)
+    assert text == wgsl, k.name
+    assert list(bufs) == list(tbufs) and tuple(groups) == tuple(tgroups), k.name
+    if tree is None:
+        return False
+    for unroll in (False, True):
+        for ieee in (True, False):
+            assert kernel_ast.print_glsl(tree, unroll, ieee) == to_glsl(wgsl, k.name, unroll=unroll,
+                                                                       preserve_ieee=ieee), (k.name, unroll, ieee)
+    return True
+
+
+def _checked(outs):
+    """(on the tree, kept) counts of the matmul kernels of ``outs``' plan, each checked."""
+    on, kept = 0, 0
+    for d in compile_plan(outs).dispatches:
+        if d.kernel.archetype == "matmul":
+            if check_kernel(d.kernel, d.wgsl, d.bufs, d.groups):
+                on += 1
+            else:
+                kept += 1
+    return on, kept
+
+
+GEMV_SHAPES = [((1, 40), (40, 300)), ((3, 2, 33), (33, 17)), ((4, 64), (64, 9)), ((1, 5), (5, 7)),
+               ((2, 1, 3, 24), (3, 24, 129)), ((2, 64), (64, 5000)), ((1, 40000), (40000, 3))]
+
+
+@pytest.mark.parametrize("ta,tb", [(False, False), (True, False), (False, True), (True, True)])
+def test_gemvs_print_their_templates_wgsl_and_the_translators_glsl(ta, tb):
+    total = 0
+    for sa, sb in GEMV_SHAPES:
+        g = mg.Graph()
+        a = g.input("a", sa[:-2] + sa[-2:][::-1] if ta else sa)
+        b = g.input("b", sb[:-2] + sb[-2:][::-1] if tb else sb)
+        on, kept = _checked([mg.ops.mm(a, b, ta=ta, tb=tb)])
+        assert kept == 0, (sa, sb)
+        total += on
+    assert total >= len(GEMV_SHAPES)
+
+
+def _decoder(norm, M, pair=False, w=True):
+    g = mg.Graph()
+    k = 96
+    x = g.input("x", (M, k))
+    nw, nb = g.parameter("nw", (k,)), g.parameter("nb", (k,))
+    if norm == "layer_norm":
+        h = mg.ops.layer_norm(x, (k,), nw if w else None, nb, 1e-5)
+    else:
+        h = mg.ops.rms_norm(x, (k,), nw if w else None, 1e-6)
+    outs = [mg.ops.linear(h, g.parameter(f"w{j}", (n, k))) for j, n in enumerate((24, 8, 8))]
+    if pair:
+        outs.append(mg.ops.silu(mg.ops.linear(h, g.parameter("g", (40, k)))) * mg.ops.linear(h, g.parameter("u", (40, k))))
+    return outs
+
+
+@pytest.mark.parametrize("norm", ["layer_norm", "rms_norm"])
+def test_gemvs_with_norms_siblings_and_pairs(norm):
+    """A norm of A's rows in the loads, sibling GEMVs sharing a launch, and (with an epilogue,
+    the template) a gate beside up."""
+    for M in (1, 3):
+        for w in (True, False):
+            on, kept = _checked(_decoder(norm, M, w=w))
+            assert on >= 1 and kept == 0, (M, w)
+    on, kept = _checked(_decoder(norm, 2, pair=True))
+    assert on >= 1 and kept >= 1
+
+
+def test_the_decoding_llama_plans_gemvs():
+    """Every GEMV of a tiny Llama's decode step: printed from the tree, or (an epilogue) the
+    template's text."""
+    from meganeura.models import llama
+    g, logits, new = llama.build_decoder(llama.LlamaConfig.tiny(), 1, 1, 16, cache_as_state=True)
+    on, kept = _checked([logits] + new)
+    assert on >= 1 and on + kept >= 4, (on, kept)
+
+
+def test_vulkan_runs_gemvs_printed(monkeypatch):
+    """GEMVs of every layout and a norm in the loads on the Vulkan runtime, printed from their
+    trees (none translated), with the NumPy interpreter's results."""
+    pytest.importorskip("vulkan", reason="the vulkan extra (pip install 'meganeura[vulkan]')")
+    monkeypatch.setenv("MEGANEURA_NO_DISK_CACHE", "1")
+    rng = np.random.default_rng(1)
+    g = mg.Graph()
+    a, at, b, bt = g.input("a", (2, 40)), g.input("at", (40, 3)), g.input("b", (40, 70)), g.input("bt", (70, 40))
+    nw = g.input("nw", (40,))
+    outs = [mg.ops.mm(a, b), mg.ops.mm(at, b, ta=True), mg.ops.mm(a, bt, tb=True),
+            mg.ops.mm(mg.ops.rms_norm(a, (40,), nw, 1e-6), bt, tb=True)]
+    feeds = {n: rng.standard_normal(s).astype(np.float32) for n, s in
+             [("a", (2, 40)), ("at", (40, 3)), ("b", (40, 70)), ("bt", (70, 40)), ("nw", (40,))]}
+    want = mg.compile(g, outputs=outs, backend="numpy").run(feeds)
+    with mg.compile(g, outputs=outs, backend="vulkan") as s:
+        got = s.run(feeds)
+        plan = s.executor.plans["run"]
+        stats, kp = plan.executable.stats, plan.kernel_plan
+    for w, o in zip(want, got):
+        np.testing.assert_allclose(o, w, rtol=1e-5, atol=1e-5)
+    printed = {d.wgsl for d in kp.dispatches if kernel_ast.tree_of(d.wgsl) is not None}
+    assert sum(1 for d in kp.dispatches if d.kernel.spec.get("gemv")) >= 3
+    assert printed and stats["kernels_printed"] == len(printed), (stats, kp.names)
