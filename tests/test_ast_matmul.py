@@ -122,3 +122,99 @@ def test_vulkan_runs_gemvs_printed(monkeypatch):
     printed = {d.wgsl for d in kp.dispatches if kernel_ast.tree_of(d.wgsl) is not None}
     assert sum(1 for d in kp.dispatches if d.kernel.spec.get("gemv")) >= 3
     assert printed and stats["kernels_printed"] == len(printed), (stats, kp.names)
+
+
+TILED_SHAPES = [((3, 2, 33), (33, 17)), ((6, 64), (64, 9)), ((128, 8), (8, 128)), ((130, 9), (9, 131)),
+                ((64, 16), (16, 64)), ((2, 1, 70, 24), (3, 24, 129)), ((2, 130, 20), (20, 132)), ((256, 64), (64, 128)),
+                ((40, 300), (300, 36))]
+SWITCHES = [{"MEGANEURA_MATMUL_TILE": "32"}, {"MEGANEURA_MATMUL_TILE": "64", "MEGANEURA_MATMUL_SPLIT": "2"},
+            {"MEGANEURA_MATMUL_TILE": "128"}, {"MEGANEURA_MATMUL_BLOCK": "128x64/16x8"},
+            {"MEGANEURA_MATMUL_BLOCK": "128x128/8x16", "MEGANEURA_MATMUL_SPLIT": "3"}, {}]
+
+
+@pytest.mark.parametrize("switches", SWITCHES, ids=lambda s: "-".join(f"{k[18:]}{v}" for k, v in s.items()) or "auto")
+@pytest.mark.parametrize("ta,tb", [(False, False), (True, False), (False, True), (True, True)])
+def test_tiled_products_print_their_templates_wgsl_and_the_translators_glsl(monkeypatch, switches, ta, tb):
+    """Every tile and block (the peeled 128-row form too), K splits, bounds checks, broadcast
+    batches and both layouts of each operand."""
+    for k, v in switches.items():
+        monkeypatch.setenv(k, v)
+    total = 0
+    for sa, sb in TILED_SHAPES:
+        g = mg.Graph()
+        a = g.input("a", sa[:-2] + sa[-2:][::-1] if ta else sa)
+        b = g.input("b", sb[:-2] + sb[-2:][::-1] if tb else sb)
+        on, kept = _checked([mg.ops.mm(a, b, ta=ta, tb=tb)])
+        assert kept == 0, (sa, sb)
+        total += on
+    assert total >= len(TILED_SHAPES) - 1
+
+
+@pytest.mark.parametrize("norm", ["layer_norm", "rms_norm"])
+@pytest.mark.parametrize("k", [64, 30])
+def test_tiled_products_with_a_norm_in_the_loads_and_siblings(monkeypatch, norm, k):
+    """A norm of A's rows computed by the tiled kernel (vec4 and scalar loads), sibling
+    products sharing a launch, with and without the norm's weight."""
+    for block in ("", "128x64/16x8"):
+        monkeypatch.setenv("MEGANEURA_MATMUL_BLOCK", block)
+        for w in (True, False):
+            g = mg.Graph()
+            x = g.input("x", (40, k))
+            nw, nb = g.parameter("nw", (k,)), g.parameter("nb", (k,))
+            h = mg.ops.layer_norm(x, (k,), nw if w else None, nb, 1e-5) if norm == "layer_norm" else \
+                mg.ops.rms_norm(x, (k,), nw if w else None, 1e-6)
+            on, kept = _checked([mg.ops.linear(h, g.parameter(f"w{j}", (n, k))) for j, n in enumerate((48, 16))])
+            assert on >= 1 and kept == 0, (block, w)
+
+
+@pytest.mark.parametrize("rounded", [(True, False), (False, True), (True, True)])
+def test_tiled_products_rounding_operands_to_f16(rounded):
+    from meganeura.codegen.matmul_tiles import accelerate
+    g = mg.Graph()
+    a, b = g.input("a", (70, 48)), g.input("b", (48, 66))
+    on, kept = _checked([accelerate(a, b, False, False, f16_round=rounded)])
+    assert on == 1 and kept == 0
+
+
+def test_the_whisper_training_plans_products():
+    """Every matmul of the tiny Whisper encoder's training step: printed from the tree, or
+    (an epilogue, an im2col gather) the template's text."""
+    from meganeura.bench import compile_time
+    from meganeura.bench.workloads import make
+    _, s, _ = compile_time._session(make("whisper", size="tiny", device="cpu"), "train", "numpy")
+    targets, n_forward, updates = compile_time._plan_args(s.program, "grads")
+    on, kept = 0, 0
+    for d in compile_plan(targets, n_forward=n_forward, updates=updates).dispatches:
+        if d.kernel.archetype == "matmul":
+            if check_kernel(d.kernel, d.wgsl, d.bufs, d.groups):
+                on += 1
+            else:
+                kept += 1
+    assert on >= 5 and kept >= 1, (on, kept)
+
+
+@pytest.mark.parametrize("block", ["", "128x64/16x8"])
+def test_vulkan_runs_tiled_products_printed(monkeypatch, block):
+    """Tiled products with bounds checks, a K split, A or B transposed and a norm in the loads
+    (the peeled 128-row form too) on the Vulkan runtime, printed from their trees, with the
+    NumPy interpreter's results."""
+    pytest.importorskip("vulkan", reason="the vulkan extra (pip install 'meganeura[vulkan]')")
+    monkeypatch.setenv("MEGANEURA_NO_DISK_CACHE", "1")
+    monkeypatch.setenv("MEGANEURA_MATMUL_BLOCK", block)
+    rng = np.random.default_rng(2)
+    shapes = {"a": (130, 36), "b": (36, 70), "at": (36, 20), "bt": (70, 36), "nw": (36,)}
+    g = mg.Graph()
+    t = {n: g.input(n, s) for n, s in shapes.items()}
+    outs = [mg.ops.mm(t["a"], t["b"]), mg.ops.mm(t["at"], t["b"], ta=True), mg.ops.mm(t["a"], t["bt"], tb=True),
+            mg.ops.mm(mg.ops.rms_norm(t["a"], (36,), t["nw"], 1e-6), t["bt"], tb=True)]
+    feeds = {n: rng.standard_normal(s).astype(np.float32) for n, s in shapes.items()}
+    want = mg.compile(g, outputs=outs, backend="numpy").run(feeds)
+    with mg.compile(g, outputs=outs, backend="vulkan") as s:
+        got = s.run(feeds)
+        plan = s.executor.plans["run"]
+        stats, kp = plan.executable.stats, plan.kernel_plan
+    for w, o in zip(want, got):
+        np.testing.assert_allclose(o, w, rtol=1e-4, atol=1e-4)
+    tiled = [d for d in kp.dispatches if d.kernel.archetype == "matmul"]
+    assert len(tiled) >= 2 and all(kernel_ast.tree_of(d.wgsl) is not None for d in tiled), kp.names
+    assert stats["kernels_printed"] >= len({d.wgsl for d in tiled}), (stats, kp.names)

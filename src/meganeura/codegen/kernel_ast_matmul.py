@@ -306,3 +306,37 @@ def affine(e, ks, K, weight, bias, ty="f32"):
     if bias[0] is not None:
         e = Bin("+", e, read(*bias))
     return e
+
+
+class FlatIf:
+    """``if (cond) {`` with its body on the level of the ``if`` itself (the tiled matmul's
+    guarded loads); GLSL: an ``if`` as any other."""
+
+    def __init__(self, cond, body):
+        from .kernel_ast import If
+        self.stmt = If(cond, tuple(body))
+
+    def wgsl(self, p):
+        return [f"if ({p.expr(self.stmt.cond)}) {{"] + p.block(self.stmt.then, 0) + ["}"]
+
+    def glsl(self, p):
+        return p.lines(self.stmt, 0)
+
+
+class Product:
+    """``{ head`` then ``loop`` with its body one level deeper than its own (the tiled
+    matmul's multiply step over a K tile), then ``}``; GLSL: a block as any other."""
+
+    def __init__(self, head, loop):
+        self.head, self.loop = tuple(head), loop
+
+    def wgsl(self, p):
+        return (["{ " + p.inline(self.head), PAD4 + p.for_head(self.loop) + " {"] + p.block(self.loop.body, 3)
+                + [PAD4 + "}", "}"])
+
+    def glsl(self, p):
+        from .kernel_ast import Block
+        return p.lines(Block(self.head + (self.loop,)), 0)
+
+
+PAD4 = "    "
