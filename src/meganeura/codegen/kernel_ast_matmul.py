@@ -148,10 +148,15 @@ def module(b, items, workgroup, body, builtins=ENTRY_1D) -> ComputeKernel:
 
 
 # ------------------------------------------------------------------------ the output store
+_LEAVES = frozenset({"leaf", "acc", "acc2", "lit", "const"})
+
+
 def store_supported(kernel) -> bool:
-    """Whether ``store_function`` builds ``kernel``'s store (no epilogue: an expression
-    of the epilogue is ``expr.ExprWriter``'s text still)."""
-    return kernel.epilogue in (None, ("acc",)) and not kernel.epi_reads
+    """Whether ``store_function`` builds ``kernel``'s store: an epilogue of the output's own
+    value, its operands, literals and elementwise ops (``expr.ExprWriter``'s trees)."""
+    def ok(e):
+        return e[0] in _LEAVES or (e[0] == "op" and all(map(ok, e[2])))
+    return kernel.epilogue is None or ok(kernel.epilogue)
 
 
 def coords(var, shape, prefix) -> list:
@@ -173,13 +178,17 @@ def offset(off, strides, prefix):
     return add(*ts) if ts else U(0)
 
 
-def store_function(kernel, bind, name="store_out"):
-    """``expr.OutputStore(kernel, bind, name=name)``'s module items (its function) for a
-    kernel without an epilogue (``store_supported``), its bindings registered on ``bind``
-    as OutputStore registers them."""
+def store_function(kernel, bind, name="store_out") -> list:
+    """``expr.OutputStore(kernel, bind, name=name)``'s module items (the helpers its epilogue
+    calls that the module lacks, then the function) as trees, its bindings registered on
+    ``bind`` as OutputStore registers them (``store_supported`` kernels)."""
+    from .common import broadcast_view_strides
+    from .expr import ExprWriter
     assert store_supported(kernel), kernel.name
     out = kernel.out
     ob = bind.index(out.buf, out.dtype, write=True)
+    leaves = [(bind.index(v.buf, v.dtype), v) for v in kernel.epi_reads]
+    bind.scalar.update(bi for bi, _ in leaves)
     f = Name("f", U32)
     body = []
     smap = kernel.spec.get("store_map")
@@ -191,10 +200,28 @@ def store_function(kernel, bind, name="store_out"):
         ts = [Bin("*", Group(Bin("%", Group(Bin("/", f, U(s))), U(n))), U(r)) for s, n, r in zip(strides, shape, rm)
               if n != 1]
         body.append(Let("fd", add(*ts) if ts else U(0)))
+    fd_from = kernel.spec.get("fd_from", len(leaves)) if smap is not None else len(leaves)
     dest = Name("fd" if smap is not None else "f", U32)
+    spaces = {(dest.id, out.shape): "e"}
     body += coords(dest, out.shape, "e")
-    val = Name("acc", F32)
-    if out.dtype.name != "f32":
+    for k, (bi, v) in enumerate(leaves):
+        key = ("fd" if k >= fd_from else "f", v.shape)
+        if key not in spaces:
+            spaces[key] = f"s{len(spaces)}_"
+            body += coords(Name(key[0], U32), v.shape, spaces[key])
+        body.append(Let(f"l{k}", Load(bi, offset(v.offset, broadcast_view_strides(v, v.shape), spaces[key]),
+                                      v.dtype.wgsl)))
+    from ..graph import f32
+
+    def leaf(e):
+        if e[0] in ("acc", "acc2"):
+            return Name(e[0], F32), f32
+        v = leaves[e[1]][1]
+        return Name(f"l{e[1]}", v.dtype.wgsl), v.dtype
+    w = ExprWriter(leaf, ast=True)
+    val, dt = w.emit(kernel.epilogue or ("acc",))
+    body += w.stmts
+    if dt is not out.dtype:
         val = Convert(out.dtype.wgsl, val)
     idx = add(U(out.offset), dest) if out.is_contiguous() else offset(out.offset, out.strides, "e")
     stores = kernel.spec.get("stores", ())
@@ -206,7 +233,7 @@ def store_function(kernel, bind, name="store_out"):
         sb = bind.index(s.buf, s.dtype, write=True)
         body.append(Store(sb, offset(s.offset, s.strides, "e"), val if s.dtype is out.dtype else Convert(s.dtype.wgsl, val)))
     params = (f, Name("acc", F32)) + ((Name("acc2", F32),) if "pair" in kernel.spec else ())
-    return [Function(name, params, tuple(body))]
+    return w.helper_functions(bind) + [Function(name, params, tuple(body))]
 
 
 class Wrapped:
