@@ -222,3 +222,48 @@ def test_vulkan_runs_tiled_products_printed(monkeypatch, block):
     tiled = [d for d in kp.dispatches if d.kernel.archetype == "matmul"]
     assert len(tiled) >= 2 and all(kernel_ast.tree_of(d.wgsl) is not None for d in tiled), kp.names
     assert stats["kernels_printed"] >= len({d.wgsl for d in tiled}), (stats, kp.names)
+
+
+def test_alike_siblings_share_one_body_over_arrays_of_buffers():
+    """Where the runtime binds arrays of buffers, alike sibling products (key and value
+    projections of one context; with epilogues and a norm in the loads) share one body that
+    reads its weights through an array indexed by the part: printed from the tree too."""
+    from meganeura.compiler import CompileOptions
+    opts = CompileOptions(binding_arrays=True, max_bindings=64)
+    for norm in (False, True):
+        g = mg.Graph()
+        x, nw = g.input("x", (40, 64)), g.parameter("nw", (64,))
+        h = mg.ops.rms_norm(x, (64,), nw, 1e-6) if norm else x
+        outs = [mg.ops.linear(h, g.parameter(f"w{j}", (32, 64))) for j in range(3)]
+        outs += [mg.ops.silu(mg.ops.linear(h, g.parameter("v", (48, 64)), g.parameter("vb", (48,))))]
+        shared = 0
+        for d in compile_plan(outs, options=opts).dispatches:
+            if d.kernel.archetype == "matmul":
+                assert kernel_ast.tree_of(d.wgsl) is not None and d.wgsl == matmul._render_template(d.kernel, 64)[0]
+                tree = kernel_ast.tree_of(d.wgsl)
+                for unroll in (False, True):
+                    assert kernel_ast.print_glsl(tree, unroll) == to_glsl(d.wgsl, d.kernel.name, unroll=unroll)
+                shared += "binding_array" in d.wgsl and "fn locate" in d.wgsl
+        assert shared == 1, norm
+
+
+def test_vulkan_runs_a_shared_body_printed(monkeypatch):
+    """Three alike products over one input on the Vulkan runtime (which binds arrays of
+    buffers): one launch, one shared body, printed from its tree, with NumPy's results."""
+    pytest.importorskip("vulkan", reason="the vulkan extra (pip install 'meganeura[vulkan]')")
+    monkeypatch.setenv("MEGANEURA_NO_DISK_CACHE", "1")
+    g = mg.Graph()
+    x = g.input("x", (40, 64))
+    outs = [mg.ops.linear(x, g.input(f"w{j}", (32, 64))) + 1.0 for j in range(3)]
+    rng = np.random.default_rng(0)
+    feeds = {"x": rng.standard_normal((40, 64)).astype(np.float32),
+             **{f"w{j}": rng.standard_normal((32, 64)).astype(np.float32) for j in range(3)}}
+    want = mg.compile(g, outputs=outs, backend="numpy").run(feeds)
+    with mg.compile(g, outputs=outs, backend="vulkan") as s:
+        got = s.run(feeds)
+        plan = s.executor.plans["run"]
+        stats, kp = plan.executable.stats, plan.kernel_plan
+    for w, o in zip(want, got):
+        np.testing.assert_allclose(o, w, rtol=1e-5, atol=1e-4)
+    (d,) = kp.dispatches
+    assert "binding_array" in d.wgsl and kernel_ast.tree_of(d.wgsl) is not None and stats["kernels_printed"] == 1

@@ -367,3 +367,45 @@ class Product:
 
 
 PAD4 = "    "
+
+
+def remap(x, fn):
+    """``x`` (a tree, or a tuple / list of them) with ``fn`` applied to every node, children
+    first: the nodes of ``kernel_ast`` and this module's layout nodes."""
+    import copy
+    import dataclasses
+    if isinstance(x, tuple):
+        return tuple(remap(y, fn) for y in x)
+    if isinstance(x, list):
+        return [remap(y, fn) for y in x]
+    if dataclasses.is_dataclass(x) and not isinstance(x, type):
+        return fn(dataclasses.replace(x, **{f.name: remap(getattr(x, f.name), fn) for f in dataclasses.fields(x)
+                                            if f.init}))
+    if type(x).__module__ == __name__ and hasattr(x, "__dict__"):
+        y = copy.copy(x)
+        y.__dict__ = {k: remap(v, fn) for k, v in x.__dict__.items()}
+        return fn(y)
+    return x
+
+
+def rebind(b, members, items, index):
+    """``items`` (module items built on ``members[0]``, a Bindings of their own; the other
+    members the Bindings of alike items of other parts) with their bindings bound on ``b``,
+    as ``common.bind_roles`` binds a text: a binding every member gives the same buffer stays
+    one binding, the others become an array of the members' buffers, indexed by ``index``."""
+    from .kernel_ast import Load as L, Store as S
+    first, where = members[0], []
+    for r, ty in enumerate(first.types):
+        bufs = [m.bufs[r] for m in members]
+        written = id(first.bufs[r]) in first.written
+        if all(x is bufs[0] for x in bufs):
+            where.append((b.slot(bufs[0], ty, written), None))
+        else:
+            where.append((b.array(bufs, ty, written), index))
+
+    def fn(node):
+        if type(node) in (L, S) and node.member is None:
+            to, member = where[node.binding]
+            return replace(node, binding=to, member=member)
+        return node
+    return remap(items, fn)

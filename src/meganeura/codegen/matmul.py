@@ -167,13 +167,18 @@ def render(kernel, array_limit=0):
     in its loads, not the shared-body form), else by the templates (``_render_template``)."""
     if kernel.spec.get("gemv"):
         return render_gemv(kernel)
+    from .kernel_ast import printed
+    from .matmul_ast import render_shared_tree, render_tree, supported
     parts = kernel.spec.get("parts", [kernel])
     if array_limit and len(parts) > 1:
-        shared = _render_shared(kernel)
-        if shared is not None and len(shared[1]) <= array_limit:
-            return shared
-    from .kernel_ast import printed
-    from .matmul_ast import render_tree
+        if supported(kernel):
+            made = render_shared_tree(kernel, _launch_form)
+            if made is not None and len(made[1]) <= array_limit:
+                return printed(made[0]), made[1], made[2]
+        else:
+            shared = _render_shared(kernel)
+            if shared is not None and len(shared[1]) <= array_limit:
+                return shared
     made = render_tree(kernel, _launch_form)
     if made is None:
         return _render_template(kernel)

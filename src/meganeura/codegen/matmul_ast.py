@@ -330,3 +330,56 @@ def _memory(parts, block, TK, peel) -> list:
     if any(p.spec.get("f16_round") for p in parts):
         out += round_f16_functions()
     return out
+
+
+def render_shared_tree(kernel, launch_form):
+    """``matmul._render_shared`` as a tree: a merged launch whose alike parts share one body
+    ``mms{f}`` over arrays of buffers indexed by the private ``mp``; None where no two parts
+    are alike, or a part is not on the tree."""
+    from .common import NOWHERE, Bindings
+    from .kernel_ast import WgslPrinter
+    from .kernel_ast_matmul import private, rebind
+    if not supported(kernel):
+        return None
+    parts = kernel.spec["parts"]
+    blocks, peel = launch_form(parts)
+    forms, where = {}, []
+    printer = WgslPrinter()
+    for part, block in zip(parts, blocks):
+        pb = Bindings()
+        fns, groups, TK = tiled_part(part, pb, "_", block, peel)
+        text = "\n".join(printer.item(it) for it in fns)
+        key = (text, tuple(pb.types), tuple(id(x) in pb.written for x in pb.bufs), pb.enable_f16, block, TK)
+        members = forms.setdefault(key, [])
+        where.append((key, len(members), groups))
+        members.append(pb)
+    if len(forms) == len(parts):
+        return None
+    b = Bindings()
+    items, ids, ranges, x0 = [], {}, [], 0
+    mp = Name("mp", U32)
+    for (key, slot, (gx, gy, gz)), part, block in zip(where, parts, blocks):
+        if key not in ids:
+            f = ids[key] = len(ids)
+            pb = Bindings()
+            fns, _, _ = tiled_part(part, pb, f"s{f}", block, peel)
+            # each helper once in the module (the store's helpers come first)
+            helpers = {h for h in pb.helpers_done if h in b.helpers_done}
+            fns = [it for it in fns if not (isinstance(it, Function) and it.name in helpers)]
+            b.helpers_done |= pb.helpers_done
+            b.enable_f16 |= pb.enable_f16
+            items += rebind(b, [pb] + forms[key][1:], fns, mp)
+        ranges.append((x0 + gx, ids[key], slot, x0))
+        x0 += gx
+    block, TK = key[-2:]
+    x, at = _u("x"), Name("at", "vec3<u32>")
+    v3 = lambda *a: Construct("vec3<u32>", a)     # noqa: E731
+    locate = Function("locate", (x,), tuple(
+        [inline(If(b_("<", x, U(end)), (Return(v3(U(f), U(slot), U(start))),))) for end, f, slot, start in ranges]
+        + [Return(v3(U(NOWHERE), U(0), U(0)))]), "vec3<u32>")
+    body = [Let("at", Call("locate", (Field(WID, "x"),), "vec3<u32>")), assign("mp", Field(at, "y"))]
+    body += [call_if(b_("==", Field(at, "x"), U(f)), f"mms{f}", (
+        v3(b_("-", Field(WID, "x"), Field(at, "z")), Field(WID, "y"), Field(WID, "z")), LID3)) for f in range(len(ids))]
+    mem = _memory(parts, block, TK, peel)
+    items = mem[:2] + [private("mp", U32)] + mem[2:] + items + [locate]
+    return module(b, items, (block[3], block[2]), body, ENTRY_LOCAL_ID), b.flat(), (x0, gy, gz)
