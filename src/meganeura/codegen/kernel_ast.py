@@ -268,7 +268,9 @@ class For:
 
 @dataclass(frozen=True)
 class Block:
+    """``{ body }``; ``flat``: the WGSL indents the body as the braces."""
     body: tuple
+    flat: bool = False
 
 
 @dataclass(frozen=True)
