@@ -267,3 +267,40 @@ def test_vulkan_runs_a_shared_body_printed(monkeypatch):
         np.testing.assert_allclose(o, w, rtol=1e-5, atol=1e-4)
     (d,) = kp.dispatches
     assert "binding_array" in d.wgsl and kernel_ast.tree_of(d.wgsl) is not None and stats["kernels_printed"] == 1
+
+
+def _pointwise_operands(g):
+    x, y, w = g.input("x", (40, 64)), g.input("y", (40, 64)), g.input("w", (48, 64))
+    return [mg.ops.linear(mg.ops.silu(x) * y, w), mg.ops.mm(mg.ops.gelu(x), mg.ops.exp(y), ta=True),
+            mg.ops.mm(x, mg.ops.tanh(w) + 1.0, tb=True)]
+
+
+def test_products_computing_a_pointwise_operand_in_their_loads():
+    """An operand that a pointwise expression computes in the loads (SwiGLU's product before
+    the down projection; helpers such as erf and tanh once in the module), either operand."""
+    g = mg.Graph()
+    computed = 0
+    for d in compile_plan(_pointwise_operands(g)).dispatches:
+        if d.kernel.archetype == "matmul":
+            assert check_kernel(d.kernel, d.wgsl, d.bufs, d.groups), d.kernel.name
+            computed += sum(len(p.spec.get("gathers", {})) for p in d.kernel.spec.get("parts", [d.kernel]))
+    assert computed >= 2
+
+
+def test_vulkan_runs_pointwise_operands_printed(monkeypatch):
+    pytest.importorskip("vulkan", reason="the vulkan extra (pip install 'meganeura[vulkan]')")
+    monkeypatch.setenv("MEGANEURA_NO_DISK_CACHE", "1")
+    g = mg.Graph()
+    outs = _pointwise_operands(g)
+    rng = np.random.default_rng(4)
+    feeds = {n: rng.standard_normal(s).astype(np.float32) for n, s in [("x", (40, 64)), ("y", (40, 64)), ("w", (48, 64))]}
+    want = mg.compile(g, outputs=outs, backend="numpy").run(feeds)
+    with mg.compile(g, outputs=outs, backend="vulkan") as s:
+        got = s.run(feeds)
+        plan = s.executor.plans["run"]
+        stats, kp = plan.executable.stats, plan.kernel_plan
+    for w, o in zip(want, got):
+        np.testing.assert_allclose(o, w, rtol=1e-4, atol=1e-4)
+    mm = [d for d in kp.dispatches if d.kernel.archetype == "matmul"]
+    assert mm and all(kernel_ast.tree_of(d.wgsl) is not None for d in mm), kp.names
+    assert stats["kernels_printed"] == len({d.wgsl for d in kp.dispatches}), (stats, kp.names)

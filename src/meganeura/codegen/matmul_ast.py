@@ -1,8 +1,9 @@
 """``matmul.render``'s tiled products (double-buffered K tiles in workgroup memory, the
-peeled form, K splits, sibling parts, a norm of A's rows and f16 rounding in the loads)
-built on the typed kernel AST, statement for statement as the templates of ``matmul``
-write them. Operands computed in the loads (``spec["gathers"]``) and fused epilogues keep
-the template (their functions are text of other modules still)."""
+peeled form, K splits, sibling parts, alike parts sharing one body over arrays of buffers,
+a norm of A's rows, f16 rounding and pointwise operands computed in the loads, fused
+epilogues) built on the typed kernel AST, statement for statement as the templates of
+``matmul`` write them. An operand that a gather computes in the loads (implicit-GEMM
+convolution) is on the tree where the gather's function is (``gather_tree``)."""
 from __future__ import annotations
 
 import numpy as np
@@ -26,9 +27,36 @@ def idx(n):
     return U(n, str(n))
 
 
+def gather_tree():
+    """The builder of a gather's function as a tree (``gather_ast.function_tree``), or None
+    where the gather family has none yet."""
+    try:
+        from .gather_ast import function_tree
+    except ImportError:
+        return None
+    return function_tree
+
+
+def _operand_on_tree(gs) -> bool:
+    return "expr" in gs or (gs.get("tree") is not None and gather_tree() is not None)
+
+
 def supported(kernel) -> bool:
+    """Whether ``render_tree`` builds ``kernel``: every part's store, and every operand it
+    computes in its loads."""
     parts = kernel.spec.get("parts", [kernel])
-    return all(store_supported(p) and not p.spec.get("gathers") for p in parts)
+    return all(store_supported(p) and all(map(_operand_on_tree, p.spec.get("gathers", {}).values())) for p in parts)
+
+
+def operand_functions(kernel, j, op, gs, bind):
+    """(name, module items) of the function computing operand ``op`` of part ``j`` in its
+    loads (``matmul.operand_function`` as trees), its reads bound on ``bind`` now."""
+    from .pointwise import operand_function
+    fname = f"gat{j}_{op}"
+    reads = kernel.reads[gs["first"]:gs["first"] + gs["n"]]
+    if "expr" in gs:
+        return fname, operand_function(gs, reads, bind, fname)
+    return fname, [gather_tree()(gs, reads, bind, fname)]
 
 
 def round_f16_functions() -> list:
@@ -49,11 +77,12 @@ def round_f16_functions() -> list:
 
 
 def _operand(name, view, trans_contig_t, dim_t, K, T, V, tile0, binding, off, chk_t, chk_k, reg, allow_vec=True,
-             threads=256, transform=None, *, TK, SV=None):
-    """``matmul._operand`` as statements: (vec4?, register type, fetch, store)."""
+             threads=256, transform=None, load=None, *, TK, SV=None):
+    """``matmul._operand`` as statements: (vec4?, register type, fetch, store); ``load(index)``
+    the value of an operand computed in the loads (a call of its function)."""
     SV = V if SV is None else SV
     vec = (dim_t % 4 == 0) if trans_contig_t else (K % 4 == 0)
-    vec = vec and allow_vec and view.offset % 4 == 0 and view.dtype.name == "f32"
+    vec = vec and allow_vec and load is None and view.offset % 4 == 0 and view.dtype.name == "f32"
     total = T * TK // 4 if vec else T * TK
     per = -(-total // threads)
     v, kk, tt, k0, kend, tid, l_ = (_u(x) for x in ("v", "kk", "tt", "k0", "kend", "tid", "l"))
@@ -78,6 +107,8 @@ def _operand(name, view, trans_contig_t, dim_t, K, T, V, tile0, binding, off, ch
     else:
         read = Convert(F32, Load(binding, Call("min", (at, U(last)), U32) if conds else at, view.dtype.wgsl))
         zero = F("0.0")
+    if load is not None:
+        read = load(at)
     if transform is not None:
         read = transform(read, vec)
     if conds:
@@ -232,8 +263,13 @@ def tiled_part(kernel, bind, j, block, peel):
     split, kbeg = _u("split"), _u("kbeg")
     bl = [Let("split", b_("%", wz, U(S))),
           Line((Let("kbeg", b_("*", split, U(KC))), Let("kend", Call("min", (add(kbeg, U(KC)), U(K)), U32))))] + bl
-    ab = bind.index(a.buf, a.dtype)
-    bb = bind.index(bv.buf, bv.dtype)
+    loads, fns = {}, []
+    for op, gs in kernel.spec.get("gathers", {}).items():
+        fname, items = operand_functions(kernel, j, op, gs, bind)
+        fns += items + [blank()]      # (each function's text ends in a newline)
+        loads[op] = (lambda at, f=fname, o=gs["offset"]: Call(f, (b_("-", g(at), U(o)),), F32))
+    ab = None if 0 in loads else bind.index(a.buf, a.dtype)
+    bb = None if 1 in loads else bind.index(bv.buf, bv.dtype)
     th = WX * WY
     pro_lines, transform, a_vec0 = [blank()], None, True
     if "prologue" in kernel.spec:
@@ -246,10 +282,11 @@ def tiled_part(kernel, bind, j, block, peel):
         transform = _round_f16_load
     a_vec, a_reg, a_fetch, a_store = _operand("As", a, ta, M, K, TM, VM, "row0", ab, "aoff", chk_m, chk_k, "ra", SV=SA,
                                               threads=th, allow_vec=(transform is None or a_vec0) and ab not in bind.scalar,
-                                              transform=transform, TK=TK)
+                                              transform=transform, load=loads.get(0), TK=TK)
     b_vec, b_reg, b_fetch, b_store = _operand("Bs", bv, not tb, N, K, TN, VN, "col0", bb, "boff", chk_n, chk_k, "rb",
-                                              threads=th, allow_vec=bb not in bind.scalar, TK=TK, transform=b_transform)
-    if ab == bb and a_vec != b_vec:   # one buffer, one declared type: scalars
+                                              threads=th, allow_vec=bb not in bind.scalar, load=loads.get(1), TK=TK,
+                                              transform=b_transform)
+    if ab == bb and ab is not None and a_vec != b_vec:   # one buffer, one declared type: scalars
         a_vec, a_reg, a_fetch, a_store = _operand("As", a, ta, M, K, TM, VM, "row0", ab, "aoff", chk_m, chk_k, "ra",
                                                   False, threads=th, transform=transform, TK=TK, SV=SA)
         b_vec, b_reg, b_fetch, b_store = _operand("Bs", bv, not tb, N, K, TN, VN, "col0", bb, "boff", chk_n, chk_k,
@@ -294,7 +331,7 @@ def tiled_part(kernel, bind, j, block, peel):
     body += [Var("acc", None, acc.ty), Var("ra", None, a_reg), Var("rb", None, b_reg)]
     body += _main_loop(nk, TK, SA, VN, a_fetch + b_fetch, a_store + b_store, fma, peel) + writes
     fn = Function(f"mm{j}", (Name("wid", "vec3<u32>"), lid3), tuple(body))
-    return store + [blank(), fn, blank()], (-(-N // TN), -(-M // TM), nb * S), TK
+    return store + (fns or [blank()]) + [fn, blank()], (-(-N // TN), -(-M // TM), nb * S), TK
 
 
 def render_tree(kernel, launch_form):
