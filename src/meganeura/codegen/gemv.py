@@ -13,8 +13,8 @@ from .matmul_wgsl import _affine, _batch_offsets
 
 def render_gemv(kernel):
     """Few-row products (one-token decoding): the weight is streamed once, coalesced.
-    Built on the typed kernel AST (``gemv_ast``) where the output store is (no epilogue),
-    else written by the template, ``_render_template``.
+    Built on the typed kernel AST (``gemv_ast``) where its output store is
+    (``kernel_ast_matmul.store_supported``), else written by the template, ``_render_template``.
 
     B transposed ([N, K], the linear layout): 32 lanes share one output column and stride
     over K, then combine through workgroup memory (8 columns per workgroup). B plain
@@ -30,7 +30,7 @@ def render_gemv(kernel):
 
 
 def _render_template(kernel):
-    """``render_gemv`` as a WGSL template (kernels with an epilogue)."""
+    """``render_gemv`` as a WGSL template (the reference the tree is checked against)."""
     parts = kernel.spec.get("parts", [kernel])
     bind = Bindings()
     fns, branches, g0 = [], [], 0

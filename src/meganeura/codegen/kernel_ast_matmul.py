@@ -1,8 +1,8 @@
 """Shorthands that the matmul, GEMV and quantized kernels build their trees with (on
 ``kernel_ast``'s nodes), the spellings of those templates that the core nodes do not have
-(a block opened on a line of statements, an expression broken over two lines), and the
-output store every one of them ends with (``expr.OutputStore``) as a tree, for kernels
-without a fused epilogue."""
+(a block opened on a line of statements, an expression broken over two lines...), the
+output store every one of them ends with (``expr.OutputStore``, fused epilogue included) as
+a tree, and the rebinding of a shared body's buffers (``common.bind_roles``) on trees."""
 from __future__ import annotations
 
 from dataclasses import replace

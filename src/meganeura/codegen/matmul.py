@@ -163,8 +163,9 @@ def render(kernel, array_limit=0):
     projections) run as one launch, each owning a range of x workgroups. ``array_limit``:
     the runtime binds arrays of buffers, at most this many buffers a kernel, and alike parts
     share one body (``_render_shared``) where that stays within the limit. Built on the
-    typed kernel AST (``matmul_ast``) where every part is (no epilogue, no operand computed
-    in its loads, not the shared-body form), else by the templates (``_render_template``)."""
+    typed kernel AST (``matmul_ast``) where every part is (``matmul_ast.supported``: not an
+    im2col computed in the loads while the gather has no tree), else by the templates
+    (``_render_template``)."""
     if kernel.spec.get("gemv"):
         return render_gemv(kernel)
     from .kernel_ast import printed

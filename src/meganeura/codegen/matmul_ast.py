@@ -323,7 +323,6 @@ def tiled_part(kernel, bind, j, block, peel):
                         st = If(conds[0] if len(conds) == 1 else b_("&&", *conds), (st,))
                     writes.append(Lines([(Block((Let("gm", row), Let("gn", col), st)),)], ["    "], block=False))
     nk = KC // TK
-    tid = _u("tid")
     lid3 = LID3
     body = [Line((Let("tx", Field(lid3, "x")), Let("ty", Field(lid3, "y")), Let("tid", add(b_("*", ty, U(WX)), tx)))),
             Line((Let("row0", b_("*", Field(WID, "y"), U(TM))), Let("col0", b_("*", Field(WID, "x"), U(TN)))))]

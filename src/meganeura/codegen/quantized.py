@@ -211,7 +211,7 @@ def render(kernel):
     from .kernel_ast import printed
     from .quantized_ast import dequant_kernel
     made = dequant_kernel(kernel)
-    if made is None:            # an epilogue: the template's text
+    if made is None:            # a store the tree does not build: the template
         return _render_template(kernel)
     tree, bufs, groups = made
     return printed(tree), bufs, groups

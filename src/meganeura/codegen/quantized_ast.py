@@ -5,7 +5,7 @@ write them, so that their WGSL is printed from the tree and the Vulkan backend's
 The GEMV and tiled products are in ``quantized_gemv_ast`` and ``quantized_tiled_ast``."""
 from __future__ import annotations
 
-from .kernel_ast import (Bitcast, Call, Construct, Convert, ExprStmt, Field, Function, If, Let, Load, Name, Neg, Return,
+from .kernel_ast import (Bitcast, Call, Construct, Convert, ExprStmt, Field, Function, If, Let, Load, Name, Return,
                          ReturnIf, Select)
 from .kernel_ast import LID
 from .kernel_ast_matmul import (ENTRY_1D, GROUP, F, I, U, add, assign, b_, blank, broken, g, inline, line, module,
@@ -97,7 +97,6 @@ def weight_functions(qtype, k, wb, nwords, sfx="") -> list:
     qw = lambda at: _call(qword, at)                    # noqa: E731
     qb = lambda at: _call(qbyte, at)                    # noqa: E731
     qs = lambda at: _call(qscale, at, ty=F32)           # noqa: E731
-    qlo, qhi = Name("qlo", VEC4), Name("qhi", VEC4)
     vf = lambda text: v4(F(text))                       # noqa: E731  vec4<f32>(4.0)
     fn4 = lambda name, *a: _call(name, *a, ty=VEC4)    # noqa: E731
     if qtype == "Q8_0":

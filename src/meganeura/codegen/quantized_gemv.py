@@ -23,7 +23,7 @@ def render_gemv(kernel):
     from .kernel_ast import printed
     from .quantized_gemv_ast import gemv_kernel
     made = gemv_kernel(kernel)
-    if made is None:            # an epilogue: the template's text
+    if made is None:            # a store the tree does not build: the template
         return _render_template(kernel)
     tree, bufs, groups = made
     return printed(tree), bufs, groups

@@ -3,7 +3,7 @@ weights, a norm prologue) built on the typed kernel AST, statement for statement
 template writes it."""
 from __future__ import annotations
 
-from .kernel_ast import Barrier, Call, ExprStmt, Field, For, Function, If, Index, Let, Name, Store, Var
+from .kernel_ast import Barrier, Call, ExprStmt, Field, For, Function, If, Index, Let, Name, Var
 from .kernel_ast_matmul import (GROUP_INDEX, F, U, VEC4, add, assign, assign_index, b_, blank, call_if, g, inline, module,
                                 shared, store_function, store_supported, terms, v4)
 from .quantized_ast import half_functions, weight_functions, x_loads

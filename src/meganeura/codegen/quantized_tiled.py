@@ -25,7 +25,7 @@ def render_tiled(kernel):
     from .kernel_ast import printed
     from .quantized_tiled_ast import tiled_kernel
     made = tiled_kernel(kernel)
-    if made is None:            # an epilogue: the template's text
+    if made is None:            # a store the tree does not build: the template
         return _render_template(kernel)
     tree, bufs, groups = made
     return printed(tree), bufs, groups
