@@ -5,6 +5,7 @@ output store every one of them ends with (``expr.OutputStore``, fused epilogue i
 a tree, and the rebinding of a shared body's buffers (``common.bind_roles``) on trees."""
 from __future__ import annotations
 
+import functools
 from dataclasses import replace
 
 from .kernel_ast import (LID, NWG, WID, Assign, AssignIndex, Bin, Blank, Buffer, Call, CallIf, ComputeKernel,
@@ -21,14 +22,18 @@ GROUP_INDEX = Bin("+", Field(WID, "x"), Bin("*", Field(WID, "y"), Field(NWG, "x"
 GROUP = Group(GROUP_INDEX)
 
 
+@functools.lru_cache(maxsize=4096)
 def U(n: int, text: str = "") -> Lit:
-    """A u32 literal (``4u``; ``text`` "4": an abstract one, an index)."""
-    return Lit(int(n), U32, text)
+    """A u32 literal (``4u``; ``text`` "4": an abstract one, an index). Spelled here, as
+    ``common.literal`` spells it, so that the printers need not (a kernel has thousands)."""
+    n = int(n)
+    return Lit(n, U32, text or f"{n}u")
 
 
 def I(n: int) -> Lit:      # noqa: E743
     """An i32 literal (``128i``)."""
-    return Lit(int(n), "i32")
+    n = int(n)
+    return Lit(n, "i32", f"{n}i")
 
 
 def F(text: str) -> Lit:
@@ -369,23 +374,40 @@ class Product:
 PAD4 = "    "
 
 
+_FIELDS: dict = {}
+_PLAIN = frozenset({str, int, float, bool, type(None)})
+
+
 def remap(x, fn):
     """``x`` (a tree, or a tuple / list of them) with ``fn`` applied to every node, children
-    first: the nodes of ``kernel_ast`` and this module's layout nodes."""
+    first: the nodes of ``kernel_ast`` and this module's layout nodes (a node none of whose
+    children changed is kept, then given to ``fn``)."""
     import copy
     import dataclasses
-    if isinstance(x, tuple):
-        return tuple(remap(y, fn) for y in x)
-    if isinstance(x, list):
-        return [remap(y, fn) for y in x]
-    if dataclasses.is_dataclass(x) and not isinstance(x, type):
-        return fn(dataclasses.replace(x, **{f.name: remap(getattr(x, f.name), fn) for f in dataclasses.fields(x)
-                                            if f.init}))
-    if type(x).__module__ == __name__ and hasattr(x, "__dict__"):
-        y = copy.copy(x)
-        y.__dict__ = {k: remap(v, fn) for k, v in x.__dict__.items()}
-        return fn(y)
-    return x
+    k = type(x)
+    if k in _PLAIN:
+        return x
+    if k is tuple or k is list:
+        out = [remap(y, fn) for y in x]
+        return x if all(a is b for a, b in zip(out, x)) else k(out)
+    names = _FIELDS.get(k)
+    if names is None:
+        if dataclasses.is_dataclass(k):
+            names = _FIELDS[k] = tuple(f.name for f in dataclasses.fields(k) if f.init)
+        elif k.__module__ == __name__ and hasattr(x, "__dict__"):
+            names = _FIELDS[k] = ()
+        else:
+            return x
+    if not names:       # a layout node of this module
+        new = {a: remap(v, fn) for a, v in x.__dict__.items()}
+        if any(new[a] is not v for a, v in x.__dict__.items()):
+            x = copy.copy(x)
+            x.__dict__ = new
+        return fn(x)
+    kids = {a: remap(getattr(x, a), fn) for a in names}
+    if any(v is not getattr(x, a) for a, v in kids.items()):
+        x = dataclasses.replace(x, **kids)
+    return fn(x)
 
 
 def rebind(b, members, items, index):
