@@ -9,12 +9,18 @@ from __future__ import annotations
 
 import re
 
+from ..graph import DTYPES
+from .common import literal
 from .glsl_lex import _ident as glsl_name
 from .kernel_ast import (COMPARE, GLSL_F16, GLSL_IEEE, GLSL_NAMES, GLSL_TYPE, PRECEDENCE, UNARY, Assign, AssignIndex,
                          AssignOp, Barrier, Bin, Bitcast, Blank, Block, Break, Call, CallIf, Construct, Continue,
                          Convert, ExprStmt, Field, For, Function, Group, If, Index, Let, Line, Lit, Load, Name, Neg,
                          Not, Private, Return, ReturnIf, Select, Shared, Store, Var, is_float, is_vec, scalar_of)
 
+# the node classes of ``kernel_ast`` (others print themselves: ``wgsl`` / ``glsl`` methods)
+_OURS = frozenset((Name, Lit, Bin, Call, Neg, Not, Group, Field, Index, Load, Convert, Select, Bitcast, Construct,
+                   Let, Var, Assign, AssignIndex, AssignOp, Store, ExprStmt, If, For, Block, Break, Continue, Return,
+                   Barrier, ReturnIf, CallIf, Line, Blank))
 VEC_PREFIX = {"bool": "b", "u32": "u", "i32": "i", "f32": "", "f16": "f16"}
 VEC_COMPARE = {"==": "equal", "!=": "notEqual", "<": "lessThan", ">": "greaterThan", "<=": "lessThanEqual",
                ">=": "greaterThanEqual"}
@@ -53,11 +59,12 @@ def array_type(ty: str):
 def wgsl_literal(e: Lit) -> str:
     if e.text:
         return e.text
-    if e.ty == "bool":
+    ty = e.ty
+    if ty == "u32":
+        return f"{int(e.value)}u"
+    if ty == "bool":
         return "true" if e.value else "false"
-    from ..graph import DTYPES
-    from .common import literal
-    return literal(e.value, DTYPES[e.ty])
+    return literal(e.value, DTYPES[ty])
 
 
 def _float_text(s: str) -> str:
@@ -72,31 +79,20 @@ def abstract(e) -> bool:
     return s not in ("true", "false") and not s.startswith("bitcast") and s[-1] not in "fhiu"
 
 
-def glsl_literal(text: str, ty: str) -> str:
-    """The GLSL of the WGSL literal ``text`` standing where WGSL types it ``ty``."""
+def glsl_literal(text: str) -> str:
+    """The GLSL of a WGSL literal of a concrete type (a suffix, a bit pattern, a bool; an
+    abstract one takes the type of where it stands: ``GlslPrinter.convert``)."""
     if text in ("true", "false"):
         return text
     if text.startswith("bitcast<f32>("):       # an infinity or NaN: its bit pattern
         return "uintBitsToFloat(" + text[len("bitcast<f32>("):]
     neg, s = text.startswith("-"), text.lstrip("-")
-    if s[:2].lower() == "0x":
-        if s[-1] in "iu":
-            t = s[:-1] + ("u" if s[-1] == "u" else "")
-            return f"(-{t})" if neg else t
-    elif s[-1] in "fh":
+    if s[-1] in "fh" and s[:2].lower() != "0x":
         t = _float_text(s[:-1])
         t = f"float16_t({t})" if s[-1] == "h" else t
-        return f"(-{t})" if neg else t
-    elif s[-1] in "iu":
-        return f"(-{s[:-1]})" if neg else s[:-1] + ("u" if s[-1] == "u" else "")
-    digits = text
-    target = scalar_of(ty)
-    if target in ("f32", "f16"):
-        t = _float_text(digits)
-        return f"float16_t({t})" if target == "f16" else t
-    if target == "u32":
-        return f"uint((-{s}))" if neg else digits + "u"
-    return digits
+    else:           # ...i, ...u (decimal or hexadecimal)
+        t = s[:-1] + ("u" if s[-1] == "u" else "")
+    return f"(-{t})" if neg else t
 
 
 BITWISE = frozenset({"&", "|", "^"})
@@ -129,18 +125,29 @@ def _foreign(node, method, *args):
 
 
 class WgslPrinter:
+    """The WGSL printer (no state: the text of a node of ours is kept on it, ``_wgsl``, as
+    nodes never change and a kernel's renderer prints its parts more than once)."""
+
     # ------------------------------------------------------------------ expressions
     def expr(self, e, parent=0) -> str:
         k = type(e)
         if k is Name:
             return e.id
+        if k not in _OURS:
+            return _foreign(e, "wgsl", self)
+        text = e._wgsl
+        if text is None:
+            text = e._wgsl = self._expr(e, k)
+        return f"({text})" if k is Bin and parent and PRECEDENCE[e.op] < parent else text
+
+    def _expr(self, e, k) -> str:
         if k is Lit:
             return wgsl_literal(e)
         if k is Bin:
             a, b = self.expr(e.a), self.expr(e.b)
             a = f"({a})" if needs_group(e.a, e.op, False) else a
             b = f"({b})" if needs_group(e.b, e.op, True) else b
-            return f"({a} {e.op} {b})" if PRECEDENCE[e.op] < parent else f"{a} {e.op} {b}"
+            return f"{a} {e.op} {b}"
         if k is Group:
             return f"({self.expr(e.e)})"
         if k is Field:
@@ -164,7 +171,7 @@ class WgslPrinter:
             return f"bitcast<{e.ty}>({self.expr(e.e)})"
         if k is Construct:
             return f"{e.ty}({', '.join(self.expr(a) for a in e.args)})"
-        return _foreign(e, "wgsl", self)
+        raise TypeError(f"not an expression: {e!r}")
 
     @staticmethod
     def target(t) -> str:
@@ -174,6 +181,15 @@ class WgslPrinter:
     def stmt(self, s) -> str:
         """``s`` on one line (a block statement: its inline form)."""
         k = type(s)
+        if k not in _OURS:
+            text = _foreign(s, "wgsl", self)
+            return text if isinstance(text, str) else " ".join(text)
+        text = s._wgsl
+        if text is None:
+            text = s._wgsl = self._stmt(s, k)
+        return text
+
+    def _stmt(self, s, k) -> str:
         if k is Line:
             return " ".join(self.stmt(x) for x in s.stmts)
         if k is Let:
@@ -214,8 +230,7 @@ class WgslPrinter:
             return f"{{ {self.inline(s.body)} }}"
         if k is Blank:
             return ""
-        text = _foreign(s, "wgsl", self)
-        return text if isinstance(text, str) else " ".join(text)
+        raise TypeError(f"not a statement: {s!r}")
 
     def inline(self, body) -> str:
         return " ".join(self.stmt(x) for x in body)
@@ -302,8 +317,17 @@ class GlslPrinter:
     # digits (a literal's, through parentheses and minus signs) until it met a type:
     # ``abstract_value`` is that pair and its kind, ``convert`` the value met
     def abstract_value(self, e):
-        """(text, digits or None, "afloat" / "aint") of an abstract value, else None."""
+        """(text, digits or None, "afloat" / "aint") of an abstract value, else None (kept on
+        the node, ``_abstract``: operands ask for it at every level)."""
         k = type(e)
+        if k is Name or k not in _OURS:
+            return None
+        v = e._abstract
+        if v == ():
+            v = e._abstract = self._abstract_value(e, k)
+        return v
+
+    def _abstract_value(self, e, k):
         if k is Lit:
             if not abstract(e):
                 return None
@@ -366,7 +390,7 @@ class GlslPrinter:
         if k is Name:
             return glsl_name(e.id)
         if k is Lit:
-            return glsl_literal(wgsl_literal(e), e.ty)
+            return glsl_literal(wgsl_literal(e))
         if k is Bin:
             text = self.binary(e)
             return f"({text})" if PRECEDENCE[e.op] < parent else text
