@@ -13,11 +13,24 @@ from .matmul_wgsl import _affine, _batch_offsets
 
 def render_gemv(kernel):
     """Few-row products (one-token decoding): the weight is streamed once, coalesced.
+    Built on the typed kernel AST (``gemv_ast``) where its output store is
+    (``kernel_ast_matmul.store_supported``), else written by the template, ``_render_template``.
 
     B transposed ([N, K], the linear layout): 32 lanes share one output column and stride
     over K, then combine through workgroup memory (8 columns per workgroup). B plain
     ([K, N]): one thread per output column walks K. Sibling GEMVs that share A (q, k and v
     projections) run as one launch (``spec["parts"]``): each owns a range of workgroups."""
+    from .gemv_ast import gemv_kernel
+    from .kernel_ast import printed
+    made = gemv_kernel(kernel)
+    if made is None:
+        return _render_template(kernel)
+    tree, bufs, groups = made
+    return printed(tree), bufs, groups
+
+
+def _render_template(kernel):
+    """``render_gemv`` as a WGSL template (the reference the tree is checked against)."""
     parts = kernel.spec.get("parts", [kernel])
     bind = Bindings()
     fns, branches, g0 = [], [], 0

@@ -162,7 +162,33 @@ def render(kernel, array_limit=0):
     """Tiled matmul; sibling matmuls that share A (``spec["parts"]``, q/k/v or gate/up
     projections) run as one launch, each owning a range of x workgroups. ``array_limit``:
     the runtime binds arrays of buffers, at most this many buffers a kernel, and alike parts
-    share one body (``_render_shared``) where that stays within the limit."""
+    share one body (``_render_shared``) where that stays within the limit. Built on the
+    typed kernel AST (``matmul_ast``) where every part is (``matmul_ast.supported``: not an
+    im2col computed in the loads while the gather has no tree), else by the templates
+    (``_render_template``)."""
+    if kernel.spec.get("gemv"):
+        return render_gemv(kernel)
+    from .kernel_ast import printed
+    from .matmul_ast import render_shared_tree, render_tree, supported
+    parts = kernel.spec.get("parts", [kernel])
+    if array_limit and len(parts) > 1:
+        if supported(kernel):
+            made = render_shared_tree(kernel, _launch_form)
+            if made is not None and len(made[1]) <= array_limit:
+                return printed(made[0]), made[1], made[2]
+        else:
+            shared = _render_shared(kernel)
+            if shared is not None and len(shared[1]) <= array_limit:
+                return shared
+    made = render_tree(kernel, _launch_form)
+    if made is None:
+        return _render_template(kernel)
+    tree, bufs, groups = made
+    return printed(tree), bufs, groups
+
+
+def _render_template(kernel, array_limit=0):
+    """``render`` as WGSL templates (kernels the tree does not build)."""
     if kernel.spec.get("gemv"):
         return render_gemv(kernel)
     parts = kernel.spec.get("parts", [kernel])

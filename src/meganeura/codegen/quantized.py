@@ -102,8 +102,12 @@ def weight_functions(qtype, k, wb, nwords, sfx="") -> str:
     if (s == 0u) {{ return b{wb}[i]; }}
     return (b{wb}[i] >> s) | (b{wb}[min(i + 1u, {nwords - 1}u)] << (32u - s));
 }}
-fn qbyte(p: u32) -> u32 {{ return (b{wb}[p >> 2u] >> ((p & 3u) * 8u)) & 255u; }}
-fn qscale(p: u32) -> f32 {{ return qhalf((b{wb}[p >> 2u] >> ((p & 2u) * 8u)) & 65535u); }}
+fn qbyte(p: u32) -> u32 {{
+    return (b{wb}[p >> 2u] >> ((p & 3u) * 8u)) & 255u;
+}}
+fn qscale(p: u32) -> f32 {{
+    return qhalf((b{wb}[p >> 2u] >> ((p & 2u) * 8u)) & 65535u);
+}}
 """
     bs, nb = QTYPES[qtype]
     base = f"    let base = n * {rb}u + (g / {bs // 8}u) * {nb}u;\n"
@@ -204,6 +208,18 @@ def render(kernel):
     if s["mode"] == "tiled":
         from .quantized_tiled import render_tiled
         return render_tiled(kernel)
+    from .kernel_ast import printed
+    from .quantized_ast import dequant_kernel
+    made = dequant_kernel(kernel)
+    if made is None:            # a store the tree does not build: the template
+        return _render_template(kernel)
+    tree, bufs, groups = made
+    return printed(tree), bufs, groups
+
+
+def _render_template(kernel):
+    """The dequantize / embedding kernel as a WGSL template (kernels the tree does not build)."""
+    s = kernel.spec
     qtype, N, K = s["qtype"], s["n"], s["k"]
     b = Bindings()
     store = OutputStore(kernel, b)

@@ -20,6 +20,17 @@ from .quantized import HALF, weight_functions, x_loads
 
 
 def render_gemv(kernel):
+    from .kernel_ast import printed
+    from .quantized_gemv_ast import gemv_kernel
+    made = gemv_kernel(kernel)
+    if made is None:            # a store the tree does not build: the template
+        return _render_template(kernel)
+    tree, bufs, groups = made
+    return printed(tree), bufs, groups
+
+
+def _render_template(kernel):
+    """``render_gemv`` as a WGSL template (kernels the tree does not build)."""
     parts = kernel.spec.get("parts", [kernel])
     b = Bindings()
     M, K = parts[0].spec["m"], parts[0].spec["k"]
@@ -37,8 +48,7 @@ def render_gemv(kernel):
 var<workgroup> part: array<f32, {256 * R}>;
 
 @compute @workgroup_size(256)
-fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) lid: u32,
-        @builtin(num_workgroups) nwg: vec3<u32>) {{
+fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) lid: u32, @builtin(num_workgroups) nwg: vec3<u32>) {{
     let gi = {GROUP_INDEX};
 {chr(10).join(branches)}
 }}

@@ -19,9 +19,22 @@ T = 64          # rows and columns of the output tile
 
 def render_tiled(kernel):
     s = kernel.spec
-    qtype, M, N, K = s["qtype"], s["m"], s["n"], s["k"]
+    M, N = s["m"], s["n"]
     if -(-M // T) > 65535 or -(-N // T) > 65535:
         raise NotImplementedError(f"quantized_matmul: ({M}, {N}) outputs is past one launch's 65535 x 65535 tiles")
+    from .kernel_ast import printed
+    from .quantized_tiled_ast import tiled_kernel
+    made = tiled_kernel(kernel)
+    if made is None:            # a store the tree does not build: the template
+        return _render_template(kernel)
+    tree, bufs, groups = made
+    return printed(tree), bufs, groups
+
+
+def _render_template(kernel):
+    """``render_tiled`` as a WGSL template (kernels the tree does not build)."""
+    s = kernel.spec
+    qtype, M, N, K = s["qtype"], s["m"], s["n"], s["k"]
     b = Bindings()
     store = OutputStore(kernel, b)
     wv = kernel.reads[1]
