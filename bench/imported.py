@@ -138,7 +138,9 @@ class Bert(Imported):
     """transformers' ``BertModel`` from ``BertConfig()`` (bert-base-uncased's configuration:
     12 layers, hidden 768, 12 heads, vocabulary 30522), random-initialised and seeded;
     output ``last_hidden_state``. Tiny: 2 layers, hidden 32, 4 heads, vocabulary 64.
-    Dropout is off in eval mode either way; attention is transformers' eager path."""
+    Dropout is off in eval mode. Attention is transformers' ``sdpa`` path (its default): torch
+    runs its fused attention kernels; ``torch.export`` decomposes it to matmuls and a softmax
+    for our import."""
     model = "bert"
 
     def config(self):
@@ -152,7 +154,7 @@ class Bert(Imported):
         import torch
         import transformers
         config = transformers.BertConfig(**{k: v for k, v in self.cfg.items() if k != "seq"})
-        config._attn_implementation = "eager"
+        config._attn_implementation = "sdpa"
         torch.manual_seed(self.seed)
         return transformers.BertModel(config, add_pooling_layer=False)
 
