@@ -355,6 +355,7 @@ def main(argv=None) -> int:
                     if key not in workloads:
                         workloads[key] = CLASSES[name](args.size, b, args.seed, args.device, args.backend)
                     w = workloads[key]
+                    t_cell = time.perf_counter()
                     try:
                         cell = time_cell(runner, w, mode, args.backend)
                         cell["config"] = w.describe()
@@ -363,8 +364,9 @@ def main(argv=None) -> int:
                                 "ours": {"error": H._short_error(e)}}
                         if args.debug:
                             traceback.print_exc()
+                    cell["cell_s"] = time.perf_counter() - t_cell     # wall seconds, torch compiles included
                     result["cells"].append(cell)
-                    print(_line(cell), flush=True)
+                    print(f"{_line(cell)} [{cell['cell_s']:.0f} s]", flush=True)
                     report.write_outputs(args.out, "imported", result, markdown(result))
                     gc.collect()
     except KeyboardInterrupt:
