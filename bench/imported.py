@@ -19,11 +19,11 @@ over evenly spaced samples below the harness's ``FORWARD_TOL``. A cell whose gat
 invalid.
 
 Sizes: ``real``: ResNet-18 at 224x224 (batches 1 and 32), BERT-base at sequence 128
-(batches 1 and 8). ``tiny``: a narrow ResNet-18 (torchvision's own class, 32x32 images,
-batches 1 and 2) and a two-layer BERT (sequence 8, batches 1 and 2). Without torchvision the
+(batches 1 and 8). ``tiny``: the same ResNet-18 on 32x32 images with 10 classes (batches
+1 and 2) and a two-layer BERT (sequence 8, batches 1 and 2). Without torchvision the
 ResNet is skipped and the reason recorded. ``--compile-only`` imports and compiles each
-model (``--backend numpy``: the interpreter, a device-free proxy of the compile's cost)
-and times nothing. ``--max-seconds``: cells not begun by then are recorded as skipped; the
+model (``--backend`` any; ``numpy`` needs no device) and times nothing (the interpreter's compile is nearly free: the GPU backend's on
+lavapipe is the better estimate). ``--max-seconds``: cells not begun by then are recorded as skipped; the
 JSON is rewritten after every cell, so a run cut short keeps what finished.
 """
 from __future__ import annotations
