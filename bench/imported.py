@@ -22,9 +22,10 @@ Sizes: ``real``: ResNet-18 at 224x224 (batches 1 and 32), BERT-base at sequence 
 (batches 1 and 8). ``tiny``: the same ResNet-18 on 32x32 images with 10 classes (batches
 1 and 2) and a two-layer BERT (sequence 8, batches 1 and 2). Without torchvision the
 ResNet is skipped and the reason recorded. ``--compile-only`` imports and compiles each
-model (``--backend`` any; ``numpy`` needs no device) and times nothing (the interpreter's compile is nearly free: the GPU backend's on
-lavapipe is the better estimate). ``--max-seconds``: cells not begun by then are recorded as skipped; the
-JSON is rewritten after every cell, so a run cut short keeps what finished.
+model (any ``--backend``; ``numpy`` needs no device) and times nothing; the interpreter's
+compile is nearly free, so the GPU backend's on lavapipe is the better estimate.
+``--max-seconds``: cells not begun by then are recorded as skipped; the JSON is rewritten
+after every cell, so a run cut short keeps what finished.
 """
 from __future__ import annotations
 
