@@ -206,3 +206,20 @@ def test_a_tree_that_would_build_a_function_is_refused(cache):
     _fresh()
     assert compile_plan(_mlp(), options=opts, cache=True, adapter=ADAPTER).stats["cache"] == "hit"
     assert plan_cache.stored_tree(text) is None and not path.exists()
+
+
+def test_wgpu_runs_a_cached_plan_with_trees_as_it_ran_the_compiled_one(cache):
+    """The wgpu backend runs the WGSL itself and reads no tree: a plan stored with them runs
+    from the cache with the compiled plan's results."""
+    pytest.importorskip("wgpu", reason="the wgpu extra")
+    scope = _graph_module()
+    g, outs, feeds = scope["graph"]()
+    runs = []
+    for expect in ("stored", "hit"):
+        _fresh()
+        with mg.compile(g, outputs=outs, backend="wgpu") as s:
+            runs.append([np.asarray(o) for o in s.run(feeds)])
+            assert s.executor.plans["run"].kernel_plan.stats["cache"] == expect
+    for a, b in zip(*runs):
+        np.testing.assert_array_equal(a, b)
+    assert all(t for _, t in _entry(cache)[2])
