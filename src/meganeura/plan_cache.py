@@ -16,9 +16,13 @@ wrong plan. ``MEGANEURA_NO_DISK_CACHE=1`` (every disk cache) or ``MEGANEURA_NO_P
 
 A plan entry is a pickle of the plan with each kernel reduced to what the runtime reads once
 the WGSL is rendered (name, archetype, output view, merged parts); the kernel IR itself is not
-kept. It is read back only inside a checked entry, and only as data: the unpickler builds
-the package's own classes and numpy's arrays, nothing callable (``_PlanUnpickler``). A
-manifest is JSON.
+kept. Beside it the entry holds the kernel AST of each WGSL text that was printed from one
+(``codegen.kernel_ast.tree_of``: the nodes' fields, not the printers' memos), which the
+Vulkan compile stage reads through ``stored_tree`` (registering each again, ``kernel_ast.printed``,
+which must print that very text) to print a cached plan's GLSL from its trees as it does for
+a compiled one, translating none. It is read back only inside a checked entry, and only as data:
+the unpickler builds the package's own classes (the plan's and the kernel AST's nodes) and
+numpy's arrays, nothing callable (``_PlanUnpickler``). A manifest is JSON.
 
 A training session also leaves a manifest (``session_key``, ``load_manifest``, ``note_phase``),
 keyed before differentiation: the forward graph (outputs, loss, the graph's own state updates),
@@ -30,13 +34,18 @@ key, and differentiates only if a phase is missing (see ``api.CachedProgram``).
 """
 from __future__ import annotations
 
+import contextlib
+import copyreg
 import hashlib
 import io
 import json
 import pathlib
 import pickle
+import threading
 import time
 import weakref
+import zlib
+from collections import OrderedDict
 
 import numpy as np
 
@@ -44,7 +53,8 @@ from . import disk, env
 from .disk import package_digest  # noqa: F401  (the Vulkan caches key by it too)
 from .graph import DTYPES, DType
 
-FORMAT = 3                    # bump when the pickled layout changes (3: self-checking entries)
+FORMAT = 4        # bump when the pickled layout changes (3: self-checking entries; 4: with kernel ASTs)
+_MAGIC = "meganeura-plan"
 MAX_BYTES = 1 << 30           # the oldest entries go once the folder holds more than this
 
 
@@ -261,8 +271,10 @@ def _path(key: str) -> pathlib.Path:
 
 
 class _PlanUnpickler(pickle.Unpickler):
-    """Builds a plan's data only: the package's classes, numpy's arrays and dtypes and the
-    plain containers; no function, so an entry cannot run code as it is read."""
+    """Builds a plan's data only: the package's classes (the plan's, and the kernel AST's
+    nodes of ``codegen.kernel_ast`` and the families' ``codegen/*_ast`` modules), numpy's
+    arrays and dtypes and the plain containers; no function, so an entry cannot run code as
+    it is read."""
     _NUMPY = {("numpy", "dtype"), ("numpy", "ndarray"), ("numpy.core.multiarray", "_reconstruct"),
               ("numpy._core.multiarray", "_reconstruct"), ("numpy.core.multiarray", "scalar"),
               ("numpy._core.multiarray", "scalar"), ("numpy.core.numeric", "_frombuffer"),
@@ -284,9 +296,119 @@ class _PlanUnpickler(pickle.Unpickler):
         raise pickle.UnpicklingError(f"a plan entry may not build {module}.{name}")
 
 
+# ----------------------------------------------------------------------------- kernel ASTs
+# A plan's entry holds the kernel AST of each of its WGSL texts printed from one, each
+# pickled by its nodes' fields and compressed. Reading them is left to the Vulkan compile
+# stage, which asks ``stored_tree`` only for the kernels it must make GLSL for (a warm process
+# whose kernels are in the Vulkan kernel cache, and the wgpu backend, read none): decoding
+# every tree of a large plan would cost ten times as much as reading the plan (U-Net's
+# training step: 346 trees of 117k nodes).
+TREES_KEEP = 4096             # texts whose stored tree this process keeps (``kernel_ast.PRINTED_KEEP``)
+_stored: "OrderedDict[str, tuple]" = OrderedDict()      # WGSL text -> (compressed tree, entry path)
+_stored_lock = threading.Lock()
+
+
+def _node_state(obj):
+    """The reduction of a kernel AST node (a ``kernel_ast.node`` dataclass) by its fields:
+    the printers' memos on it (``_wgsl``, ``_abstract``) are left out."""
+    state = obj.__dict__
+    if "_wgsl" in state or "_abstract" in state:
+        state = state.copy()
+        state.pop("_wgsl", None)
+        state.pop("_abstract", None)
+    return copyreg.__newobj__, (type(obj),), state
+
+
+class _TreePickler(pickle.Pickler):
+    """Pickles kernel AST nodes by their fields (``_node_state``), anything else as usual."""
+    _nodes: dict = {}        # class -> whether it is a node class of ``kernel_ast.node``
+
+    def reducer_override(self, obj):
+        k = type(obj)
+        is_node = self._nodes.get(k)
+        if is_node is None:
+            d = vars(k)
+            is_node = self._nodes[k] = "_wgsl" in d and "_abstract" in d and "__dataclass_fields__" in d
+        return _node_state(obj) if is_node else NotImplemented
+
+
+def _packed_trees(texts) -> list:
+    """[(WGSL text, compressed pickle of its kernel AST)] of a plan's distinct ``texts`` (each
+    text to the one object the entry pickles) printed from a tree in this process
+    (``kernel_ast.tree_of``); a tree that cannot be pickled is left out (translated)."""
+    from .codegen.kernel_ast import tree_of
+    out = []
+    for text in texts.values():
+        tree = tree_of(text)
+        if tree is None:
+            continue
+        buf = io.BytesIO()
+        try:
+            _TreePickler(buf, protocol=pickle.HIGHEST_PROTOCOL).dump(tree)
+        except Exception:        # noqa: BLE001 (a node holding something unpicklable)
+            continue
+        out.append((text, zlib.compress(buf.getvalue(), 1)))
+    return out
+
+
+def _keep_trees(plan, trees, path) -> bool:
+    """Keep ``trees`` (an entry's ``_packed_trees``) for ``stored_tree``; False when they are
+    not pairs of one of the plan's texts and bytes."""
+    if not isinstance(trees, list):
+        return False
+    texts = {d.wgsl for d in plan.dispatches}
+    if not all(isinstance(p, tuple) and len(p) == 2 and p[0] in texts and type(p[1]) is bytes for p in trees):
+        return False
+    with _stored_lock:
+        for text, packed in trees:
+            _stored[text] = (packed, path)
+            _stored.move_to_end(text)
+        while len(_stored) > TREES_KEEP:
+            _stored.popitem(last=False)
+    return True
+
+
+def stored_tree(text):
+    """The kernel AST whose WGSL is ``text`` that a plan read from the cache holds (None:
+    none does): read on the first ask and registered (``kernel_ast.printed``, which must
+    print ``text``; else the entry is deleted and None returned: the kernel is translated,
+    and the next process compiles the plan again), after which ``kernel_ast.tree_of`` finds
+    it too."""
+    from .codegen.kernel_ast import ComputeKernel, printed, tree_of
+    with _stored_lock:
+        found = _stored.get(text)
+    if found is None:
+        return None
+    tree = tree_of(text)
+    if tree is not None:
+        return tree
+    packed, path = found
+    try:
+        tree = _PlanUnpickler(io.BytesIO(zlib.decompress(packed))).load()
+        ok = isinstance(tree, ComputeKernel) and printed(tree) == text
+    except Exception:            # noqa: BLE001 (a tree this version's classes or printers cannot take)
+        ok = False
+    if ok:
+        return tree
+    with _stored_lock:
+        _stored.pop(text, None)
+    disk.report(path, "a kernel AST that does not print its kernel")
+    with contextlib.suppress(OSError):
+        path.unlink()
+    return None
+
+
+def clear_trees():
+    """Forget the kernel ASTs of plans read from the cache (``stored_tree``)."""
+    with _stored_lock:
+        _stored.clear()
+
+
+# ----------------------------------------------------------------------------- plan entries
 def load(key: str):
     """The cached KernelPlan of ``key``, or None (missing, unreadable, corrupt or not this
-    key's: the caller compiles it and ``store`` rewrites it)."""
+    key's: the caller compiles it and ``store`` rewrites it). Its kernels' ASTs are kept
+    for ``stored_tree``."""
     from .compiler import KernelPlan
     t0 = time.perf_counter()
     path = _path(key)
@@ -294,20 +416,23 @@ def load(key: str):
     if data is None:
         return None
     try:
-        plan = _PlanUnpickler(io.BytesIO(data)).load()
+        entry = _PlanUnpickler(io.BytesIO(data)).load()
     except Exception as e:       # noqa: BLE001 (another version's classes: rebuilt and rewritten)
         disk.report(path, f"a plan this version cannot read ({type(e).__name__})")
         return None
-    if not isinstance(plan, KernelPlan):
+    if not (isinstance(entry, tuple) and len(entry) == 4 and entry[:2] == (_MAGIC, FORMAT)
+            and isinstance(entry[2], KernelPlan) and _keep_trees(entry[2], entry[3], path)):
         disk.report(path, "not a plan")
         return None
+    plan = entry[2]
     plan.compile_seconds = time.perf_counter() - t0
     plan.stats = {**plan.stats, "cache": "hit", "key": key, "seconds": {"load": plan.compile_seconds}}
     return plan
 
 
 def store(key: str, plan) -> None:
-    """Write ``plan`` under ``key`` (atomically; any failure to write is ignored)."""
+    """Write ``plan`` under ``key`` with its kernels' ASTs (atomically; any failure to write
+    is ignored)."""
     from dataclasses import replace
     texts: dict = {}       # equal WGSL as one object: pickled once (a plan has few distinct kernels)
     slim = replace(plan, dispatches=[replace(d, kernel=_slim(d.kernel), wgsl=texts.setdefault(d.wgsl, d.wgsl))
@@ -315,7 +440,7 @@ def store(key: str, plan) -> None:
                    stats={k: v for k, v in plan.stats.items() if k != "seconds"},
                    compile_seconds=0.0)         # timings left out: the same plan, the same entry
     try:
-        data = pickle.dumps(slim, protocol=pickle.HIGHEST_PROTOCOL)
+        data = pickle.dumps((_MAGIC, FORMAT, slim, _packed_trees(texts)), protocol=pickle.HIGHEST_PROTOCOL)
     except Exception:            # noqa: BLE001 (a plan holding something unpicklable is compiled each time)
         return
     if disk.store(_path(key), data):
@@ -329,7 +454,9 @@ def prune(root: pathlib.Path, max_bytes: int = MAX_BYTES, patterns=("*.plan", "*
 
 
 def clear() -> int:
-    """Delete every cached plan and session manifest; returns how many plans there were."""
+    """Delete every cached plan and session manifest (and forget the kernel ASTs of those
+    read); returns how many plans there were."""
+    clear_trees()
     n = 0
     for p in [*folder().glob("*.session"), *folder().glob("*.plan")]:
         try:

@@ -5,7 +5,8 @@ becomes SPIR-V and its reflection (``FinalKernel``).
   attention (``codegen.flash_coop``, ``codegen.flash_grad_coop``) become kernels on
   cooperative matrices where the target has them (``Target.tensor_cores``): ``variants``;
 - kernels built on the typed kernel AST (``codegen.kernel_ast``: those whose WGSL was
-  printed from a tree, ``kernel_ast.tree_of``) are printed as GLSL from it;
+  printed from a tree, ``kernel_ast.tree_of``, or whose plan, read from the plan cache,
+  holds their tree, ``plan_cache.stored_tree``) are printed as GLSL from it;
 - the rest is translated to GLSL (``codegen.glsl``, by the translation workers,
   ``translators``, for a large request) and every kernel compiled by glslang
   (``glslang``, a library: no device) and reflected (``spirv.reflect``);
@@ -96,7 +97,8 @@ class VulkanKernels:
     and write the disk caches (None: unless ``MEGANEURA_NO_DISK_CACHE``); ``threads``: glslang
     threads (``backends.compile_threads``). ``stats``: kernels read compiled from disk,
     seconds translating to GLSL and compiling (summed over threads), kernels compiled,
-    dispatches on cooperative matrices."""
+    dispatches on cooperative matrices, kernels whose GLSL was printed from their kernel AST
+    (``kernels_printed``) or translated from their WGSL (``kernels_translated``)."""
 
     def __init__(self, target, precision="strict", stream=None, disk=None, threads=None):
         from ..runtime.vulkan.cache import disk_cache_enabled
@@ -105,7 +107,7 @@ class VulkanKernels:
         self.ieee = ieee_preserve(target)      # warns (or raises, on request) where the device lacks it
         self.disk = disk_cache_enabled() if disk is None else bool(disk)
         self.stats = {"kernel_cache_hits": 0, "glsl_seconds": 0.0, "compile_seconds": 0.0, "kernels_compiled": 0,
-                      "coopmat_kernels": 0, "kernels_printed": 0}
+                      "coopmat_kernels": 0, "kernels_printed": 0, "kernels_translated": 0}
         self._early: dict = {}          # WGSL text -> Future of its FinalKernel (``start``)
         self._trees: dict = {}          # WGSL text -> its kernel AST (``_note``)
         self._pool = None
@@ -141,9 +143,22 @@ class VulkanKernels:
                 with self._lock:
                     self._trees[text] = tree
 
+    def _tree(self, text):
+        """``text``'s kernel AST: noted (``_note``), else one a plan read from the plan cache
+        holds (``plan_cache.stored_tree``, read only now: the kernel missed the kernel caches),
+        or None."""
+        tree = self._trees.get(text)
+        if tree is None:
+            from ..plan_cache import stored_tree
+            tree = stored_tree(text)
+            if tree is not None:
+                with self._lock:
+                    self._trees[text] = tree
+        return tree
+
     def _printed(self, text):
         """(GLSL, seconds) of ``text`` printed from its kernel AST, or None (translated)."""
-        tree = self._trees.get(text)
+        tree = self._tree(text)
         if tree is None:
             return None
         from ..codegen.kernel_ast import print_glsl
@@ -354,6 +369,8 @@ class VulkanKernels:
         ck = CompiledKernel(spirv, reflect(spirv), "GL_KHR_cooperative_matrix" in glsl)
         if self.disk:
             store_kernel(key, ck)
+        if not _is_glsl(text) and text not in self._trees:      # (neither a variant nor printed)
+            self._add("kernels_translated", 1)
         self._add("compile_seconds", time.perf_counter() - t)
         self._add("kernels_compiled", 1)
         return self._remember(self._final(label, key, ck, text, glsl))
