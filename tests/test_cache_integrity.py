@@ -171,6 +171,7 @@ def test_concurrent_writers_and_readers_of_one_entry(tmp_path):
     path = tmp_path / "e.bin"
     content = os.urandom(1 << 16)
     seen, errors = set(), []
+    disk.store(path, content)       # stored before the threads start: a reader's hit never hangs on scheduling
 
     def work(k):
         try:
