@@ -242,6 +242,35 @@ def _split(cx, x, sizes, dim=0):
     return tuple(ops.split(x, sizes if isinstance(sizes, int) else list(sizes), dim))
 
 
+@rule("aten.as_strided.default")
+def _as_strided(cx, x, size, stride, storage_offset=None):
+    """A view of the input's storage (torch's decompositions re-stride values with it, as to
+    channels-last before a permute). Our values are logical, so the storage is the input in
+    its own torch layout: the positions the view reads are computed here; a view that reads
+    every element in logical order is a reshape, any other one gathers them."""
+    val = cx.node.args[0].meta.get("val")
+    size, stride = tuple(int(s) for s in size), tuple(int(s) for s in stride)
+    if val is None:
+        raise NotImplementedError("as_strided of a value with no recorded layout")
+    # the input's storage position of each of its logical elements, then the view's reads
+    pos = np.zeros(tuple(val.shape), np.int64) + int(val.storage_offset())
+    for d, (n, st) in enumerate(zip(val.shape, val.stride())):
+        pos += (np.arange(int(n)) * int(st)).reshape((-1,) + (1,) * (val.ndim - d - 1))
+    where_ = {int(p): i for i, p in enumerate(pos.ravel())}
+    reads = np.zeros(size, np.int64) + (int(val.storage_offset()) if storage_offset is None else int(storage_offset))
+    for d, (n, st) in enumerate(zip(size, stride)):
+        reads += (np.arange(n) * st).reshape((-1,) + (1,) * (len(size) - d - 1))
+    missing = [int(r) for r in reads.ravel() if int(r) not in where_]
+    if missing:
+        raise NotImplementedError(f"as_strided(size={list(size)}, stride={list(stride)}) reads storage "
+                                  f"position {missing[0]} outside the input {tuple(val.shape)}")
+    index = np.array([where_[int(r)] for r in reads.ravel()], np.int64)
+    flat = ops.reshape(x, (x.size,))
+    if not np.array_equal(index, np.arange(x.size)):
+        flat = ops.index_select(flat, 0, cx.t(index.astype(np.int32)))
+    return ops.reshape(flat, size)
+
+
 @rule("aten.unbind.int")
 def _unbind(cx, x, dim=0):
     return tuple(_select(cx, x, dim, i) for i in range(x.shape[dim % x.ndim]))
