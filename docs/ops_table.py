@@ -54,7 +54,7 @@ TORCH = {
     "floor": ("torch.floor", ""), "ceil": ("torch.ceil", ""), "trunc": ("torch.trunc", ""),
     "round": ("torch.round", "half to even; decimals"), "clamp_min": ("torch.clamp_min", ""),
     "clamp_max": ("torch.clamp_max", ""), "softplus": ("F.softplus", "beta, threshold"),
-    "leaky_relu": ("F.leaky_relu", ""), "masked_fill": ("Tensor.masked_fill", "number or 0-d tensor value"),
+    "leaky_relu": ("F.leaky_relu", ""), "hardsigmoid": ("F.hardsigmoid", ""), "hardswish": ("F.hardswish", ""), "masked_fill": ("Tensor.masked_fill", "number or 0-d tensor value"),
     "tril": ("torch.tril", ""), "triu": ("torch.triu", ""), "flip": ("torch.flip", ""), "roll": ("torch.roll", ""),
     "repeat": ("Tensor.repeat", ""), "pad": ("F.pad", "constant, reflect, replicate, circular"),
     "cumsum": ("torch.cumsum", "log2(n) shifted adds"), "prod": ("torch.prod", "pairwise halving"),

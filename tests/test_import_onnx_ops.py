@@ -53,11 +53,13 @@ def elementwise():
              node("Max", ["x", "y", "sg"], ["mx"]), node("Min", ["x", "y"], ["mn"]), node("Identity", ["mx"], ["id"]),
              node("Dropout", ["id"], ["dr"], seed=0), node("Div", ["n", "r"], ["q"]),
              node("Pow", ["a", "three"], ["p"]), node("Tanh", ["mn"], ["t"]), node("Relu", ["d"], ["rl"]),
-             node("Erf", ["x"], ["er"]), node("Log", ["e"], ["lg"]), node("Gelu", ["x"], ["ge"], approximate="tanh")]
+             node("Erf", ["x"], ["er"]), node("Log", ["e"], ["lg"]), node("Gelu", ["x"], ["ge"], approximate="tanh"),
+             node("Mul", ["x", "three"], ["x3"]), node("HardSwish", ["x3"], ["hw"]),
+             node("HardSigmoid", ["x3"], ["hs"], alpha=0.3, beta=0.4)]
     inits = [const("lo", np.float32(-0.5)), const("hi", np.float32(0.5)), const("two", np.int64(2)),
              const("three", np.float32(3.0))]
     return case(nodes, {"x": ((3, 5), F), "y": ((1, 5), F), "k": ((3, 5), I64)},
-                ["w", "sg", "q", "dr", "p", "t", "rl", "er", "lg", "ge"], inits, opset=20)
+                ["w", "sg", "q", "dr", "p", "t", "rl", "er", "lg", "ge", "hw", "hs"], inits, opset=20)
 
 
 def shapes():
@@ -128,10 +130,11 @@ def gathers():
              node("GatherND", ["x", "nd"], ["gnd"]), node("Cast", ["ids"], ["fi"], to=F),
              node("CastLike", ["fi", "ids"], ["back"]), node("Add", ["back", "ids"], ["twice"]),
              node("Less", ["ids", "one"], ["lt"]), node("Not", ["lt"], ["nl"]), node("Cast", ["nl"], ["nlf"], to=F),
-             node("Greater", ["x", "zero"], ["pos"]), node("Cast", ["pos"], ["posf"], to=F)]
-    inits.append(const("zero", np.float32(0.0)))
+             node("Greater", ["x", "zero"], ["pos"]), node("Cast", ["pos"], ["posf"], to=F),
+             node("CastLike", ["three_i", "x"], ["three_f"]), node("Mul", ["x", "three_f"], ["x3"])]
+    inits += [const("zero", np.float32(0.0)), const("three_i", np.int64(3))]     # a known value cast like x
     return case(nodes, {"x": ((4, 4, 5), F), "ids": ((2, 3), I64), "nd": ((2, 2), I64)},
-                ["emb", "gx", "g1", "gi", "gnd", "twice", "nlf", "posf"], inits)
+                ["emb", "gx", "g1", "gi", "gnd", "twice", "nlf", "posf", "x3"], inits)
 
 
 CASES = {"elementwise": elementwise, "shapes": shapes, "reductions": reductions, "vision": vision,

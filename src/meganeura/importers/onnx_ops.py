@@ -100,6 +100,17 @@ for _name, _fn in (("Sqrt", ops.sqrt), ("Erf", ops.erf), ("Tanh", ops.tanh), ("R
     TABLE[_name] = (lambda f: lambda cx, ins, at: f(ins[0]))(_fn)
 
 
+@rule("HardSigmoid")
+def _hardsigmoid(cx, ins, at):
+    """max(0, min(1, alpha x + beta)); torch exports alpha = 1/6 (F.hardsigmoid)."""
+    return ops.clamp(ins[0] * float(at.get("alpha", 0.2)) + float(at.get("beta", 0.5)), 0.0, 1.0)
+
+
+@rule("HardSwish")
+def _hardswish(cx, ins, at):
+    return ops.hardswish(ins[0])
+
+
 @rule("Gelu")
 def _gelu(cx, ins, at):
     return ops.gelu(ins[0], approximate=at.get("approximate", "none"))
@@ -145,6 +156,8 @@ def _cast(cx, ins, at):
     x = ins[0]
     to = mg_dtype(at["to"]) if cx.op_type == "Cast" else \
         (ins[1].dtype if isinstance(ins[1], Tensor) else cx.dtype_of_array(ins[1]))
+    if not isinstance(x, Tensor):                # a known value cast like a tensor: known still
+        return np.asarray(x).astype(bool if to is u32 else to.np if to.is_float else np.int64)
     if to is u32 and x.dtype is not u32:          # to bool: nonzero
         return ops.ne(x, 0)
     return x if x.dtype is to else ops.cast(x, to)
