@@ -256,15 +256,16 @@ def _as_strided(cx, x, size, stride, storage_offset=None):
     pos = np.zeros(tuple(val.shape), np.int64) + int(val.storage_offset())
     for d, (n, st) in enumerate(zip(val.shape, val.stride())):
         pos += (np.arange(int(n)) * int(st)).reshape((-1,) + (1,) * (val.ndim - d - 1))
-    where_ = {int(p): i for i, p in enumerate(pos.ravel())}
     reads = np.zeros(size, np.int64) + (int(val.storage_offset()) if storage_offset is None else int(storage_offset))
     for d, (n, st) in enumerate(zip(size, stride)):
         reads += (np.arange(n) * st).reshape((-1,) + (1,) * (len(size) - d - 1))
-    missing = [int(r) for r in reads.ravel() if int(r) not in where_]
-    if missing:
+    element = np.full(max(int(pos.max(initial=0)), int(reads.max(initial=0))) + 1, -1, np.int64)
+    element[pos.ravel()] = np.arange(pos.size)          # storage position -> the input's element
+    index = element[reads.ravel()]
+    if (index < 0).any():
+        bad = int(reads.ravel()[np.argmax(index < 0)])
         raise NotImplementedError(f"as_strided(size={list(size)}, stride={list(stride)}) reads storage "
-                                  f"position {missing[0]} outside the input {tuple(val.shape)}")
-    index = np.array([where_[int(r)] for r in reads.ravel()], np.int64)
+                                  f"position {bad} outside the input {tuple(val.shape)}")
     flat = ops.reshape(x, (x.size,))
     if not np.array_equal(index, np.arange(x.size)):
         flat = ops.index_select(flat, 0, cx.t(index.astype(np.int32)))
