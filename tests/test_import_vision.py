@@ -1,6 +1,7 @@
 """mg.from_torch on vision architectures nobody here wrote, random-initialised from their
 own packages at small sizes (no downloads, seeded): torchvision's ResNet-18, MobileNetV3-Small
-(hardswish, hardsigmoid, squeeze-excite) and ViT (class token, MultiheadAttention); timm's
+(hardswish, hardsigmoid, squeeze-excite) and ViT (class token, MultiheadAttention: the class
+vit_b_16 builds at a small size, and vit_b_16 itself in the slow job); timm's
 ConvNeXt-Atto (channels-last layer norm, layer scale, stochastic depth) and EfficientNet-B0
 (SiLU squeeze-excite, stochastic depth). Outputs match torch to 1e-4 relative on the
 interpreter and on lavapipe through both GPU backends; the gradients of every training graph
@@ -17,18 +18,23 @@ pytest.importorskip("timm")
 import meganeura as mg  # noqa: E402
 from meganeura.bench.gates import rel_l2  # noqa: E402
 
-from .vision_models import NAMES, make  # noqa: E402
+from .vision_models import FULL_SIZE, NAMES, make  # noqa: E402
 
 BACKENDS = ["numpy", "gpu", "wgpu"]
-# lavapipe seconds of each case on 2 shared cores (compiling the kernels is most of it): what
-# takes more than ~10 s runs in the slow job
-SLOW_FORWARD = {"mobilenet_v3_small", "efficientnet_b0"}          # 15-25 s a GPU backend
-SLOW_GRADIENTS = {"resnet18", "mobilenet_v3_small", "convnext_atto", "efficientnet_b0"}   # 20-140 s
+# what takes more than ~10 s on 2 shared cores runs in the slow job: every forward takes 1-7 s
+# (the export, once a model, is most of it), the gradients of a convolutional network 20-140 s
+# a GPU backend (compiling the backward kernels for lavapipe), EfficientNet-B0's 16 s on the
+# interpreter
+SLOW_GRADIENTS = {(name, backend) for name in ("resnet18", "mobilenet_v3_small", "convnext_atto",
+                                                "efficientnet_b0") for backend in ("gpu", "wgpu")}
+SLOW_GRADIENTS.add(("efficientnet_b0", "numpy"))
+# vit_b_16 at its own size: 8 s to export, 4-20 s a backend
+FULL = {(name, backend) for name in FULL_SIZE for backend in BACKENDS}
 
 
-def cases(slow):
-    return [pytest.param(name, backend, marks=[pytest.mark.slow] if backend != "numpy" and name in slow else [])
-            for name in NAMES for backend in BACKENDS]
+def cases(slow, backends=BACKENDS):
+    return [pytest.param(name, backend, marks=[pytest.mark.slow] if (name, backend) in slow | FULL else [])
+            for name in NAMES + FULL_SIZE for backend in backends]
 
 
 def max_rel(ours, theirs):
@@ -45,7 +51,7 @@ def imported_for_inference(name):
     return module, x, ref, mg.from_torch(module, (x,))
 
 
-@pytest.mark.parametrize("name,backend", cases(SLOW_FORWARD))
+@pytest.mark.parametrize("name,backend", cases(set()))
 def test_vision_outputs_match_torch(name, backend):
     module, x, ref, imported = imported_for_inference(name)
     out = imported.compile(backend=backend).run(imported.feeds(x))[0]
@@ -87,7 +93,8 @@ def check_gradients(module, x, imported, backend):
     return worst, checked
 
 
-@pytest.mark.parametrize("name,backend", cases(SLOW_GRADIENTS))
+@pytest.mark.parametrize("name,backend", cases(SLOW_GRADIENTS, ["numpy"]) +
+                         [c for c in cases(SLOW_GRADIENTS, ["gpu", "wgpu"]) if c.values[0] in NAMES])
 def test_vision_training_gradients_match_torch(name, backend):
     module, x = make(name, training=True)
     imported = mg.from_torch(module, (x,), training=True)

@@ -45,6 +45,8 @@ def make(name, training=False):
         m = torchvision.models.vision_transformer.VisionTransformer(
             image_size=32, patch_size=16, num_layers=2, num_heads=4, hidden_dim=32, mlp_dim=64, num_classes=10)
         size = 32
+    elif name == "vit_b_16":        # at its own width and depth (86M weights): the slow job's
+        m, size = torchvision.models.vit_b_16(image_size=32, num_classes=10), 32
     elif name == "convnext_atto":
         m, size = timm.create_model("convnext_atto", num_classes=10, drop_path_rate=dp), 32
     elif name == "efficientnet_b0":
@@ -61,3 +63,4 @@ def make(name, training=False):
 
 
 NAMES = ["resnet18", "mobilenet_v3_small", "vit", "convnext_atto", "efficientnet_b0"]
+FULL_SIZE = ["vit_b_16"]          # from_torch only (its ONNX export would write 340 MB)
