@@ -47,6 +47,7 @@ TORCH = {
     "conv1d": ("F.conv1d", ""), "conv2d": ("F.conv2d", ""), "max_pool2d": ("F.max_pool2d", "ceil_mode; return_indices"),
     "avg_pool2d": ("F.avg_pool2d", "ceil_mode"), "adaptive_avg_pool2d": ("F.adaptive_avg_pool2d", "uneven windows too"),
     "upsample_nearest2d": ("F.interpolate(mode='nearest')", "integer scale factors"),
+    "upsample_bilinear2d": ("F.interpolate(mode='bilinear')", "size or scale factor; align_corners"),
     "unfold": ("F.unfold", ""), "fold": ("F.fold", ""),
     "sin": ("torch.sin", ""), "cos": ("torch.cos", ""), "reciprocal": ("torch.reciprocal", ""),
     "log1p": ("torch.log1p", "a Taylor polynomial below |x| = 0.01 on the GPU"),

@@ -1,7 +1,9 @@
 """mg.from_torch on vision architectures nobody here wrote, random-initialised from their
 own packages at small sizes (no downloads, seeded): torchvision's ResNet-18, MobileNetV3-Small
 (hardswish, hardsigmoid, squeeze-excite) and ViT (class token, MultiheadAttention: the class
-vit_b_16 builds at a small size, and vit_b_16 itself in the slow job); timm's
+vit_b_16 builds at a small size, and vit_b_16 itself in the slow job), and the outputs of
+Swin-T (shifted windows: padding, roll, masks) and LR-ASPP segmentation (bilinear
+upsampling); timm's
 ConvNeXt-Atto (channels-last layer norm, layer scale, stochastic depth) and EfficientNet-B0
 (SiLU squeeze-excite, stochastic depth). Outputs match torch to 1e-4 relative on the
 interpreter and on lavapipe through both GPU backends; the gradients of every training graph
@@ -18,7 +20,7 @@ pytest.importorskip("timm")
 import meganeura as mg  # noqa: E402
 from meganeura.bench.gates import rel_l2  # noqa: E402
 
-from .vision_models import FULL_SIZE, NAMES, make  # noqa: E402
+from .vision_models import FORWARD_ONLY, FULL_SIZE, NAMES, make  # noqa: E402
 
 BACKENDS = ["numpy", "gpu", "wgpu"]
 # what takes more than ~10 s on 2 shared cores runs in the slow job: every forward takes 1-7 s
@@ -28,13 +30,13 @@ BACKENDS = ["numpy", "gpu", "wgpu"]
 SLOW_GRADIENTS = {(name, backend) for name in ("resnet18", "mobilenet_v3_small", "convnext_atto",
                                                 "efficientnet_b0") for backend in ("gpu", "wgpu")}
 SLOW_GRADIENTS.add(("efficientnet_b0", "numpy"))
-# vit_b_16 at its own size: 8 s to export, 4-20 s a backend
-FULL = {(name, backend) for name in FULL_SIZE for backend in BACKENDS}
+# vit_b_16 at its own size: 8 s to export, 4-20 s a backend; swin_t (28M weights, 64x64) 11-25 s
+FULL = {(name, backend) for name in FULL_SIZE + ["swin_t"] for backend in BACKENDS}
 
 
-def cases(slow, backends=BACKENDS):
+def cases(slow, backends=BACKENDS, names=NAMES + FULL_SIZE):
     return [pytest.param(name, backend, marks=[pytest.mark.slow] if (name, backend) in slow | FULL else [])
-            for name in NAMES + FULL_SIZE for backend in backends]
+            for name in names for backend in backends]
 
 
 def max_rel(ours, theirs):
@@ -51,7 +53,7 @@ def imported_for_inference(name):
     return module, x, ref, mg.from_torch(module, (x,))
 
 
-@pytest.mark.parametrize("name,backend", cases(set()))
+@pytest.mark.parametrize("name,backend", cases(set(), names=NAMES + FULL_SIZE + FORWARD_ONLY))
 def test_vision_outputs_match_torch(name, backend):
     module, x, ref, imported = imported_for_inference(name)
     out = imported.compile(backend=backend).run(imported.feeds(x))[0]

@@ -30,6 +30,17 @@ def lively(module, seed):
     return module
 
 
+class SegmentationLogits(torch.nn.Module):
+    """A torchvision segmentation model's ``out`` map (its forward returns a dict)."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, x):
+        return self.model(x)["out"]
+
+
 def make(name, training=False):
     """(module in eval mode, example input). ``training``: no dropout or stochastic depth
     (training mode would draw random masks, which imported graphs do not); else stochastic
@@ -52,6 +63,11 @@ def make(name, training=False):
     elif name == "efficientnet_b0":
         m, size = timm.create_model("efficientnet_b0", num_classes=10, drop_rate=0.0 if training else 0.2,
                                     drop_path_rate=dp), 32
+    elif name == "swin_t":          # shifted windows: padding to whole windows, roll, masks
+        m, size = torchvision.models.swin_t(num_classes=10), 64          # stochastic depth 0.2
+    elif name == "lraspp_mobilenet_v3_large":      # segmentation: bilinear upsampling to the input's size
+        m, size = SegmentationLogits(torchvision.models.segmentation.lraspp_mobilenet_v3_large(
+            num_classes=3, weights_backbone=None)), 64
     else:
         raise KeyError(name)
     lively(m, 1)
@@ -64,3 +80,4 @@ def make(name, training=False):
 
 NAMES = ["resnet18", "mobilenet_v3_small", "vit", "convnext_atto", "efficientnet_b0"]
 FULL_SIZE = ["vit_b_16"]          # from_torch only (its ONNX export would write 340 MB)
+FORWARD_ONLY = ["swin_t", "lraspp_mobilenet_v3_large"]     # from_torch, outputs only

@@ -448,6 +448,25 @@ def _avg_pool(cx, x, kernel, stride=(), padding=0, ceil_mode=False, count_includ
                           divisor_override)
 
 
+@rule("aten.upsample_bilinear2d.vec")
+def _upsample_bilinear(cx, x, output_size, align_corners, scale_factors=None):
+    if output_size is not None:
+        return ops.upsample_bilinear2d(x, tuple(output_size), align_corners=align_corners)
+    return ops.upsample_bilinear2d(x, scale_factor=tuple(scale_factors), align_corners=align_corners)
+
+
+@rule("aten.upsample_bilinear2d.default")
+def _upsample_bilinear_sized(cx, x, output_size, align_corners, scales_h=None, scales_w=None):
+    if scales_h is not None or scales_w is not None:
+        return ops.upsample_bilinear2d(x, scale_factor=(scales_h, scales_w), align_corners=align_corners)
+    return ops.upsample_bilinear2d(x, tuple(output_size), align_corners=align_corners)
+
+
+@rule("aten.constant_pad_nd.default")
+def _constant_pad(cx, x, pad, value=0):
+    return ops.pad(x, tuple(pad), value=value)
+
+
 @rule("aten._adaptive_avg_pool2d.default", "aten.adaptive_avg_pool2d.default")
 def _adaptive_avg_pool(cx, x, size):
     return ops.adaptive_avg_pool2d(x, tuple(size))

@@ -21,3 +21,4 @@ from .rotary import *  # noqa: F401,F403
 from .attention import *  # noqa: F401,F403
 from .conv import *  # noqa: F401,F403
 from .quantized import *  # noqa: F401,F403
+from .interpolate import upsample_bilinear2d  # noqa: F401,E402
