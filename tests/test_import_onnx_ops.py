@@ -137,8 +137,26 @@ def gathers():
                 ["emb", "gx", "g1", "gi", "gnd", "twice", "nlf", "posf", "x3"], inits)
 
 
+def resizing():
+    """Pad (constant with a value, reflect, edge over chosen axes) and Resize (linear to sizes
+    and by scales, align_corners; nearest at an integer scale, as torch exports it)."""
+    f = np.float32
+    inits = [const("p1", np.array([0, 0, 1, 2, 0, 0, 2, 1])), const("cv", f(0.5)), const("p2", np.array([1, 2, 2, 1])),
+             const("ax", np.array([2, 3])), const("p3", np.array([0, 1, 1, 0])), const("ax3", np.array([-1, 1])),
+             const("size", np.array([2, 3, 7, 5])), const("sc", np.array([1, 1, 1.5, 2.5], f)),
+             const("sc2", np.array([1, 1, 2, 3], f)), const("noroi", np.zeros(0, f))]
+    nodes = [node("Pad", ["x", "p1", "cv"], ["pc"]), node("Pad", ["x", "p2", "", "ax"], ["pr"], mode="reflect"),
+             node("Pad", ["x", "p3", "", "ax3"], ["pe"], mode="edge"),
+             node("Resize", ["x", "", "", "size"], ["rl"], mode="linear"),
+             node("Resize", ["x", "noroi", "sc"], ["rs"], mode="linear"),
+             node("Resize", ["x", "", "", "size"], ["ra"], mode="linear", coordinate_transformation_mode="align_corners"),
+             node("Resize", ["x", "", "sc2"], ["rn"], mode="nearest", coordinate_transformation_mode="asymmetric",
+                  nearest_mode="floor")]
+    return case(nodes, {"x": ((2, 3, 4, 3), F)}, ["pc", "pr", "pe", "rl", "rs", "ra", "rn"], inits)
+
+
 CASES = {"elementwise": elementwise, "shapes": shapes, "reductions": reductions, "vision": vision,
-         "linear_algebra": linear_algebra, "gathers": gathers}
+         "linear_algebra": linear_algebra, "gathers": gathers, "resizing": resizing}
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
