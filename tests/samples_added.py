@@ -1,5 +1,5 @@
 """Samples for the ops fine-tuning code calls daily: rounding division, alpha, tensor clamp
-bounds, trigonometry and log1p/expm1, rounding, softplus / leaky_relu, masked_fill,
+bounds, trigonometry and log1p/expm1, rounding, softplus / leaky_relu / hardsigmoid / hardswish, masked_fill,
 tril/triu, flip, roll, repeat, pad (every mode), cumsum, prod, logsumexp, argmax/argmin,
 and indexing with lists, integer tensors and NumPy boolean masks."""
 import numpy as np
@@ -44,6 +44,11 @@ SAMPLES = [
     S("softplus_beta", lambda o, x: o.softplus(x, beta=2.0, threshold=5.0),
       lambda t, x: t.nn.functional.softplus(x, beta=2.0, threshold=5.0), [F((3, 4), low=-6, high=6)]),
     S("leaky_relu", lambda o, x: o.leaky_relu(x, 0.2), lambda t, x: t.nn.functional.leaky_relu(x, 0.2), [F((4, 5))]),
+    # away from the kinks at -3 and 3, where torch's one-sided gradients and finite differences differ
+    S("hardsigmoid", lambda o, x: o.hardsigmoid(x), lambda t, x: t.nn.functional.hardsigmoid(x),
+      [F((4, 6), low=-5, high=5)]),
+    S("hardswish", lambda o, x: o.hardswish(x), lambda t, x: t.nn.functional.hardswish(x),
+      [F((4, 6), low=-5, high=5)]),
     S("masked_fill", lambda o, x, m: o.masked_fill(x, m, -1.5), lambda t, x, m: x.masked_fill(m.bool(), -1.5),
       [F((3, 4)), I((4,), 2)]),
     # layout

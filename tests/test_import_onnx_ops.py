@@ -53,11 +53,13 @@ def elementwise():
              node("Max", ["x", "y", "sg"], ["mx"]), node("Min", ["x", "y"], ["mn"]), node("Identity", ["mx"], ["id"]),
              node("Dropout", ["id"], ["dr"], seed=0), node("Div", ["n", "r"], ["q"]),
              node("Pow", ["a", "three"], ["p"]), node("Tanh", ["mn"], ["t"]), node("Relu", ["d"], ["rl"]),
-             node("Erf", ["x"], ["er"]), node("Log", ["e"], ["lg"]), node("Gelu", ["x"], ["ge"], approximate="tanh")]
+             node("Erf", ["x"], ["er"]), node("Log", ["e"], ["lg"]), node("Gelu", ["x"], ["ge"], approximate="tanh"),
+             node("Mul", ["x", "three"], ["x3"]), node("HardSwish", ["x3"], ["hw"]),
+             node("HardSigmoid", ["x3"], ["hs"], alpha=0.3, beta=0.4)]
     inits = [const("lo", np.float32(-0.5)), const("hi", np.float32(0.5)), const("two", np.int64(2)),
              const("three", np.float32(3.0))]
     return case(nodes, {"x": ((3, 5), F), "y": ((1, 5), F), "k": ((3, 5), I64)},
-                ["w", "sg", "q", "dr", "p", "t", "rl", "er", "lg", "ge"], inits, opset=20)
+                ["w", "sg", "q", "dr", "p", "t", "rl", "er", "lg", "ge", "hw", "hs"], inits, opset=20)
 
 
 def shapes():
@@ -128,14 +130,33 @@ def gathers():
              node("GatherND", ["x", "nd"], ["gnd"]), node("Cast", ["ids"], ["fi"], to=F),
              node("CastLike", ["fi", "ids"], ["back"]), node("Add", ["back", "ids"], ["twice"]),
              node("Less", ["ids", "one"], ["lt"]), node("Not", ["lt"], ["nl"]), node("Cast", ["nl"], ["nlf"], to=F),
-             node("Greater", ["x", "zero"], ["pos"]), node("Cast", ["pos"], ["posf"], to=F)]
-    inits.append(const("zero", np.float32(0.0)))
+             node("Greater", ["x", "zero"], ["pos"]), node("Cast", ["pos"], ["posf"], to=F),
+             node("CastLike", ["three_i", "x"], ["three_f"]), node("Mul", ["x", "three_f"], ["x3"])]
+    inits += [const("zero", np.float32(0.0)), const("three_i", np.int64(3))]     # a known value cast like x
     return case(nodes, {"x": ((4, 4, 5), F), "ids": ((2, 3), I64), "nd": ((2, 2), I64)},
-                ["emb", "gx", "g1", "gi", "gnd", "twice", "nlf", "posf"], inits)
+                ["emb", "gx", "g1", "gi", "gnd", "twice", "nlf", "posf", "x3"], inits)
+
+
+def resizing():
+    """Pad (constant with a value, reflect, edge over chosen axes) and Resize (linear to sizes
+    and by scales, align_corners; nearest at an integer scale, as torch exports it)."""
+    f = np.float32
+    inits = [const("p1", np.array([0, 0, 1, 2, 0, 0, 2, 1])), const("cv", f(0.5)), const("p2", np.array([1, 2, 2, 1])),
+             const("ax", np.array([2, 3])), const("p3", np.array([0, 1, 1, 0])), const("ax3", np.array([-1, 1])),
+             const("size", np.array([2, 3, 7, 5])), const("sc", np.array([1, 1, 1.5, 2.5], f)),
+             const("sc2", np.array([1, 1, 2, 3], f)), const("noroi", np.zeros(0, f))]
+    nodes = [node("Pad", ["x", "p1", "cv"], ["pc"]), node("Pad", ["x", "p2", "", "ax"], ["pr"], mode="reflect"),
+             node("Pad", ["x", "p3", "", "ax3"], ["pe"], mode="edge"),
+             node("Resize", ["x", "", "", "size"], ["rl"], mode="linear"),
+             node("Resize", ["x", "noroi", "sc"], ["rs"], mode="linear"),
+             node("Resize", ["x", "", "", "size"], ["ra"], mode="linear", coordinate_transformation_mode="align_corners"),
+             node("Resize", ["x", "", "sc2"], ["rn"], mode="nearest", coordinate_transformation_mode="asymmetric",
+                  nearest_mode="floor")]
+    return case(nodes, {"x": ((2, 3, 4, 3), F)}, ["pc", "pr", "pe", "rl", "rs", "ra", "rn"], inits)
 
 
 CASES = {"elementwise": elementwise, "shapes": shapes, "reductions": reductions, "vision": vision,
-         "linear_algebra": linear_algebra, "gathers": gathers}
+         "linear_algebra": linear_algebra, "gathers": gathers, "resizing": resizing}
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

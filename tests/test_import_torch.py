@@ -155,6 +155,47 @@ def test_mlp_fine_tunes_like_torch():
         assert rel_l2(s.state_dict()[name], p.detach().numpy()) < 1e-4, name
 
 
+class Strided(torch.nn.Module):
+    """as_strided over a value's storage: a transposed read and overlapping windows."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(6, 6)
+
+    def forward(self, x):
+        h = self.lin(x)                                         # (2, 6), contiguous
+        windows = h.as_strided((2, 4, 3), (6, 1, 1))            # rows' overlapping windows of 3
+        flipped = h.as_strided((6, 2), (1, 6))                  # h.t() read from the storage
+        return windows.sum(-1) * flipped[:4].t()
+
+
+@pytest.mark.parametrize("backend", ["numpy", "gpu"])
+def test_as_strided_reads_the_storage_and_differentiates(backend):
+    torch.manual_seed(5)
+    m, x = Strided(), torch.randn(2, 6)
+    imported, _ = check_outputs(m, (x,), backend, tol=1e-5)
+    imported = mg.from_torch(m, (x,), training=True)
+    loss = mg.ops.sum(imported.output * imported.output)
+    s = imported.compile(loss=loss, optimizer=mg.optim.SGD(lr=0.1), backend=backend)
+    s.compute_grads(imported.feeds(x))
+    m.zero_grad()
+    (m(x) ** 2).sum().backward()
+    for name, p in m.named_parameters():
+        assert rel_l2(s.grads()[name], p.grad.numpy()) < 1e-5, name
+
+
+class StridedOutside(torch.nn.Module):
+    def forward(self, x):
+        return x[1:].as_strided((2, 3), (3, 1), 0) * 2          # storage before the slice's own
+
+
+def test_as_strided_outside_its_input_is_named():
+    with pytest.raises(ModelImportError, match=r"aten.as_strided.default \(node as_strided\): "
+                       r"NotImplementedError: as_strided\(size=\[2, 3\], stride=\[3, 1\]\) reads storage "
+                       r"position 0 outside the input \(3, 3\)"):
+        mg.from_torch(StridedOutside(), (torch.randn(4, 3),))
+
+
 class Unsupported(torch.nn.Module):
     def __init__(self):
         super().__init__()

@@ -55,9 +55,9 @@ def test_setup_installs_the_lean_main_job_and_the_dev_extras_only_with_dev():
     assert "torch" not in main_pins and "playwright" not in main_pins
     # chromium only for the tests
     assert re.search(r'if \[ "\$mode" = dev \] && ! command -v chromium', setup)
-    for pin in ("torch==2.13.0", "peft==0.18.0", "onnx==1.23.2", "onnxscript==0.7.2"):
+    for pin in ("torch==2.14.1", "torchvision==0.29.1", "timm==1.0.31", "peft==0.18.0", "onnx==1.23.2", "onnxscript==0.7.2"):
         assert pin in extras["dev"], pin
-    assert extras["torch"] == ["torch==2.13.0"] and extras["onnx"] == ["onnx==1.23.2", "onnxscript==0.7.2"]
+    assert extras["torch"] == ["torch==2.14.1"] and set(extras["vision"]) <= set(extras["dev"]) and extras["onnx"] == ["onnx==1.23.2", "onnxscript==0.7.2"]
 
 
 def test_results_state_the_baseline_and_point_to_the_history():

@@ -242,6 +242,36 @@ def _split(cx, x, sizes, dim=0):
     return tuple(ops.split(x, sizes if isinstance(sizes, int) else list(sizes), dim))
 
 
+@rule("aten.as_strided.default")
+def _as_strided(cx, x, size, stride, storage_offset=None):
+    """A view of the input's storage (torch's decompositions re-stride values with it, as to
+    channels-last before a permute). Our values are logical, so the storage is the input in
+    its own torch layout: the positions the view reads are computed here; a view that reads
+    every element in logical order is a reshape, any other one gathers them."""
+    val = cx.node.args[0].meta.get("val")
+    size, stride = tuple(int(s) for s in size), tuple(int(s) for s in stride)
+    if val is None:
+        raise NotImplementedError("as_strided of a value with no recorded layout")
+    # the input's storage position of each of its logical elements, then the view's reads
+    pos = np.zeros(tuple(val.shape), np.int64) + int(val.storage_offset())
+    for d, (n, st) in enumerate(zip(val.shape, val.stride())):
+        pos += (np.arange(int(n)) * int(st)).reshape((-1,) + (1,) * (val.ndim - d - 1))
+    reads = np.zeros(size, np.int64) + (int(val.storage_offset()) if storage_offset is None else int(storage_offset))
+    for d, (n, st) in enumerate(zip(size, stride)):
+        reads += (np.arange(n) * st).reshape((-1,) + (1,) * (len(size) - d - 1))
+    element = np.full(max(int(pos.max(initial=0)), int(reads.max(initial=0))) + 1, -1, np.int64)
+    element[pos.ravel()] = np.arange(pos.size)          # storage position -> the input's element
+    index = element[reads.ravel()]
+    if (index < 0).any():
+        bad = int(reads.ravel()[np.argmax(index < 0)])
+        raise NotImplementedError(f"as_strided(size={list(size)}, stride={list(stride)}) reads storage "
+                                  f"position {bad} outside the input {tuple(val.shape)}")
+    flat = ops.reshape(x, (x.size,))
+    if not np.array_equal(index, np.arange(x.size)):
+        flat = ops.index_select(flat, 0, cx.t(index.astype(np.int32)))
+    return ops.reshape(flat, size)
+
+
 @rule("aten.unbind.int")
 def _unbind(cx, x, dim=0):
     return tuple(_select(cx, x, dim, i) for i in range(x.shape[dim % x.ndim]))
@@ -416,6 +446,25 @@ def _max_pool_values(cx, x, kernel, stride=(), padding=0, dilation=1, ceil_mode=
 def _avg_pool(cx, x, kernel, stride=(), padding=0, ceil_mode=False, count_include_pad=True, divisor_override=None):
     return ops.avg_pool2d(x, tuple(kernel), tuple(stride) or None, padding, ceil_mode, count_include_pad,
                           divisor_override)
+
+
+@rule("aten.upsample_bilinear2d.vec")
+def _upsample_bilinear(cx, x, output_size, align_corners, scale_factors=None):
+    if output_size is not None:
+        return ops.upsample_bilinear2d(x, tuple(output_size), align_corners=align_corners)
+    return ops.upsample_bilinear2d(x, scale_factor=tuple(scale_factors), align_corners=align_corners)
+
+
+@rule("aten.upsample_bilinear2d.default")
+def _upsample_bilinear_sized(cx, x, output_size, align_corners, scales_h=None, scales_w=None):
+    if scales_h is not None or scales_w is not None:
+        return ops.upsample_bilinear2d(x, scale_factor=(scales_h, scales_w), align_corners=align_corners)
+    return ops.upsample_bilinear2d(x, tuple(output_size), align_corners=align_corners)
+
+
+@rule("aten.constant_pad_nd.default")
+def _constant_pad(cx, x, pad, value=0):
+    return ops.pad(x, tuple(pad), value=value)
 
 
 @rule("aten._adaptive_avg_pool2d.default", "aten.adaptive_avg_pool2d.default")

@@ -30,6 +30,8 @@ from .onnx_ops import TABLE, mg_dtype
 
 MIN_OPSET = 13
 BN_STATISTICS = {("BatchNormalization", 3), ("BatchNormalization", 4)}
+# inputs that set how an op works rather than values it computes on: kept known, never weights
+SETTINGS = {("Resize", 1), ("Resize", 2)}
 # ops whose value differs from call to call: never folded into a constant
 RANDOM = {"RandomNormal", "RandomUniform", "RandomNormalLike", "RandomUniformLike", "Multinomial", "Bernoulli"}
 
@@ -238,14 +240,21 @@ class _Translator:
             out[vi.name] = (shape, tt.elem_type)
         return out
 
-    def _frozen(self) -> set:
-        """Initializers read only as batch normalization's running statistics."""
+    def _uses(self) -> dict:
         uses: dict = {}
         for node in self.model.graph.node:
             for k, i in enumerate(node.input):
                 if i in self.arrays:
                     uses.setdefault(i, set()).add((node.op_type, k))
-        return {n for n, u in uses.items() if u <= BN_STATISTICS}
+        return uses
+
+    def _frozen(self) -> set:
+        """Initializers read only as batch normalization's running statistics."""
+        return {n for n, u in self._uses().items() if u <= BN_STATISTICS}
+
+    def _settings(self) -> set:
+        """Float initializers read only as settings known at import (Resize's roi and scales)."""
+        return {n for n, u in self._uses().items() if u <= SETTINGS}
 
     def _inputs(self):
         inputs = {}
@@ -278,11 +287,11 @@ class _Translator:
         return inputs
 
     def _weights(self):
-        frozen = self._frozen()
+        frozen, settings = self._frozen(), self._settings()
         for t in self.model.graph.initializer:
             arr = self.arrays[t.name]
             dt = mg_dtype(t.data_type)
-            if dt.is_float and (arr is None or arr.size > 1):
+            if dt.is_float and (arr is None or arr.size > 1) and t.name not in settings:
                 init = None if arr is None else np.array(arr, dtype=dt.np, order="C")
                 self.values[t.name] = self.g.parameter(t.name, tuple(int(d) for d in t.dims), dt, init=init,
                                                        requires_grad=t.name not in frozen)

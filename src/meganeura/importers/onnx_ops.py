@@ -100,6 +100,17 @@ for _name, _fn in (("Sqrt", ops.sqrt), ("Erf", ops.erf), ("Tanh", ops.tanh), ("R
     TABLE[_name] = (lambda f: lambda cx, ins, at: f(ins[0]))(_fn)
 
 
+@rule("HardSigmoid")
+def _hardsigmoid(cx, ins, at):
+    """max(0, min(1, alpha x + beta)); torch exports alpha = 1/6 (F.hardsigmoid)."""
+    return ops.clamp(ins[0] * float(at.get("alpha", 0.2)) + float(at.get("beta", 0.5)), 0.0, 1.0)
+
+
+@rule("HardSwish")
+def _hardswish(cx, ins, at):
+    return ops.hardswish(ins[0])
+
+
 @rule("Gelu")
 def _gelu(cx, ins, at):
     return ops.gelu(ins[0], approximate=at.get("approximate", "none"))
@@ -145,6 +156,8 @@ def _cast(cx, ins, at):
     x = ins[0]
     to = mg_dtype(at["to"]) if cx.op_type == "Cast" else \
         (ins[1].dtype if isinstance(ins[1], Tensor) else cx.dtype_of_array(ins[1]))
+    if not isinstance(x, Tensor):                # a known value cast like a tensor: known still
+        return np.asarray(x).astype(bool if to is u32 else to.np if to.is_float else np.int64)
     if to is u32 and x.dtype is not u32:          # to bool: nonzero
         return ops.ne(x, 0)
     return x if x.dtype is to else ops.cast(x, to)
@@ -502,3 +515,60 @@ def _global_pool(cx, ins, at):
     x = ins[0]
     fn = ops.mean if cx.op_type == "GlobalAveragePool" else ops.amax
     return fn(x, tuple(range(2, x.ndim)), True)
+
+
+_PAD_MODES = {"constant": "constant", "reflect": "reflect", "edge": "replicate", "wrap": "circular"}
+
+
+@rule("Pad")
+def _pad(cx, ins, at):
+    x = ins[0]
+    pads = _ints(_known(ins[1], "Pad's pads"))
+    value = ins[2] if len(ins) > 2 else None
+    value = 0.0 if value is None else float(np.asarray(_known(value, "Pad's constant_value")).reshape(()))
+    axes = list(range(x.ndim)) if len(ins) < 4 or ins[3] is None else \
+        [a % x.ndim for a in _ints(_known(ins[3], "Pad's axes"))]
+    mode = at.get("mode", "constant")
+    if mode not in _PAD_MODES:
+        raise NotImplementedError(f"Pad mode {mode!r} (constant, reflect, edge, wrap are supported)")
+    begin = dict(zip(axes, pads[:len(axes)]))
+    end = dict(zip(axes, pads[len(axes):]))
+    torch_pads = []                   # torch's order: (before, after) of the last axis first
+    for d in reversed(range(min(axes), x.ndim)):
+        torch_pads += [begin.get(d, 0), end.get(d, 0)]
+    return ops.pad(x, tuple(torch_pads), mode=_PAD_MODES[mode], value=value if mode == "constant" else None)
+
+
+@rule("Resize")
+def _resize(cx, ins, at):
+    """Resize of the last two axes of (N, C, H, W): linear (half_pixel, pytorch_half_pixel or
+    align_corners coordinates, as torch's bilinear interpolate) or nearest at integer scales
+    (asymmetric coordinates rounded down, as torch's nearest)."""
+    x = ins[0]
+    scales = ins[2] if len(ins) > 2 and ins[2] is not None and np.asarray(ins[2]).size else None
+    sizes = ins[3] if len(ins) > 3 and ins[3] is not None else None
+    if at.get("axes") is not None or x.ndim != 4:
+        raise NotImplementedError("Resize of other axes than the last two of a 4-D input")
+    if scales is not None:
+        scales = [float(s) for s in np.asarray(_known(scales, "Resize's scales")).reshape(-1)]
+        out = [int(np.floor(n * s)) for n, s in zip(x.shape, scales)]
+    else:
+        out = _ints(_known(sizes, "Resize's sizes"))
+    if tuple(out[:2]) != tuple(x.shape[:2]):
+        raise NotImplementedError(f"Resize of the batch or channel axes (to {out} from {x.shape})")
+    mode = at.get("mode", "nearest")
+    coords = at.get("coordinate_transformation_mode", "half_pixel")
+    if mode == "linear" and not at.get("antialias", 0) and coords in ("half_pixel", "pytorch_half_pixel",
+                                                                       "align_corners"):
+        if coords == "pytorch_half_pixel" and min(out[2:]) == 1:
+            raise NotImplementedError("Resize with pytorch_half_pixel coordinates to a size of 1")
+        if scales is not None and coords != "align_corners":
+            return ops.upsample_bilinear2d(x, scale_factor=tuple(scales[2:]))
+        return ops.upsample_bilinear2d(x, tuple(out[2:]), align_corners=coords == "align_corners")
+    integer = all(o % n == 0 for o, n in zip(out[2:], x.shape[2:]))
+    if mode == "nearest" and coords == "asymmetric" and at.get("nearest_mode", "round_prefer_floor") == "floor" \
+            and integer:
+        return ops.upsample_nearest2d(x, tuple(o // n for o, n in zip(out[2:], x.shape[2:])))
+    raise NotImplementedError(f"Resize mode={mode!r} with coordinate_transformation_mode={coords!r} (linear with "
+                              "half_pixel, pytorch_half_pixel or align_corners; nearest at integer scales with "
+                              "asymmetric coordinates rounded down)")

@@ -234,7 +234,7 @@ class _Translator:
                                      f"{_first_lines(e, 2)}; at {_where(node)}")
                 return _Poisoned()
         try:
-            self.target = target
+            self.target, self.node = target, node
             out = fn(self, *args, **kwargs)
             return self._check(node, out)
         except Exception as e:

@@ -134,6 +134,17 @@ def leaky_relu(x, negative_slope=0.01, inplace=False):
     return where(x > 0.0, x, x * float(negative_slope))
 
 
+def hardsigmoid(x, inplace=False):
+    """torch.nn.functional.hardsigmoid: clamp(x / 6 + 1/2, 0, 1) (ONNX HardSigmoid takes
+    other slopes: ``clamp(alpha x + beta, 0, 1)``)."""
+    return clamp(x * (1.0 / 6.0) + 0.5, 0.0, 1.0)
+
+
+def hardswish(x, inplace=False):
+    """torch.nn.functional.hardswish: x * hardsigmoid(x)."""
+    return x * hardsigmoid(x)
+
+
 def masked_fill(x, mask, value):
     """torch.masked_fill: ``value`` (a number or 0-d tensor) where ``mask`` is non-zero."""
     if isinstance(value, Tensor) and value.dtype is not x.dtype:
