@@ -485,14 +485,20 @@ class VulkanKernels:
 
 
 def clear_memory():
-    """Forget the finished kernels, cooperative-matrix variants and kernel ASTs kept in memory
-    (the disk keeps its own)."""
+    """Forget the finished kernels, cooperative-matrix variants, kernel ASTs and GLSL memos
+    kept in memory (the disk keeps its own); the translator's too, where it was loaded."""
+    import sys
     with _variants_lock:
         _variants.clear()
     with _finished_lock:
         _finished.clear()
+    from ..codegen.glsl_target import clear_caches
     from ..codegen.kernel_ast import clear_printed
     clear_printed()
+    clear_caches()
+    translator = sys.modules.get(__package__.rpartition(".")[0] + ".codegen.glsl")
+    if translator is not None:
+        translator.clear_caches()
 
 
 __all__ = ["VulkanKernels", "VARIANT_ARCHETYPES", "clear_memory", "prompt_gil_handoff"]
