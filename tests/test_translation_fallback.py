@@ -62,11 +62,12 @@ def _check(monkeypatch, names):
     rest = {t: k for t, k in texts.items() if t not in printed}
     wrong = sorted({k.name for k in rest.values() if not _still_translated(k)})
     assert not wrong, f"kernels of families on the kernel AST without a tree: {wrong[:8]}"
-    assert printed and rest
+    assert printed
     stats = _stage(monkeypatch, printed, translate=False)
     assert stats["kernels_translated"] == 0 and stats["kernels_printed"] == len(printed), stats
-    stats = _stage(monkeypatch, rest)
-    assert stats["kernels_translated"] == len(rest) and stats["kernels_printed"] == 0, stats
+    if rest:
+        stats = _stage(monkeypatch, rest)
+        assert stats["kernels_translated"] == len(rest) and stats["kernels_printed"] == 0, stats
     assert {k.archetype for k in rest.values()} <= set(vulkan.TRANSLATED_FAMILIES)
     return {k.archetype for k in rest.values()}
 

@@ -89,12 +89,13 @@ from meganeura.runtime.vulkan import pipelines  # noqa: E402
 
 class _Runtime:
     """What a fresh process's Vulkan session does with kernel texts: the compile stage
-    finishes them for the runtime's target (nothing kept in memory from before: the disk
-    caches serve them), and the runtime creates their pipelines. ``stats``: the runtime's,
+    finishes them for the runtime's target (nothing compiled kept in memory from before: the
+    disk caches serve them; the kernel ASTs the texts were printed from stay, as in a process
+    that rendered them), and the runtime creates their pipelines. ``stats``: the runtime's,
     with the finishing's kernels read from disk and seconds translating."""
 
     def __init__(self, dev):
-        vk_finish.clear_memory()
+        vk_finish.clear_memory(trees=False)
         self.rt = backend.VulkanRuntime(dev)
         self.finished = {"kernel_cache_hits": 0, "glsl_seconds": 0.0, "kernels_compiled": 0}
 

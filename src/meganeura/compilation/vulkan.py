@@ -143,9 +143,9 @@ class VulkanKernels:
 
     # ------------------------------------------------------------------ kernels on the kernel AST
     def _note(self, kernel, text):
-        """Keep the kernel AST that ``text`` (``kernel``'s WGSL) was printed from, where it
-        was (``codegen.kernel_ast.tree_of``, by the text: any archetype), for its GLSL to
-        be printed from it rather than translated."""
+        """Keep the kernel AST that ``text`` (``kernel``'s WGSL; ``kernel`` may be None) was
+        printed from, where it was (``codegen.kernel_ast.tree_of``, by the text: any
+        archetype), for its GLSL to be printed from it rather than translated."""
         if text not in self._trees:
             from ..codegen.kernel_ast import tree_of
             tree = tree_of(text)
@@ -413,6 +413,8 @@ class VulkanKernels:
             key = keys[text]
             ck = stored[i] if stored is not None else (load_kernel(key) if self.disk else None)
             if ck is None:
+                if not _is_glsl(text):
+                    self._note(None, text)      # (a text printed in this process but not started)
                 misses.append((text, label, key))
                 continue
             done[text] = fk = self._remember(self._final(label, key, ck, text, from_disk=True))
@@ -515,9 +517,10 @@ def _translation_workers(n=None, start=False):
     return translators.pool_for(translators.MIN_KERNELS if n is None else n), translators.WorkerLost
 
 
-def clear_memory():
-    """Forget the finished kernels, cooperative-matrix variants, kernel ASTs and GLSL memos
-    kept in memory (the disk keeps its own); the translator's too, where it was loaded."""
+def clear_memory(trees=True):
+    """Forget the finished kernels, cooperative-matrix variants, GLSL memos and (``trees``)
+    kernel ASTs kept in memory (the disk keeps its own); the translator's memos too, where it
+    was loaded."""
     import sys
     with _variants_lock:
         _variants.clear()
@@ -525,7 +528,8 @@ def clear_memory():
         _finished.clear()
     from ..codegen.glsl_target import clear_caches
     from ..codegen.kernel_ast import clear_printed
-    clear_printed()
+    if trees:
+        clear_printed()
     clear_caches()
     translator = sys.modules.get(__package__.rpartition(".")[0] + ".codegen.glsl")
     if translator is not None:
