@@ -32,8 +32,6 @@ import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from .glsl_target import IEEE_PRESERVE as GLSL_IEEE
-
 GLSL_NAMES = {"round": "roundEven", "inverseSqrt": "inversesqrt", "atan2": "atan", "countOneBits": "bitCount",
               "reverseBits": "bitfieldReverse"}
 GLSL_TYPE = {"u32": "uint", "i32": "int", "f32": "float", "f16": "float16_t", "bool": "bool"}

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import os
 import threading
 import time
 import weakref
