@@ -14,3 +14,26 @@ if "MEGANEURA_CACHE_DIR" not in os.environ:
 def pytest_sessionfinish(session, exitstatus):
     if _CACHE:
         shutil.rmtree(_CACHE, ignore_errors=True)
+
+
+def pytest_addoption(parser):
+    parser.addoption("--update-glsl-digests", action="store_true", default=False,
+                     help="rewrite tests/data/glsl_digests.json from the GLSL the tests run print (with -n 0)")
+
+
+def pytest_configure(config):
+    from tests.glsl_reference import GOLDEN
+    GOLDEN.update = config.getoption("--update-glsl-digests")
+    if GOLDEN.update and getattr(config, "workerinput", None) is not None:
+        raise RuntimeError("--update-glsl-digests needs one process (-n 0)")
+
+
+def pytest_runtest_setup(item):
+    from tests.glsl_reference import GOLDEN
+    GOLDEN.start(f"{item.module.__name__.rpartition('.')[2]}::{item.name}")
+
+
+def pytest_unconfigure(config):
+    from tests.glsl_reference import GOLDEN
+    if GOLDEN.update:
+        GOLDEN.write()

@@ -9,8 +9,8 @@ import pytest
 
 import meganeura as mg
 from meganeura.codegen import gemv, kernel_ast, matmul
-from meganeura.codegen.glsl import to_glsl
 from meganeura.compiler import compile_plan
+from tests.glsl_reference import check_glsl
 
 
 def _template(k):
@@ -30,8 +30,7 @@ def check_kernel(k, text, bufs, groups, template=_template):
         return False
     for unroll in (False, True):
         for ieee in (True, False):
-            assert kernel_ast.print_glsl(tree, unroll, ieee) == to_glsl(wgsl, k.name, unroll=unroll,
-                                                                       preserve_ieee=ieee), (k.name, unroll, ieee)
+            check_glsl(kernel_ast.print_glsl(tree, unroll, ieee), wgsl, k.name, unroll, ieee)
     return True
 
 
@@ -242,7 +241,7 @@ def test_alike_siblings_share_one_body_over_arrays_of_buffers():
                 assert kernel_ast.tree_of(d.wgsl) is not None and d.wgsl == matmul._render_template(d.kernel, 64)[0]
                 tree = kernel_ast.tree_of(d.wgsl)
                 for unroll in (False, True):
-                    assert kernel_ast.print_glsl(tree, unroll) == to_glsl(d.wgsl, d.kernel.name, unroll=unroll)
+                    check_glsl(kernel_ast.print_glsl(tree, unroll), d.wgsl, d.kernel.name, unroll)
                 shared += "binding_array" in d.wgsl and "fn locate" in d.wgsl
         assert shared == 1, norm
 

@@ -10,10 +10,10 @@ from meganeura.bench.dispatches import BINDINGS, phase_targets
 from meganeura.bench.workloads import WORKLOADS, make
 from meganeura.codegen import attention as attn, coop_library, coopmat, flash_coop, flash_grad_coop
 from meganeura.codegen.common import Bindings
-from meganeura.codegen.glsl import to_glsl_library
 from meganeura.codegen.kernel_ast import WgslPrinter
 from meganeura.compiler import CompileOptions, compile_plan
 
+from .glsl_reference import GOLDEN, translator_library
 from .samples_attention import head_split_block, sdpa_graph
 from .test_flash_attention import CASES as FLASH_CASES, _case
 
@@ -24,17 +24,20 @@ def _translated(bind, items):
     """The library as it was made before: the WGSL of the buffers and items, translated."""
     items = list(items)
     wgsl = bind.decls() + "\n" + "\n".join(WgslPrinter().item(it) for it in items) + "\n"
-    return to_glsl_library(wgsl, "library").code
+    return translator_library()(wgsl, "library").code
 
 
-def _both(monkeypatch, render):
-    """``render()``'s GLSL printed from the AST and with the translated library."""
+def _check(monkeypatch, render, case):
+    """``render()``'s GLSL printed from the AST is what it was with the translated library
+    (while the translator exists) and its golden digest (always); returns it."""
     printed = render()[0]
-    with monkeypatch.context() as m:
-        m.setattr(coopmat, "glsl_library", _translated)
-        m.setattr(flash_coop, "glsl_library", _translated)
-        translated = render()[0]
-    return printed, translated
+    if translator_library() is not None:
+        with monkeypatch.context() as m:
+            m.setattr(coopmat, "glsl_library", _translated)
+            m.setattr(flash_coop, "glsl_library", _translated)
+            assert printed == render()[0], case
+    GOLDEN.check(printed, case, unroll=False, ieee=True)
+    return printed
 
 
 def _workload_matmuls():
@@ -59,8 +62,8 @@ def test_workload_matmuls_print_the_translated_library(monkeypatch):
                                          ("epilogue", p.epilogue is not None), ("f16 out", p.out.dtype.name == "f16"))
                          if on}
         for emulate in (False, True):
-            printed, translated = _both(monkeypatch, lambda: coopmat.render(d.kernel, 49152, emulate, d.bufs))
-            assert printed == translated, d.kernel.name
+            printed = _check(monkeypatch, lambda: coopmat.render(d.kernel, 49152, emulate, d.bufs),
+                             f"{d.kernel.name}:emulate={int(emulate)}")
             features |= {f for f, on in (("helper", "isnan_f(" in printed), ("merged", "store_out1(" in printed)) if on}
     assert features == {"store_map", "stores", "epilogue", "f16 out", "helper", "merged"}, features
 
@@ -95,8 +98,8 @@ def test_flash_kernels_print_the_translated_library(monkeypatch):
             for storage in (16384, 32768, 49152):
                 if module.select(k, storage, emulate=emulate):
                     continue
-                printed, translated = _both(monkeypatch, lambda: module.render(k, storage, emulate=emulate))
-                assert printed == translated, k.name
+                _check(monkeypatch, lambda: module.render(k, storage, emulate=emulate),
+                       f"{k.name}:emulate={int(emulate)},storage={storage}")
                 kinds.add(k.spec.get("grad") or ("forward+epilogue" if k.epilogue is not None else "forward"))
                 n += 1
     assert n > 100, n
@@ -127,7 +130,10 @@ def test_library_of_an_array_binding_and_unused_position():
     bind.index(a, f16, write=True)
     bind.array((c, e), "f32")
     bind.index(c, f32)
-    assert coop_library.glsl_library(bind, []) == _translated(bind, [])
+    lib = coop_library.glsl_library(bind, [])
+    if translator_library() is not None:
+        assert lib == _translated(bind, [])
+    GOLDEN.check(lib, "library", unroll=False, ieee=False)
     assert "B2_ { float d[]; } b2[2];" in coop_library.glsl_library(bind, [])
 
 

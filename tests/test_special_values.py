@@ -214,13 +214,13 @@ def test_scalar_folds_keep_ieee_results(name, ours, theirs, backend):
 def test_glsl_kernels_ask_the_driver_to_preserve_inf_nan_and_signed_zero():
     """The direct Vulkan backend's kernels carry SignedZeroInfNanPreserve for f32, and the
     device (lavapipe in CI) reports the float control it needs."""
-    from meganeura.codegen.glsl import to_glsl
+    from meganeura.codegen import kernel_ast as K
     from meganeura.runtime.vulkan import _vk
     from meganeura.runtime.vulkan._vk import new
     from meganeura.runtime.vulkan.device import VulkanDevice
-    wgsl = "@compute @workgroup_size(1)\nfn main() {\n}\n"
-    assert "spirv_execution_mode(" in to_glsl(wgsl) and "4461, 32" in to_glsl(wgsl)
-    assert "spirv_execution_mode(" not in to_glsl(wgsl, preserve_ieee=False)
+    empty = K.ComputeKernel((), 1, ())
+    assert "spirv_execution_mode(" in K.print_glsl(empty) and "4461, 32" in K.print_glsl(empty)
+    assert "spirv_execution_mode(" not in K.print_glsl(empty, preserve_ieee=False)
     vk = _vk.vk
     p12 = new("VkPhysicalDeviceVulkan12Properties", sType=vk.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_VULKAN_1_2_PROPERTIES)
     p2 = new("VkPhysicalDeviceProperties2", sType=vk.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_PROPERTIES_2, pNext=p12)

@@ -62,7 +62,7 @@ _TABLE = [
     Switch("MEGANEURA_COMPILE_THREADS", "int", "one per CPU, at most 16", "threads creating pipelines",
            "runtime.backends", keyed=False),
     Switch("MEGANEURA_TRANSLATE_WORKERS", "int", "one per four CPUs, at most 4", "processes translating kernels "
-           "to GLSL (0: in-process)", "runtime.vulkan.translators"),
+           "to GLSL (0: in-process)", "compilation.translators"),
     Switch("MEGANEURA_EARLY_KERNELS", "flag", "1", "start making pipelines while the plan is still rendered",
            "runtime.executor"),
     Switch("MEGANEURA_DETECT_ANOMALY", "flag", "0", "check every dispatch's output for Inf/NaN",
@@ -74,7 +74,7 @@ _TABLE = [
     Switch("MEGANEURA_SHARED_MAX_ELEMENTS", "int", str(1 << 16), "largest row a pointwise kernel stages in "
            "workgroup memory", "codegen.pointwise"),
     Switch("MEGANEURA_GLSL_UNROLL", "flag", "hardware drivers only", "mark short constant loops [[unroll]]",
-           "codegen.glsl"),
+           "codegen.glsl_target, runtime.vulkan.backend"),
     Switch("MEGANEURA_REQUIRE_IEEE", "flag", "0", "refuse a Vulkan device without float controls that keep "
            "Inf, NaN and signed zeros (instead of a warning)", "compilation.float_controls", keyed=False),
     Switch("MEGANEURA_MATMUL_TILE", "int", "automatic", "force the matmul tile",

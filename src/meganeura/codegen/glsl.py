@@ -30,7 +30,6 @@ of their own, ``compilation.translators``).
 from __future__ import annotations
 
 import itertools
-import os
 import re
 from dataclasses import dataclass
 
@@ -38,36 +37,15 @@ from .glsl_lex import (_SCAN_MARKS, _TEXT, AFLOAT, AINT, BOOL, CLOSE_ANGLE, COMP
                        SAME_TYPE_BUILTINS, SCALARS, TEMPLATED, U32, VEC_COMPARE, Fn, GlslTranslationError, Tok, Ty, Val,
                        _ident, _is_float, _literal, _tokenize_text, clear_caches, concrete, convert, glsl_type, make_ty,
                        token_line, tokenize, unify)
+from .glsl_target import IEEE_PRESERVE, unroll_switch
 
 __all__ = ["GlslLibrary", "GlslTranslationError", "IEEE_PRESERVE", "_tokenize_text", "clear_caches", "to_glsl",
            "to_glsl_library",
            "tokenize", "unroll_switch"]
 
 
-# IEEE semantics as torch has them: Vulkan lets a driver assume no Inf/NaN and ignore the
-# sign of zero (Mesa folds ``x - x`` to 0 for an inf x) unless a shader asks to preserve
-# them. SignedZeroInfNanPreserve (execution mode 4461, capability 4466, core in SPIR-V 1.4,
-# which the Vulkan 1.2 target is past) for 32-bit floats, through GL_EXT_spirv_intrinsics;
-# devices report it as VkPhysicalDeviceVulkan12Properties.shaderSignedZeroInfNanPreserveFloat32
-# (lavapipe, NVIDIA, AMD and Intel do). The WGSL path cannot ask for it (naga writes no
-# float controls): there ``expr.ieee_guard`` keeps the folds we know of exact instead.
-IEEE_PRESERVE = ["#extension GL_EXT_spirv_intrinsics : require",
-                 'spirv_execution_mode(extensions = ["SPV_KHR_float_controls"], capabilities = [4466], 4461, 32);']
-
-
-# Loops of a few constant trips can be marked [[unroll]]: NVIDIA's compiler left the tiled
-# matmul's inner K loop rolled, and unrolled it ran 31.3 -> 37.8 TFLOP/s at 4096^3 on an
-# H200. A software rasterizer's LLVM compiles unrolled kernels far more slowly (lavapipe: a
-# masked flash attention kernel with 130-wide heads, 1 s -> 48 s), so the runtime asks for it
-# on hardware drivers only (``to_glsl(unroll=...)``); MEGANEURA_GLSL_UNROLL=1 or 0 forces it.
-
-
-def unroll_switch() -> bool | None:
-    """MEGANEURA_GLSL_UNROLL as True / False, or None when unset (the runtime decides)."""
-    raw = os.environ.get("MEGANEURA_GLSL_UNROLL", "").strip().lower()
-    if not raw:
-        return None
-    return raw not in ("0", "false", "off", "no")
+# IEEE_PRESERVE (the float-controls header) and unroll_switch (MEGANEURA_GLSL_UNROLL) are the
+# kernel AST printer's too: ``glsl_target``
 
 
 _SHORT_LOOP = re.compile(r"^\(*\w+ < (\d+)u?\)*$")

@@ -1,13 +1,16 @@
 """The lexical and type layer of the WGSL-subset translator (``glsl``): tokens of the subset,
 WGSL types and their GLSL names, typed expression values with WGSL's literal typing and
-conversions, and the operator and builtin tables. Standard library only (the translation
-workers load it without the package)."""
+conversions, and the operator and builtin tables. Standard library only, as ``glsl_target``
+(identifier spelling) that it imports (the translation workers load them without the package)."""
 from __future__ import annotations
 
 import functools
 import operator
 import re
 from dataclasses import dataclass, field
+
+from .glsl_target import clear_caches as clear_names
+from .glsl_target import glsl_name
 
 
 class GlslTranslationError(ValueError):
@@ -225,30 +228,17 @@ SAME_TYPE_BUILTINS = {"min", "max", "clamp", "abs", "exp", "exp2", "log", "log2"
                       "sinh", "cosh", "tanh", "asinh", "acosh", "atanh", "fma", "mix", "step", "smoothstep",
                       "round", "atan2", "countOneBits", "reverseBits"}
 RENAMED = {"round": "roundEven", "inverseSqrt": "inversesqrt", "atan2": "atan", "countOneBits": "bitCount", "reverseBits": "bitfieldReverse"}
-# GLSL keywords and reserved words an identifier of ours could collide with
-RESERVED = set("""attribute const uniform varying buffer shared coherent volatile restrict readonly writeonly
-atomic_uint layout centroid flat smooth noperspective patch sample break continue do for while switch case default
-if else subroutine in out inout float double int void bool true false invariant precise discard return mat2 mat3
-mat4 vec2 vec3 vec4 ivec2 ivec3 ivec4 bvec2 bvec3 bvec4 uint uvec2 uvec3 uvec4 lowp mediump highp precision
-sampler1D sampler2D sampler3D image1D image2D struct common partition active asm class union enum typedef template
-this resource goto inline noinline public static extern external interface long short half fixed unsigned superp
-input output hvec2 hvec3 hvec4 fvec2 fvec3 fvec4 sampler3DRect filter sizeof cast namespace using demote
-float16_t texture""".split())
-
-
-@functools.lru_cache(maxsize=8192)
-def _ident(name: str) -> str:
-    if name in RESERVED or name.startswith("gl_") or "__" in name:
-        return "m_" + name.replace("__", "_u_")
-    return name
+# identifiers GLSL reserves are spelt as the kernel AST's printer spells them (one table)
+_ident = glsl_name
 
 
 def clear_caches():
     """Forget the translator's per-process memos of lines, literals and names (bounded; what a
     process that compiled many distinct kernels may want back, as ``clear_caches`` of the
     Vulkan runtime does)."""
-    for memo in (_line_tokens, _tok, _literal, _ident):
+    for memo in (_line_tokens, _tok, _literal):
         memo.cache_clear()
+    clear_names()
 
 
 @dataclass

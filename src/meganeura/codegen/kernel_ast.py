@@ -40,12 +40,10 @@ PRECEDENCE = {"||": 1, "&&": 2, "|": 3, "^": 4, "&": 5, "==": 6, "!=": 6, "<": 7
               "<<": 8, ">>": 8, "+": 9, "-": 9, "*": 10, "/": 10, "%": 10}
 UNARY = 11
 COMPARE = frozenset({"==", "!=", "<", ">", "<=", ">="})
-# the header lines of every kernel of the Vulkan backend (IEEE signed zeros, infinities and NaN
-# kept by the driver: the translator's ``glsl.IEEE_PRESERVE``, which goes with it)
+# the header lines of every kernel of the Vulkan backend that uses f16; those that ask the
+# driver to keep IEEE signed zeros, infinities and NaN are ``glsl_target.IEEE_PRESERVE``
 GLSL_F16 = ["#extension GL_EXT_shader_explicit_arithmetic_types_float16 : require",
             "#extension GL_EXT_shader_16bit_storage : require"]
-GLSL_IEEE = ["#extension GL_EXT_spirv_intrinsics : require",
-             'spirv_execution_mode(extensions = ["SPV_KHR_float_controls"], capabilities = [4466], 4461, 32);']
 
 
 # nodes are dataclasses that are never changed once built (the printers keep a node's text on
@@ -470,10 +468,11 @@ def print_wgsl(k: ComputeKernel) -> str:
 
 
 def print_glsl(k: ComputeKernel, unroll: bool | None = None, preserve_ieee: bool = True) -> str:
-    """``k``'s GLSL; ``unroll`` and ``preserve_ieee`` as ``glsl.to_glsl``'s (None: the
-    MEGANEURA_GLSL_UNROLL switch, else no)."""
+    """``k``'s GLSL. ``unroll``: mark loops of at most 32 constant trips ``[[unroll]]`` (None:
+    the MEGANEURA_GLSL_UNROLL switch, else no); ``preserve_ieee``: ask the driver to keep Inf,
+    NaN and signed zeros (``glsl_target.IEEE_PRESERVE``)."""
     if unroll is None:
-        from .glsl import unroll_switch
+        from .glsl_target import unroll_switch
         unroll = bool(unroll_switch())
     return GlslPrinter(unroll, preserve_ieee).kernel(k)
 

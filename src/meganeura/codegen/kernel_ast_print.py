@@ -11,8 +11,9 @@ import re
 
 from ..graph import DTYPES
 from .common import literal
-from .glsl_lex import _ident as glsl_name
-from .kernel_ast import (COMPARE, GLSL_F16, GLSL_IEEE, GLSL_NAMES, GLSL_TYPE, PRECEDENCE, UNARY, Assign, AssignIndex,
+from .glsl_target import IEEE_PRESERVE as GLSL_IEEE
+from .glsl_target import glsl_name
+from .kernel_ast import (COMPARE, GLSL_F16, GLSL_NAMES, GLSL_TYPE, PRECEDENCE, UNARY, Assign, AssignIndex,
                          AssignOp, Barrier, Bin, Bitcast, Blank, Block, Break, Call, CallIf, Construct, Continue,
                          Convert, ExprStmt, Field, For, Function, Group, If, Index, Let, Line, Lit, Load, Name, Neg,
                          Not, Private, Return, ReturnIf, Select, Shared, Store, Var, is_float, is_vec, scalar_of)

@@ -1,7 +1,7 @@
 """Whether the Vulkan kernels of a compile ask the driver to keep Inf, NaN and signed zeros.
 
 The GLSL of every kernel asks for SPV_KHR_float_controls' ``SignedZeroInfNanPreserve`` on
-f32 (``codegen.glsl.IEEE_PRESERVE``), which stops a driver's float optimisations folding
+f32 (``codegen.glsl_target.IEEE_PRESERVE``), which stops a driver's float optimisations folding
 ``x / 0.0``, ``x * 0.0`` or ``x - x`` to plain numbers. A kernel may ask only where the device
 reports ``shaderSignedZeroInfNanPreserveFloat32`` (``Target.ieee_preserve``); elsewhere the
 kernels are compiled without it, with a warning once per device, and the results of those

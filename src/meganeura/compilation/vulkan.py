@@ -7,9 +7,13 @@ becomes SPIR-V and its reflection (``FinalKernel``).
 - kernels built on the typed kernel AST (``codegen.kernel_ast``: those whose WGSL was
   printed from a tree, ``kernel_ast.tree_of``, or whose plan, read from the plan cache,
   holds their tree, ``plan_cache.stored_tree``) are printed as GLSL from it;
-- the rest is translated to GLSL (``codegen.glsl``, by the translation workers,
-  ``translators``, for a large request) and every kernel compiled by glslang
-  (``glslang``, a library: no device) and reflected (``spirv.reflect``);
+- the rest, the families not on the AST yet (``TRANSLATED_FAMILIES``), go the translation
+  fallback: their WGSL is translated to GLSL (``codegen.glsl``, by the translation workers,
+  ``translators``, for a large request), counted (``stats["kernels_translated"]``); the
+  fallback is the only user of the translator, and goes with it once every family is
+  printed;
+- every kernel is compiled by glslang (``glslang``, a library: no device) and reflected
+  (``spirv.reflect``);
 - the SPIR-V and its reflection are kept on disk under a key of the kernel text, the
   target's SPIR-V environment, the translation switches, glslang and the package
   (``cache.CompiledKernel``), those of a whole plan also as one set; the variants too, keyed
@@ -34,6 +38,12 @@ from .float_controls import ieee_preserve
 
 # archetypes with kernels on cooperative matrices: tiled matmuls and flash attention
 VARIANT_ARCHETYPES = ("matmul", "attention")
+
+# the kernels that still go the translation fallback (not built on the kernel AST yet):
+# archetype -> which (tests/test_translation_fallback.py holds the tiny workloads to it)
+TRANSLATED_FAMILIES = {"attention": "every kernel (one-row and flash, forward and backward)",
+                       "gather": "every kernel (embedding, im2col/col2im)",
+                       "matmul": "the tiled products with an im2col in their operand loads"}
 
 # While kernels compile, threads return from glslang (which releases the GIL) many times a
 # kernel, each time waiting for the GIL from a thread that translates kernels or plans memory
@@ -96,9 +106,9 @@ class VulkanKernels:
     docstring). ``stream``: a ``KernelStream`` each finished kernel is put on; ``disk``: read
     and write the disk caches (None: unless ``MEGANEURA_NO_DISK_CACHE``); ``threads``: glslang
     threads (``backends.compile_threads``). ``stats``: kernels read compiled from disk,
-    seconds translating to GLSL and compiling (summed over threads), kernels compiled,
-    dispatches on cooperative matrices, kernels whose GLSL was printed from their kernel AST
-    (``kernels_printed``) or translated from their WGSL (``kernels_translated``)."""
+    seconds making GLSL (printed or translated) and compiling (summed over threads), kernels
+    compiled, dispatches on cooperative matrices, kernels printed from their kernel AST and
+    kernels that went the translation fallback (``kernels_translated``)."""
 
     def __init__(self, target, precision="strict", stream=None, disk=None, threads=None):
         from ..runtime.vulkan.cache import disk_cache_enabled
@@ -133,9 +143,9 @@ class VulkanKernels:
 
     # ------------------------------------------------------------------ kernels on the kernel AST
     def _note(self, kernel, text):
-        """Keep the kernel AST that ``text`` (``kernel``'s WGSL) was printed from, where it
-        was (``codegen.kernel_ast.tree_of``, by the text: any archetype), for its GLSL to
-        be printed from it rather than translated."""
+        """Keep the kernel AST that ``text`` (``kernel``'s WGSL; ``kernel`` may be None) was
+        printed from, where it was (``codegen.kernel_ast.tree_of``, by the text: any
+        archetype), for its GLSL to be printed from it rather than translated."""
         if text not in self._trees:
             from ..codegen.kernel_ast import tree_of
             tree = tree_of(text)
@@ -171,11 +181,10 @@ class VulkanKernels:
     def prepare(self):
         """A plan is being compiled (not read from the plan cache): glslang's first compile of
         the process, which runs alone, starts now beside the compiler passes
-        (``glslang.start_warm_up``), and the translation workers boot (``translators``)."""
-        from . import translators
+        (``glslang.start_warm_up``), and the translation fallback's workers boot."""
         from .glslang import start_warm_up
         start_warm_up(prompt_gil_handoff)
-        translators.start()
+        _translation_workers(start=True)
 
     def start(self, kernel, text):
         """Start finishing ``text`` (``kernel``'s WGSL) now, on threads of its own, while the
@@ -195,7 +204,6 @@ class VulkanKernels:
             self._early[text] = self._pool.submit(self._make_early, text, kernel.name or "kernel")
 
     def _make_early(self, text, label):
-        from . import translators
         from ..runtime.vulkan.cache import load_kernel
         key = self.kernel_key(text)
         ck = load_kernel(key) if self.disk and self._recall(key, label) is None else None
@@ -206,15 +214,7 @@ class VulkanKernels:
             fk = self._remember(self._final(label, key, ck, text, from_disk=True))
         else:
             printed = self._printed(text)
-            glsl, seconds = printed if printed is not None else (None, 0.0)
-            workers = translators.pool_for(translators.MIN_KERNELS) if glsl is None else None
-            if workers is not None:
-                try:
-                    glsl, seconds = workers.submit(text, label, self.target.unroll, self.ieee).result()
-                except translators.WorkerLost:
-                    glsl = None
-            if glsl is None:
-                glsl, seconds = self._glsl_here(text, label)
+            glsl, seconds = printed if printed is not None else self._translated_one(text, label)
             self._add("glsl_seconds", seconds)
             fk = self._compile(glsl, label, key, text)
         if self.stream is not None:
@@ -325,16 +325,32 @@ class VulkanKernels:
             store_json(self._variant_path(text), {"glsl": glsl, "groups": groups})
         return glsl, tuple(groups)
 
+    # ------------------------------------------------------------------ the translation fallback
+    # (kernels of ``TRANSLATED_FAMILIES``: every other kernel is printed from its kernel AST)
+    def _glsl_here(self, text, label):
+        """(GLSL, seconds) of WGSL ``text`` translated on this thread (counted)."""
+        from ..codegen.glsl import to_glsl
+        t = time.perf_counter()
+        glsl = to_glsl(text, label, unroll=self.target.unroll, preserve_ieee=self.ieee)
+        self._add("kernels_translated", 1)
+        return glsl, time.perf_counter() - t
+
+    def _translated_one(self, text, label):
+        """(GLSL, seconds) of WGSL ``text`` translated by a worker where they run, else here."""
+        workers, lost = _translation_workers(None)
+        if workers is not None:
+            try:
+                glsl, seconds = workers.submit(text, label, self.target.unroll, self.ieee).result()
+            except lost:
+                return self._glsl_here(text, label)
+            self._add("kernels_translated", 1)
+            return glsl, seconds
+        return self._glsl_here(text, label)
+
     # ------------------------------------------------------------------ compiling
     def _add(self, stat, value):
         with self._lock:
             self.stats[stat] += value
-
-    def _glsl_here(self, text, label):
-        """(GLSL, seconds) of WGSL ``text`` translated on this thread."""
-        from ..codegen.glsl import to_glsl
-        t = time.perf_counter()
-        return to_glsl(text, label, unroll=self.target.unroll, preserve_ieee=self.ieee), time.perf_counter() - t
 
     def _final(self, label, key, ck, text, glsl=None, from_disk=False) -> FinalKernel:
         """``text``: the kernel's text before finishing (a variant's is GLSL already)."""
@@ -369,8 +385,6 @@ class VulkanKernels:
         ck = CompiledKernel(spirv, reflect(spirv), "GL_KHR_cooperative_matrix" in glsl)
         if self.disk:
             store_kernel(key, ck)
-        if not _is_glsl(text) and text not in self._trees:      # (neither a variant nor printed)
-            self._add("kernels_translated", 1)
         self._add("compile_seconds", time.perf_counter() - t)
         self._add("kernels_compiled", 1)
         return self._remember(self._final(label, key, ck, text, glsl))
@@ -412,6 +426,8 @@ class VulkanKernels:
             key = keys[text]
             ck = stored[i] if stored is not None else (load_kernel(key) if self.disk else None)
             if ck is None:
+                if not _is_glsl(text):
+                    self._note(None, text)      # (a text printed in this process but not started)
                 misses.append((text, label, key))
                 continue
             done[text] = fk = self._remember(self._final(label, key, ck, text, from_disk=True))
@@ -465,11 +481,10 @@ class VulkanKernels:
     def _translated(self, misses, failed):
         """(text, label, key, GLSL, seconds translating) of ``misses`` [(text, label, key)], in
         the order they are ready, the longest texts (the longest compiles) first: by the
-        translation workers (``translators``) for a large request, else here. Stops once
-        ``failed`` is set; a kernel a lost worker held is translated here."""
+        translation fallback's workers for a large request, else here. Stops once ``failed`` is
+        set; a kernel a lost worker held is translated here."""
         from concurrent.futures import as_completed
 
-        from . import translators
         todo = []
         for text, label, key in sorted(misses, key=lambda m: -len(m[0])):
             if _is_glsl(text):          # a variant's GLSL already
@@ -478,7 +493,9 @@ class VulkanKernels:
                 yield (text, label, key) + printed
             else:
                 todo.append((text, label, key))
-        workers = translators.pool_for(len(todo))
+        if not todo:
+            return
+        workers, lost = _translation_workers(len(todo))
         if workers is None:
             for text, label, key in todo:
                 if failed.is_set():
@@ -493,7 +510,8 @@ class VulkanKernels:
                 text, label, key = asked[fut]
                 try:
                     glsl, seconds = fut.result()
-                except translators.WorkerLost:
+                    self._add("kernels_translated", 1)
+                except lost:
                     glsl, seconds = self._glsl_here(text, label)
                 yield text, label, key, glsl, seconds
         finally:            # stopped early (a failure): what is not sent yet is not translated
@@ -501,15 +519,34 @@ class VulkanKernels:
                 fut.cancel()
 
 
-def clear_memory():
-    """Forget the finished kernels, cooperative-matrix variants and kernel ASTs kept in memory
-    (the disk keeps its own)."""
+def _translation_workers(n=None, start=False):
+    """The translation fallback's workers: (pool, the error of a lost worker) for a request of
+    ``n`` kernels (None: one kernel, which a running pool takes; pool None: translate here),
+    or, with ``start``, boot them."""
+    from . import translators
+    if start:
+        translators.start()
+        return None, translators.WorkerLost
+    return translators.pool_for(translators.MIN_KERNELS if n is None else n), translators.WorkerLost
+
+
+def clear_memory(trees=True):
+    """Forget the finished kernels, cooperative-matrix variants, GLSL memos and (``trees``)
+    kernel ASTs kept in memory (the disk keeps its own); the translator's memos too, where it
+    was loaded."""
+    import sys
     with _variants_lock:
         _variants.clear()
     with _finished_lock:
         _finished.clear()
+    from ..codegen.glsl_target import clear_caches
     from ..codegen.kernel_ast import clear_printed
-    clear_printed()
+    if trees:
+        clear_printed()
+    clear_caches()
+    translator = sys.modules.get(__package__.rpartition(".")[0] + ".codegen.glsl")
+    if translator is not None:
+        translator.clear_caches()
 
 
 __all__ = ["VulkanKernels", "VARIANT_ARCHETYPES", "clear_memory", "prompt_gil_handoff"]

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import os
 import threading
 import time
 import weakref
@@ -279,8 +278,9 @@ class VulkanRuntime:
         self.is_software = self.vk.is_software
         # [[unroll]] hints for hardware drivers only (a software rasterizer's compile time
         # explodes on unrolled kernels); MEGANEURA_GLSL_UNROLL forces them on or off
-        raw = os.environ.get("MEGANEURA_GLSL_UNROLL", "").strip().lower()
-        self.unroll_loops = (not self.is_software) if not raw else raw not in ("0", "false", "off", "no")
+        from ...codegen.glsl_target import unroll_switch
+        forced = unroll_switch()
+        self.unroll_loops = (not self.is_software) if forced is None else forced
         self.features = {k for k, on in f.items() if on}
         self.ieee_preserve = self.vk.float_controls["signed_zero_inf_nan_f32"]
         lim = self.vk.limits
@@ -524,15 +524,13 @@ class VulkanRuntime:
         """Drop the cached kernels (their pipelines are destroyed once no live plan holds
         them), and everything compiling kept in this process: the SPIR-V, the finished kernels
         (GLSL, SPIR-V and reflection), the cooperative-matrix variants and the GLSL
-        translator's memos; then the freed C heap goes back to the system. The disk caches stay."""
+        GLSL memos (``compilation.vulkan.clear_memory``); then the freed C heap goes back to the system. The disk caches stay."""
         with self._lock:
             self._pipelines.clear()
-        from ...codegen.glsl import clear_caches as clear_translator
         from ...compilation.glslang import clear_memory_cache
         from ...compilation.vulkan import clear_memory
         clear_memory_cache()
         clear_memory()
-        clear_translator()
         gc.collect()            # pipelines in reference cycles are destroyed now, not later
         return_freed_memory()
 

@@ -1,0 +1,101 @@
+"""The references the GLSL printed from the kernel AST is checked against.
+
+- the WGSL-to-GLSL translator (``codegen.glsl``) while it exists: ``translator_reference()``
+  is its ``to_glsl`` (``translator_library()`` its ``to_glsl_library``), None once the module
+  is gone;
+- the golden digests (``tests/data/glsl_digests.json``: test -> {case -> the first 16 hex
+  digits of the sha256 of the printed GLSL}), recorded while the printed GLSL was the translator's.
+  They are checked always: a case without a digest fails (regenerate with
+  ``pytest -n 0 --update-glsl-digests <the tests>``, which rewrites the digests of the tests
+  it runs and keeps the others).
+
+A case id is the test (module and name with its parameters), the kernel's name (a long
+one shortened, with the digest of the whole) and the
+unroll and IEEE switches; a second text under the same id in one test gets ``#2``, ``#3``...
+in the order the test checks them (the tests check kernels in a deterministic order)."""
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+DIGESTS = Path(__file__).parent / "data" / "glsl_digests.json"
+
+
+def translator_reference():
+    """``codegen.glsl.to_glsl`` while the translator exists, else None."""
+    try:
+        from meganeura.codegen.glsl import to_glsl
+    except ImportError:
+        return None
+    return to_glsl
+
+
+def translator_library():
+    """``codegen.glsl.to_glsl_library`` while the translator exists, else None."""
+    try:
+        from meganeura.codegen.glsl import to_glsl_library
+    except ImportError:
+        return None
+    return to_glsl_library
+
+
+def digest(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+class Golden:
+    """The golden digests of one test session (``conftest`` sets ``test`` before each test)."""
+
+    def __init__(self):
+        self.update = False
+        self.test = None            # "module::test name[params]"
+        # test -> {case -> digest}
+        self.stored = json.loads(DIGESTS.read_text()) if DIGESTS.exists() else {}
+        self.recorded: dict = {}    # test -> {case id: digest} (update mode)
+        self._seen: dict = {}       # case id -> digests checked under it in the current test
+
+    def start(self, test: str):
+        self.test, self._seen = test, {}
+
+    def check(self, glsl: str, name: str, unroll: bool, ieee: bool):
+        assert self.test is not None, "a golden GLSL check outside a test"
+        if len(name) > 80:          # a merged launch's name lists its parts
+            name = f"{name[:48]}~{digest(name)}"
+        base = f"{name}::unroll={int(bool(unroll))},ieee={int(bool(ieee))}"
+        d = digest(glsl)
+        seen = self._seen.setdefault(base, [])
+        if d in seen:
+            return
+        seen.append(d)
+        case = base if len(seen) == 1 else f"{base}#{len(seen)}"
+        if self.update:
+            self.recorded.setdefault(self.test, {})[case] = d
+            return
+        want = self.stored.get(self.test, {}).get(case)
+        assert want is not None, (f"no golden GLSL digest for {self.test}::{case} in {DIGESTS.name}: regenerate "
+                                  "with pytest -n 0 --update-glsl-digests")
+        assert d == want, f"{self.test}::{case}: the printed GLSL changed (digest {d}, golden {want})"
+
+    def write(self):
+        """Store the digests of the tests run (those of other tests stay)."""
+        if not self.recorded:
+            return
+        out = {**self.stored, **{test: dict(sorted(cases.items())) for test, cases in self.recorded.items()}}
+        DIGESTS.parent.mkdir(exist_ok=True)
+        DIGESTS.write_text(json.dumps(dict(sorted(out.items())), indent=1) + "\n")
+
+
+GOLDEN = Golden()
+
+
+def check_glsl(glsl: str, wgsl: str, name: str, unroll: bool | None = None, preserve_ieee: bool = True):
+    """``glsl`` (printed from a kernel's tree) is what the translator writes for ``wgsl`` under
+    the same switches (while it exists), and its digest is the golden one (always)."""
+    if unroll is None:
+        from meganeura.codegen.glsl_target import unroll_switch
+        unroll = bool(unroll_switch())
+    translate = translator_reference()
+    if translate is not None:
+        assert glsl == translate(wgsl, name, unroll=unroll, preserve_ieee=preserve_ieee), (name, unroll, preserve_ieee)
+    GOLDEN.check(glsl, name, unroll, preserve_ieee)
