@@ -159,9 +159,12 @@ _LEAVES = frozenset({"leaf", "acc", "acc2", "lit", "const"})
 def store_supported(kernel) -> bool:
     """Whether ``store_function`` builds ``kernel``'s store: an epilogue of the output's own
     value, its operands, literals and elementwise ops (``expr.ExprWriter``'s trees)."""
-    def ok(e):
-        return e[0] in _LEAVES or (e[0] == "op" and all(map(ok, e[2])))
-    return kernel.epilogue is None or ok(kernel.epilogue)
+    return kernel.epilogue is None or _elementwise(kernel.epilogue)
+
+
+def _elementwise(e) -> bool:
+    # (a module function: a recursive closure would be a cycle left for the collector)
+    return e[0] in _LEAVES or (e[0] == "op" and all(map(_elementwise, e[2])))
 
 
 def coords(var, shape, prefix) -> list:

@@ -145,14 +145,19 @@ def early_update_order(targets: list[Tensor], update_positions, updated_names=()
             held.clear()
             release(batch, flush=True)
 
-    for t in nodes:
-        if t.id in placed or t.id in own or (t.op in LEAVES and t.id not in main):
-            continue
-        release([t])
-    release([], flush=True)
-    for t in nodes:                       # free nodes that no other own node reads, unread leaves
-        if t.id not in placed:
-            release([t], flush=True)
+    try:
+        for t in nodes:
+            if t.id in placed or t.id in own or (t.op in LEAVES and t.id not in main):
+                continue
+            release([t])
+        release([], flush=True)
+        for t in nodes:                   # free nodes that no other own node reads, unread leaves
+            if t.id not in placed:
+                release([t], flush=True)
+    finally:
+        # the two recursive closures hold themselves through their cells: emptied, they are
+        # freed by reference counting instead of left as cycles for the collector
+        del put, release
     if len(order) != len(nodes):
         raise RuntimeError(f"early_update_order: placed {len(order)} of {len(nodes)} nodes")
     if all(a is b for a, b in zip(order, nodes)):
