@@ -1,0 +1,112 @@
+"""The attention and gather kernels on the typed kernel AST: for every distinct kernel of many
+shapes and options (``ast_attn_cases``), the WGSL printed from the tree equals what the
+template wrote (the same bindings and workgroups), and the GLSL printed from it equals what
+the WGSL-to-GLSL translator writes for that WGSL under each unroll and IEEE setting of the
+Vulkan stage; the Vulkan runtime runs them printed, and they match NumPy on every backend."""
+import numpy as np
+import pytest
+
+import meganeura as mg
+from meganeura.codegen import flash, flash_ast, flash_grad, flash_grad_ast, kernel_ast
+from meganeura.codegen.glsl import to_glsl
+
+from . import ast_attn_cases
+
+_CASES = {}
+
+
+def _attention():
+    if "attention" not in _CASES:
+        _CASES["attention"] = ast_attn_cases.attention_kernels()
+    return _CASES["attention"]
+
+
+def _family(pred):
+    return {k: v for k, v in _attention().items() if pred(v.spec)}
+
+
+FAMILIES = {
+    "flash": (lambda s: s.get("flash") and not s.get("grad"), flash_ast.tree, flash._render_template),
+    "flash_grad": (lambda s: s.get("grad"), flash_grad_ast.tree, flash_grad._render_template),
+}
+
+
+def _same(kernel, build, template):
+    got = build(kernel)
+    assert got is not None, kernel.name
+    tree, bufs, groups = got
+    wgsl, t_bufs, t_groups = template(kernel)
+    assert kernel_ast.print_wgsl(tree) == wgsl, kernel.name
+    assert bufs == t_bufs and groups == t_groups, kernel.name
+    for unroll in (False, True):
+        for ieee in (True, False):
+            assert kernel_ast.print_glsl(tree, unroll=unroll, preserve_ieee=ieee) == \
+                to_glsl(wgsl, kernel.name, unroll=unroll, preserve_ieee=ieee), (kernel.name, unroll, ieee)
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_ast_kernels_print_the_templates_wgsl_and_the_translators_glsl(family):
+    pred, build, template = FAMILIES[family]
+    kernels = _family(pred)
+    assert len(kernels) >= 40, (family, len(kernels))
+    for label, k in kernels.items():
+        _same(k, build, template)
+
+
+def test_cases_cover_the_options():
+    """The cases reach each option of the kernels: splits, the LSE output, masks, causal,
+    epilogues, the piped forward, wide heads (several chunks), resident backward operands."""
+    ks = _attention().values()
+    fwd = [k for k in ks if k.spec.get("flash") and not k.spec.get("grad")]
+    assert {k.spec.get("split", 1) for k in fwd} >= {1, 2, 3}
+    assert any(k.outs for k in fwd) and any(k.epilogue is not None for k in fwd)
+    assert any(k.spec.get("int_mask") for k in fwd) and any(k.spec["masked"] and not k.spec["int_mask"] for k in fwd)
+    assert any(k.spec["causal"] for k in fwd) and any(k.reads[0].shape[-1] > 64 for k in fwd)
+    grads = [k for k in ks if k.spec.get("grad")]
+    assert {k.spec["grad"] for k in grads} == {"dq", "dkv"} and {k.spec.get("split", 1) for k in grads} >= {1, 2}
+    assert any("XV" in flash_grad._render_template(k)[0] for k in grads)       # resident operands
+    assert any("kr[" in flash._render_template(k)[0] for k in fwd)            # piped loads
+
+
+@pytest.fixture
+def flash_only(monkeypatch):
+    from meganeura.codegen import attention as attn
+    monkeypatch.setattr(attn, "MAX_ROW_WORK", 0)
+    monkeypatch.setattr(attn, "ACCELERATED_MAX_ROW_WORK", 0)
+
+
+def _sdpa_grads(rng, qs, ks, dv, causal):
+    g = mg.Graph()
+    q, k, v = g.input("q", qs), g.input("k", ks), g.input("v", ks[:-1] + (dv,))
+    w = g.input("w", qs[:-1] + (dv,))
+    out = mg.ops.scaled_dot_product_attention(q, k, v, is_causal=causal)
+    grads = mg.grad(mg.ops.sum(out * w), [q, k, v])
+    feeds = {"q": rng.standard_normal(qs), "k": rng.standard_normal(ks), "v": rng.standard_normal(ks[:-1] + (dv,)),
+             "w": rng.standard_normal(qs[:-1] + (dv,))}
+    return g, [out] + grads, {n: a.astype(np.float32) for n, a in feeds.items()}
+
+
+@pytest.mark.parametrize("backend", ["gpu", "wgpu"])
+def test_flash_forward_and_backward_on_the_ast_match_numpy(backend, flash_only, monkeypatch):
+    """The flash forward (split over keys in two, with its combine) and backward, built on
+    the AST, against the NumPy interpreter; on the direct Vulkan backend their GLSL is
+    printed from the tree (none of them translated)."""
+    monkeypatch.setenv("MEGANEURA_FLASH_SPLIT", "2")
+    monkeypatch.setenv("MEGANEURA_NO_DISK_CACHE", "1")
+    rng = np.random.default_rng(3)
+    g, outs, feeds = _sdpa_grads(rng, (1, 2, 20, 8), (1, 2, 70, 8), 12, True)
+    want = mg.compile(g, outputs=outs, backend="numpy").run(feeds)
+    if backend == "gpu":
+        pytest.importorskip("vulkan", reason="the vulkan extra (pip install 'meganeura[vulkan]')")
+    with mg.compile(g, outputs=outs, backend=backend) as s:
+        got = s.run(feeds)
+        plan = s.executor.plans["run"]
+        kp = plan.kernel_plan
+        stats = getattr(plan.executable, "stats", {})
+    for w, o in zip(want, got):
+        np.testing.assert_allclose(o, w, rtol=1e-4, atol=1e-5)
+    on_ast = {d.wgsl for d in kp.dispatches if kernel_ast.tree_of(d.wgsl) is not None}
+    flashes = {d.wgsl for d in kp.dispatches if d.kernel.archetype == "attention" and "combine" not in d.kernel.spec}
+    assert flashes and flashes <= on_ast, kp.names
+    if backend == "gpu":
+        assert stats["kernels_printed"] >= len(flashes), (stats, kp.names)
