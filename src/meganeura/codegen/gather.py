@@ -6,14 +6,19 @@ Each lowering supplies the WGSL lines that compute ``val`` from the output coord
 from __future__ import annotations
 
 from ..schedule import Kernel
+from . import gather_ast
 from .expr import OutputStore
 from .common import ENTRY, GROUP_INDEX, WG, Bindings, coords, grid, literal
 
 
-def _kernel(name, body, checks=None, geometry=None):
+def _kernel(name, body, checks=None, geometry=None, tree=None):
+    """``body``: the WGSL lines of the value (the template's, which ``as_function`` inlines
+    into a consumer's loads); ``tree``: the same statements on the kernel AST (``gather_ast``)."""
     def lower(t, ins, out, materialize, temp):
         dense = [materialize(v, x) for v, x in zip(ins, t.inputs)]
         spec = {"body": body(t), "inputs": [x.dtype for x in t.inputs]}
+        if tree is not None:
+            spec["tree"] = tree(t)
         if checks:
             spec["checks"] = checks(t)
         if geometry:
@@ -141,14 +146,16 @@ def _lower_embedding_grad(t, ins, out, materialize, temp):
             f"    for (var q = q0; q < {p}u; q = q + 1u) {{\n"
             f"        if ({idv('q')} == v) {{ val = val + x1[xo1 + q * {d}u + j]; }}\n    }}\n"
             f"    let oi = u32(v) * {d}u + j;")
-    scatter = Kernel("embedding_grad", "gather", {"body": body, "threads": p * d, "index": "oi"}, out, [ids, ct])
+    scatter = Kernel("embedding_grad", "gather", {"body": body, "tree": gather_ast.embedding_grad(t), "threads": p * d,
+                                                  "index": "oi"}, out, [ids, ct])
     return [fill(out, 0, "embedding_grad.zero"), scatter]
 
 
-LOWER = {"one_hot": _kernel("one_hot", _one_hot, _one_hot_checks),
-         "embedding": _kernel("embedding", _embedding, _embedding_checks),
-         "embedding_grad": _lower_embedding_grad, "im2col": _kernel("im2col", _im2col, geometry=_im2col_geometry),
-         "col2im": _kernel("col2im", _col2im)}
+LOWER = {"one_hot": _kernel("one_hot", _one_hot, _one_hot_checks, tree=gather_ast.one_hot),
+         "embedding": _kernel("embedding", _embedding, _embedding_checks, tree=gather_ast.embedding),
+         "embedding_grad": _lower_embedding_grad,
+         "im2col": _kernel("im2col", _im2col, geometry=_im2col_geometry, tree=lambda t: gather_ast.im2col(t, _out_len)),
+         "col2im": _kernel("col2im", _col2im, tree=lambda t: gather_ast.col2im(t, _out_len))}
 
 
 def inlinable(kernel) -> bool:
@@ -191,7 +198,16 @@ def as_function(gather_spec, reads, bind, name) -> str:
 
 def render(kernel, errors=None):
     """``errors``: (buffer, first slot) of checked mode's error buffer: check k of this
-    kernel writes slots 2 (first + k) (a flag) and 2 (first + k) + 1 (the bad index)."""
+    kernel writes slots 2 (first + k) (a flag) and 2 (first + k) + 1 (the bad index).
+    Printed from the kernel's tree (``gather_ast``) where its output store is on the AST."""
+    from .kernel_ast import printed
+    got = gather_ast.kernel_tree(kernel, errors)
+    if got is None:
+        return _render_template(kernel, errors)
+    return printed(got[0]), got[1], got[2]
+
+
+def _render_template(kernel, errors=None):
     n = kernel.spec.get("threads", kernel.out.size)
     b = Bindings()
     store = OutputStore(kernel, b, kernel.dtype)

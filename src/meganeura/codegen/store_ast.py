@@ -34,7 +34,7 @@ def _isnan_f():
     x = K.Name("x", "f32")
     return K.Function("isnan_f", (x,), (K.Return(K.Bin(">", K.Group(K.Bin("&", K.Bitcast("u32", x),
                                                                               K.u32(0x7fffffff, "0x7fffffffu"))),
-                                                       K.u32(0x7f800000, "0x7f800000u"))),), "bool", **_INLINE)
+                                                       K.u32(0x7f800000, "0x7f800000u"))),), "bool", **INLINE)
 
 
 def _fmax_f32():
@@ -43,10 +43,11 @@ def _fmax_f32():
     def isnan(x):
         return K.Call("isnan_f", (x,), "bool")
     inner = K.Select(K.Call("max", (a, b), "f32"), b, isnan(b))
-    return K.Function("fmax_f32", (a, b), (K.Return(K.Select(inner, a, isnan(a))),), "f32", **_INLINE)
+    return K.Function("fmax_f32", (a, b), (K.Return(K.Select(inner, a, isnan(a))),), "f32", **INLINE)
 
 
-_INLINE = {"inline": True} if "inline" in K.Function.__dataclass_fields__ else {}
+# a function the WGSL writes on one line (the helpers), where the AST has the form
+INLINE = {"inline": True} if "inline" in K.Function.__dataclass_fields__ else {}
 HELPER_TREES = {"isnan_f": _isnan_f, "fmax_f32": _fmax_f32}
 HELPER_DEPS = {"fmax_f32": ["isnan_f"]}
 
@@ -62,7 +63,7 @@ def store_items(kernel, b, acc_dtype=None, require=(), name="store_out"):
     spec, out = kernel.spec, kernel.out
     acc_dtype = acc_dtype or f32
     used = set(require) | {d for r in require for d in HELPER_DEPS.get(r, ())}
-    if "pair" in spec or (used and not _INLINE) or not used <= set(HELPER_TREES):
+    if "pair" in spec or (used and not INLINE) or not used <= set(HELPER_TREES):
         return None
     ob = b.index(out.buf, out.dtype, write=True)
     leaves = [(b.index(v.buf, v.dtype), v) for v in kernel.epi_reads]
