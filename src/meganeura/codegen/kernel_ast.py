@@ -340,11 +340,13 @@ class Private:
 
 @dataclass(frozen=True)
 class Function:
-    """A function of the module, ``params`` Names; ``ret``: its result type (None: none)."""
+    """A function of the module, ``params`` Names; ``ret``: its result type (None: none);
+    ``inline``: the WGSL writes it on one line."""
     name: str
     params: tuple
     body: tuple
     ret: str | None = None
+    inline: bool = False
 
 
 WID, LID, NWG = Name("wid", "vec3<u32>"), Name("lid", "u32"), Name("nwg", "vec3<u32>")
