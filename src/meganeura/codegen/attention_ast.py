@@ -6,8 +6,9 @@ import numpy as np
 
 from . import kernel_ast as K
 from .common import WG, Bindings, broadcast_view_strides, grid
-from .kernel_ast_attn import (NEG_INF, Body, SharedArray, bitcast, buffers, call, coords, f32, group_index, grp, land,
+from .kernel_ast_attn import (NEG_INF, Body, SharedArray, bitcast, buffers, call, f32, group_index, grp, land,
                               lit, load, name, sel, sum_terms)
+from .expr_ast import coords
 from .store_ast import store_items
 
 
@@ -46,7 +47,7 @@ def tree(kernel):
     B.line(lambda B: (B.let("i", row % lq), B.let("h", grp(row / lq) % hq), B.let("bz", row / (lq * hq))))
     i, h, bz = name("i", "u32"), name("h", "u32"), name("bz", "u32")
     if batch:
-        B.add(*coords(bz, batch, "z"))
+        B.add(*coords(bz.n, batch, "z"))
     hk = B.let("hk", h / group)
     qoff = B.let("qoff", base(q, h, nbd) + i * qs[-2])
     koff = B.let("koff", base(k, hk, nbd))

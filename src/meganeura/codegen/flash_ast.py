@@ -7,7 +7,8 @@ import numpy as np
 from . import kernel_ast as K
 from .common import Bindings, broadcast_view_strides, grid
 from .kernel_ast_attn import (NEG_INF, POS_INF, Body, SharedArray, buffers, call, construct, f32, group_index, grp,
-                              land, lit, load, name, sel, sum_terms, coords)
+                              land, lit, load, name, sel, sum_terms)
+from .expr_ast import coords
 from .store_ast import store_items
 
 V4 = "vec4<f32>"
@@ -94,7 +95,7 @@ def tree(kernel):
     if S > 1:
         sp = B.let("sp", gi / (NQT * NBH), comment="     // this workgroup's split of the keys")
     if batch:
-        B.add(*coords(bz, batch, "z"))
+        B.add(*coords(bz.n, batch, "z"))
     hk = B.let("hk", h / group)
     q0 = B.let("q0", qt * BQ)
     qoff = B.let("qoff", base(q, h))

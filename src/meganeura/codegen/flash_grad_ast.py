@@ -6,8 +6,9 @@ import numpy as np
 
 from . import kernel_ast as K
 from .common import Bindings, broadcast_view_strides, grid
-from .kernel_ast_attn import (NEG_INF, Body, SharedArray, buffers, call, construct, coords, f32, group_index, grp, land,
+from .kernel_ast_attn import (NEG_INF, Body, SharedArray, buffers, call, construct, f32, group_index, grp, land,
                               lit, load, name, sel, sum_terms)
+from .expr_ast import coords
 from .store_ast import store_items
 
 V4, V2 = "vec4<f32>", "vec2<f32>"
@@ -97,7 +98,7 @@ def tree(kernel):
                       B.let("bz", u("bh") / (hq if dq else hkv))))
     xt, bh, bz = u("xt"), u("bh"), u("bz")
     if batch:
-        B.add(*coords(bz, batch, "z"))
+        B.add(*coords(bz.n, batch, "z"))
     x0 = B.let("x0", xt * BX)
     B.line(lambda B: (B.let("ty", lid / TX), B.let("tx", lid % TX)))
     h, hk = u("h"), u("hk")

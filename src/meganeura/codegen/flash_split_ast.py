@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from . import kernel_ast as K
 from .common import WG, Bindings, grid
-from .kernel_ast_attn import NEG_INF, POS_INF, Body, buffers, call, f32, group_index, grp, lit, load, name, sel, sum_terms
+from .kernel_ast_attn import (NEG_INF, POS_INF, Body, buffers, call, f32, group_index, grp, lit, load, name, sel,
+                              sum_terms)
 from .store_ast import store_items
 
 

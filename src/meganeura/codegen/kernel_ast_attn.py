@@ -423,19 +423,6 @@ class Body:
         self.add(*(Indented(s, more) for s in self.stack.pop()))
 
 
-def coords(var, shape, prefix="c") -> list:
-    """``common.coords`` as statements: flat index ``var`` split into ``{prefix}0..`` of ``shape``."""
-    if not shape:
-        return []
-    r = K.Name(f"{prefix}r", "u32")
-    out = [K.Var(f"{prefix}r", node(var))]
-    for d in range(len(shape) - 1, 0, -1):
-        out.append(K.Line((K.Let(f"{prefix}{d}", K.Bin("%", r, K.u32(shape[d]))),
-                           K.Assign(f"{prefix}r", K.Bin("/", r, K.u32(shape[d]))))))
-    out.append(K.Let(f"{prefix}0", r))
-    return out
-
-
 def substitute(tree, fn):
     """``tree`` (nodes, tuples of them) with each node for which ``fn`` gives a value
     replaced by that value (children first)."""
