@@ -157,3 +157,33 @@ def test_one_row_attention_on_the_ast_matches_numpy(backend, monkeypatch):
         kp = s.executor.plans["run"].kernel_plan
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
     assert [kernel_ast.tree_of(d.wgsl) is not None for d in kp.dispatches] == [True], kp.names
+
+
+def test_gather_in_a_matmuls_loads_as_a_function_tree():
+    """An im2col computed in an implicit-GEMM convolution's operand loads: the tree form of
+    ``gather.as_function`` prints the same WGSL function (the reads bound alike), and GLSL
+    as the translator writes for it."""
+    from meganeura.codegen.common import Bindings
+    from meganeura.compiler import CompileOptions, compile_plan
+    found = 0
+    for stride, pad in ((2, 3), (1, 1)):       # a stem convolution's shape (as resnet50's, tiny)
+        g = mg.Graph()
+        x, w = g.input("x", (4, 3, 32, 32)), g.parameter("w", (8, 3, 7, 7))
+        out = mg.ops.conv2d(x, w, stride=stride, padding=pad)
+        for dt in (None, "f16"):
+            kp = compile_plan([out], options=CompileOptions(max_bindings=32))
+            for d in kp.dispatches:
+                for op, gs in d.kernel.spec.get("gathers", {}).items():
+                    if "tree" not in gs:
+                        continue
+                    gs = {**gs, "dtype": dt} if dt else gs
+                    reads = d.kernel.reads[gs["first"]:gs["first"] + gs["n"]]
+                    b1, b2 = Bindings(), Bindings()
+                    fn = gather_ast.function_tree(gs, reads, b1, "gat0_a")
+                    assert kernel_ast.WgslPrinter().function(fn) + "\n" == gather.as_function(gs, reads, b2, "gat0_a")
+                    assert (b1.bufs, b1.types, b1.scalar, b1.enable_f16) == (b2.bufs, b2.types, b2.scalar, b2.enable_f16)
+                    k = kernel_ast.ComputeKernel(tuple(kernel_ast.Buffer(t, False) for t in b1.types), 1, (),
+                                                 module=(fn, kernel_ast.Blank()), enable_f16=b1.enable_f16)
+                    assert kernel_ast.print_glsl(k) == to_glsl(kernel_ast.print_wgsl(k))
+                    found += 1
+    assert found >= 2

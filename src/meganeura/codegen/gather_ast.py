@@ -174,3 +174,33 @@ def kernel_tree(kernel, errors=None):
                          if isinstance(e, Input) else None))
     body.call("store_out", name(kernel.spec.get("index", "i"), "u32"), name("val", kernel.dtype.wgsl))
     return (K.ComputeKernel(buffers(b), WG, body.stmts, module=(*fns, K.Blank())), b.bufs, grid(-(-n // WG)))
+
+
+def function_tree(gather_spec, reads, bind, name):
+    """``gather.as_function`` as a ``kernel_ast.Function`` (``fn name(i0: u32) -> f32``: the
+    value a gather would have stored at flat index ``i`` of its output, for a consumer that
+    computes it in its loads), from the gather's tree (``gather_spec["tree"]``); its reads
+    bound on ``bind`` as ``as_function`` binds them."""
+    from ..graph import dtype_of
+    i0 = K.Name("i0", "u32")
+    body = [K.Let("i", K.Call("min", (i0, K.u32(gather_spec["size"] - 1)), "u32"))]
+    bound = {}
+    for k, v in enumerate(reads):
+        bound[k] = bind.index(v.buf, v.dtype)
+        bind.scalar.add(bound[k])
+        body.append(K.Let(f"xo{k}", K.u32(v.offset)))
+    body += substitute(gather_spec["tree"], lambda e: K.Load(bound[e.k], e.index, e.ty) if isinstance(e, Input) else None)
+    dt = gather_spec.get("dtype", "f32")
+    val = _value_of(gather_spec["tree"])
+    if dt != "f32":
+        val = K.Convert(dtype_of(dt).wgsl, val)
+        bind.enable_f16 |= dt == "f16"
+    return K.Function(name, (i0,), tuple(body) + (K.Return(K.Convert("f32", val)),), "f32")
+
+
+def _value_of(stmts):
+    """The name ``val`` as the gather's statements declare it."""
+    for s in stmts:
+        if isinstance(s, (K.Let, K.Var)) and s.name == "val":
+            return K.Name("val", s.e.ty)
+    raise ValueError("a gather's tree declares no val")
