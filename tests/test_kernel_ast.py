@@ -1,6 +1,7 @@
-"""The typed kernel AST (``codegen/kernel_ast.py``): kernels built on it print WGSL equal to
-what their template wrote and GLSL equal to what the WGSL-to-GLSL translator makes of that
-WGSL (so their SPIR-V is unchanged), and the Vulkan runtime runs them printed, not translated."""
+"""The typed kernel AST (``codegen/kernel_ast.py``): kernels built on it print GLSL equal to
+what the WGSL-to-GLSL translator makes of their WGSL (so their SPIR-V is unchanged), and the
+Vulkan runtime runs them printed, not translated; its nodes one by one. (That their WGSL is
+what the templates printed before: ``test_kernel_ast_families.py`` and the plan digests.)"""
 import numpy as np
 import pytest
 
@@ -40,10 +41,10 @@ KERNELS = {
 
 def _same_as_template(k):
     tree, bufs = ast_kernel(k)
-    wgsl, template_bufs, _ = pointwise._render_template(k)
-    assert kernel_ast.print_wgsl(tree) == wgsl, k.name
+    wgsl, render_bufs, _ = pointwise.render(k)
+    assert kernel_ast.print_wgsl(tree) == wgsl and kernel_ast.tree_of(wgsl) is not None, k.name
     assert kernel_ast.print_glsl(tree) == to_glsl(wgsl, k.name), k.name
-    assert bufs == template_bufs
+    assert bufs == render_bufs
 
 
 def _pointwise(expr, reads, dtype=f32, **spec):
@@ -88,23 +89,22 @@ def test_ast_kernels_print_the_template_wgsl_and_its_translation(name):
 
 
 def test_merged_launch_of_ast_kernels_prints_the_template():
-    """A merged launch whose parts are all on the AST: one function per part, prototypes
-    first in GLSL; a part the AST does not build keeps the whole launch on the template."""
-    parts = [KERNELS["residual_chain"], KERNELS["fill_strided"], KERNELS["cast_f16"]]
+    """A merged launch: one function per part, prototypes first in GLSL, a part's helper
+    functions (tanh's) once in the module."""
+    other = _pointwise(_op("tanh", ("leaf", 0)), [X])
+    parts = [KERNELS["residual_chain"], KERNELS["fill_strided"], KERNELS["cast_f16"], other, other]
     multi = Kernel("m", "multi", {"parts": parts}, parts[0].out, [])
     tree, bufs, groups = ast_multi(multi)
-    wgsl, template_bufs, template_groups = pointwise._render_multi_template(multi)
-    assert kernel_ast.print_wgsl(tree) == wgsl and bufs == template_bufs and (groups, 1, 1) == template_groups
-    assert kernel_ast.print_glsl(tree) == to_glsl(wgsl, "m")
-    other = _pointwise(_op("tanh", ("leaf", 0)), [X])
-    assert ast_multi(Kernel("m", "multi", {"parts": parts + [other]}, parts[0].out, [])) is None
+    wgsl, render_bufs, render_groups = pointwise.render_multi(multi)
+    assert kernel_ast.print_wgsl(tree) == wgsl and bufs == render_bufs and (groups, 1, 1) == render_groups
+    assert kernel_ast.print_glsl(tree) == to_glsl(wgsl, "m") and wgsl.count("fn tanh_f(") == 1
 
 
-def test_other_pointwise_kernels_stay_on_the_template():
+def test_every_pointwise_kernel_is_on_the_ast():
     """What ``expr.ieee_guard`` turns into a helper (+ 0.0, x - x, * inf), an op of literals
-    alone (WGSL types them abstractly), helpers (tanh, relu's NaN-keeping max), select
-    (log1p), comparisons, f16 arithmetic, or a leaf read in its own order (``flat_leaf``) is
-    not on the AST yet."""
+    alone (WGSL types them abstractly: GLSL converts the folded value), helpers (tanh,
+    relu's NaN-keeping max), select (log1p), comparisons, f16 arithmetic, a leaf read in its
+    own order (``flat_leaf``): each prints the translator's GLSL."""
     lit = ("lit", 0.0, f32)
     for k in (_pointwise(_op("add", ("leaf", 0), lit), [X]), _pointwise(_op("sub", ("leaf", 0), ("leaf", 0)), [X]),
               _pointwise(_op("mul", ("leaf", 0), ("lit", float("inf"), f32)), [X]),
@@ -113,14 +113,16 @@ def test_other_pointwise_kernels_stay_on_the_template():
               _pointwise(_op("log1p", ("leaf", 0)), [X]), _pointwise(_op("lt", ("leaf", 0), ("leaf", 0), dtype=u32),
                                                                      [X], u32),
               _pointwise(_op("add", ("leaf", 0), ("leaf", 0), dtype=f16), [View(SRC, (24,), (1,), 0, f16)], f16),
-              _pointwise(("leaf", 0), [X], flat_leaf=True)):
-        assert ast_kernel(k) is None, k.spec["expr"]
+              _pointwise(("leaf", 0), [X], flat_leaf=True),
+              _pointwise(_op("add", _op("mul", ("lit", 2.0, f32), ("lit", 3.0, f32)), ("leaf", 0)), [X]),
+              _pointwise(_op("maximum", ("leaf", 0), ("lit", -1.5, f32)), [X])):
+        _same_as_template(k)
 
 
 @pytest.mark.parametrize("workload,precision", [("unet", "strict"), ("unet", "accelerated")])
 def test_every_ast_kernel_of_a_workload_prints_as_before(workload, precision):
-    """Each kernel of a tiny workload's training step that the AST builds (standalone
-    copies, fills and casts) prints the template's WGSL and its translation."""
+    """Each pointwise kernel and merged launch of a tiny workload's training step prints the
+    WGSL its plan holds and that WGSL's translation."""
     from meganeura.bench.workloads import make
     from meganeura.compiler import CompileOptions, compile_plan, f16_weights
     from tests.test_compile import phase_targets
@@ -132,10 +134,10 @@ def test_every_ast_kernel_of_a_workload_prints_as_before(workload, precision):
     found = [d.kernel for d in kp.dispatches if ast_kernel(d.kernel) is not None]
     for k in found:
         _same_as_template(k)
-    merged = [d for d in kp.dispatches if d.kernel.archetype == "multi" and ast_multi(d.kernel) is not None]
+    merged = [d for d in kp.dispatches if d.kernel.archetype == "multi"]
     for d in merged:
         tree = ast_multi(d.kernel)[0]
-        assert kernel_ast.print_wgsl(tree) == d.wgsl == pointwise._render_multi_template(d.kernel)[0]
+        assert kernel_ast.print_wgsl(tree) == d.wgsl
         assert kernel_ast.print_glsl(tree) == to_glsl(d.wgsl, d.kernel.name)
     assert found and merged, "no kernel of the plan is on the kernel AST"
 

@@ -11,9 +11,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..graph import f32 as _F32
-from .common import broadcast_view_strides, coords, offset_expr
+from .common import broadcast_view_strides
 from .expr_ast import HELPER_FUNCTIONS, ieee_guard_node, op_node
-from .kernel_ast import Convert, Let, Name, Neg, Select, Bin, Lit, WgslPrinter, u32
+from .expr_ast import coords as coords_stmts
+from .expr_ast import offset_expr as offset_node
+from .kernel_ast import Bin, Convert, Function, Group, Let, Lit, Load, Name, Neg, Select, Store, WgslPrinter, add, u32
 
 # WGSL helpers, included when an expression uses them: printed from their trees
 # (``expr_ast.HELPER_FUNCTIONS``, which says what each computes and why)
@@ -142,39 +144,47 @@ def expr_ops(e) -> list[str]:
     return [n for k in e[2] for n in expr_ops(k)] + [e[1].op]
 
 
-def read_leaves(leaves, shape, bind, prefix="c"):
-    """WGSL ``let v{k} = ...`` lines reading each view (broadcast) at the coordinates
-    ``prefix0..`` of ``shape``, and the (name, dtype) pairs an ExprWriter's leaves map to."""
-    lines, vals = [], []
+def read_leaves(leaves, shape, bind, prefix="c", ast=False):
+    """``let v{k} = ...`` reading each view (broadcast) at the coordinates ``prefix0..`` of
+    ``shape``, and the (value, dtype) pairs an ExprWriter's leaves map to: WGSL lines and
+    names, or (``ast``) statements and nodes of the kernel AST."""
+    stmts, vals = [], []
     for k, v in enumerate(leaves):
         bi = bind.index(v.buf, v.dtype)
-        lines.append(f"    let v{k} = b{bi}[{offset_expr(v.offset, broadcast_view_strides(v, shape), prefix)}];")
-        vals.append((f"v{k}", v.dtype))
-    return lines, vals
+        stmts.append(Let(f"v{k}", Load(bi, offset_node(v.offset, broadcast_view_strides(v, shape), prefix), v.dtype.wgsl)))
+        vals.append((Name(f"v{k}", v.dtype.wgsl) if ast else f"v{k}", v.dtype))
+    return (stmts if ast else ["    " + _WGSL.stmt(x) for x in stmts]), vals
+
+
+def store_stmts(bind, ob, idx, val, dtype, stores=(), prefix="c", store_strides=None) -> list:
+    """Statements storing ``val`` (a node of ``dtype``) at ``idx`` (a node) of binding ``ob``
+    and, converted, at each view of ``stores`` (second stores of the same value: a concat's
+    slice, an f16 copy), indexed by the coordinates ``prefix0..`` of the output (through
+    ``store_strides``, one per store, where the caller indexes coalesced coordinates)."""
+    out = []
+    if stores:
+        out.append(Let("stored", val))
+        val = Name("stored", val.ty)
+    out.append(Store(ob, idx, val))
+    for j, s in enumerate(stores):
+        sb = bind.index(s.buf, s.dtype, write=True)
+        sv = val if s.dtype is dtype else Convert(s.dtype.wgsl, val)
+        strides = s.strides if store_strides is None else store_strides[j]
+        out.append(Store(sb, offset_node(s.offset, strides, prefix), sv))
+    return out
 
 
 def store_lines(bind, ob, idx, val, dtype, stores=(), prefix="c", store_strides=None) -> list[str]:
-    """WGSL lines storing ``val`` (of ``dtype``) at ``idx`` of binding ``ob`` and, converted,
-    at each view of ``stores`` (second stores of the same value: a concat's slice, an f16
-    copy), indexed by the coordinates ``prefix0..`` of the output (through ``store_strides``,
-    one per store, where the caller indexes coalesced coordinates)."""
-    lines = []
-    if stores:
-        lines.append(f"    let stored = {val};")
-        val = "stored"
-    lines.append(f"    b{ob}[{idx}] = {val};")
-    for j, s in enumerate(stores):
-        sb = bind.index(s.buf, s.dtype, write=True)
-        sv = val if s.dtype is dtype else f"{s.dtype.wgsl}({val})"
-        strides = s.strides if store_strides is None else store_strides[j]
-        lines.append(f"    b{sb}[{offset_expr(s.offset, strides, prefix)}] = {sv};")
-    return lines
+    """``store_stmts`` as WGSL lines, ``idx`` and ``val`` texts."""
+    stmts = store_stmts(bind, ob, Name(idx, "u32"), Name(val, dtype.wgsl), dtype, stores, prefix, store_strides)
+    return ["    " + _WGSL.stmt(s) for s in stmts]
 
 
 class OutputStore:
     """``fn store_out(f: u32, acc: f32)``: stores an archetype's value for the output
     element of flat (row-major, logical) index ``f``, through the kernel's epilogue if it
-    has one. Registers the output and epilogue bindings on ``bind``."""
+    has one. Registers the output and epilogue bindings on ``bind``. ``function``: the
+    function on the kernel AST (``module_items``: with the helpers it calls), ``fn`` its WGSL."""
 
     def __init__(self, kernel, bind, acc_dtype=None, name="store_out"):
         from ..graph import f32
@@ -185,8 +195,9 @@ class OutputStore:
         leaves = [(bind.index(v.buf, v.dtype), v) for v in kernel.epi_reads]
         # read element by element here: a sibling part of the launch must not redeclare them vec4
         bind.scalar.update(bi for bi, _ in leaves)
-        lines = []
+        stmts = []
         smap = kernel.spec.get("store_map")
+        F, FD = Name("f", "u32"), Name("fd", "u32")
         if smap is not None:
             # a transposed store: element f of the archetype's output goes where the copy
             # that was fused away put it (row-major position of its coordinates in ``shape``)
@@ -194,37 +205,41 @@ class OutputStore:
             rm = [1] * len(shape)
             for d in range(len(shape) - 2, -1, -1):
                 rm[d] = rm[d + 1] * shape[d + 1]
-            terms = [f"((f / {s}u) % {n}u) * {r}u" for s, n, r in zip(strides, shape, rm) if n != 1]
-            lines.append(f"    let fd = {' + '.join(terms) or '0u'};")
+            terms = [Bin("*", Group(Bin("%", Group(Bin("/", F, u32(s))), u32(n))), u32(r))
+                     for s, n, r in zip(strides, shape, rm) if n != 1]
+            stmts.append(Let("fd", add(*terms) if terms else u32(0)))
         # operands are views of the iteration shape they were fused at, indexed by f (or,
         # for those fused after a transposed store, by fd): split the index into
         # coordinates of each distinct (index, shape)
         fd_from = kernel.spec.get("fd_from", len(leaves)) if smap is not None else len(leaves)
-        dest = "fd" if smap is not None else "f"
-        spaces = {(dest, out.shape): "e"}
-        lines += coords(dest, out.shape, "e")
+        dest = FD if smap is not None else F
+        spaces = {(dest.id, out.shape): "e"}
+        stmts += coords_stmts(dest, out.shape, "e")
         for k, (bi, v) in enumerate(leaves):
             key = ("fd" if k >= fd_from else "f", v.shape)
             if key not in spaces:
                 spaces[key] = f"s{len(spaces)}_"
-                lines += coords(key[0], v.shape, spaces[key])
-            lines.append(f"    let l{k} = b{bi}[{offset_expr(v.offset, broadcast_view_strides(v, v.shape), spaces[key])}];")
+                stmts += coords_stmts(Name(key[0], "u32"), v.shape, spaces[key])
+            at = offset_node(v.offset, broadcast_view_strides(v, v.shape), spaces[key])
+            stmts.append(Let(f"l{k}", Load(bi, at, v.dtype.wgsl)))
+        acc_ty = self.acc_dtype.wgsl
 
         def leaf(e):
             if e[0] == "acc":
-                return "acc", self.acc_dtype
+                return Name("acc", acc_ty), self.acc_dtype
             if e[0] == "acc2":          # a paired product's value (kernel.spec["pair"])
-                return "acc2", self.acc_dtype
-            return f"l{e[1]}", leaves[e[1]][1].dtype
-        w = ExprWriter(leaf)
+                return Name("acc2", acc_ty), self.acc_dtype
+            return Name(f"l{e[1]}", leaves[e[1]][1].dtype.wgsl), leaves[e[1]][1].dtype
+        w = ExprWriter(leaf, ast=True)
         val, dt = w.emit(kernel.epilogue or ("acc",))
         if dt is not out.dtype:
-            val = f"{out.dtype.wgsl}({val})"
-        idx = f"{out.offset}u + {dest}" if out.is_contiguous() else offset_expr(out.offset, out.strides, "e")
+            val = Convert(out.dtype.wgsl, val)
+        idx = add(u32(out.offset), dest) if out.is_contiguous() else offset_node(out.offset, out.strides, "e")
         self.used = w.used
-        body = lines + w.lines + store_lines(bind, self.ob, idx, val, out.dtype, kernel.spec.get("stores", ()), "e")
-        acc2 = f", acc2: {self.acc_dtype.wgsl}" if "pair" in kernel.spec else ""
-        self.fn = f"fn {name}(f: u32, acc: {self.acc_dtype.wgsl}{acc2}) {{\n" + "\n".join(body) + "\n}"
+        body = stmts + w.stmts + store_stmts(bind, self.ob, idx, val, out.dtype, kernel.spec.get("stores", ()), "e")
+        params = (F, Name("acc", acc_ty)) + ((Name("acc2", acc_ty),) if "pair" in kernel.spec else ())
+        self.function = Function(name, params, tuple(body))
+        self.fn = _WGSL.function(self.function)
 
     def require(self, *names):
         """Helpers the archetype's own body calls (emitted once, with the epilogue's)."""
@@ -232,9 +247,14 @@ class OutputStore:
             self.used.update([n] + HELPER_DEPS.get(n, []))
         return self
 
-    def module_text(self) -> str:
-        """The helpers and ``store_out``, for module scope (after the binding decls)."""
-        # several stores can share a module (merged matmuls): each helper once per module
+    def module_items(self) -> list:
+        """The helpers and ``store_out`` as functions of the kernel AST, for module scope
+        (after the bindings); several stores can share a module (merged matmuls): each
+        helper once per module."""
         new = [h for h in HELPERS if h in self.used and h not in self.bind.helpers_done]
         self.bind.helpers_done.update(new)
-        return "\n".join([HELPERS[h] for h in new] + [self.fn])
+        return [HELPER_FUNCTIONS[h] for h in new] + [self.function]
+
+    def module_text(self) -> str:
+        """``module_items`` as WGSL."""
+        return "\n".join(_WGSL.item(it) for it in self.module_items())

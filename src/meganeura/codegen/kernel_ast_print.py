@@ -288,16 +288,81 @@ class GlslPrinter:
     def __init__(self, unroll=False, preserve_ieee=True):
         self.unroll, self.preserve_ieee = unroll, preserve_ieee
         self.unrolled, self.tmp, self.ret = False, 0, None
+        self.f16 = False        # the WGSL names the type f16 (the translator then enables it)
+
+    def names(self, ty):
+        """``ty`` is a type the WGSL text writes."""
+        if ty and "f16" in ty:
+            self.f16 = True
+        return ty
 
     # ------------------------------------------------------------------ expressions
+    # WGSL's abstract literals take the type of where they stand; the translator kept an
+    # abstract value (a literal, or an operation on abstract values alone) as its text and its
+    # digits (a literal's, through parentheses and minus signs) until it met a type:
+    # ``abstract_value`` is that pair and its kind, ``convert`` the value met
+    def abstract_value(self, e):
+        """(text, digits or None, "afloat" / "aint") of an abstract value, else None."""
+        k = type(e)
+        if k is Lit:
+            if not abstract(e):
+                return None
+            t = wgsl_literal(e)
+            s = t.lstrip("-")
+            kind = "afloat" if any(c in s for c in ".eE") and not s.startswith("0x") else "aint"
+            text = _float_text(s) if kind == "afloat" else s
+            return (f"(-{text})", t, kind) if t.startswith("-") else (text, t, kind)
+        if k in (Neg, Group):
+            v = self.abstract_value(e.e)
+            if v is None:
+                return None
+            if k is Group:
+                return f"({v[0]})", v[1], v[2]
+            return f"(-{v[0]})", None if v[1] is None else "-" + v[1], v[2]
+        if k is Bin and e.op not in COMPARE and e.op not in LOGICAL and e.op not in ("<<", ">>"):
+            a, b = self.abstract_value(e.a), self.abstract_value(e.b)
+            if a is None or b is None:
+                return None
+            at = f"({a[0]})" if needs_group(e.a, e.op, False) else a[0]
+            bt = f"({b[0]})" if needs_group(e.b, e.op, True) else b[0]
+            return f"({at} {e.op} {bt})", None, "afloat" if "afloat" in (a[2], b[2]) else "aint"
+        return None
+
+    @staticmethod
+    def convert(v, ty) -> str:
+        text, digits, _ = v
+        target = scalar_of(ty)
+        if target in ("f32", "f16"):
+            t = _float_text(digits) if digits is not None else f"float({text})"
+            return f"float16_t({t})" if target == "f16" else t
+        if target == "u32":
+            return digits + "u" if digits is not None and not digits.startswith("-") else f"uint({text})"
+        if target == "i32":
+            return digits if digits is not None else f"int({text})"
+        return text
+
     def value(self, e, ty, parent=0) -> str:
-        """``e`` standing where WGSL converts an abstract literal to ``ty``."""
-        return glsl_literal(wgsl_literal(e), ty) if abstract(e) else self.expr(e, parent)
+        """``e`` standing where WGSL converts an abstract value to ``ty``."""
+        v = self.abstract_value(e)
+        return self.convert(v, ty) if v is not None else self.expr(e, parent)
+
+    def unified(self, a, b) -> tuple[str, str]:
+        """Two operands of one type: an abstract one takes the other's (both abstract: as they are)."""
+        va, vb = self.abstract_value(a), self.abstract_value(b)
+        if va is not None and vb is None:
+            return self.convert(va, b.ty), self.expr(b)
+        if vb is not None and va is None:
+            return self.expr(a), self.convert(vb, a.ty)
+        return self.expr(a), self.expr(b)
 
     def expr(self, e, parent=0) -> str:
         """``parent``: the precedence the WGSL printer prints ``e`` under; where it adds
         parentheses the translator read a pair of them (one more pair here)."""
         k = type(e)
+        if k in (Lit, Neg, Group, Bin) and (v := self.abstract_value(e)) is not None:
+            if k is Lit and not v[0].startswith("("):
+                return v[0]
+            return f"({v[0]})" if k is Bin and PRECEDENCE[e.op] < parent else v[0]
         if k is Name:
             return glsl_name(e.id)
         if k is Lit:
@@ -315,23 +380,23 @@ class GlslPrinter:
             member = "" if e.member is None else f"[{self.value(e.member, 'u32')}].d"
             return f"b{e.binding}{member}[{self.value(e.index, 'u32')}]"
         if k is Convert:
-            if abstract(e.e):
-                return glsl_literal(wgsl_literal(e.e), e.ty)
+            self.names(e.ty)
+            if (v := self.abstract_value(e.e)) is not None and not is_vec(e.ty):
+                return self.convert(v, e.ty)
             if is_vec(e.ty):
                 return f"{glsl_type(e.ty)}({self.value(e.e, scalar_of(e.ty))})"
             return f"{glsl_type(e.ty)}({self.expr(e.e)})"
         if k is Neg:
-            if abstract(e.e):
-                return glsl_literal("-" + wgsl_literal(e.e), e.e.ty)
             return f"(-{self.expr(e.e, UNARY)})"
         if k is Not:
             return f"(!{self.expr(e.e, UNARY)})"
         if k is Call:
             return self.call(e)
         if k is Select:
-            cond, t, f = self.expr(e.cond), self.value(e.t, e.t.ty), self.value(e.f, e.t.ty)
+            cond, (f, t) = self.expr(e.cond), self.unified(e.f, e.t)
             return f"mix({f}, {t}, {cond})" if is_vec(e.cond.ty) else f"({cond} ? {t} : {f})"
         if k is Bitcast:
+            self.names(e.ty)
             src, dst = scalar_of(e.e.ty), scalar_of(e.ty)
             x = self.value(e.e, "u32") if src not in ("f32", "f16") else self.expr(e.e)
             if src == dst:
@@ -339,6 +404,7 @@ class GlslPrinter:
             fn = BITCAST[(src, dst)]
             return f"{glsl_type(e.ty) if is_vec(e.ty) and fn in ('int', 'uint') else fn}({x})"
         if k is Construct:
+            self.names(e.ty)
             arr = array_type(e.ty)
             el = arr[0] if arr else scalar_of(e.ty)
             args = ", ".join(self.value(a, el) for a in e.args)
@@ -347,7 +413,12 @@ class GlslPrinter:
 
     def binary(self, e: Bin) -> str:
         op, ty = e.op, e.ty
-        a, b = self.value(e.a, e.b.ty), self.value(e.b, e.a.ty)
+        if op in ("<<", ">>"):
+            a, b = self.value(e.a, "i32"), self.value(e.b, "u32")
+        elif op in LOGICAL:
+            a, b = self.expr(e.a), self.expr(e.b)
+        else:
+            a, b = self.unified(e.a, e.b)
         a = f"({a})" if needs_group(e.a, op, False) else a
         b = f"({b})" if needs_group(e.b, op, True) else b
         if op in COMPARE and is_vec(e.a.ty if is_vec(e.a.ty) else e.b.ty):
@@ -362,15 +433,19 @@ class GlslPrinter:
         if e.fn == "saturate":
             x = self.expr(e.args[0])
             s = scalar_of(e.args[0].ty)
-            return f"clamp({x}, {glsl_literal('0.0', s)}, {glsl_literal('1.0', s)})"
+            return f"clamp({x}, {self.convert(('0.0', '0.0', 'afloat'), s)}, {self.convert(('1.0', '1.0', 'afloat'), s)})"
         if e.fn in BUILTINS:
-            ref = next((a for a in e.args if not abstract(a) and is_vec(a.ty)), None) or \
-                next((a for a in e.args if not abstract(a)), e.args[0])
-            args = [self.value(a, scalar_of(ref.ty)) for a in e.args]
+            # every operand takes the type of the first concrete one (a vector's first)
+            vals = [self.abstract_value(a) for a in e.args]
+            ref = next((a for a, v in zip(e.args, vals) if v is None and is_vec(a.ty)), None) or \
+                next((a for a, v in zip(e.args, vals) if v is None), None)
+            ty = ref.ty if ref is not None else "f32" if any(v[2] == "afloat" for v in vals) else "i32"
+            args = [self.value(a, scalar_of(ty)) for a in e.args]
+            ref = ref or e.args[0]
             if is_vec(ref.ty) and e.fn == "fma":     # GLSL's fma takes vectors for every operand
                 args = [x if is_vec(a.ty) else f"{glsl_type(ref.ty)}({x})" for x, a in zip(args, e.args)]
             return f"{GLSL_NAMES.get(e.fn, e.fn)}({', '.join(args)})"
-        return f"{glsl_name(e.fn)}({', '.join(self.expr(a) for a in e.args)})"
+        return f"{glsl_name(e.fn)}({', '.join(self.value(a, a.ty) for a in e.args)})"
 
     def target(self, t) -> str:
         return glsl_name(t) if isinstance(t, str) else self.expr(t)
@@ -381,7 +456,9 @@ class GlslPrinter:
 
     # ------------------------------------------------------------------ statements
     def decl(self, s, pad) -> list[str]:
-        ty = s.ty or s.e.ty
+        self.names(s.ty)
+        v = None if s.ty or s.e is None else self.abstract_value(s.e)
+        ty = s.ty or ({"afloat": "f32", "aint": "i32"}[v[2]] if v is not None else s.e.ty)
         name = glsl_name(s.name)
         arr = array_type(ty)
         if arr:
@@ -462,6 +539,8 @@ class GlslPrinter:
 
     # ------------------------------------------------------------------ module
     def signature(self, f: Function) -> str:
+        for t in (f.ret, *(p.ty for p in f.params)):
+            self.names(t)
         ret = glsl_type(f.ret) if f.ret else "void"
         return f"{ret} {glsl_name(f.name)}({', '.join(f'{glsl_type(p.ty)} {glsl_name(p.id)}' for p in f.params)})"
 
@@ -477,6 +556,8 @@ class GlslPrinter:
             decls.append(f"layout(std430, set = 0, binding = {j}) {ro}buffer B{j}_ {{ {el} b{j}[]; }};" if b.count is None
                          else f"layout(std430, set = 0, binding = {j}) {ro}buffer B{j}_ {{ {el} d[]; }} b{j}[{b.count}];")
         for it in k.items():
+            if isinstance(it, (Shared, Private)):
+                self.names(it.ty)
             if isinstance(it, Shared):
                 decls.append(f"shared {glsl_type(it.ty)} {glsl_name(it.name)}[{it.count}];")
             elif isinstance(it, Private):
@@ -490,7 +571,7 @@ class GlslPrinter:
         main = ["void main() {"] + [f"    {glsl_type(n.ty)} {glsl_name(n.id)} = {BUILTIN_IDS[which]};"
                                     for which, n in k.builtins] + self.block(k.body, 1) + ["}"]
         size = (list(k.workgroup) if isinstance(k.workgroup, tuple) else [k.workgroup]) + [1, 1]
-        head = ["#version 450"] + (GLSL_F16 if k.uses_f16() else []) + \
+        head = ["#version 450"] + (GLSL_F16 if k.uses_f16() or self.f16 else []) + \
             (["#extension GL_EXT_control_flow_attributes : require"] if self.unrolled else []) + \
             (GLSL_IEEE if self.preserve_ieee else []) + \
             [f"layout(local_size_x = {size[0]}, local_size_y = {size[1]}, local_size_z = {size[2]}) in;"]

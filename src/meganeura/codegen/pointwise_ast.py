@@ -1,244 +1,242 @@
-"""The pointwise kernels built on the typed kernel AST (``kernel_ast``): ``ast_kernel`` says
-which (a literal, casts, f32 arithmetic over the operands as the ops' records spell it, with
-second stores and further outputs) and builds them, line for line as ``pointwise._body``
-and ``expr.ExprWriter`` write their WGSL, so that ``pointwise.render`` prints their WGSL
-from the tree and the Vulkan compile stage their GLSL."""
+"""The pointwise archetype's kernels as trees of the typed kernel AST (``kernel_ast``): one
+pointwise kernel (``body``: split the flat index into coordinates, read the operands,
+evaluate the fused expression with ``expr.ExprWriter``, store the value and its second
+stores and further outputs), a merged launch of pointwise kernels and reductions (one
+function per part, ``multi_tree``) and one whose alike parts share a body over arrays of
+buffers (``shared_tree``). ``pointwise.render`` prints their WGSL (``kernel_ast.printed``) and
+the Vulkan compile stage their GLSL."""
 from __future__ import annotations
 
-import functools
-import re
+import dataclasses
 
-from ..ops.registry import OPS
-from .common import WG, Bindings, broadcast_view_strides, coalesce
-from .expr import ieee_guard
-from .kernel_ast import (LID, NWG, WID, Assign, Bin, Buffer, Call, CallIf, ComputeKernel, Convert, Field, Function,
-                         Group, Let, Line, Lit, Load, Name, Neg, ReturnIf, Store, Var, WgslPrinter, add, clear_printed,
+from .common import NOWHERE, WG, Bindings, broadcast_view_strides, coalesce, form_key
+from .expr import ExprWriter, store_stmts
+from .expr_ast import coords, offset_expr
+from .kernel_ast import (LID, NWG, WID, Bin, Blank, Buffer, Call, CallIf, ComputeKernel, Construct, Convert, Field,
+                         Function, Group, If, Let, Load, Name, Return, ReturnIf, Store, WgslPrinter, add, clear_printed,
                          printed, tree_of, u32)
 
-# (the registry of printed trees moved to ``kernel_ast``; its names stay importable from here)
-__all__ = ["ast_kernel", "ast_multi", "printed", "tree_of", "clear_printed"]
+# (the registry of printed trees is ``kernel_ast``'s; its names stay importable from here)
+__all__ = ["ast_kernel", "ast_multi", "body", "kernel_tree", "multi_tree", "shared_tree", "printed", "tree_of",
+           "clear_printed"]
 
-# element types a kernel of the typed kernel AST stores and reads so far
-AST_TYPES = frozenset({"f32", "f16", "i32", "u32"})
-# ops whose f32 WGSL ``expr.op_text`` writes as its record's template (``wgsl``) alone, and
-# the builtins such a template may call (the same function in both languages, or renamed by
-# ``kernel_ast.GLSL_NAMES``); the other ops (helpers, select, comparisons) stay on the template
-AST_SPECIAL = frozenset({"cast", "pow", "gelu", "gelu_grad", "where", "tanh", "erf", "relu", "maximum", "minimum",
-                         "rotate_half"})
-AST_BUILTINS = frozenset({"exp", "log", "sqrt", "inverseSqrt", "abs", "sin", "cos", "floor", "ceil", "trunc", "round",
-                          "sign"})
-_TOKEN = re.compile(r"\s*(\{\d+\}|\d+\.\d*(?:e[-+]?\d+)?|[A-Za-z_]\w*|[-+*/(),])")
+I, G = Name("i", "u32"), Name("g", "u32")
+GROUP = add(Field(WID, "x"), Bin("*", Field(WID, "y"), Field(NWG, "x")))     # ``common.GROUP_INDEX``
 
 
-class _NotOnAst(Exception):
-    """The kernel has something the AST does not build yet (its template writes it)."""
+def buffers(b: Bindings) -> tuple:
+    """The kernel's storage buffers as ``b`` bound them (an array binding: ``count`` buffers)."""
+    return tuple(Buffer(t, id(x) in b.written, len(x) if isinstance(x, tuple) else None)
+                 for x, t in zip(b.bufs, b.types))
 
 
-@functools.lru_cache(maxsize=256)
-def _template(text: str):
-    """``_parse_template`` of ``text``, or None where it holds something else (both kept)."""
-    try:
-        return _parse_template(text)
-    except _NotOnAst:
-        return None
-
-
-def _parse_template(text: str):
-    """An op record's WGSL template parsed into a builder of its tree from the argument trees
-    (precedence as WGSL's, a written pair of parentheses a ``Group``); raises ``_NotOnAst``
-    on anything but arguments, float literals, + - * /, unary minus and ``AST_BUILTINS``."""
-    toks = _TOKEN.findall(text)
-    if "".join(toks) != text.replace(" ", ""):
-        raise _NotOnAst(text)
-    pos = [0]
-
-    def peek():
-        return toks[pos[0]] if pos[0] < len(toks) else None
-
-    def take():
-        pos[0] += 1
-        return toks[pos[0] - 1]
-
-    def binary(ops, sub):
-        def parse():
-            left = sub()
-            while peek() in ops:
-                op, right = take(), sub()
-                left = (lambda op, a, b: lambda args: Bin(op, a(args), b(args)))(op, left, right)
-            return left
-        return parse
-
-    def unary():
-        if peek() == "-":
-            take()
-            inner = unary()
-            return lambda args: Neg(inner(args))
-        return primary()
-
-    def primary():
-        tok = take()
-        if tok.startswith("{"):
-            k = int(tok[1:-1])
-            return lambda args: args[k]
-        if tok[0].isdigit():
-            from ..graph import f32
-            return lambda args: Lit(float(tok), f32, tok)
-        if tok == "(":
-            inner = expr()
-            if take() != ")":
-                raise _NotOnAst(text)
-            return lambda args: Group(inner(args))
-        if tok in AST_BUILTINS and take() == "(":
-            params = [expr()]
-            while peek() == ",":
-                take()
-                params.append(expr())
-            if take() != ")":
-                raise _NotOnAst(text)
-            return lambda args: Call(tok, tuple(p(args) for p in params), "f32")
-        raise _NotOnAst(text)
-    expr = binary(("+", "-"), binary(("*", "/"), unary))
-    tree = expr()
-    if pos[0] != len(toks):
-        raise _NotOnAst(text)
-    return tree
-
-
-def _ast_value(e, leaves, body, done):
-    """The AST name of expression ``e``'s value, its ``let`` lines appended to ``body`` as
-    ``expr.ExprWriter`` writes them (one ``t{n}`` per distinct node, in evaluation order)."""
-    if e[0] == "leaf":
-        return leaves[e[1]]
-    if e[0] == "lit" and e[2].name == "f32":
-        return Lit(e[1], e[2])
-    if e[0] == "const" and e[1].dtype.name == "f32":
-        return Lit(e[1].attrs["value"].reshape(-1)[0], e[1].dtype)
-    if e[0] != "op":
-        raise _NotOnAst(e[0])
-    t, kids = e[1], e[2]
-    args = [_ast_value(k, leaves, body, done) for k in kids]
-    texts = [WgslPrinter().expr(a) for a in args]
-    key = (id(t), tuple(texts))
-    if key in done:
-        return done[key]
-    if ieee_guard(t, kids, texts, set()) is not None or all(isinstance(a, Lit) for a in args):
-        raise _NotOnAst(t.op)       # a helper call or a folded value; WGSL's abstract-typed literals
-    if t.op == "cast" and t.dtype.name in AST_TYPES:
-        node = Convert(t.dtype.name, args[0])
-    elif t.dtype.name != "f32" or any(a.ty != "f32" for a in args) or t.op in AST_SPECIAL \
-            or not isinstance(OPS[t.op].extra.get("wgsl"), str):
-        raise _NotOnAst(t.op)
-    elif (build := _template(OPS[t.op].extra["wgsl"])) is None:
-        raise _NotOnAst(t.op)
-    else:
-        node = build(args)
-    name = f"t{len(done) + 1}"
-    body.append(Let(name, node))
-    done[key] = Name(name, node.ty)
-    return done[key]
-
-
-def ast_kernel(kernel):
-    """(``kernel_ast.ComputeKernel``, bound logical buffers) of a pointwise kernel whose
-    values are a literal, casts, or f32 arithmetic and builtins over its operands (concat's
-    copies, slice_grad's zero fill, f16 copies, residual adds, gradient sums), with its
-    second stores and further outputs, else None: the kernels whose WGSL and GLSL both come
-    from the typed kernel AST. The WGSL is the text ``pointwise.render`` writes for them."""
-    b = Bindings()
-    body = _part(kernel, b)
-    if body is None:
-        return None
-    i = Name("i", "u32")
-    group = Group(add(Field(WID, "x"), Bin("*", Field(WID, "y"), Field(NWG, "x"))))     # ``common.GROUP_INDEX``
-    head = [Let("i", add(Bin("*", group, u32(WG)), LID)), ReturnIf(Bin(">=", i, u32(kernel.out.size)))]
-    return ComputeKernel(_buffers(b), WG, tuple(head + body)), b.bufs
-
-
-def ast_multi(kernel):
-    """(``kernel_ast.ComputeKernel``, bound logical buffers, workgroups) of a merged launch
-    of pointwise kernels that are each on the AST (``ast_kernel``), each part a function
-    owning a range of workgroups, as ``pointwise.render_multi`` writes it; else None."""
-    parts = kernel.spec["parts"]
-    if any(p.archetype != "pointwise" for p in parts):
-        return None
-    b, fns, branches, g0 = Bindings(), [], [], 0
-    i, g = Name("i", "u32"), Name("g", "u32")
-    for j, part in enumerate(parts):
-        body = _part(part, b)
-        if body is None:
-            return None
-        n = part.out.size
-        fns.append(Function(f"part{j}", (i,), (ReturnIf(Bin(">=", i, u32(n))), *body)))
-        g1 = g0 + -(-n // WG)
-        branches.append(CallIf(Bin("<", g, u32(g1)), f"part{j}",
-                               (add(Bin("*", Group(Bin("-", g, u32(g0))), u32(WG)), LID),)))
-        g0 = g1
-    body = [Let("g", add(Field(WID, "x"), Bin("*", Field(WID, "y"), Field(NWG, "x")))), *branches]
-    return ComputeKernel(_buffers(b), WG, tuple(body), tuple(fns)), b.bufs, g0
-
-
-def _buffers(b: Bindings) -> tuple:
-    return tuple(Buffer(t, id(x) in b.written) for x, t in zip(b.bufs, b.types))
-
-
-def _part(kernel, b: Bindings):
-    """The statements of ``pointwise._body`` for ``kernel`` (its buffers registered on
-    ``b``), or None where the kernel is not on the AST."""
-    spec, out = kernel.spec, kernel.out
-    stores, out_exprs = list(spec.get("stores", ())), list(spec.get("out_exprs", ()))
-    if kernel.archetype != "pointwise" or spec.get("flat_leaf") or len(kernel.outs) != len(out_exprs) \
-            or any(v.dtype.name not in AST_TYPES for v in [out, *kernel.reads, *stores, *kernel.outs]):
-        return None
-    e = spec["expr"]
-    if e[0] == "lit" and (kernel.reads or kernel.outs):
-        return None
+def body(kernel, b: Bindings):
+    """(helper functions, statements computing and storing element ``i``) of one pointwise
+    kernel, its buffers registered on ``b``."""
+    out, spec = kernel.out, kernel.spec
     ob = b.index(out.buf, out.dtype, write=True)
-    # per view, the strides it is indexed by (as ``_body``: coalesced where all have the rank)
+    leaf_vars = []
+    rotated = _rleaves(spec["expr"])
+    stores, outs = spec.get("stores", ()), list(zip(kernel.outs, spec.get("out_exprs", ())))
+    # per view, the strides it is indexed by at the output's coordinates: the output, the
+    # reads (broadcast), second stores and further outputs
     views = [[out.strides], [broadcast_view_strides(v, out.shape) for v in kernel.reads],
-             [v.strides for v in stores], [v.strides for v in kernel.outs]]
+             [s.strides for s in stores], [v.strides for v, _ in outs]]
     shape = out.shape
-    if all(len(st) == len(shape) for group in views for st in group):
+    # coordinates merged, except where the expression needs them as they are: rotate_half's
+    # (the last one, and its operands' read through it)
+    if not rotated and not _uses_coords(spec["expr"]) and not spec.get("flat_leaf") and \
+            all(len(st) == len(shape) for group in views for st in group):
         shape, merged = coalesce(out.shape, [st for group in views for st in group])
         it = iter(merged)
         views = [[next(it) for _ in group] for group in views]
-    (out_st,), read_st, store_st, outs_st = views
-
-    def coord(d):
-        return Name(f"c{d}", "u32")
-
-    def at(offset, strides):       # ``common.offset_expr``
-        terms = ([u32(offset)] if offset else []) + [coord(d) if st == 1 else Bin("*", coord(d), u32(st))
-                                                     for d, st in enumerate(strides) if st != 0]
-        return add(*terms) if terms else u32(0)
-    i, cr = Name("i", "u32"), Name("cr", "u32")
-    body = []
-    if shape:       # ``common.coords``
-        body.append(Var("cr", i))
-        body += [Line((Let(f"c{d}", Bin("%", cr, u32(shape[d]))), Assign("cr", Bin("/", cr, u32(shape[d])))))
-                 for d in range(len(shape) - 1, 0, -1)]
-        body.append(Let("c0", cr))
-    leaves = []
+    (out_strides,), read_strides, store_strides, outs_strides = views
+    stmts = coords(I, shape)
     for k, v in enumerate(kernel.reads):
-        body.append(Let(f"v{k}", Load(b.index(v.buf, v.dtype), at(v.offset, read_st[k]), v.dtype.name)))
-        leaves.append(Name(f"v{k}", v.dtype.name))
-    done, stored = {}, []
-    try:
-        val = Lit(e[1], e[2]) if e[0] == "lit" else _ast_value(e, leaves, body, done)
-        if val.ty != out.dtype.name:
-            val = Convert(out.dtype.name, val)
-        if stores:          # ``expr.store_lines``
-            stored.append(Let("stored", val))
-            val = Name("stored", val.ty)
-        stored.append(Store(ob, at(out.offset, out_st), val))
-        for s, st in zip(stores, store_st):
-            sv = val if s.dtype.name == out.dtype.name else Convert(s.dtype.name, val)
-            stored.append(Store(b.index(s.buf, s.dtype, write=True), at(s.offset, st), sv))
-        # further outputs: each the value of its own expression over the same leaves
-        for view, oe, st in zip(kernel.outs, out_exprs, outs_st):
-            v = _ast_value(oe, leaves, body, done)
-            if v.ty != view.dtype.name:
-                v = Convert(view.dtype.name, v)
-            stored.append(Store(b.index(view.buf, view.dtype, write=True), at(view.offset, st), v))
-    except _NotOnAst:
-        return None
-    return body + stored
+        bi = b.index(v.buf, v.dtype)
+        if spec.get("flat_leaf"):       # read in the leaf's own logical order
+            stmts += coords(I, v.shape, prefix=f"l{k}_")
+            idx = offset_expr(v.offset, v.strides, prefix=f"l{k}_")
+        else:
+            st = read_strides[k]
+            idx = offset_expr(v.offset, st)
+        stmts.append(Let(f"v{k}", Load(bi, idx, v.dtype.wgsl)))
+        leaf_vars.append((Name(f"v{k}", v.dtype.wgsl), v.dtype))
+        if k in rotated:    # rotate_half's operand: the last coordinate moved by half
+            d, n2 = len(out.shape) - 1, out.shape[-1]
+            cs = [Group(Bin("%", Group(Bin("+", _c(i), u32(n2 // 2))), u32(n2))) if i == d else _c(i)
+                  for i in range(len(st))]
+            terms = ([u32(v.offset)] if v.offset else []) + [c if s == 1 else Bin("*", c, u32(s))
+                                                             for c, s in zip(cs, st) if s]
+            stmts.append(Let(f"r{k}", Load(bi, add(*terms) if terms else u32(0), v.dtype.wgsl)))
+    w = ExprWriter(lambda e: (Name(f"r{e[1]}", kernel.reads[e[1]].dtype.wgsl), kernel.reads[e[1]].dtype)
+                   if e[0] == "rleaf" else leaf_vars[e[1]], last_coord=_c(len(out.shape) - 1), ast=True)
+    val, dt = w.emit(spec["expr"])
+    if dt is not out.dtype:
+        val = Convert(out.dtype.wgsl, val)
+    stored = store_stmts(b, ob, offset_expr(out.offset, out_strides), val, out.dtype, stores,
+                         store_strides=store_strides)
+    # further outputs (``fuse.fuse_producer_outputs``): each the value of its own expression
+    # over the same leaves, stored at the same coordinates
+    for (view, e), st in zip(outs, outs_strides):
+        v, dt = w.emit(e)
+        if dt is not view.dtype:
+            v = Convert(view.dtype.wgsl, v)
+        stored.append(Store(b.index(view.buf, view.dtype, write=True), offset_expr(view.offset, st), v))
+    return w.helper_functions(b), stmts + w.stmts + stored
+
+
+def _c(d):
+    return Name(f"c{d}", "u32")
+
+
+def kernel_tree(kernel):
+    """(``ComputeKernel``, bound logical buffers) of one pointwise kernel."""
+    b = Bindings()
+    helpers, stmts = body(kernel, b)
+    head = [Let("i", add(Bin("*", Group(GROUP), u32(WG)), LID)), ReturnIf(Bin(">=", I, u32(kernel.out.size)))]
+    return ComputeKernel(buffers(b), WG, tuple(head + stmts), module=(*helpers, Blank())), b.bufs
+
+
+def multi_tree(kernel):
+    """(``ComputeKernel``, bound logical buffers, workgroups) of a merged launch of pointwise
+    kernels and reductions, each part a function owning a range of workgroups."""
+    from .reduce import part_tree, SCRATCH_AST
+    b = Bindings()
+    fns, helpers, branches, g0, scratch = [], [], [], 0, None
+    for j, part in enumerate(kernel.spec["parts"]):
+        if part.archetype == "reduce":
+            items, fn, n_groups = part_tree(part, b, str(j))
+            helpers += [*items, Blank()]
+            fns += [fn, Blank()]
+            scratch = SCRATCH_AST
+            call = (Bin("-", G, u32(g0)), LID)
+            name = f"red{j}"
+        else:
+            hs, stmts = body(part, b)
+            helpers += hs
+            n = part.out.size
+            n_groups = -(-n // WG)
+            fns.append(Function(f"part{j}", (I,), (ReturnIf(Bin(">=", I, u32(n))), *stmts)))
+            call = (add(Bin("*", Group(Bin("-", G, u32(g0))), u32(WG)), LID),)
+            name = f"part{j}"
+        g1 = g0 + n_groups
+        branches.append(CallIf(Bin("<", G, u32(g1)), name, call))
+        g0 = g1
+    module = helpers + list(scratch or [Blank()]) + fns + [Blank()]
+    return ComputeKernel(buffers(b), WG, (Let("g", GROUP), *branches), module=tuple(module),
+                         enable_f16=b.enable_f16), b.bufs, g0
+
+
+def shared_tree(kernel, max_elements):
+    """``multi_tree`` with one body per form (``pointwise._render_shared`` says when and
+    why): (``ComputeKernel``, the buffers bound, one per descriptor, workgroups), or None
+    where no two parts are alike."""
+    from .reduce import part_tree, SCRATCH_AST
+    b = Bindings()
+    parts = kernel.spec["parts"]
+    forms, bodies = {}, {}
+    p = WgslPrinter()
+    for j, part in enumerate(parts):
+        if part.archetype != "reduce":
+            pb = Bindings()
+            hs, stmts = body(part, pb)
+            text = (tuple(p.function(h) for h in hs), tuple(ln for s in stmts for ln in p.lines(s)))
+            key = form_key(pb, text) + ((j,) if part.out.size > max_elements else ())
+            members = forms.setdefault(key, [])
+            bodies[j] = key, len(members), (hs, stmts)       # the form, the part's position in it
+            members.append(pb)
+    if all(len(members) == 1 for members in forms.values()):
+        return None         # nothing alike: the launch keeps ``multi_tree``
+    fns, helpers, ranges, ids, scratch, g0 = [], [], [], {}, None, 0
+    P, N, AT = Name("p", "u32"), Name("n", "u32"), Name("at", "vec4<u32>")
+    for j, part in enumerate(parts):
+        if part.archetype == "reduce":
+            items, fn, n_groups = part_tree(part, b, str(j))
+            helpers += [*items, Blank()]
+            fns += [fn, Blank()]
+            scratch = SCRATCH_AST
+            ids[j] = len(ids)
+            call = (f"red{j}", (Bin("-", G, Field(AT, "z")), LID))
+            ranges.append((g0 + n_groups, ids[j], 0, g0, 0, call))
+        else:
+            key, slot, (hs, stmts) = bodies[j]
+            members = forms[key]
+            if key not in ids:          # the form's body, bound at its first part
+                ids[key] = len(ids)
+                # each helper once in the module: the reductions' modules skip those emitted
+                new = [h for h in hs if h.name not in b.helpers_done]
+                b.helpers_done.update(h.name for h in new)
+                helpers += new
+                b.enable_f16 |= key[3]
+                roles = _bind_roles(b, members, P)
+                fns.append(Function(f"form{ids[key]}", (P, I, N),
+                                    (ReturnIf(Bin(">=", I, N)), *(_rebind(s, roles) for s in stmts))))
+            n_groups = -(-part.out.size // WG)
+            call = (f"form{ids[key]}", (Field(AT, "y"), add(Bin("*", Group(Bin("-", G, Field(AT, "z"))), u32(WG)), LID),
+                                        Field(AT, "w")))
+            ranges.append((g0 + n_groups, ids[key], slot, g0, part.out.size, call))
+        g0 += n_groups
+    where = [If(Bin("<", G, u32(end)), (Return(Construct("vec4<u32>", (u32(i), u32(slot), u32(start), u32(n)))),),
+                inline=True) for end, i, slot, start, n, _ in ranges]
+    locate = Function("locate", (G,), (*where, Return(Construct("vec4<u32>", (u32(NOWHERE), u32(0), u32(0), u32(0))))),
+                      "vec4<u32>")
+    calls = {i: call for _, i, _, _, _, call in ranges}
+    branches = [CallIf(Bin("==", Field(AT, "x"), u32(i)), *call) for i, call in sorted(calls.items())]
+    head = (Let("g", GROUP), Let("at", Call("locate", (G,), "vec4<u32>")))
+    module = helpers + list(scratch or [Blank()]) + fns + [locate, Blank()]
+    return ComputeKernel(buffers(b), WG, head + tuple(branches), module=tuple(module),
+                         enable_f16=b.enable_f16), b.flat(), g0
+
+
+def _bind_roles(b: Bindings, members, index):
+    """``common.bind_roles`` for trees: binding -> (binding on ``b``, member index or None)."""
+    first, roles = members[0], {}
+    for r, ty in enumerate(first.types):
+        bufs = [m.bufs[r] for m in members]
+        written = id(first.bufs[r]) in first.written
+        if all(x is bufs[0] for x in bufs):
+            roles[r] = (b.slot(bufs[0], ty, written), None)
+        else:
+            roles[r] = (b.array(bufs, ty, written), index)
+    return roles
+
+
+def _rebind(node, roles):
+    """``node`` with its buffer uses bound as ``roles`` says."""
+    if isinstance(node, (Load, Store)):
+        to, member = roles[node.binding]
+        fields = {f.name: _rebind(getattr(node, f.name), roles) for f in dataclasses.fields(node)}
+        return dataclasses.replace(node, **{**fields, "binding": to, "member": member})
+    if dataclasses.is_dataclass(node) and not isinstance(node, type):
+        return dataclasses.replace(node, **{f.name: _rebind(getattr(node, f.name), roles)
+                                            for f in dataclasses.fields(node)})
+    if isinstance(node, tuple):
+        return tuple(_rebind(x, roles) for x in node)
+    return node
+
+
+def ast_kernel(kernel):
+    """``kernel_tree`` of a pointwise kernel, else None."""
+    return kernel_tree(kernel) if kernel.archetype == "pointwise" else None
+
+
+def ast_multi(kernel):
+    """``multi_tree`` of a merged launch."""
+    return multi_tree(kernel)
+
+
+def _rleaves(e) -> set:
+    """Leaves read through rotate_half's index function."""
+    if e[0] == "rleaf":
+        return {e[1]}
+    if e[0] == "op":
+        return set().union(*(_rleaves(k) for k in e[2]))
+    return set()
+
+
+def _uses_coords(e) -> bool:
+    """The expression reads an output coordinate (rotate_half's sign: the last one)."""
+    if e[0] != "op":
+        return False
+    return e[1].op == "rotate_half" or any(_uses_coords(k) for k in e[2])

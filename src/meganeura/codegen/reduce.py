@@ -10,11 +10,12 @@ import numpy as np
 
 from ..graph import f32
 from ..schedule import Kernel, View
-from .common import ENTRY, GROUP_INDEX, WG, Bindings, coords, grid, literal
+from .common import WG, Bindings, grid
 from .expr import ExprWriter, OutputStore, read_leaves
-
-INIT = {"sum": "0.0", "mean": "0.0", "max": "bitcast<f32>(0xff800000u)"}
-COMBINE = {"sum": "{a} + {b}", "mean": "{a} + {b}", "max": "max({a}, {b})"}
+from .expr_ast import call, coords
+from .kernel_ast import (LID, Assign, Barrier, Bin, Blank, Call, ComputeKernel, Convert, ExprStmt, For, Function, If,
+                         Index, Let, Line, Lit, Load, Name, Return, ReturnIf, Shared, Var, add, printed, u32)
+from .pointwise_ast import GROUP, buffers
 
 
 CHUNK = 4096     # elements one workgroup reduces in the first stage of a long reduction
@@ -62,16 +63,17 @@ def lower_reduce(t, ins, out, materialize, temp):
 
 def _prologue_load(pro, leaves, b, dt, name="load_in"):
     """``fn load_in(i)``: the reduction's input element at buffer index ``i`` of the fused
-    pointwise kernel's output, evaluated from that kernel's operands instead of memory."""
+    pointwise kernel's output, evaluated from that kernel's operands instead of memory:
+    (the helper functions it calls and it, on the kernel AST; a builder of its call)."""
     pout = pro["out"]
-    reads, vals = read_leaves(leaves, pout.shape, b, "p")
-    lines = [f"    let f = i - {pout.offset}u;"] + coords("f", pout.shape, "p") + reads
-    w = ExprWriter(lambda e: vals[e[1]])
+    reads, vals = read_leaves(leaves, pout.shape, b, "p", ast=True)
+    stmts = [Let("f", Bin("-", I, u32(pout.offset)))] + coords(Name("f", "u32"), pout.shape, "p") + reads
+    w = ExprWriter(lambda e: vals[e[1]], ast=True)
     val, vdt = w.emit(pro["expr"])
     if vdt is not dt:
-        val = f"{dt.wgsl}({val})"
-    fn = f"fn {name}(i: u32) -> {dt.wgsl} {{\n" + "\n".join(lines + w.lines) + f"\n    return {val};\n}}\n"
-    return "\n".join(w.helpers(b) + [fn]), (lambda idx: f"{name}({idx})")
+        val = Convert(dt.wgsl, val)
+    fn = Function(name, (I,), tuple(stmts + w.stmts + [Return(val)]), dt.wgsl)
+    return w.helper_functions(b) + [fn], (lambda idx: Call(name, (idx,), dt.wgsl))
 
 
 def mergeable(kernel) -> bool:
@@ -111,22 +113,29 @@ def groups(kernel) -> int:
 
 def render(kernel):
     b = Bindings()
-    module, fn, groups = part(kernel, b, "")
+    module, fn, groups = part_tree(kernel, b, "")
     v = kernel.spec["prologue"]["view"] if "prologue" in kernel.spec else kernel.reads[0]
-    scratch = SCRATCH if v.dtype.is_float else SCRATCH.replace("f32", v.dtype.wgsl)
-    src = b.decls() + "\n" + module + scratch + "\n" + fn + "\n" + ENTRY.format(wg=WG) + \
-        f"    red({GROUP_INDEX}, lid);\n}}\n"
-    return src, b.bufs, grid(groups)
+    scratch = SCRATCH_AST[0] if v.dtype.is_float else Shared("part", v.dtype.wgsl, WG)
+    tree = ComputeKernel(buffers(b), WG, (ExprStmt(Call("red", (GROUP, LID), "")),),
+                         module=(*module, scratch, Blank(), fn, Blank()), enable_f16=b.enable_f16)
+    return printed(tree), b.bufs, grid(groups)
 
 
-SCRATCH = f"var<workgroup> part: array<f32, {WG}>;\n"     # float data accumulates in f32
+# the workgroup scratch of every reduction (float data accumulates in f32), and the empty line after it
+SCRATCH_AST = (Shared("part", "f32", WG), Blank())
+I, O, G, J = Name("i", "u32"), Name("o", "u32"), Name("g", "u32"), Name("j", "u32")
+LANE, BASE = Name("lane", "u32"), Name("base", "u32")
 
 
-def part(kernel, b, suffix):
-    """(module-level WGSL, ``fn red{suffix}(g: u32, lid: u32)`` reducing for workgroup
-    ``g`` of this kernel's range, its workgroup count). Module names carry ``suffix`` so
-    that several reductions can share one launch (``pointwise.render_multi``); they all
-    use the module's workgroup scratch ``SCRATCH``."""
+def _k(prefix, i):
+    return Name(f"{prefix}{i}", "u32")
+
+
+def part_tree(kernel, b, suffix):
+    """(module items: the store's and the input's functions, ``fn red{suffix}(g: u32, lid:
+    u32)`` reducing for workgroup ``g`` of this kernel's range, its workgroup count), on the
+    kernel AST. Module names carry ``suffix`` so that several reductions can share one launch
+    (``pointwise.render_multi``); they all use the module's workgroup scratch ``part``."""
     spec = kernel.spec
     pro = spec.get("prologue")
     v = pro["view"] if pro else kernel.reads[0]
@@ -135,91 +144,85 @@ def part(kernel, b, suffix):
     kshape, rshape = [v.shape[d] for d in kept], [v.shape[d] for d in dims]
     n_out, r = int(np.prod(kshape, dtype=np.int64)), int(np.prod(rshape, dtype=np.int64))
     dt = f32 if v.dtype.is_float else v.dtype      # f16 data accumulates in f32
+    ty = dt.wgsl
     if not dt.is_float:
-        INIT_T = {"sum": literal(0, dt), "mean": literal(0, dt), "max": literal(-2**31 if dt.name == "i32" else 0, dt)}
+        init = Lit(-2**31 if dt.name == "i32" else 0, dt) if kind == "max" else Lit(0, dt)
     else:
-        INIT_T = INIT
+        init = Lit(float("-inf"), dt) if kind == "max" else Lit(0.0, dt, "0.0")
     store = OutputStore(kernel, b, dt, name=f"store_out{suffix}")
     st = f"store_out{suffix}"
     if pro:
-        load_fn, load_at = _prologue_load(pro, kernel.reads, b, dt, name=f"load_in{suffix}")
+        load_items, load_at = _prologue_load(pro, kernel.reads, b, dt, name=f"load_in{suffix}")
     else:
         ib = b.index(v.buf, v.dtype)
-        load_fn = ""
-        load_at = (lambda idx: f"b{ib}[{idx}]") if v.dtype is dt else (lambda idx: f"{dt.wgsl}(b{ib}[{idx}])")  # noqa: E731
-    base = " + ".join([str(v.offset) + "u"] + [f"k{i} * {v.strides[d]}u" for i, d in enumerate(kept)])
-    step = " + ".join(["0u"] + [f"r{i} * {v.strides[d]}u" for i, d in enumerate(dims)])
-    comb = COMBINE[kind]
-    if kind == "max" and dt.is_float:      # a NaN anywhere in the row gives NaN, as torch
-        comb = f"fmax_{dt.name}({{a}}, {{b}})"
+        load_items = []
+        load_at = (lambda idx: Load(ib, idx, ty)) if v.dtype is dt else \
+            (lambda idx: Convert(ty, Load(ib, idx, v.dtype.wgsl)))   # noqa: E731
+    acc, acc2, part = Name("acc", ty), Name("acc2", ty), Name("part", f"array<{ty}, {WG}>")
+    base = add(u32(v.offset), *[Bin("*", _k("k", i), u32(v.strides[d])) for i, d in enumerate(kept)])
+    step = [u32(0), *[Bin("*", _k("r", i), u32(v.strides[d])) for i, d in enumerate(dims)]]
+
+    def comb(a, c):
+        if kind == "max" and dt.is_float:      # a NaN anywhere in the row gives NaN, as torch
+            return Call(f"fmax_{dt.name}", (a, c), ty)
+        return call("max", (a, c)) if kind == "max" else Bin("+", a, c)
+    if kind == "max" and dt.is_float:
         store.require(f"fmax_{dt.name}")
     count = spec.get("count", r)
-    # the mean of no elements is NaN (0 / 0), as torch's
-    fin = "acc" if kind != "mean" else f"acc * {literal(1.0 / count, dt)}" if count else literal(float("nan"), dt)
-    rows = coords("o", kshape, prefix="k")
-    inner = coords("j", rshape, prefix="r")
-    load = load_at(f"base + {step}")
-    body_read = "\n".join("    " + ln for ln in inner) + f"\n        acc = {comb.format(a='acc', b=load)};"
-    module = store.module_text() + "\n" + load_fn
-    head = f"fn red{suffix}(g: u32, lid: u32) {{\n"
+
+    def fin(x):     # the mean of no elements is NaN (0 / 0), as torch's
+        if kind != "mean":
+            return x
+        return Bin("*", x, Lit(1.0 / count, dt)) if count else Lit(float("nan"), dt)
+    rows = coords(O, kshape, prefix="k") or [Blank()]
+    read = [*coords(J, rshape, prefix="r"), Assign("acc", comb(acc, load_at(add(BASE, *step))))]
+    module = store.module_items() + load_items
+    head = (Name("g", "u32"), LID)
+
+    def tree_steps(var, half, active):
+        s_ = Name(var, "u32")
+        return [Assign(Index(part, LID, ty), acc), Barrier(),
+                For(Var(var, u32(half)), Bin(">", s_, u32(0)), Assign(var, Bin(">>", s_, u32(1))), (
+                    If(Bin("<", active, s_), (Assign(Index(part, LID, ty), comb(Index(part, LID, ty),
+                                                                                 Index(part, add(LID, s_), ty))),),
+                       inline=True),
+                    Barrier()))]
     if spec.get("chunks"):
-        return module, head + _chunked_body(kernel, load_at, v, kept, kshape, dims, rshape, r,
-                                                      INIT_T[kind], comb, st), groups(kernel)
+        S = spec["chunks"]
+        C = -(-r // S)
+        s_, jend = Name("s", "u32"), Name("jend", "u32")
+        body = [ReturnIf(Bin(">=", G, u32(n_out * S))),
+                Line((Let("o", Bin("/", G, u32(S))), Let("s", Bin("%", G, u32(S))))),
+                *rows, Let("base", base), Var("acc", init),
+                Let("jend", call("min", (add(Bin("*", s_, u32(C)), u32(C)), u32(r)))),
+                For(Var("j", add(Bin("*", s_, u32(C)), LID)), Bin("<", J, jend), Assign("j", Bin("+", J, u32(WG))), read),
+                *tree_steps("t", WG // 2, LID),
+                If(Bin("==", LID, u32(0)), (ExprStmt(Call(st, (G, Index(part, Lit(0, "u32", "0"), ty)), "")),),
+                   inline=True)]
+        return module, Function(f"red{suffix}", head, tuple(body)), groups(kernel)
     form = _form(n_out, r)
     if form == "lanes":
         per = WG // LANES
-        fn = head + f"    let o = g * {per}u + lid / {LANES}u; let lane = lid % {LANES}u;\n" + \
-            f"    var acc = {INIT_T[kind]};\n    if (o < {n_out}u) {{\n" + \
-            "\n".join("    " + ln for ln in rows) + f"\n        let base = {base};\n" + \
-            f"        for (var j = lane; j < {r}u; j = j + {LANES}u) {{\n" + \
-            "\n".join("    " + ln for ln in body_read.split("\n")) + "\n        }\n    }\n" + \
-            "    part[lid] = acc;\n    workgroupBarrier();\n" + \
-            f"    for (var s = {LANES // 2}u; s > 0u; s = s >> 1u) {{\n" + \
-            f"        if (lane < s) {{ part[lid] = {comb.format(a='part[lid]', b='part[lid + s]')}; }}\n" + \
-            "        workgroupBarrier();\n    }\n" + \
-            f"    if (lane == 0u && o < {n_out}u) {{ let acc2 = part[lid]; {st}(o, {fin.replace('acc', 'acc2')}); }}\n}}\n"
-        return module, fn, groups(kernel)
+        body = [Line((Let("o", add(Bin("*", G, u32(per)), Bin("/", LID, u32(LANES)))),
+                      Let("lane", Bin("%", LID, u32(LANES))))),
+                Var("acc", init),
+                If(Bin("<", O, u32(n_out)), (
+                    *rows, Let("base", base),
+                    For(Var("j", LANE), Bin("<", J, u32(r)), Assign("j", Bin("+", J, u32(LANES))), read))),
+                *tree_steps("s", LANES // 2, LANE),
+                If(Bin("&&", Bin("==", LANE, u32(0)), Bin("<", O, u32(n_out))),
+                   (Let("acc2", Index(part, LID, ty)), ExprStmt(Call(st, (O, fin(acc2)), ""))), inline=True)]
+        return module, Function(f"red{suffix}", head, tuple(body)), groups(kernel)
     if form == "threads":
-        fn = head + f"    let o = g * {WG}u + lid;\n    if (o >= {n_out}u) {{ return; }}\n" + \
-            "\n".join(rows) + f"\n    let base = {base};\n    var acc = {INIT_T[kind]};\n" + \
-            f"    for (var j = 0u; j < {r}u; j = j + 1u) {{\n{body_read}\n    }}\n" + \
-            f"    {st}(o, {fin});\n}}\n"
-        return module, fn, groups(kernel)
-    fn = head + f"    let o = g;\n    if (o >= {n_out}u) {{ return; }}\n" + \
-        "\n".join(rows) + f"\n    let base = {base};\n    var acc = {INIT_T[kind]};\n" + \
-        f"    for (var j = lid; j < {r}u; j = j + {WG}u) {{\n{body_read}\n    }}\n" + \
-        "    part[lid] = acc;\n    workgroupBarrier();\n" + \
-        f"    for (var s = {WG // 2}u; s > 0u; s = s >> 1u) {{\n" + \
-        f"        if (lid < s) {{ part[lid] = {comb.format(a='part[lid]', b='part[lid + s]')}; }}\n" + \
-        "        workgroupBarrier();\n    }\n" + \
-        f"    if (lid == 0u) {{ let acc2 = part[0]; {st}(o, {fin.replace('acc', 'acc2')}); }}\n}}\n"
-    return module, fn, groups(kernel)
-
-
-def _chunked_body(kernel, load_at, v, kept, kshape, dims, rshape, r, init, comb, st):
-    """First stage of a long reduction: workgroup g reduces chunk g % S of output g / S."""
-    S = kernel.spec["chunks"]
-    C = -(-r // S)
-    n_out = int(np.prod(kshape, dtype=np.int64))
-    base = " + ".join([str(v.offset) + "u"] + [f"k{i} * {v.strides[d]}u" for i, d in enumerate(kept)])
-    step = " + ".join(["0u"] + [f"r{i} * {v.strides[d]}u" for i, d in enumerate(dims)])
-    inner = "\n".join("    " + ln for ln in coords("j", rshape, prefix="r"))
-    return f"""    if (g >= {n_out * S}u) {{ return; }}
-    let o = g / {S}u; let s = g % {S}u;
-{chr(10).join(coords("o", kshape, prefix="k"))}
-    let base = {base};
-    var acc = {init};
-    let jend = min(s * {C}u + {C}u, {r}u);
-    for (var j = s * {C}u + lid; j < jend; j = j + {WG}u) {{
-{inner}
-        acc = {comb.format(a="acc", b=load_at(f"base + {step}"))};
-    }}
-    part[lid] = acc;
-    workgroupBarrier();
-    for (var t = {WG // 2}u; t > 0u; t = t >> 1u) {{
-        if (lid < t) {{ part[lid] = {comb.format(a="part[lid]", b="part[lid + t]")}; }}
-        workgroupBarrier();
-    }}
-    if (lid == 0u) {{ {st}(g, part[0]); }}
-}}
-"""
+        body = [Let("o", add(Bin("*", G, u32(WG)), LID)), ReturnIf(Bin(">=", O, u32(n_out))),
+                *rows, Let("base", base), Var("acc", init),
+                For(Var("j", u32(0)), Bin("<", J, u32(r)), Assign("j", Bin("+", J, u32(1))), read),
+                ExprStmt(Call(st, (O, fin(acc)), ""))]
+        return module, Function(f"red{suffix}", head, tuple(body)), groups(kernel)
+    body = [Let("o", G), ReturnIf(Bin(">=", O, u32(n_out))),
+            *rows, Let("base", base), Var("acc", init),
+            For(Var("j", LID), Bin("<", J, u32(r)), Assign("j", Bin("+", J, u32(WG))), read),
+            *tree_steps("s", WG // 2, LID),
+            If(Bin("==", LID, u32(0)), (Let("acc2", Index(part, Lit(0, "u32", "0"), ty)),
+                                        ExprStmt(Call(st, (O, fin(acc2)), ""))), inline=True)]
+    return module, Function(f"red{suffix}", head, tuple(body)), groups(kernel)

@@ -117,7 +117,10 @@ def render_norm(kernel):
     module = ""
     if pro:
         from .reduce import _prologue_load
-        module, load_at = _prologue_load(pro, kernel.reads[pro["first"]:pro["first"] + pro["n"]], b, f32)
+        from .kernel_ast import Name, WgslPrinter
+        items, load_node = _prologue_load(pro, kernel.reads[pro["first"]:pro["first"] + pro["n"]], b, f32)
+        module = "\n".join(WgslPrinter().item(it) for it in items) + "\n"
+        load_at = lambda idx: WgslPrinter().expr(load_node(Name(idx, "u32")))  # noqa: E731
         # the first pass evaluates (and stores, for other readers) each element and keeps
         # it for the second
         keep = f"    b{b.index(x.buf, x.dtype, write=True)}[i] = v;\n" if any(st == "x" for _, st in outs) else ""
