@@ -174,7 +174,7 @@ def test_gather_in_a_matmuls_loads_as_a_function_tree():
             kp = compile_plan([out], options=CompileOptions(max_bindings=32))
             for d in kp.dispatches:
                 for op, gs in d.kernel.spec.get("gathers", {}).items():
-                    if "tree" not in gs:
+                    if "form" not in gs:
                         continue
                     gs = {**gs, "dtype": dt} if dt else gs
                     reads = d.kernel.reads[gs["first"]:gs["first"] + gs["n"]]

@@ -11,14 +11,13 @@ from .expr import OutputStore
 from .common import ENTRY, GROUP_INDEX, WG, Bindings, coords, grid, literal
 
 
-def _kernel(name, body, checks=None, geometry=None, tree=None):
+def _kernel(name, body, checks=None, geometry=None):
     """``body``: the WGSL lines of the value (the template's, which ``as_function`` inlines
-    into a consumer's loads); ``tree``: the same statements on the kernel AST (``gather_ast``)."""
+    into a consumer's loads); ``spec["form"]``: what builds the same statements on the kernel
+    AST when the kernel is rendered (``gather_ast.body_tree``: the builder's name and the node)."""
     def lower(t, ins, out, materialize, temp):
         dense = [materialize(v, x) for v, x in zip(ins, t.inputs)]
-        spec = {"body": body(t), "inputs": [x.dtype for x in t.inputs]}
-        if tree is not None:
-            spec["tree"] = tree(t)
+        spec = {"body": body(t), "inputs": [x.dtype for x in t.inputs], "form": (name, t)}
         if checks:
             spec["checks"] = checks(t)
         if geometry:
@@ -146,16 +145,15 @@ def _lower_embedding_grad(t, ins, out, materialize, temp):
             f"    for (var q = q0; q < {p}u; q = q + 1u) {{\n"
             f"        if ({idv('q')} == v) {{ val = val + x1[xo1 + q * {d}u + j]; }}\n    }}\n"
             f"    let oi = u32(v) * {d}u + j;")
-    scatter = Kernel("embedding_grad", "gather", {"body": body, "tree": gather_ast.embedding_grad(t), "threads": p * d,
-                                                  "index": "oi"}, out, [ids, ct])
+    scatter = Kernel("embedding_grad", "gather", {"body": body, "form": ("embedding_grad", t),
+                                                  "threads": p * d, "index": "oi"}, out, [ids, ct])
     return [fill(out, 0, "embedding_grad.zero"), scatter]
 
 
-LOWER = {"one_hot": _kernel("one_hot", _one_hot, _one_hot_checks, tree=gather_ast.one_hot),
-         "embedding": _kernel("embedding", _embedding, _embedding_checks, tree=gather_ast.embedding),
-         "embedding_grad": _lower_embedding_grad,
-         "im2col": _kernel("im2col", _im2col, geometry=_im2col_geometry, tree=lambda t: gather_ast.im2col(t, _out_len)),
-         "col2im": _kernel("col2im", _col2im, tree=lambda t: gather_ast.col2im(t, _out_len))}
+LOWER = {"one_hot": _kernel("one_hot", _one_hot, _one_hot_checks),
+         "embedding": _kernel("embedding", _embedding, _embedding_checks),
+         "embedding_grad": _lower_embedding_grad, "im2col": _kernel("im2col", _im2col, geometry=_im2col_geometry),
+         "col2im": _kernel("col2im", _col2im)}
 
 
 def inlinable(kernel) -> bool:

@@ -68,7 +68,8 @@ def embedding(t):
     return b.stmts
 
 
-def im2col(t, out_len):
+def im2col(t):
+    from .gather import _out_len as out_len
     a = t.attrs
     n, c, h, w = t.inputs[0].shape
     kh, kw = a["kernel"]
@@ -93,7 +94,8 @@ def im2col(t, out_len):
     return b.stmts
 
 
-def col2im(t, out_len):
+def col2im(t):
+    from .gather import _out_len as out_len
     a = t.attrs
     n, c, h, w = t.shape
     ck, L = t.inputs[0].shape[1:]
@@ -143,11 +145,22 @@ def embedding_grad(t):
     return b.stmts
 
 
+FORMS = {"one_hot": one_hot, "embedding": embedding, "im2col": im2col, "col2im": col2im,
+         "embedding_grad": embedding_grad}
+
+
+def body_tree(spec):
+    """The statements of a gather's value (``spec["form"]``: the builder's name and the
+    node it lowers), built when the kernel is rendered."""
+    kind, t = spec["form"]
+    return FORMS[kind](t)
+
+
 def kernel_tree(kernel, errors=None):
     """(``ComputeKernel``, bound buffers, workgroups) of a gather kernel whose body is a tree
-    (``spec["tree"]``), as ``gather._render_template`` writes it (``errors``: checked mode's
+    (``spec["form"]``), as ``gather._render_template`` writes it (``errors``: checked mode's
     error buffer, as there); None where its output store is not on the AST yet."""
-    if "tree" not in kernel.spec or (errors is None and not EMPTY_ONE_LINE):
+    if "form" not in kernel.spec or (errors is None and not EMPTY_ONE_LINE):
         return None
     n = kernel.spec.get("threads", kernel.out.size)
     b = Bindings()
@@ -170,7 +183,7 @@ def kernel_tree(kernel, errors=None):
     for k, v in enumerate(kernel.reads):
         bound[k] = b.index(v.buf, v.dtype)
         body.let(f"xo{k}", lit(v.offset), comment=f"  // x{k} is b{bound[k]}")
-    body.add(*substitute(kernel.spec["tree"], lambda e: K.Load(bound[e.k], e.index, e.ty)
+    body.add(*substitute(body_tree(kernel.spec), lambda e: K.Load(bound[e.k], e.index, e.ty)
                          if isinstance(e, Input) else None))
     body.call("store_out", name(kernel.spec.get("index", "i"), "u32"), name("val", kernel.dtype.wgsl))
     return (K.ComputeKernel(buffers(b), WG, body.stmts, module=(*fns, K.Blank())), b.bufs, grid(-(-n // WG)))
@@ -179,7 +192,7 @@ def kernel_tree(kernel, errors=None):
 def function_tree(gather_spec, reads, bind, name):
     """``gather.as_function`` as a ``kernel_ast.Function`` (``fn name(i0: u32) -> f32``: the
     value a gather would have stored at flat index ``i`` of its output, for a consumer that
-    computes it in its loads), from the gather's tree (``gather_spec["tree"]``); its reads
+    computes it in its loads), from the gather's tree (``body_tree``); its reads
     bound on ``bind`` as ``as_function`` binds them."""
     from ..graph import dtype_of
     i0 = K.Name("i0", "u32")
@@ -189,9 +202,10 @@ def function_tree(gather_spec, reads, bind, name):
         bound[k] = bind.index(v.buf, v.dtype)
         bind.scalar.add(bound[k])
         body.append(K.Let(f"xo{k}", K.u32(v.offset)))
-    body += substitute(gather_spec["tree"], lambda e: K.Load(bound[e.k], e.index, e.ty) if isinstance(e, Input) else None)
+    tree = body_tree(gather_spec)
+    body += substitute(tree, lambda e: K.Load(bound[e.k], e.index, e.ty) if isinstance(e, Input) else None)
     dt = gather_spec.get("dtype", "f32")
-    val = _value_of(gather_spec["tree"])
+    val = _value_of(tree)
     if dt != "f32":
         val = K.Convert(dtype_of(dt).wgsl, val)
         bind.enable_f16 |= dt == "f16"

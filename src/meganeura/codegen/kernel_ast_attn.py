@@ -14,10 +14,12 @@ vector indexed by a Python int reads WGSL's abstract literal (``s[0]``; GLSL ``s
 from __future__ import annotations
 
 import contextlib
+import functools
 import re
 from dataclasses import dataclass
 
 from . import kernel_ast as K
+from .common import literal
 
 _ELEM = re.compile(r"^(?:array<(.+), \d+>|vec\d<(\w+)>)$")
 
@@ -35,14 +37,19 @@ def node(x):
     return x.n if isinstance(x, E) else x
 
 
-def _dtype(ty):
+@functools.lru_cache(maxsize=8192, typed=True)
+def _lit_node(value, ty, text):
+    """The ``Lit`` of ``value`` in WGSL type ``ty``, its spelling (``common.literal``'s unless
+    ``text``) kept in it: a kernel writes the same few literals thousands of times, and the
+    printers then read the spelling instead of making it again."""
     from ..graph import DTYPES
-    return DTYPES[ty]
+    dt = DTYPES[ty]
+    return K.Lit(value, dt, text or literal(value, dt))
 
 
 def lit(value, ty="u32", text=""):
     """A literal of WGSL type ``ty``, spelled as ``common.literal`` writes it (or ``text``)."""
-    return E(K.Lit(value, _dtype(ty), text))
+    return E(_lit_node(value, ty, text))
 
 
 def _coerce(x, like):
@@ -52,9 +59,9 @@ def _coerce(x, like):
         raise TypeError("a Python bool in a kernel expression")
     if isinstance(x, int):
         ty = K.scalar_of(like.ty)
-        return K.Lit(int(x), _dtype(ty if ty in ("u32", "i32") else "u32"))
+        return _lit_node(int(x), ty if ty in ("u32", "i32") else "u32", "")
     if isinstance(x, float):
-        return K.Lit(float(x), _dtype("f32"))
+        return _lit_node(float(x), "f32", "")
     return x
 
 
@@ -131,7 +138,7 @@ class E:
         return self._bin("!=", o)
 
     def __getitem__(self, i):
-        idx = K.Lit(int(i), "u32", str(int(i))) if isinstance(i, int) else node(i)
+        idx = _lit_node(int(i), "u32", str(int(i))) if isinstance(i, int) else node(i)
         return E(K.Index(self.n, idx, elem_type(self.n.ty)))
 
     def __getattr__(self, attr):
