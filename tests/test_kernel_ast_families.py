@@ -15,7 +15,7 @@ from meganeura.codegen.kernel_ast import print_glsl, tree_of
 from tests.kernel_ast_cases import CASES, plans
 
 # archetypes whose kernels are printed from the kernel AST
-ON_AST = {"pointwise", "multi", "reduce"}
+ON_AST = {"pointwise", "multi", "reduce", "rows", "norm", "rowfuse"}
 # sha256 of each case's plans' "archetype\nWGSL" texts as the templates printed them
 WGSL_DIGESTS = {"pointwise": "aabaebfac49c8b66", "pointwise_f16": "946e5ad579fe15bd", "reductions": "acce67fc90e3d88c",
                 "merged": "75866d85e6eaafe6", "rows": "f31e13c1b024010e", "norms": "4bcc181fa82d0011",

@@ -17,7 +17,7 @@ import math
 import re
 
 from .kernel_ast import (PRECEDENCE, Assign, Bin, Bitcast, Call, Construct, Convert, Function, Group, Let,
-                         Line, Lit, Name, Neg, Not, Return, Select, Var, add, is_vec, scalar_of, u32)
+                         Line, Lit, Name, Neg, Not, Return, Select, Var, add, is_vec, name, scalar_of, u32)
 from .kernel_ast_print import BUILTINS, WgslPrinter, abstract
 
 # the result types of the module functions a template or a helper may call
@@ -236,7 +236,7 @@ def coords(var, shape, prefix="c") -> list:
     ``{prefix}0..`` of ``shape``."""
     if not shape:
         return []
-    r = Name(f"{prefix}r", "u32")
+    r = name(f"{prefix}r")
     out = [Var(r.id, var)]
     for d in range(len(shape) - 1, 0, -1):
         out.append(Line((Let(f"{prefix}{d}", Bin("%", r, u32(shape[d]))), Assign(r.id, Bin("/", r, u32(shape[d]))))))
@@ -247,7 +247,7 @@ def offset_expr(offset, strides, prefix="c", dims=None):
     """``common.offset_expr`` as a node."""
     dims = range(len(strides)) if dims is None else dims
     terms = [u32(offset)] if offset else []
-    terms += [Name(f"{prefix}{d}", "u32") if strides[i] == 1 else Bin("*", Name(f"{prefix}{d}", "u32"), u32(strides[i]))
+    terms += [name(f"{prefix}{d}") if strides[i] == 1 else Bin("*", name(f"{prefix}{d}"), u32(strides[i]))
               for i, d in zip(range(len(strides)), dims) if strides[i] != 0]
     return add(*terms) if terms else u32(0)
 
@@ -356,10 +356,10 @@ def op_node(t, args, arg_dtypes, used, helper_deps):
         ex = "erf_f({0})"
     if t.op == "sign" and not t.dtype.is_float:
         ex = "sign({0})"
-    for name in HELPER_FUNCTIONS:
-        if name + "(" in ex:
-            used.add(name)
-            used.update(helper_deps.get(name, []))
+    for h in HELPER_FUNCTIONS:
+        if h + "(" in ex:
+            used.add(h)
+            used.update(helper_deps.get(h, []))
     if t.op == "relu":
         return nan_max_node(args[0], _lit(0, t.dtype), t.dtype, used)
     if t.op in ("maximum", "minimum"):

@@ -27,6 +27,7 @@ SPIR-V of a moved kernel is the same as before. The printers are in ``kernel_ast
 """
 from __future__ import annotations
 
+import functools
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -47,6 +48,15 @@ GLSL_IEEE = ["#extension GL_EXT_spirv_intrinsics : require",
              'spirv_execution_mode(extensions = ["SPV_KHR_float_controls"], capabilities = [4466], 4461, 32);']
 
 
+# nodes are dataclasses that are never changed once built (the printers keep a node's text on
+# it): hashed and compared by their fields, but not frozen, as building a frozen dataclass
+# costs three times as much and renderers build a few hundred nodes per kernel
+def node(cls):
+    cls._wgsl = None            # (the printers' memo of the node's WGSL text and abstract value)
+    cls._abstract = ()
+    return dataclass(unsafe_hash=True)(cls)
+
+
 def is_vec(ty: str) -> bool:
     return ty.startswith("vec")
 
@@ -63,13 +73,13 @@ def is_float(ty: str) -> bool:
 
 
 # ----------------------------------------------------------------------------- expressions
-@dataclass(frozen=True)
+@node
 class Name:
     id: str
     ty: str
 
 
-@dataclass(frozen=True)
+@node
 class Lit:
     """A literal of ``dtype`` (a graph dtype, or a WGSL type name such as ``bool``);
     ``text``: its WGSL spelling where the kernel writes it otherwise than ``common.literal``
@@ -83,7 +93,7 @@ class Lit:
         return getattr(self.dtype, "name", self.dtype)
 
 
-@dataclass(frozen=True)
+@node
 class Bin:
     op: str
     a: object
@@ -102,7 +112,7 @@ class Bin:
         return a if is_vec(a) else self.b.ty
 
 
-@dataclass(frozen=True)
+@node
 class Call:
     """A builtin (the same meaning in both languages, ``GLSL_NAMES`` where GLSL spells it
     otherwise) or a function of the module."""
@@ -111,7 +121,7 @@ class Call:
     ty: str
 
 
-@dataclass(frozen=True)
+@node
 class Neg:
     e: object
 
@@ -120,7 +130,7 @@ class Neg:
         return self.e.ty
 
 
-@dataclass(frozen=True)
+@node
 class Not:
     e: object
 
@@ -129,7 +139,7 @@ class Not:
         return self.e.ty
 
 
-@dataclass(frozen=True)
+@node
 class Group:
     e: object
 
@@ -138,7 +148,7 @@ class Group:
         return self.e.ty
 
 
-@dataclass(frozen=True)
+@node
 class Field:
     """A component (or swizzle) of a vector (``wid.x``)."""
     e: object
@@ -146,7 +156,7 @@ class Field:
     ty: str = "u32"
 
 
-@dataclass(frozen=True)
+@node
 class Index:
     """An element of a workgroup, private or local array (or of a vector)."""
     base: object
@@ -154,7 +164,7 @@ class Index:
     ty: str
 
 
-@dataclass(frozen=True)
+@node
 class Load:
     """``b{binding}[index]``; ``member``: the buffer of an array binding (``binding_array``)."""
     binding: int
@@ -163,13 +173,13 @@ class Load:
     member: object = None
 
 
-@dataclass(frozen=True)
+@node
 class Convert:
     ty: str
     e: object
 
 
-@dataclass(frozen=True)
+@node
 class Select:
     """WGSL ``select(f, t, cond)``."""
     f: object
@@ -181,13 +191,13 @@ class Select:
         return self.t.ty
 
 
-@dataclass(frozen=True)
+@node
 class Bitcast:
     ty: str
     e: object
 
 
-@dataclass(frozen=True)
+@node
 class Construct:
     """``vec4<f32>(...)``, ``array<f32, 4>(...)``."""
     ty: str
@@ -195,14 +205,14 @@ class Construct:
 
 
 # ------------------------------------------------------------------------------ statements
-@dataclass(frozen=True)
+@node
 class Let:
     name: str
     e: object
     ty: str | None = None       # written in the WGSL (``let x: f32 = ...``)
 
 
-@dataclass(frozen=True)
+@node
 class Var:
     """``var name = e;``, ``var name: ty;`` (zero, as WGSL's), ``var name: ty = e;``."""
     name: str
@@ -210,21 +220,21 @@ class Var:
     ty: str | None = None
 
 
-@dataclass(frozen=True)
+@node
 class Assign:
     """``name = e;`` (``name``: a variable's name, or an ``Index`` / ``Field`` / ``Load``)."""
     name: object
     e: object
 
 
-@dataclass(frozen=True)
+@node
 class AssignIndex:
     base: object
     index: object
     e: object
 
 
-@dataclass(frozen=True)
+@node
 class AssignOp:
     """``name op= e;`` (``op`` without the ``=``)."""
     name: object
@@ -232,7 +242,7 @@ class AssignOp:
     e: object
 
 
-@dataclass(frozen=True)
+@node
 class Store:
     binding: int
     index: object
@@ -240,12 +250,12 @@ class Store:
     member: object = None
 
 
-@dataclass(frozen=True)
+@node
 class ExprStmt:
     e: object
 
 
-@dataclass(frozen=True)
+@node
 class If:
     """``orelse``: statements, or an ``If`` (``else if``); ``inline``: the WGSL writes the
     whole statement on one line."""
@@ -255,7 +265,7 @@ class If:
     inline: bool = False
 
 
-@dataclass(frozen=True)
+@node
 class For:
     """``for (init; cond; update) { body }``: ``init`` a ``Var`` / ``Let`` / ``Assign`` or
     None, ``update`` an ``Assign`` / ``AssignOp`` or None."""
@@ -266,37 +276,39 @@ class For:
     inline: bool = False
 
 
-@dataclass(frozen=True)
+@node
 class Block:
+    """``{ body }``; ``flat``: the WGSL indents the body as the braces."""
     body: tuple
+    flat: bool = False
 
 
-@dataclass(frozen=True)
+@node
 class Break:
     pass
 
 
-@dataclass(frozen=True)
+@node
 class Continue:
     pass
 
 
-@dataclass(frozen=True)
+@node
 class Return:
     value: object = None
 
 
-@dataclass(frozen=True)
+@node
 class Barrier:
     kind: str = "workgroup"        # "workgroup" / "storage" / "subgroup"
 
 
-@dataclass(frozen=True)
+@node
 class ReturnIf:
     cond: object
 
 
-@dataclass(frozen=True)
+@node
 class CallIf:
     """``if (cond) { fn(args); return; }``: a merged launch handing its workgroup to a part."""
     cond: object
@@ -304,26 +316,26 @@ class CallIf:
     args: tuple
 
 
-@dataclass(frozen=True)
+@node
 class Line:
     """Statements the WGSL text writes on one line (GLSL: one a line)."""
     stmts: tuple
 
 
-@dataclass(frozen=True)
+@node
 class Blank:
     """An empty line of the WGSL text (a statement or a module item; GLSL: nothing)."""
 
 
 # ---------------------------------------------------------------------------- module level
-@dataclass(frozen=True)
+@node
 class Buffer:
     ty: str             # element type (None: a binding never used, declared as words)
     write: bool
     count: int | None = None     # an array of ``count`` buffers (``binding_array``)
 
 
-@dataclass(frozen=True)
+@node
 class Shared:
     """``var<workgroup> name: array<ty, count>;``"""
     name: str
@@ -331,14 +343,14 @@ class Shared:
     count: int
 
 
-@dataclass(frozen=True)
+@node
 class Private:
     """``var<private> name: ty;`` (a scalar or vector, set before it is read)."""
     name: str
     ty: str
 
 
-@dataclass(frozen=True)
+@node
 class Function:
     """A function of the module, ``params`` Names; ``ret``: its result type (None: none);
     ``inline``: the WGSL writes it on one line."""
@@ -353,7 +365,7 @@ WID, LID, NWG = Name("wid", "vec3<u32>"), Name("lid", "u32"), Name("nwg", "vec3<
 ENTRY_BUILTINS = (("workgroup_id", WID), ("local_invocation_index", LID), ("num_workgroups", NWG))
 
 
-@dataclass(frozen=True)
+@node
 class ComputeKernel:
     """One compute entry point over storage buffers ``b0..`` with the ``builtins`` (pairs of
     the WGSL builtin and its Name; by default ``wid``, ``lid``, ``nwg`` as ``common.ENTRY``)
@@ -389,8 +401,17 @@ def add(*terms):
     return e
 
 
+@functools.lru_cache(maxsize=8192)
 def u32(n: int, text: str = "") -> Lit:
+    """A u32 literal (one node per value: nodes are never changed, and kernels use the same
+    few constants many times)."""
     return Lit(int(n), "u32", text)
+
+
+@functools.lru_cache(maxsize=8192)
+def name(id: str, ty: str = "u32") -> Name:
+    """``Name(id, ty)``, one node per pair (as ``u32``)."""
+    return Name(id, ty)
 
 
 def f32(v: float, text: str = "") -> Lit:

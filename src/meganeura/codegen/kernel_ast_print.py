@@ -9,12 +9,18 @@ from __future__ import annotations
 
 import re
 
+from ..graph import DTYPES
+from .common import literal
 from .glsl_lex import _ident as glsl_name
 from .kernel_ast import (COMPARE, GLSL_F16, GLSL_IEEE, GLSL_NAMES, GLSL_TYPE, PRECEDENCE, UNARY, Assign, AssignIndex,
                          AssignOp, Barrier, Bin, Bitcast, Blank, Block, Break, Call, CallIf, Construct, Continue,
                          Convert, ExprStmt, Field, For, Function, Group, If, Index, Let, Line, Lit, Load, Name, Neg,
                          Not, Private, Return, ReturnIf, Select, Shared, Store, Var, is_float, is_vec, scalar_of)
 
+# the node classes of ``kernel_ast`` (others print themselves: ``wgsl`` / ``glsl`` methods)
+_OURS = frozenset((Name, Lit, Bin, Call, Neg, Not, Group, Field, Index, Load, Convert, Select, Bitcast, Construct,
+                   Let, Var, Assign, AssignIndex, AssignOp, Store, ExprStmt, If, For, Block, Break, Continue, Return,
+                   Barrier, ReturnIf, CallIf, Line, Blank))
 VEC_PREFIX = {"bool": "b", "u32": "u", "i32": "i", "f32": "", "f16": "f16"}
 VEC_COMPARE = {"==": "equal", "!=": "notEqual", "<": "lessThan", ">": "greaterThan", "<=": "lessThanEqual",
                ">=": "greaterThanEqual"}
@@ -53,11 +59,12 @@ def array_type(ty: str):
 def wgsl_literal(e: Lit) -> str:
     if e.text:
         return e.text
-    if e.ty == "bool":
+    ty = e.ty
+    if ty == "u32":
+        return f"{int(e.value)}u"
+    if ty == "bool":
         return "true" if e.value else "false"
-    from ..graph import DTYPES
-    from .common import literal
-    return literal(e.value, DTYPES[e.ty])
+    return literal(e.value, DTYPES[ty])
 
 
 def _float_text(s: str) -> str:
@@ -129,18 +136,29 @@ def _foreign(node, method, *args):
 
 
 class WgslPrinter:
+    """The WGSL printer (no state: the text of a node of ours is kept on it, ``_wgsl``, as
+    nodes never change and a kernel's renderer prints its parts more than once)."""
+
     # ------------------------------------------------------------------ expressions
     def expr(self, e, parent=0) -> str:
         k = type(e)
         if k is Name:
             return e.id
+        if k not in _OURS:
+            return _foreign(e, "wgsl", self)
+        text = e._wgsl
+        if text is None:
+            text = e._wgsl = self._expr(e, k)
+        return f"({text})" if k is Bin and parent and PRECEDENCE[e.op] < parent else text
+
+    def _expr(self, e, k) -> str:
         if k is Lit:
             return wgsl_literal(e)
         if k is Bin:
             a, b = self.expr(e.a), self.expr(e.b)
             a = f"({a})" if needs_group(e.a, e.op, False) else a
             b = f"({b})" if needs_group(e.b, e.op, True) else b
-            return f"({a} {e.op} {b})" if PRECEDENCE[e.op] < parent else f"{a} {e.op} {b}"
+            return f"{a} {e.op} {b}"
         if k is Group:
             return f"({self.expr(e.e)})"
         if k is Field:
@@ -164,7 +182,7 @@ class WgslPrinter:
             return f"bitcast<{e.ty}>({self.expr(e.e)})"
         if k is Construct:
             return f"{e.ty}({', '.join(self.expr(a) for a in e.args)})"
-        return _foreign(e, "wgsl", self)
+        raise TypeError(f"not an expression: {e!r}")
 
     @staticmethod
     def target(t) -> str:
@@ -174,6 +192,15 @@ class WgslPrinter:
     def stmt(self, s) -> str:
         """``s`` on one line (a block statement: its inline form)."""
         k = type(s)
+        if k not in _OURS:
+            text = _foreign(s, "wgsl", self)
+            return text if isinstance(text, str) else " ".join(text)
+        text = s._wgsl
+        if text is None:
+            text = s._wgsl = self._stmt(s, k)
+        return text
+
+    def _stmt(self, s, k) -> str:
         if k is Line:
             return " ".join(self.stmt(x) for x in s.stmts)
         if k is Let:
@@ -214,8 +241,7 @@ class WgslPrinter:
             return f"{{ {self.inline(s.body)} }}"
         if k is Blank:
             return ""
-        text = _foreign(s, "wgsl", self)
-        return text if isinstance(text, str) else " ".join(text)
+        raise TypeError(f"not a statement: {s!r}")
 
     def inline(self, body) -> str:
         return " ".join(self.stmt(x) for x in body)
@@ -242,7 +268,7 @@ class WgslPrinter:
         if k is For and not s.inline:
             return [f"{pad}{self.for_head(s)} {{"] + self.block(s.body, depth + 1) + [f"{pad}}}"]
         if k is Block:
-            return [f"{pad}{{"] + self.block(s.body, depth + 1) + [f"{pad}}}"]
+            return [f"{pad}{{"] + self.block(s.body, depth + (not s.flat)) + [f"{pad}}}"]
         if k.__module__ != Let.__module__ and hasattr(s, "wgsl"):
             text = s.wgsl(self)
             return [pad + ln if ln else "" for ln in (text.split("\n") if isinstance(text, str) else text)]
@@ -302,8 +328,17 @@ class GlslPrinter:
     # digits (a literal's, through parentheses and minus signs) until it met a type:
     # ``abstract_value`` is that pair and its kind, ``convert`` the value met
     def abstract_value(self, e):
-        """(text, digits or None, "afloat" / "aint") of an abstract value, else None."""
+        """(text, digits or None, "afloat" / "aint") of an abstract value, else None (kept on
+        the node, ``_abstract``: operands ask for it at every level)."""
         k = type(e)
+        if k is Name or k not in _OURS:
+            return None
+        v = e._abstract
+        if v == ():
+            v = e._abstract = self._abstract_value(e, k)
+        return v
+
+    def _abstract_value(self, e, k):
         if k is Lit:
             if not abstract(e):
                 return None

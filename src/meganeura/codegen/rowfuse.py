@@ -12,27 +12,31 @@ from __future__ import annotations
 import numpy as np
 
 from ..graph import f32
-from .common import ENTRY, GROUP_INDEX, WG, Bindings, coords, grid, literal, offset_expr
+from .common import WG, Bindings, grid
 from .expr import ExprWriter, read_leaves
+from .expr_ast import coords, offset_expr
+from .kernel_ast import (LID, Assign, Barrier, Bin, Blank, Call, ComputeKernel, Convert, For, Function, If, Index, Let,
+                         Line, Lit, Name, Return, ReturnIf, Shared, Store, Var, add, printed, u32)
+from .pointwise_ast import GROUP, buffers
 
 INIT = {"sum": "0.0", "mean": "0.0"}     # sums only: a max would need the NaN-propagating combine
 
 
-def _evaluator(name, expr, leaves, shape, b, extra_params="", special=None):
-    """``fn name(c0.., extra) -> f32`` evaluating ``expr`` over ``leaves`` (views read at
-    coordinates c of ``shape``, broadcast)."""
-    params = ", ".join([f"c{d}: u32" for d in range(len(shape))] + ([extra_params] if extra_params else []))
-    lines, vals = read_leaves(leaves, shape, b)
+def _evaluator(name, expr, leaves, shape, b, extra=(), special=None):
+    """(helper functions, ``fn name(c0.., extra) -> f32`` evaluating ``expr`` over ``leaves``
+    (views read at coordinates c of ``shape``, broadcast)), on the kernel AST."""
+    params = tuple(Name(f"c{d}", "u32") for d in range(len(shape))) + tuple(extra)
+    stmts, vals = read_leaves(leaves, shape, b, ast=True)
 
     def leaf(e):
         if e[0] == "leaf":
             return vals[e[1]]
         return special(e)
-    w = ExprWriter(leaf, last_coord=f"c{len(shape) - 1}")
+    w = ExprWriter(leaf, last_coord=Name(f"c{len(shape) - 1}", "u32"), ast=True)
     val, dt = w.emit(expr)
     if dt.name != "f32":
-        val = f"f32({val})"
-    return w.helpers(), f"fn {name}({params}) -> f32 {{\n" + "\n".join(lines + w.lines) + f"\n    return {val};\n}}\n"
+        val = Convert("f32", val)
+    return w.helper_functions(), Function(name, params, tuple(stmts + w.stmts + [Return(val)]), "f32")
 
 
 def render(kernel):
@@ -48,37 +52,49 @@ def render(kernel):
     for i, red in enumerate(spec["reduces"]):
         lo, hi = red["reads"]
         hs, fn = _evaluator(f"red_in{i}", red["expr"], reads[lo:hi], shape, b)
-        helpers.update((h, None) for h in hs)
-        fns.append(fn)
+        helpers.update((h.name, h) for h in hs)
+        fns += [fn, Blank()]
     lo, hi = spec["out_reads"]
     nred = len(spec["reduces"])
-    hs, fn = _evaluator("out_val", spec["expr"], reads[lo:hi], shape, b,
-                        ", ".join(f"red{i}: f32" for i in range(nred)), special=lambda e: (f"red{e[1]}", f32))
-    helpers.update((h, None) for h in hs)
-    fns.append(fn)
-    call_args = ", ".join(f"c{d}" for d in range(len(shape)))
-    body = [f"    let o = {GROUP_INDEX};", f"    if (o >= {n_out}u) {{ return; }}"]
-    body += coords("o", kshape, prefix="k")
+    reds = [Name(f"red{i}", "f32") for i in range(nred)]
+    hs, fn = _evaluator("out_val", spec["expr"], reads[lo:hi], shape, b, reds,
+                        special=lambda e: (Name(f"red{e[1]}", "f32"), f32))
+    helpers.update((h.name, h) for h in hs)
+    fns += [fn, Blank()]
+    call_args = tuple(Name(f"c{d}", "u32") for d in range(len(shape)))
+    o, j, t, lid = Name("o", "u32"), Name("j", "u32"), Name("t", "u32"), LID
+    body = [Let("o", GROUP), ReturnIf(Bin(">=", o, u32(n_out)))]
+    body += coords(o, kshape, prefix="k")
     # full coordinates: kept dims from the row, reduced dims from j
-    cmap = "\n".join(f"        let c{d} = k{kept.index(d)};" if d in kept else f"        let c{d} = q{dims.index(d)};"
-                     for d in range(len(shape)))
-    split = "\n".join("    " + ln for ln in coords("j", rshape, prefix="q"))
+    cmap = Line(tuple(Let(f"c{d}", Name(f"k{kept.index(d)}" if d in kept else f"q{dims.index(d)}", "u32"))
+                      for d in range(len(shape))))
+    split = coords(j, rshape, prefix="q") or [Blank()]
+    part = Name("part", f"array<f32, {WG}>")
+
+    def at(i):
+        return Index(part, i, "f32")
+    each = (Var("j", lid), Bin("<", j, u32(r)), Assign("j", Bin("+", j, u32(WG))))
     for i, red in enumerate(spec["reduces"]):
-        acc = f"acc{i}"
-        comb = f"{acc} + x"
-        tcomb = "part[lid] + part[lid + t]"
-        fin = f" * {literal(1.0 / max(red['count'], 1), f32)}" if red["kind"] == "mean" else ""
-        body += [f"    var {acc} = {INIT[red['kind']]};",
-                 f"    for (var j = lid; j < {r}u; j = j + {WG}u) {{", split, cmap,
-                 f"        let x = red_in{i}({call_args});", f"        {acc} = {comb};", "    }",
-                 f"    part[lid] = {acc};", "    workgroupBarrier();",
-                 f"    for (var t = {WG // 2}u; t > 0u; t = t >> 1u) {{",
-                 f"        if (lid < t) {{ part[lid] = {tcomb}; }}", "        workgroupBarrier();", "    }",
-                 f"    let red{i} = part[0]{fin};", "    workgroupBarrier();"]
-    reds = ", ".join(f"red{i}" for i in range(nred))
-    body += [f"    for (var j = lid; j < {r}u; j = j + {WG}u) {{", split, cmap,
-             f"        b{ob}[{offset_expr(out.offset, out.strides)}] = {out.dtype.wgsl}(out_val({call_args}, {reds}));",
-             "    }"]
-    src = "\n".join([b.decls()] + list(helpers) + fns) + f"\nvar<workgroup> part: array<f32, {WG}>;\n\n" + \
-        ENTRY.format(wg=WG) + "\n".join(body) + "\n}\n"
-    return src, b.bufs, grid(n_out)
+        acc = Name(f"acc{i}", "f32")
+        fin = Bin("*", at(ZERO), Lit(1.0 / max(red["count"], 1), f32)) if red["kind"] == "mean" else at(ZERO)
+        body += [Var(acc.id, Lit(0.0, f32, INIT[red["kind"]])),
+                 For(*each, (*split, *_lines(cmap), Let("x", Call(f"red_in{i}", call_args, "f32")),
+                             Assign(acc.id, Bin("+", acc, Name("x", "f32"))))),
+                 Assign(at(lid), acc), Barrier(),
+                 For(Var("t", u32(WG // 2)), Bin(">", t, u32(0)), Assign("t", Bin(">>", t, u32(1))), (
+                     If(Bin("<", lid, t), (Assign(at(lid), Bin("+", at(lid), at(add(lid, t)))),), inline=True),
+                     Barrier())),
+                 Let(f"red{i}", fin), Barrier()]
+    value = Convert(out.dtype.wgsl, Call("out_val", call_args + tuple(reds), "f32"))
+    body.append(For(*each, (*split, *_lines(cmap), Store(ob, offset_expr(out.offset, out.strides), value))))
+    module = [*helpers.values(), *fns, Shared("part", "f32", WG), Blank()]
+    tree = ComputeKernel(buffers(b), WG, tuple(body), module=tuple(module))
+    return printed(tree), b.bufs, grid(n_out)
+
+
+ZERO = Lit(0, "u32", "0")
+
+
+def _lines(line):
+    """``cmap``'s lets, one a line as the template wrote them (none: an empty line)."""
+    return list(line.stmts) or [Blank()]

@@ -8,10 +8,13 @@ import numpy as np
 
 from ..graph import f32
 from ..schedule import Kernel, contiguous_strides
+from .common import WG, Bindings, grid
 from .expr import OutputStore
-from .common import ENTRY, GROUP_INDEX, WG, Bindings, coords, grid
-
-NEG_INF = "bitcast<f32>(0xff800000u)"
+from .expr_ast import coords
+from .kernel_ast import (LID, Assign, Barrier, Bin, Bitcast, Blank, Block, Call, ComputeKernel, Convert, ExprStmt, For,
+                         Function, Group, If, Index, Let, Line, Lit, Load, Name, Return, ReturnIf, Select, Shared, Store,
+                         Var, add, printed, u32)
+from .pointwise_ast import GROUP, buffers
 
 
 def lower_softmax(t, ins, out, materialize, temp):
@@ -28,52 +31,55 @@ def render(kernel):
     b = Bindings()
     store = OutputStore(kernel, b).require("fmax_f32")   # a NaN in a row gives a NaN row
     ib = b.index(v.buf, v.dtype)
-    ibase = " + ".join([f"{v.offset}u"] + [f"k{n} * {v.strides[i]}u" for n, i in enumerate(kept)])
-    obase = " + ".join(["0u"] + [f"k{n} * {ost[i]}u" for n, i in enumerate(kept)])
-    x = f"f32(b{ib}[ibase + j * {v.strides[d]}u])"   # f32 arithmetic whatever the storage type
-    y = f"obase + j * {ost[d]}u"
-    write = {"softmax": f"exp({x} - m) / total", "log_softmax": f"{x} - m - log(total)",
+    ibase = add(u32(v.offset), *[Bin("*", Name(f"k{n}", "u32"), u32(v.strides[i])) for n, i in enumerate(kept)])
+    obase = add(u32(0), *[Bin("*", Name(f"k{n}", "u32"), u32(ost[i])) for n, i in enumerate(kept)])
+    x = Convert("f32", Load(ib, add(IBASE, Bin("*", J, u32(v.strides[d]))), v.dtype.wgsl))   # f32 whatever the storage
+    y = add(OBASE, Bin("*", J, u32(ost[d])))
+    e = Call("exp", (Bin("-", x, M),), "f32")
+    write = {"softmax": Bin("/", e, TOTAL), "log_softmax": Bin("-", Bin("-", x, M), Call("log", (TOTAL,), "f32")),
              # a row of -inf (fully masked) gives zeros; compared on the bits, so a NaN row stays NaN
-             "safe_softmax": f"select(exp({x} - m) / total, 0.0, bitcast<u32>(m) == 0xff800000u)"}[spec["kind"]]
-    rows = "\n".join(coords("row", kshape, prefix="k"))
+             "safe_softmax": Select(Bin("/", e, TOTAL), f32_lit(0.0, "0.0"),
+                                    Bin("==", Bitcast("u32", M), Lit(0xff800000, "u32", "0xff800000u")))}[spec["kind"]]
+    rows = coords(Name("row", "u32"), kshape, prefix="k") or [Blank()]
+    head = [Line((Let("ibase", ibase), Let("obase", obase)))]
+    store_y = ExprStmt(Call("store_out", (y, write), ""))
+
+    def each(start, step, *stmts):
+        return For(Var("j", start), Bin("<", J, u32(r)), Assign("j", Bin("+", J, step)), stmts, inline=True)
     if r < 64:   # short rows: one thread each
-        src = b.decls() + "\n" + store.module_text() + "\n\n" + ENTRY.format(wg=WG) + f"""    let row = ({GROUP_INDEX}) * {WG}u + lid;
-    if (row >= {n_rows}u) {{ return; }}
-{rows}
-    let ibase = {ibase}; let obase = {obase};
-    var m = {NEG_INF};
-    for (var j = 0u; j < {r}u; j = j + 1u) {{ m = fmax_f32(m, {x}); }}
-    var total = 0.0;
-    for (var j = 0u; j < {r}u; j = j + 1u) {{ total = total + exp({x} - m); }}
-    for (var j = 0u; j < {r}u; j = j + 1u) {{ store_out({y}, {write}); }}
-}}
-"""
-        return src, b.bufs, grid(-(-n_rows // WG))
-    tree = """    for (var s = {half}u; s > 0u; s = s >> 1u) {{
-        if (lid < s) {{ part[lid] = {op}; }}
-        workgroupBarrier();
-    }}"""
-    src = b.decls() + "\n" + store.module_text() + f"\nvar<workgroup> part: array<f32, {WG}>;\n\n" + ENTRY.format(wg=WG) + f"""    let row = {GROUP_INDEX};
-    if (row >= {n_rows}u) {{ return; }}
-{rows}
-    let ibase = {ibase}; let obase = {obase};
-    var mx = {NEG_INF};
-    for (var j = lid; j < {r}u; j = j + {WG}u) {{ mx = fmax_f32(mx, {x}); }}
-    part[lid] = mx;
-    workgroupBarrier();
-{tree.format(half=WG // 2, op="fmax_f32(part[lid], part[lid + s])")}
-    let m = part[0];
-    workgroupBarrier();
-    var acc = 0.0;
-    for (var j = lid; j < {r}u; j = j + {WG}u) {{ acc = acc + exp({x} - m); }}
-    part[lid] = acc;
-    workgroupBarrier();
-{tree.format(half=WG // 2, op="part[lid] + part[lid + s]")}
-    let total = part[0];
-    for (var j = lid; j < {r}u; j = j + {WG}u) {{ store_out({y}, {write}); }}
-}}
-"""
-    return src, b.bufs, grid(n_rows)
+        body = [Let("row", add(Bin("*", Group(GROUP), u32(WG)), LID)), ReturnIf(Bin(">=", ROW, u32(n_rows))), *rows,
+                *head, Var("m", f32_lit(float("-inf"))),
+                each(u32(0), u32(1), Assign("m", Call("fmax_f32", (M, x), "f32"))), Var("total", f32_lit(0.0, "0.0")),
+                each(u32(0), u32(1), Assign("total", Bin("+", TOTAL, e))), each(u32(0), u32(1), store_y)]
+        tree = ComputeKernel(buffers(b), WG, tuple(body), module=(*store.module_items(), Blank()))
+        return printed(tree), b.bufs, grid(-(-n_rows // WG))
+
+    def tree_steps(op):
+        return For(Var("s", u32(WG // 2)), Bin(">", S, u32(0)), Assign("s", Bin(">>", S, u32(1))), (
+            If(Bin("<", LID, S), (Assign(_part(LID), op),), inline=True), Barrier()))
+    mx, acc = Name("mx", "f32"), Name("acc", "f32")
+    body = [Let("row", GROUP), ReturnIf(Bin(">=", ROW, u32(n_rows))), *rows, *head, Var("mx", f32_lit(float("-inf"))),
+            each(LID, u32(WG), Assign("mx", Call("fmax_f32", (mx, x), "f32"))), Assign(_part(LID), mx), Barrier(),
+            tree_steps(Call("fmax_f32", (_part(LID), _part(add(LID, S))), "f32")), Let("m", _part(ZERO)), Barrier(),
+            Var("acc", f32_lit(0.0, "0.0")), each(LID, u32(WG), Assign("acc", Bin("+", acc, e))),
+            Assign(_part(LID), acc), Barrier(), tree_steps(Bin("+", _part(LID), _part(add(LID, S)))),
+            Let("total", _part(ZERO)), each(LID, u32(WG), store_y)]
+    tree = ComputeKernel(buffers(b), WG, tuple(body), module=(*store.module_items(), Shared("part", "f32", WG), Blank()))
+    return printed(tree), b.bufs, grid(n_rows)
+
+
+J, S, ROW = (Name(n, "u32") for n in ("j", "s", "row"))
+M, TOTAL = Name("m", "f32"), Name("total", "f32")
+IBASE, OBASE, BASE, ZERO = Name("ibase", "u32"), Name("obase", "u32"), Name("base", "u32"), Lit(0, "u32", "0")
+XJ, MEAN, INV, CNT, Q = (Name(n, "f32") for n in ("xj", "mean", "inv", "cnt", "q"))
+
+
+def f32_lit(v, text=""):
+    return Lit(v, f32, text)
+
+
+def _part(i, name="part"):
+    return Index(Name(name, f"array<f32, {WG}>"), i, "f32")
 
 
 def lower_norm(t, ins, out, materialize, temp):
@@ -110,134 +116,133 @@ def render_norm(kernel):
     n_rows = out.size if only else out.size // r
     b = Bindings()
     store = OutputStore(kernel, b)
-    stat_vars = {"mean": "mean", "rstd": "inv"}
+    stat_vars = {"mean": MEAN, "rstd": INV}
     outs = list(zip(kernel.outs, spec.get("out_stats", ())))
     extra_stats = [(b.index(v.buf, v.dtype, write=True), v, st) for v, st in outs if st != "x"]
     extra = kernel.reads[:pro["first"]] if pro else kernel.reads[1:]
-    module = ""
+    x_at = Call("x_at", (ROW, J), "u32")
+    module = []
     if pro:
         from .reduce import _prologue_load
-        from .kernel_ast import Name, WgslPrinter
-        items, load_node = _prologue_load(pro, kernel.reads[pro["first"]:pro["first"] + pro["n"]], b, f32)
-        module = "\n".join(WgslPrinter().item(it) for it in items) + "\n"
-        load_at = lambda idx: WgslPrinter().expr(load_node(Name(idx, "u32")))  # noqa: E731
+        items, load_at = _prologue_load(pro, kernel.reads[pro["first"]:pro["first"] + pro["n"]], b, f32)
         # the first pass evaluates (and stores, for other readers) each element and keeps
         # it for the second
-        keep = f"    b{b.index(x.buf, x.dtype, write=True)}[i] = v;\n" if any(st == "x" for _, st in outs) else ""
-        module += f"""
-fn x_first(row: u32, j: u32) -> f32 {{
-    let i = x_at(row, j);
-    let v = {load_at("i")};
-{keep}    xrow[j] = v;
-    return v;
-}}
-"""
-        xv, xv2 = "x_first(row, j)", "xrow[j]"
+        i, v = Name("i", "u32"), Name("v", "f32")
+        keep = [Store(b.index(x.buf, x.dtype, write=True), i, v)] if any(st == "x" for _, st in outs) else []
+        xrow_j = Index(Name("xrow", f"array<f32, {r}>"), J, "f32")
+        module = [*items, Blank(), Function("x_first", (ROW, J), (Let("i", x_at), Let("v", load_at(i)), *keep,
+                                                                   Assign(xrow_j, v), Return(v)), "f32"), Blank()]
+        xv, xv2 = Call("x_first", (ROW, J), "f32"), xrow_j
     else:
         xb = b.index(x.buf, x.dtype)
-        xv = xv2 = f"f32(b{xb}[x_at(row, j)])"
+        xv = xv2 = Convert("f32", Load(xb, x_at, x.dtype.wgsl))
     wb = b.index(extra[0].buf, extra[0].dtype) if spec["weight"] else None
     bb = b.index(extra[-1].buf, extra[-1].dtype) if spec["bias"] else None
-    y = "(xj - mean) * inv" if spec["kind"] == "layer_norm" else "xj * inv"
+    y = Bin("*", Group(Bin("-", XJ, MEAN)), INV) if spec["kind"] == "layer_norm" else Bin("*", XJ, INV)
     if wb is not None:
-        y = f"{y} * f32(b{wb}[{extra[0].offset}u + j])"
+        y = Bin("*", y, Convert("f32", Load(wb, add(u32(extra[0].offset), J), extra[0].dtype.wgsl)))
     if bb is not None:
-        y = f"{y} + f32(b{bb}[{extra[-1].offset}u + j])"
+        y = Bin("+", y, Convert("f32", Load(bb, add(u32(extra[-1].offset), J), extra[-1].dtype.wgsl)))
     center = spec["kind"] == "layer_norm"
     wg = WG if r >= 64 else 1
     assert wg > 1 or not pro, "a norm computing its input needs a workgroup per row"
+    rows_n = u32(r)
     if wg == 1:   # short rows: one thread each
-        head = f"""    let row = ({GROUP_INDEX}) * {WG}u + lid;
-    if (row >= {n_rows}u) {{ return; }}
-    let base = row * {r}u;
-"""
-        sums = lambda expr: f"var acc = 0.0;\n    for (var j = 0u; j < {r}u; j = j + 1u) {{ let xj = {xv}; acc = acc + {expr}; }}"  # noqa: E731
-        loop = f"for (var j = 0u; j < {r}u; j = j + 1u)"
+        head = [Let("row", add(Bin("*", Group(GROUP), u32(WG)), LID))]
+        loop = (u32(0), u32(1))
     else:
-        head = f"""    let row = {GROUP_INDEX};
-    if (row >= {n_rows}u) {{ return; }}
-    let base = row * {r}u;
-"""
-        sums = lambda expr: (f"var acc = 0.0;\n    for (var j = lid; j < {r}u; j = j + {WG}u) {{ let xj = {xv}; acc = acc + {expr}; }}\n"  # noqa: E731
-                             f"    part[lid] = acc;\n    workgroupBarrier();\n"
-                             f"    for (var s = {WG // 2}u; s > 0u; s = s >> 1u) {{\n"
-                             f"        if (lid < s) {{ part[lid] = part[lid] + part[lid + s]; }}\n"
-                             f"        workgroupBarrier();\n    }}\n    acc = part[0];\n    workgroupBarrier();")
-        loop = f"for (var j = lid; j < {r}u; j = j + {WG}u)"
+        head = [Let("row", GROUP)]
+        loop = (LID, u32(WG))
+    head += [ReturnIf(Bin(">=", ROW, u32(n_rows))), Let("base", Bin("*", ROW, rows_n))]
+    acc = Name("acc", "f32")
+
+    def each(*stmts, inline=True):
+        return For(Var("j", loop[0]), Bin("<", J, rows_n), Assign("j", Bin("+", J, loop[1])), stmts, inline=inline)
+
+    def sums(e):
+        out = [Var("acc", f32_lit(0.0, "0.0")), each(Let("xj", xv), Assign("acc", Bin("+", acc, e)))]
+        if wg > 1:
+            s_ = Name("s", "u32")
+            out += [Assign(_part(LID), acc), Barrier(),
+                    For(Var("s", u32(WG // 2)), Bin(">", s_, u32(0)), Assign("s", Bin(">>", s_, u32(1))), (
+                        If(Bin("<", LID, s_), (Assign(_part(LID), Bin("+", _part(LID), _part(add(LID, s_)))),),
+                           inline=True), Barrier())),
+                    Assign("acc", _part(ZERO)), Barrier()]
+        return out
+    n = f32_lit(float(r), repr(float(r)))
+    var_ = Name("var_", "f32")
     body = head
     if center and wg > 1:
         body += _welford(xv, r)
     elif center:
-        body += "    var mean = 0.0;\n    {\n    " + sums("xj") + f"\n    mean = acc / {float(r)!r};\n    }}\n"
-        body += "    var var_ = 0.0;\n    {\n    " + sums("(xj - mean) * (xj - mean)") + \
-            f"\n    var_ = acc / {float(r)!r};\n    }}\n"
+        body += [Var("mean", f32_lit(0.0, "0.0")), Block((*sums(XJ), Assign("mean", Bin("/", acc, n))), flat=True)]
+        body += [Var("var_", f32_lit(0.0, "0.0")),
+                 Block((*sums(Bin("*", Group(Bin("-", XJ, MEAN)), Group(Bin("-", XJ, MEAN)))),
+                        Assign("var_", Bin("/", acc, n))), flat=True)]
     else:
-        body += "    var var_ = 0.0;\n    {\n    " + sums("xj * xj") + f"\n    var_ = acc / {float(r)!r};\n    }}\n"
-    body += f"    let inv = inverseSqrt(var_ + {spec['eps']!r});\n"
-    first = "lid == 0u" if wg > 1 else "true"
-    stores = [f"b{bi}[{v.offset}u + row] = {v.dtype.wgsl}({stat_vars[st]});" for bi, v, st in extra_stats]
+        body += [Var("var_", f32_lit(0.0, "0.0")), Block((*sums(Bin("*", XJ, XJ)), Assign("var_", Bin("/", acc, n))),
+                                                           flat=True)]
+    body.append(Let("inv", Call("inverseSqrt", (Bin("+", var_, f32_lit(spec["eps"], repr(spec["eps"]))),), "f32")))
+    first = Bin("==", LID, u32(0)) if wg > 1 else Lit(True, "bool", "true")
+    stores = [Store(bi, add(u32(v.offset), ROW), Convert(v.dtype.wgsl, stat_vars[st])) for bi, v, st in extra_stats]
     if only:
-        stores.append(f"store_out(row, {stat_vars[only]});")
+        stores.append(ExprStmt(Call("store_out", (ROW, stat_vars[only]), "")))
     if stores:
-        body += f"    if ({first}) {{ " + " ".join(stores) + " }\n"
+        body.append(If(first, tuple(stores), inline=True))
     if not only:
-        body += f"    {loop} {{\n        let xj = {xv2};\n        store_out(base + j, {y});\n    }}\n"
-    body += "}\n"
-    shared = "\n"
+        body.append(each(Let("xj", xv2), ExprStmt(Call("store_out", (add(BASE, J), y), "")), inline=False))
+    shared = [Blank()]
     if wg > 1:
-        shared = f"\nvar<workgroup> part: array<f32, {WG}>;\n" + \
-            (f"var<workgroup> part_n: array<f32, {WG}>;\nvar<workgroup> part_q: array<f32, {WG}>;\n" if center else "") + \
-            (f"var<workgroup> xrow: array<f32, {r}>;\n" if pro else "")
-    src = b.decls() + "\n" + store.module_text() + "\n" + _index_fn(x, r) + shared + module + "\n" + \
-        ENTRY.format(wg=WG) + body
-    return src, b.bufs, grid(n_rows if wg > 1 else -(-n_rows // WG))
+        shared = [Blank(), Shared("part", "f32", WG)] + \
+            ([Shared("part_n", "f32", WG), Shared("part_q", "f32", WG)] if center else []) + \
+            ([Shared("xrow", "f32", r)] if pro else [])
+    items = [*store.module_items(), _index_fn(x, r), *shared, *(module or [Blank()])]
+    tree = ComputeKernel(buffers(b), WG, tuple(body), module=tuple(items))
+    return printed(tree), b.bufs, grid(n_rows if wg > 1 else -(-n_rows // WG))
 
 
-def _welford(xv, r) -> str:
-    """WGSL for a long row's mean and variance in one pass over it (``mean``, ``var_``):
-    each thread keeps Welford's count, mean and sum of squared deviations over its
-    elements, and the workgroup merges them pairwise (Chan et al.), so the row is read
-    twice in all (statistics, then the normalised write) instead of three times, and the
-    variance needs no second reduction. Stable where sum-of-squares formulas cancel."""
-    return f"""    var cnt = 0.0; var mean = 0.0; var q = 0.0;
-    for (var j = lid; j < {r}u; j = j + {WG}u) {{
-        let xj = {xv};
-        cnt = cnt + 1.0;
-        let d = xj - mean;
-        mean = mean + d / cnt;
-        q = q + d * (xj - mean);
-    }}
-    part_n[lid] = cnt; part[lid] = mean; part_q[lid] = q;
-    workgroupBarrier();
-    for (var s = {WG // 2}u; s > 0u; s = s >> 1u) {{
-        if (lid < s) {{
-            let na = part_n[lid]; let nb = part_n[lid + s]; let n = na + nb;
-            if (nb > 0.0) {{
-                let d = part[lid + s] - part[lid];
-                part[lid] = part[lid] + d * (nb / n);
-                part_q[lid] = part_q[lid] + part_q[lid + s] + d * d * (na * nb / n);
-                part_n[lid] = n;
-            }}
-        }}
-        workgroupBarrier();
-    }}
-    mean = part[0];
-    let var_ = part_q[0] / {float(r)!r};
-    workgroupBarrier();
-"""
+def _welford(xv, r) -> list:
+    """A long row's mean and variance in one pass over it (``mean``, ``var_``): each thread
+    keeps Welford's count, mean and sum of squared deviations over its elements, and the
+    workgroup merges them pairwise (Chan et al.), so the row is read twice in all
+    (statistics, then the normalised write) instead of three times, and the variance needs
+    no second reduction. Stable where sum-of-squares formulas cancel."""
+    zero = f32_lit(0.0, "0.0")
+    d, na, nb, n, s_ = Name("d", "f32"), Name("na", "f32"), Name("nb", "f32"), Name("n", "f32"), Name("s", "u32")
+    ls = add(LID, s_)
+    pn, pq = (lambda i: _part(i, "part_n")), (lambda i: _part(i, "part_q"))
+    return [
+        Line((Var("cnt", zero), Var("mean", zero), Var("q", zero))),
+        For(Var("j", LID), Bin("<", J, u32(r)), Assign("j", Bin("+", J, u32(WG))), (
+            Let("xj", xv), Assign("cnt", Bin("+", CNT, f32_lit(1.0, "1.0"))), Let("d", Bin("-", XJ, MEAN)),
+            Assign("mean", Bin("+", MEAN, Bin("/", d, CNT))), Assign("q", Bin("+", Q, Bin("*", d, Group(Bin("-", XJ, MEAN))))))),
+        Line((Assign(pn(LID), CNT), Assign(_part(LID), MEAN), Assign(pq(LID), Q))),
+        Barrier(),
+        For(Var("s", u32(WG // 2)), Bin(">", s_, u32(0)), Assign("s", Bin(">>", s_, u32(1))), (
+            If(Bin("<", LID, s_), (
+                Line((Let("na", pn(LID)), Let("nb", pn(ls)), Let("n", Bin("+", na, nb)))),
+                If(Bin(">", nb, zero), (
+                    Let("d", Bin("-", _part(ls), _part(LID))),
+                    Assign(_part(LID), Bin("+", _part(LID), Bin("*", d, Group(Bin("/", nb, n))))),
+                    Assign(pq(LID), add(pq(LID), pq(ls), Bin("*", Bin("*", d, d), Group(Bin("/", Bin("*", na, nb), n))))),
+                    Assign(pn(LID), n))))),
+            Barrier())),
+        Assign("mean", _part(ZERO)),
+        Let("var_", Bin("/", pq(ZERO), f32_lit(float(r), repr(float(r))))),
+        Barrier()]
 
 
-def _index_fn(x, r) -> str:
+def _index_fn(x, r):
     """``fn x_at(row, j)``: the element of view ``x`` at position j of normalised row
     ``row`` (rows over the leading dims, j over the trailing dims of size ``r``)."""
     if x.is_contiguous():
-        return f"fn x_at(row: u32, j: u32) -> u32 {{ return {x.offset}u + row * {r}u + j; }}\n"
+        return Function("x_at", (ROW, J), (Return(add(u32(x.offset), Bin("*", ROW, u32(r)), J)),), "u32", inline=True)
     k, size = 0, 1
     while size < r:
         k += 1
         size *= x.shape[-k]
     lead, trail = x.shape[:-k], x.shape[-k:]
-    lines = coords("row", lead, prefix="a") + coords("j", trail, prefix="t")
-    terms = [f"{x.offset}u"] + [f"a{d} * {s}u" for d, s in enumerate(x.strides[:-k]) if s] + \
-        [f"t{d} * {s}u" for d, s in enumerate(x.strides[-k:]) if s]
-    return "fn x_at(row: u32, j: u32) -> u32 {\n" + "\n".join(lines) + f"\n    return {' + '.join(terms)};\n}}\n"
+    stmts = coords(ROW, lead, prefix="a") + coords(J, trail, prefix="t")
+    terms = [u32(x.offset)] + [Bin("*", Name(f"a{d}", "u32"), u32(s)) for d, s in enumerate(x.strides[:-k]) if s] + \
+        [Bin("*", Name(f"t{d}", "u32"), u32(s)) for d, s in enumerate(x.strides[-k:]) if s]
+    return Function("x_at", (ROW, J), (*stmts, Return(add(*terms))), "u32")
