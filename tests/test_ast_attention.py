@@ -43,10 +43,9 @@ def _same(kernel, build, template):
     wgsl, t_bufs, t_groups = template(kernel)
     assert kernel_ast.print_wgsl(tree) == wgsl, kernel.name
     assert bufs == t_bufs and groups == t_groups, kernel.name
-    for unroll in (False, True):
-        for ieee in (True, False):
-            assert kernel_ast.print_glsl(tree, unroll=unroll, preserve_ieee=ieee) == \
-                to_glsl(wgsl, kernel.name, unroll=unroll, preserve_ieee=ieee), (kernel.name, unroll, ieee)
+    for unroll, ieee in ((False, True), (True, True), (False, False)):     # (IEEE changes the header only)
+        assert kernel_ast.print_glsl(tree, unroll=unroll, preserve_ieee=ieee) == \
+            to_glsl(wgsl, kernel.name, unroll=unroll, preserve_ieee=ieee), (kernel.name, unroll, ieee)
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
