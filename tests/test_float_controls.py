@@ -25,15 +25,22 @@ def runtime():
 
 @pytest.fixture
 def glsl_calls(monkeypatch):
-    """(preserve_ieee, GLSL) of every kernel translated in this process from now on."""
-    from meganeura.codegen import glsl
-    calls, real = [], glsl.to_glsl
+    """(preserve_ieee, GLSL) of every kernel translated, or printed from its kernel AST, in
+    this process from now on."""
+    from meganeura.codegen import glsl, kernel_ast
+    calls, real, real_print = [], glsl.to_glsl, kernel_ast.print_glsl
 
     def spy(wgsl, name="kernel", unroll=None, preserve_ieee=True):
         out = real(wgsl, name, unroll, preserve_ieee)
         calls.append((preserve_ieee, out))
         return out
+
+    def spy_print(tree, unroll=None, preserve_ieee=True):
+        out = real_print(tree, unroll, preserve_ieee)
+        calls.append((preserve_ieee, out))
+        return out
     monkeypatch.setattr(glsl, "to_glsl", spy)
+    monkeypatch.setattr(kernel_ast, "print_glsl", spy_print)
     monkeypatch.setenv("MEGANEURA_NO_DISK_CACHE", "1")
     monkeypatch.setenv("MEGANEURA_TRANSLATE_WORKERS", "0")       # every kernel translated here
     from meganeura.compilation import vulkan

@@ -348,3 +348,32 @@ def test_printed_trees_are_found_by_their_text():
     assert kernel_ast.tree_of(text) is tree and kernel_ast.tree_of(text + " ") is None
     from meganeura.codegen import pointwise_ast
     assert pointwise_ast.tree_of is kernel_ast.tree_of      # the name the pointwise kernels had
+
+
+class Table:
+    """A module item of another module: a workgroup array of two rows (WGSL text, GLSL
+    declaration lines)."""
+    def wgsl(self, p):
+        return "var<workgroup> tab: array<f32, 8>;"
+
+    def glsl(self, p):
+        return ["shared float tab[8];"]
+
+
+def test_foreign_module_items_and_expression_writer_trees():
+    """A module item of another module prints itself; ``ExprWriter(ast=True)`` gives nodes
+    (helper functions included) whose GLSL is the translation of their WGSL."""
+    from meganeura.codegen.expr import ExprWriter
+    leaf = (K.Name("x", "f32"), f32)
+    w = ExprWriter(lambda e: leaf, ast=True)
+    gelu = ("op", Node("gelu", f32, {"approximate": "none"}), [("leaf", 0)])
+    val, dt = w.emit(_op("mul", gelu, _op("maximum", ("leaf", 0), ("lit", 0.5, f32))))
+    assert dt is f32 and isinstance(val, K.Name) and all(isinstance(s, K.Let) for s in w.stmts)
+    fn = K.Function("f", (K.Name("x", "f32"),), (*w.stmts, K.Return(val)), "f32")
+    tree = K.ComputeKernel((K.Buffer("f32", True),), 64, (
+        K.AssignIndex(K.Name("tab", "array<f32, 8>"), K.Bin("%", K.LID, K.u32(8)), K.Call("f", (K.Load(0, K.LID, "f32"),), "f32")),
+        K.Barrier(), K.Store(0, K.LID, K.Index(K.Name("tab", "array<f32, 8>"), K.u32(0, "0"), "f32"))),
+        module=(*w.helper_functions(), Table(), fn, K.Blank()))
+    wgsl = kernel_ast.print_wgsl(tree)
+    assert "var<workgroup> tab: array<f32, 8>;\nfn f(x: f32) -> f32 {" in wgsl and "fn gelu_erf(" in wgsl
+    assert kernel_ast.print_glsl(tree) == to_glsl(wgsl, "foreign_item")

@@ -81,3 +81,31 @@ def test_families_run_right_on_both_runtimes(case, backend, monkeypatch):
     if backend == "vulkan":
         on_ast = {d.wgsl for d in kp.dispatches if d.kernel.archetype in ON_AST}
         assert stats["kernels_printed"] >= len(on_ast), (stats, kp.names)
+
+
+@pytest.mark.slow
+def test_every_workload_kernel_of_the_families_prints_its_translation():
+    """Every distinct kernel of the families on the AST in the five workloads (tiny size,
+    inference and training step, strict and accelerated, with and without arrays of
+    buffers): printed from its tree, GLSL equal to the translation of its WGSL."""
+    from meganeura.bench.dispatches import BINDINGS, phase_targets
+    from meganeura.bench.workloads import WORKLOADS, make
+    from meganeura.compiler import CompileOptions, compile_plan, f16_weights
+    seen = {}
+    for name in WORKLOADS:
+        w = make(name, size="tiny")
+        for phase in ("inference", "train_step"):
+            targets, n, upd = phase_targets(w, phase)
+            for precision in ("strict", "accelerated"):
+                copies = f16_weights(targets[:n]) if precision == "accelerated" else frozenset()
+                for arrays in (False, True):
+                    opts = CompileOptions(max_bindings=BINDINGS, binding_arrays=arrays, precision=precision,
+                                          f16_weights=copies)
+                    for d in compile_plan(targets, n_forward=n, options=opts, updates=upd).dispatches:
+                        if d.kernel.archetype in ON_AST:
+                            seen.setdefault(d.wgsl, d.kernel.name)
+    assert len(seen) > 300, len(seen)
+    for text, name in seen.items():
+        tree = tree_of(text)
+        assert tree is not None, name
+        assert print_glsl(tree, unroll=True) == to_glsl(text, name, unroll=True), name

@@ -393,6 +393,13 @@ class ComputeKernel:
         return self.enable_f16 or any(b.ty == "f16" for b in self.buffers)
 
 
+def buffers(b) -> tuple:
+    """The storage buffers a ``common.Bindings`` bound, as ``Buffer`` declarations (an array
+    binding: ``count`` buffers; a position never claimed: words, unused)."""
+    return tuple(Buffer(t, id(x) in b.written, len(x) if isinstance(x, tuple) else None)
+                 for x, t in zip(b.bufs, b.types))
+
+
 def add(*terms):
     """``terms`` summed left to right (one term: itself)."""
     e = terms[0]
@@ -419,6 +426,10 @@ def f32(v: float, text: str = "") -> Lit:
     return Lit(float(v), F32, text)
 
 
+# the linear workgroup index under ``common.grid`` (``common.GROUP_INDEX``)
+GROUP = add(Field(WID, "x"), Bin("*", Field(WID, "y"), Field(NWG, "x")))
+
+
 # -------------------------------------------------------------------- printed kernels, by text
 # the trees of the WGSL texts printed from the AST in this process (``printed``), by text: the
 # Vulkan compile stage prints their GLSL from them (``tree_of``) without building them again
@@ -439,9 +450,14 @@ def printed(tree) -> str:
 
 
 def tree_of(text):
-    """The tree whose WGSL is ``text`` (printed in this process), or None."""
+    """The tree whose WGSL is ``text`` (printed in this process, and not among the oldest
+    past ``PRINTED_KEEP``; a renderer's memo may hand out a text again without printing it,
+    so a text asked for is kept as if printed again), or None."""
     with _printed_lock:
-        return _printed.get(text)
+        tree = _printed.get(text)
+        if tree is not None:
+            _printed.move_to_end(text)
+        return tree
 
 
 def clear_printed():

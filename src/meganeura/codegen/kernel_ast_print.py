@@ -79,31 +79,20 @@ def abstract(e) -> bool:
     return s not in ("true", "false") and not s.startswith("bitcast") and s[-1] not in "fhiu"
 
 
-def glsl_literal(text: str, ty: str) -> str:
-    """The GLSL of the WGSL literal ``text`` standing where WGSL types it ``ty``."""
+def glsl_literal(text: str) -> str:
+    """The GLSL of a WGSL literal of a concrete type (a suffix, a bit pattern, a bool; an
+    abstract one takes the type of where it stands: ``GlslPrinter.convert``)."""
     if text in ("true", "false"):
         return text
     if text.startswith("bitcast<f32>("):       # an infinity or NaN: its bit pattern
         return "uintBitsToFloat(" + text[len("bitcast<f32>("):]
     neg, s = text.startswith("-"), text.lstrip("-")
-    if s[:2].lower() == "0x":
-        if s[-1] in "iu":
-            t = s[:-1] + ("u" if s[-1] == "u" else "")
-            return f"(-{t})" if neg else t
-    elif s[-1] in "fh":
+    if s[-1] in "fh" and s[:2].lower() != "0x":
         t = _float_text(s[:-1])
         t = f"float16_t({t})" if s[-1] == "h" else t
-        return f"(-{t})" if neg else t
-    elif s[-1] in "iu":
-        return f"(-{s[:-1]})" if neg else s[:-1] + ("u" if s[-1] == "u" else "")
-    digits = text
-    target = scalar_of(ty)
-    if target in ("f32", "f16"):
-        t = _float_text(digits)
-        return f"float16_t({t})" if target == "f16" else t
-    if target == "u32":
-        return f"uint((-{s}))" if neg else digits + "u"
-    return digits
+    else:           # ...i, ...u (decimal or hexadecimal)
+        t = s[:-1] + ("u" if s[-1] == "u" else "")
+    return f"(-{t})" if neg else t
 
 
 BITWISE = frozenset({"&", "|", "^"})
@@ -401,7 +390,7 @@ class GlslPrinter:
         if k is Name:
             return glsl_name(e.id)
         if k is Lit:
-            return glsl_literal(wgsl_literal(e), e.ty)
+            return glsl_literal(wgsl_literal(e))
         if k is Bin:
             text = self.binary(e)
             return f"({text})" if PRECEDENCE[e.op] < parent else text

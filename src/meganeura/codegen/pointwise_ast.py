@@ -12,22 +12,16 @@ import dataclasses
 from .common import NOWHERE, WG, Bindings, broadcast_view_strides, coalesce, form_key
 from .expr import ExprWriter, store_stmts
 from .expr_ast import coords, offset_expr
-from .kernel_ast import (LID, NWG, WID, Bin, Blank, Buffer, Call, CallIf, ComputeKernel, Construct, Convert, Field,
-                         Function, Group, If, Let, Load, Name, Return, ReturnIf, Store, WgslPrinter, add, clear_printed,
+from .kernel_ast import (GROUP, LID, Bin, Blank, Call, CallIf, ComputeKernel, Construct, Convert, Field,
+                         Function, Group, If, Let, Load, Name, Return, ReturnIf, Store, WgslPrinter, add, buffers,
+                         clear_printed,
                          printed, tree_of, u32)
 
 # (the registry of printed trees is ``kernel_ast``'s; its names stay importable from here)
 __all__ = ["ast_kernel", "ast_multi", "body", "kernel_tree", "multi_tree", "shared_tree", "printed", "tree_of",
-           "clear_printed"]
+           "clear_printed", "GROUP", "buffers"]
 
 I, G = Name("i", "u32"), Name("g", "u32")
-GROUP = add(Field(WID, "x"), Bin("*", Field(WID, "y"), Field(NWG, "x")))     # ``common.GROUP_INDEX``
-
-
-def buffers(b: Bindings) -> tuple:
-    """The kernel's storage buffers as ``b`` bound them (an array binding: ``count`` buffers)."""
-    return tuple(Buffer(t, id(x) in b.written, len(x) if isinstance(x, tuple) else None)
-                 for x, t in zip(b.bufs, b.types))
 
 
 def body(kernel, b: Bindings):
@@ -129,7 +123,7 @@ def multi_tree(kernel):
 
 
 def shared_tree(kernel, max_elements):
-    """``multi_tree`` with one body per form (``pointwise._render_shared`` says when and
+    """``multi_tree`` with one body per form (``pointwise.render_multi`` says when and
     why): (``ComputeKernel``, the buffers bound, one per descriptor, workgroups), or None
     where no two parts are alike."""
     from .reduce import part_tree, SCRATCH_AST

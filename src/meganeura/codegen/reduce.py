@@ -13,9 +13,8 @@ from ..schedule import Kernel, View
 from .common import WG, Bindings, grid
 from .expr import ExprWriter, OutputStore, read_leaves
 from .expr_ast import call, coords
-from .kernel_ast import (LID, Assign, Barrier, Bin, Blank, Call, ComputeKernel, Convert, ExprStmt, For, Function, If,
-                         Index, Let, Line, Lit, Load, Name, Return, ReturnIf, Shared, Var, add, printed, u32)
-from .pointwise_ast import GROUP, buffers
+from .kernel_ast import (GROUP, LID, Assign, Barrier, Bin, Blank, Call, ComputeKernel, Convert, ExprStmt, For, Function, If,
+                         Index, Let, Line, Lit, Load, Name, Return, ReturnIf, Shared, Var, add, buffers, printed, u32)
 
 
 CHUNK = 4096     # elements one workgroup reduces in the first stage of a long reduction

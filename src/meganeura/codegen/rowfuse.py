@@ -15,9 +15,8 @@ from ..graph import f32
 from .common import WG, Bindings, grid
 from .expr import ExprWriter, read_leaves
 from .expr_ast import coords, offset_expr
-from .kernel_ast import (LID, Assign, Barrier, Bin, Blank, Call, ComputeKernel, Convert, For, Function, If, Index, Let,
-                         Line, Lit, Name, Return, ReturnIf, Shared, Store, Var, add, printed, u32)
-from .pointwise_ast import GROUP, buffers
+from .kernel_ast import (GROUP, LID, Assign, Barrier, Bin, Blank, Call, ComputeKernel, Convert, For, Function, If, Index, Let,
+                         Line, Lit, Name, Return, ReturnIf, Shared, Store, Var, add, buffers, printed, u32)
 
 INIT = {"sum": "0.0", "mean": "0.0"}     # sums only: a max would need the NaN-propagating combine
 

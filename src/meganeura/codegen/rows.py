@@ -11,10 +11,9 @@ from ..schedule import Kernel, contiguous_strides
 from .common import WG, Bindings, grid
 from .expr import OutputStore
 from .expr_ast import coords
-from .kernel_ast import (LID, Assign, Barrier, Bin, Bitcast, Blank, Block, Call, ComputeKernel, Convert, ExprStmt, For,
+from .kernel_ast import (GROUP, LID, Assign, Barrier, Bin, Bitcast, Blank, Block, Call, ComputeKernel, Convert, ExprStmt, For,
                          Function, Group, If, Index, Let, Line, Lit, Load, Name, Return, ReturnIf, Select, Shared, Store,
-                         Var, add, printed, u32)
-from .pointwise_ast import GROUP, buffers
+                         Var, add, buffers, printed, u32)
 
 
 def lower_softmax(t, ins, out, materialize, temp):
