@@ -377,3 +377,20 @@ def test_foreign_module_items_and_expression_writer_trees():
     wgsl = kernel_ast.print_wgsl(tree)
     assert "var<workgroup> tab: array<f32, 8>;\nfn f(x: f32) -> f32 {" in wgsl and "fn gelu_erf(" in wgsl
     assert kernel_ast.print_glsl(tree) == to_glsl(wgsl, "foreign_item")
+
+
+def test_vector_buffers_workgroup_sizes_and_builtins():
+    """Buffers of vectors (f16 ones enable f16 as ``Bindings.decls`` does), a 2-D workgroup,
+    local_invocation_id, vector workgroup arrays and swizzles print as the translator reads them."""
+    lid3 = K.Name("lid3", "vec3<u32>")
+    v = K.Name("v", "vec4<f32>")
+    tree = K.ComputeKernel((K.Buffer("vec4<f16>", False), K.Buffer("vec4<f32>", True)), (8, 4), (
+        K.Let("i", K.add(K.Field(lid3, "x"), K.Bin("*", K.Field(lid3, "y"), K.u32(8)))),
+        K.Let("v", K.Convert("vec4<f32>", K.Load(0, I, "vec4<f16>"))),
+        K.AssignIndex(K.Name("tile", "array<vec4<f32>, 32>"), I, K.Bin("*", v, K.f32(2.0, "2.0"))),
+        K.Barrier(),
+        K.Store(1, I, K.Construct("vec4<f32>", (K.Field(v, "xy", "vec2<f32>"), K.Field(v, "w", "f32"), K.f32(0.0, "0.0"))))),
+        module=(K.Shared("tile", "vec4<f32>", 32), K.Blank()), builtins=(("local_invocation_id", lid3),))
+    wgsl = kernel_ast.print_wgsl(tree)
+    assert wgsl.startswith("enable f16;\n") and "@compute @workgroup_size(8, 4)\n" in wgsl
+    assert kernel_ast.print_glsl(tree) == to_glsl(wgsl, "vectors")

@@ -390,7 +390,7 @@ class ComputeKernel:
         return (Blank(),)
 
     def uses_f16(self) -> bool:
-        return self.enable_f16 or any(b.ty == "f16" for b in self.buffers)
+        return self.enable_f16 or any("f16" in (b.ty or "") for b in self.buffers)     # (as ``Bindings.decls``)
 
 
 def buffers(b) -> tuple:

@@ -13,7 +13,7 @@ from .common import NOWHERE, WG, Bindings, broadcast_view_strides, coalesce, for
 from .expr import ExprWriter, store_stmts
 from .expr_ast import coords, offset_expr
 from .kernel_ast import (GROUP, LID, Bin, Blank, Call, CallIf, ComputeKernel, Construct, Convert, Field,
-                         Function, Group, If, Let, Load, Name, Return, ReturnIf, Store, WgslPrinter, add, buffers,
+                         Function, Group, If, Let, Lit, Load, Name, Return, ReturnIf, Store, WgslPrinter, add, buffers,
                          clear_printed,
                          printed, tree_of, u32)
 
@@ -197,17 +197,28 @@ def _bind_roles(b: Bindings, members, index):
 
 
 def _rebind(node, roles):
-    """``node`` with its buffer uses bound as ``roles`` says."""
-    if isinstance(node, (Load, Store)):
-        to, member = roles[node.binding]
-        fields = {f.name: _rebind(getattr(node, f.name), roles) for f in dataclasses.fields(node)}
-        return dataclasses.replace(node, **{**fields, "binding": to, "member": member})
-    if dataclasses.is_dataclass(node) and not isinstance(node, type):
-        return dataclasses.replace(node, **{f.name: _rebind(getattr(node, f.name), roles)
-                                            for f in dataclasses.fields(node)})
-    if isinstance(node, tuple):
-        return tuple(_rebind(x, roles) for x in node)
-    return node
+    """``node`` with its buffer uses bound as ``roles`` says (a new node where something
+    under it changed; names and literals as they are)."""
+    k = type(node)
+    if k is Name or k is Lit or k is str or node is None:
+        return node
+    if k is tuple:
+        out = tuple(_rebind(x, roles) for x in node)
+        return node if all(a is b for a, b in zip(out, node)) else out
+    names = _FIELDS.get(k)
+    if names is None:
+        if not dataclasses.is_dataclass(k):
+            return node
+        names = _FIELDS[k] = tuple(f.name for f in dataclasses.fields(k))
+    values = {f: _rebind(getattr(node, f), roles) for f in names}
+    if k is Load or k is Store:
+        values["binding"], values["member"] = roles[node.binding]
+    elif all(values[f] is getattr(node, f) for f in names):
+        return node             # (its printed text kept)
+    return k(**values)
+
+
+_FIELDS: dict = {}
 
 
 def ast_kernel(kernel):
