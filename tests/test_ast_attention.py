@@ -180,7 +180,8 @@ def test_gather_in_a_matmuls_loads_as_a_function_tree():
                     b1, b2 = Bindings(), Bindings()
                     fn = gather_ast.function_tree(gs, reads, b1, "gat0_a")
                     assert kernel_ast.WgslPrinter().function(fn) + "\n" == gather.as_function(gs, reads, b2, "gat0_a")
-                    assert (b1.bufs, b1.types, b1.scalar, b1.enable_f16) == (b2.bufs, b2.types, b2.scalar, b2.enable_f16)
+                    assert [(b.bufs, b.types, b.scalar, b.enable_f16) for b in (b1, b2)] == [(b2.bufs, b2.types, b2.scalar,
+                                                                               b2.enable_f16)] * 2
                     k = kernel_ast.ComputeKernel(tuple(kernel_ast.Buffer(t, False) for t in b1.types), 1, (),
                                                  module=(fn, kernel_ast.Blank()), enable_f16=b1.enable_f16)
                     assert kernel_ast.print_glsl(k) == to_glsl(kernel_ast.print_wgsl(k))

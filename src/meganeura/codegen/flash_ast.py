@@ -6,8 +6,8 @@ import numpy as np
 
 from . import kernel_ast as K
 from .common import Bindings, broadcast_view_strides, grid
-from .kernel_ast_attn import (NEG_INF, POS_INF, Body, SharedArray, buffers, call, construct, f32, group_index, grp,
-                              land, lit, load, name, sel, sum_terms)
+from .kernel_ast_attn import (NEG_INF, POS_INF, Body, InlineBlock, SharedArray, buffers, call, construct, f32,
+                              group_index, grp, land, lit, load, name, sel, sum_terms)
 from .expr_ast import coords
 from .store_ast import store_items
 
@@ -54,33 +54,34 @@ def tree(kernel):
         terms = [lit(x.offset)] + [u(f"z{n}") * st[n] for n in range(nbd) if st[n]]
         return sum_terms(terms + ([head * st[nbd]] if st[nbd] else []))
 
+    e, row, col = u("e"), u("row"), u("col")
+
     def stage(B, total, width, dst, src, ok):
+        """Copy ``total`` elements (e -> row = e / width, col = e % width) into workgroup
+        memory: ``dst(row, col)`` the element, ``src`` its clamped read, ``ok`` in range. The
+        statements after each copy's ``let e`` are the same nodes (built once)."""
         trips, unroll = _stage_trips(total, TH)
+        guard = (total % (TH * unroll * trips) != 0) or (trips * unroll * TH > total)
+        inner = Body()
+        inner.let("row", e / width)
+        inner.let("col", e % width)
+        inner.assign(dst(row, col), sel(f32(0.0), src(row, col), ok(row, col)))
+        after = (K.If(e.lt(total).n, inner.stmts, inline=True),) if guard else inner.stmts
         with B.for_("it", lit(0), lambda it: it.lt(trips), lambda it: it + 1) as it:
             for j in range(unroll):
-                guard = (total % (TH * unroll * trips) != 0) or (trips * unroll * TH > total)
-                with B.block(inline=True):
-                    e = B.let("e", lid + grp(it * unroll + j) * TH)
-
-                    def inner():
-                        row, col = B.let("row", e / width), B.let("col", e % width)
-                        B.assign(dst(row, col), sel(f32(0.0), src(row, col), ok(row, col)))
-                    if guard:
-                        with B.if_(e.lt(total), inline=True):
-                            inner()
-                    else:
-                        inner()
+                B.add(InlineBlock((K.Let("e", (lid + grp(it * unroll + j) * TH).n),) + after))
 
     def by_register(B, total, width, reg, body):
+        """One statement per register ``reg[j]`` of a thread's share of ``total`` elements:
+        ``body(reg[j])`` (of the names ``row`` and ``col``), loads issued a phase ahead."""
+        rc = (K.Let("row", (e / width).n), K.Let("col", (e % width).n))
         for j in range(-(-total // TH)):
-            with B.block(inline=True):
-                e = B.let("e", lid + j * TH)
-                row, col = B.let("row", e / width), B.let("col", e % width)
-                if (j + 1) * TH > total:
-                    with B.if_(e.lt(total), inline=True):
-                        body(B, reg[j], row, col)
-                else:
-                    body(B, reg[j], row, col)
+            s = Body()
+            body(s, reg[j])
+            stmt = s.stmts
+            if (j + 1) * TH > total:
+                stmt = (K.If(e.lt(total).n, stmt, inline=True),)
+            B.add(InlineBlock((K.Let("e", (lid + j * TH).n),) + rc + stmt))
 
     qs, ks, vs = q.strides, k.strides, v.strides
     piped = len(_chunks(d)) == 1 and len(VCH) == 1 and BK * max(_pad4(d), _pad4(dv)) <= 32 * TH
@@ -140,15 +141,16 @@ def tree(kernel):
         vr = B.var("vr", ty=f"array<f32, {-(-BK * wv // TH)}>")
 
         def load_k(B, k0):
-            by_register(B, BK * wk, wk, kr, lambda B, r, row, col: B.assign(
-                r, sel(f32(0.0), k_src(k0, 0, row, col), k_ok(k0, 0, row, col))))
+            value = sel(f32(0.0), k_src(k0, 0, row, col), k_ok(k0, 0, row, col))
+            by_register(B, BK * wk, wk, kr, lambda B, r: B.assign(r, value))
 
         def load_v(B, k0):
-            by_register(B, BK * wv, wv, vr, lambda B, r, row, col: B.assign(
-                r, sel(f32(0.0), v_src(k0, 0, row, col), v_ok(k0, 0, row, col))))
+            value = sel(f32(0.0), v_src(k0, 0, row, col), v_ok(k0, 0, row, col))
+            by_register(B, BK * wv, wv, vr, lambda B, r: B.assign(r, value))
 
         def put(B, total, width, reg, dst):
-            by_register(B, total, width, reg, lambda B, r, row, col: B.assign(dst(row, col), r))
+            at = dst(row, col)
+            by_register(B, total, width, reg, lambda B, r: B.assign(at, r))
         with B.extra("    "):
             load_k(B, t0 * BK)
     if spec["masked"]:

@@ -6,8 +6,8 @@ import numpy as np
 
 from . import kernel_ast as K
 from .common import Bindings, broadcast_view_strides, grid
-from .kernel_ast_attn import (NEG_INF, Body, SharedArray, buffers, call, construct, f32, group_index, grp, land,
-                              lit, load, name, sel, sum_terms)
+from .kernel_ast_attn import (NEG_INF, Body, InlineBlock, SharedArray, buffers, call, construct, f32, group_index, grp,
+                              land, lit, load, name, sel, sum_terms)
 from .expr_ast import coords
 from .store_ast import store_items
 
@@ -46,26 +46,26 @@ def tree(kernel):
         terms = [lit(x.offset)] + [u(f"z{n}") * st[n] for n in range(nbd) if st[n]]
         return sum_terms(terms + ([head * st[nbd]] if st[nbd] else []))
 
+    e, row, col = u("e"), u("row"), u("col")
+
     def stage(B, area, row0, n_rows, c0, w, buf, off, view, width):
+        """Rows row0.. (of n_rows) and columns c0..c0+w of ``view`` into ``area``:
+        area[(col / 4) * PAD + row][col % 4], zeros past the ends. The statements after
+        each copy's ``let e`` are the same nodes (built once)."""
         trips, unroll = _stage_trips(BY * w, TH)
         rs, cs = view.strides[-2], view.strides[-1]
         guard = trips * unroll * TH > BY * w
+        src = load(buf, off + call("min", row0 + row, lit(n_rows - 1)) * rs
+                   + call("min", lit(c0) + col, lit(width - 1)) * cs, "f32")
+        ok = land((row0 + row).lt(n_rows), (lit(c0) + col).lt(width))
+        inner = Body()
+        inner.let("row", e / w)
+        inner.let("col", e % w)
+        inner.assign(area[grp(col / 4) * PAD + row][col % 4], sel(f32(0.0), src, ok))
+        after = (K.If(e.lt(BY * w).n, inner.stmts, inline=True),) if guard else inner.stmts
         with B.for_("it", lit(0), lambda it: it.lt(trips), lambda it: it + 1) as it:
             for j in range(unroll):
-                with B.block(inline=True):
-                    e = B.let("e", lid + grp(it * unroll + j) * TH)
-
-                    def inner():
-                        row, col = B.let("row", e / w), B.let("col", e % w)
-                        src = load(buf, off + call("min", row0 + row, lit(n_rows - 1)) * rs
-                                   + call("min", lit(c0) + col, lit(width - 1)) * cs, "f32")
-                        ok = land((row0 + row).lt(n_rows), (lit(c0) + col).lt(width))
-                        B.assign(area[grp(col / 4) * PAD + row][col % 4], sel(f32(0.0), src, ok))
-                    if guard:
-                        with B.if_(e.lt(BY * w), inline=True):
-                            inner()
-                    else:
-                        inner()
+                B.add(InlineBlock((K.Let("e", (lid + grp(it * unroll + j) * TH).n),) + after))
 
     def dots(B, acc, w, xa_area, y_area):
         with B.for_("c4", lit(0), lambda c4: c4.lt(w // 4), lambda c4: c4 + 1) as c4:
