@@ -292,6 +292,7 @@ class Laid:
     def wgsl(self, printer):
         s = self.stmt
         if isinstance(s, K.If):
+            assert not s.orelse, "a laid-out if has no else"
             opening, body = f"if ({printer.expr(s.cond)}) {{", s.then
         elif isinstance(s, K.For):
             opening, body = printer.for_head(s) + " {", s.body
