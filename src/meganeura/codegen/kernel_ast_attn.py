@@ -147,8 +147,14 @@ class E:
         raise AttributeError(attr)
 
 
+@functools.lru_cache(maxsize=4096)
+def _name_node(id_, ty):
+    return K.Name(id_, ty)
+
+
 def name(id_, ty):
-    return E(K.Name(id_, ty))
+    """A variable (one node per name and type: a kernel names the same few thousands of times)."""
+    return E(_name_node(id_, ty))
 
 
 def grp(x):
