@@ -163,7 +163,7 @@ def render(kernel):
     from .attention_ast import tree
     from .kernel_ast import printed
     got = tree(kernel)
-    if got is None:        # (an output store not on the kernel AST yet: ``store_ast``)
+    if got is None:        # (a paired product's output store, which no attention kernel has)
         return _render_template(kernel)
     return printed(got[0]), got[1], got[2]
 

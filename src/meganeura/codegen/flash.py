@@ -126,8 +126,8 @@ def shapes_ok(q, k, v, lead) -> bool:
 
 
 def render(kernel):
-    """(WGSL, bound buffers, workgroups): printed from the kernel's tree (``flash_ast``)
-    where its output store is on the AST, else the template's."""
+    """(WGSL, bound buffers, workgroups), printed from the kernel's tree (``flash_ast``); the
+    template (``_render_template``) stays for the tests that compare the two."""
     from .flash_ast import tree
     from .kernel_ast import printed
     got = tree(kernel)

@@ -88,8 +88,8 @@ def splits(kind, q_shape, k_shape) -> int:
 
 
 def render(kernel):
-    """(WGSL, bound buffers, workgroups): printed from the kernel's tree (``flash_grad_ast``)
-    where its output store is on the AST, else the template's."""
+    """(WGSL, bound buffers, workgroups), printed from the kernel's tree (``flash_grad_ast``);
+    the template (``_render_template``) stays for the tests that compare the two."""
     from .flash_grad_ast import tree
     from .kernel_ast import printed
     got = tree(kernel)

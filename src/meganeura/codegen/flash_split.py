@@ -65,7 +65,7 @@ def render_combine(kernel):
     """The combine: one invocation per output element (row, column) reads the S partial
     LSEs of its row and the S partial values of its element; column 0 also writes the
     row's LSE when the kernel has that second output. Printed from its tree
-    (``flash_split_ast``) where its output store is on the kernel AST."""
+    (``flash_split_ast``; the template, ``_render_combine_template``, stays for the tests)."""
     from .flash_split_ast import combine_tree
     from .kernel_ast import printed
     got = combine_tree(kernel)

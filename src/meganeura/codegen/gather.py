@@ -197,7 +197,9 @@ def as_function(gather_spec, reads, bind, name) -> str:
 def render(kernel, errors=None):
     """``errors``: (buffer, first slot) of checked mode's error buffer: check k of this
     kernel writes slots 2 (first + k) (a flag) and 2 (first + k) + 1 (the bad index).
-    Printed from the kernel's tree (``gather_ast``) where its output store is on the AST."""
+    Printed from the kernel's tree (``gather_ast``): in checked mode, and outside it once the
+    printer writes the empty one-line ``report_err`` as the template's ``{}``
+    (``gather_ast.EMPTY_ONE_LINE``); until then the template's."""
     from .kernel_ast import printed
     got = gather_ast.kernel_tree(kernel, errors)
     if got is None:
