@@ -131,5 +131,14 @@ def gather_kernels():
         add(tag, [out])
         gx, gw = mg.grad(mg.ops.sum(out * out), [x, w])
         add(tag + "_grad", [gx, gw])
+    from meganeura.ops.conv import _im2col
+    g = mg.Graph()
+    x = g.input("x", (2, 3, 6, 5))
+    add("im2col_fold_batch_fill", [_im2col(x, (3, 2), (2, 1), ((1, 1), (0, 1)), (1, 2), float("-inf"), fold_batch=True)])
+    add("im2col_fill", [_im2col(x, (2, 2), (1, 1), ((1, 0), (1, 0)), (1, 1), -1.5) * 2.0])
+    g = mg.Graph()
+    lab, w = g.input("lab", (5,), mg.i32), g.input("w", (11, 6), mg.f16)
+    add("embedding_f16", [mg.ops.embedding(lab, w)])
+    add("one_hot_f16", [mg.ops.one_hot(lab, 4, dtype=mg.f16)])
     del rng
     return found
