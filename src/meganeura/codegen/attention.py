@@ -160,6 +160,16 @@ def render(kernel):
         return flash_split.render_combine(kernel)
     if kernel.spec.get("flash"):
         return flash.render(kernel)
+    from .attention_ast import tree
+    from .kernel_ast import printed
+    got = tree(kernel)
+    if got is None:        # (a paired product's output store, which no attention kernel has)
+        return _render_template(kernel)
+    return printed(got[0]), got[1], got[2]
+
+
+def _render_template(kernel):
+    """The one-row kernel's WGSL template (what ``attention_ast`` builds, line for line)."""
     q, k, v = kernel.reads[:3]
     spec = kernel.spec
     *batch, hq, lq, d = q.shape

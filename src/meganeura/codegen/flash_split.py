@@ -64,7 +64,17 @@ def splits(groups: int, key_tiles: int) -> int:
 def render_combine(kernel):
     """The combine: one invocation per output element (row, column) reads the S partial
     LSEs of its row and the S partial values of its element; column 0 also writes the
-    row's LSE when the kernel has that second output."""
+    row's LSE when the kernel has that second output. Printed from its tree
+    (``flash_split_ast``; the template, ``_render_combine_template``, stays for the tests)."""
+    from .flash_split_ast import combine_tree
+    from .kernel_ast import printed
+    got = combine_tree(kernel)
+    if got is None:
+        return _render_combine_template(kernel)
+    return printed(got[0]), got[1], got[2]
+
+
+def _render_combine_template(kernel):
     o_s, lse_s = kernel.reads[:2]
     S = kernel.spec["combine"]
     assert o_s.is_contiguous() and lse_s.is_contiguous() and o_s.shape[0] == lse_s.shape[0] == S

@@ -6,14 +6,18 @@ Each lowering supplies the WGSL lines that compute ``val`` from the output coord
 from __future__ import annotations
 
 from ..schedule import Kernel
+from . import gather_ast
 from .expr import OutputStore
 from .common import ENTRY, GROUP_INDEX, WG, Bindings, coords, grid, literal
 
 
 def _kernel(name, body, checks=None, geometry=None):
+    """``body``: the WGSL lines of the value (the template's, which ``as_function`` inlines
+    into a consumer's loads); ``spec["form"]``: what builds the same statements on the kernel
+    AST when the kernel is rendered (``gather_ast.body_tree``: the builder's name and the node)."""
     def lower(t, ins, out, materialize, temp):
         dense = [materialize(v, x) for v, x in zip(ins, t.inputs)]
-        spec = {"body": body(t), "inputs": [x.dtype for x in t.inputs]}
+        spec = {"body": body(t), "inputs": [x.dtype for x in t.inputs], "form": (name, t)}
         if checks:
             spec["checks"] = checks(t)
         if geometry:
@@ -141,7 +145,8 @@ def _lower_embedding_grad(t, ins, out, materialize, temp):
             f"    for (var q = q0; q < {p}u; q = q + 1u) {{\n"
             f"        if ({idv('q')} == v) {{ val = val + x1[xo1 + q * {d}u + j]; }}\n    }}\n"
             f"    let oi = u32(v) * {d}u + j;")
-    scatter = Kernel("embedding_grad", "gather", {"body": body, "threads": p * d, "index": "oi"}, out, [ids, ct])
+    scatter = Kernel("embedding_grad", "gather", {"body": body, "form": ("embedding_grad", t),
+                                                  "threads": p * d, "index": "oi"}, out, [ids, ct])
     return [fill(out, 0, "embedding_grad.zero"), scatter]
 
 
@@ -191,7 +196,18 @@ def as_function(gather_spec, reads, bind, name) -> str:
 
 def render(kernel, errors=None):
     """``errors``: (buffer, first slot) of checked mode's error buffer: check k of this
-    kernel writes slots 2 (first + k) (a flag) and 2 (first + k) + 1 (the bad index)."""
+    kernel writes slots 2 (first + k) (a flag) and 2 (first + k) + 1 (the bad index).
+    Printed from the kernel's tree (``gather_ast``): in checked mode, and outside it once the
+    printer writes the empty one-line ``report_err`` as the template's ``{}``
+    (``gather_ast.EMPTY_ONE_LINE``); until then the template's."""
+    from .kernel_ast import printed
+    got = gather_ast.kernel_tree(kernel, errors)
+    if got is None:
+        return _render_template(kernel, errors)
+    return printed(got[0]), got[1], got[2]
+
+
+def _render_template(kernel, errors=None):
     n = kernel.spec.get("threads", kernel.out.size)
     b = Bindings()
     store = OutputStore(kernel, b, kernel.dtype)

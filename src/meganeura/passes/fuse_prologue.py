@@ -235,7 +235,8 @@ def fuse_gather_operands(kernels, uses, max_bindings):
         if gk is None or not inlinable(gk) or gk.out.buf.kind != "temp" or not gk.out.is_contiguous():
             continue
         _compute_in_loads(kernels, gi, uses, max_bindings, {"body": gk.spec["body"], "dtype": gk.out.dtype.name,
-                                                            "im2col": gk.spec.get("im2col")})
+                                                            "im2col": gk.spec.get("im2col"),
+                                                            "form": gk.spec.get("form")})
 
 
 MAX_LOAD_RECOMPUTE = 4      # a pointwise operand is evaluated once per output tile across it
