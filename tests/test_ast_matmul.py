@@ -178,8 +178,8 @@ def test_tiled_products_rounding_operands_to_f16(rounded):
 
 
 def test_the_whisper_training_plans_products():
-    """Every matmul of the tiny Whisper encoder's training step: printed from the tree, or
-    (an im2col gather in the loads) the template's text."""
+    """Every matmul of the tiny Whisper encoder's training step, the im2col gathers in the
+    loads of its convolutions included, is printed from its tree."""
     from meganeura.bench import compile_time
     from meganeura.bench.workloads import make
     _, s, _ = compile_time._session(make("whisper", size="tiny", device="cpu"), "train", "numpy")
@@ -191,7 +191,7 @@ def test_the_whisper_training_plans_products():
                 on += 1
             else:
                 kept += 1
-    assert on >= 5 and kept >= 1, (on, kept)
+    assert on >= 5 and kept == 0, (on, kept)
 
 
 @pytest.mark.parametrize("block", ["", "128x64/16x8"])

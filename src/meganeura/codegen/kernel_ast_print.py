@@ -271,8 +271,9 @@ class WgslPrinter:
     def function(self, f: Function) -> str:
         params = ", ".join(f"{p.id}: {p.ty}" for p in f.params)
         ret = f" -> {f.ret}" if f.ret else ""
-        if f.inline:
-            return f"fn {f.name}({params}){ret} {{ {self.inline(f.body)} }}"
+        if f.inline:        # (an empty one: "{}", as the templates write it)
+            body = self.inline(f.body)
+            return f"fn {f.name}({params}){ret} {{ {body} }}" if body else f"fn {f.name}({params}){ret} {{}}"
         return "\n".join([f"fn {f.name}({params}){ret} {{"] + self.block(f.body, 1) + ["}"])
 
     def item(self, it) -> str:

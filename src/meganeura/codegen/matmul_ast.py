@@ -38,7 +38,7 @@ def gather_tree():
 
 
 def _operand_on_tree(gs) -> bool:
-    return "expr" in gs or (gs.get("tree") is not None and gather_tree() is not None)
+    return "expr" in gs or (gs.get("form") is not None and gather_tree() is not None)
 
 
 def supported(kernel) -> bool:

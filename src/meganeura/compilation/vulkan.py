@@ -41,9 +41,7 @@ VARIANT_ARCHETYPES = ("matmul", "attention")
 
 # the kernels that still go the translation fallback (not built on the kernel AST yet):
 # archetype -> which (tests/test_translation_fallback.py holds the tiny workloads to it)
-TRANSLATED_FAMILIES = {"attention": "every kernel (one-row and flash, forward and backward)",
-                       "gather": "every kernel (embedding, im2col/col2im)",
-                       "matmul": "the tiled products with an im2col in their operand loads"}
+TRANSLATED_FAMILIES: dict = {}
 
 # While kernels compile, threads return from glslang (which releases the GIL) many times a
 # kernel, each time waiting for the GIL from a thread that translates kernels or plans memory
