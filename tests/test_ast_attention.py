@@ -9,10 +9,10 @@ import pytest
 import meganeura as mg
 from meganeura.codegen import (attention, attention_ast, flash, flash_ast, flash_grad, flash_grad_ast, flash_split,
                                flash_split_ast, gather, gather_ast, kernel_ast)
-from meganeura.codegen.glsl import to_glsl
 from meganeura.schedule import Buf
 
 from . import ast_attn_cases
+from tests.glsl_reference import check_glsl
 
 _CASES = {}
 
@@ -44,8 +44,7 @@ def _same(kernel, build, template):
     assert kernel_ast.print_wgsl(tree) == wgsl, kernel.name
     assert bufs == t_bufs and groups == t_groups, kernel.name
     for unroll, ieee in ((False, True), (True, True), (False, False)):     # (IEEE changes the header only)
-        assert kernel_ast.print_glsl(tree, unroll=unroll, preserve_ieee=ieee) == \
-            to_glsl(wgsl, kernel.name, unroll=unroll, preserve_ieee=ieee), (kernel.name, unroll, ieee)
+        check_glsl(kernel_ast.print_glsl(tree, unroll=unroll, preserve_ieee=ieee), wgsl, kernel.name, unroll, ieee)
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
@@ -184,6 +183,6 @@ def test_gather_in_a_matmuls_loads_as_a_function_tree():
                                                                                b2.enable_f16)] * 2
                     k = kernel_ast.ComputeKernel(tuple(kernel_ast.Buffer(t, False) for t in b1.types), 1, (),
                                                  module=(fn, kernel_ast.Blank()), enable_f16=b1.enable_f16)
-                    assert kernel_ast.print_glsl(k) == to_glsl(kernel_ast.print_wgsl(k))
+                    check_glsl(kernel_ast.print_glsl(k), kernel_ast.print_wgsl(k), "gat0_a")
                     found += 1
     assert found >= 2
