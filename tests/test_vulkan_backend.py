@@ -44,7 +44,10 @@ def test_staged_memory_and_levels_match_the_reference(monkeypatch, staged_device
         f = {"x": rng.standard_normal((64, 32)).astype(np.float32), "y": rng.integers(0, 5, 64).astype(np.int32)}
         np.testing.assert_allclose(ours.step(f), ref.step(f), rtol=1e-5)
     for name, v in ref.state_dict().items():
-        np.testing.assert_allclose(ours.state_dict()[name], v, rtol=1e-4, atol=1e-6, err_msg=name)
+        # atol: a thousandth of one AdamW step (lr 1e-2), whose division by the root of the second
+        # moment magnifies f32 rounding where gradients nearly cancel (4e-6 seen on lavapipe since
+        # cross-entropy stopped storing the shifted logits)
+        np.testing.assert_allclose(ours.state_dict()[name], v, rtol=1e-4, atol=1e-5, err_msg=name)
     st = ours.executor.plans["step"].step.sync_stats()
     inputs, n_after = ours.executor.input_buffers, len(ours.executor.plans["step"].copies_after)
     # the feeds and the optimizer's per-step scalars
