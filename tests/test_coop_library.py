@@ -10,32 +10,19 @@ from meganeura.bench.dispatches import BINDINGS, phase_targets
 from meganeura.bench.workloads import WORKLOADS, make
 from meganeura.codegen import attention as attn, coop_library, coopmat, flash_coop, flash_grad_coop
 from meganeura.codegen.common import Bindings
-from meganeura.codegen.kernel_ast import WgslPrinter
 from meganeura.compiler import CompileOptions, compile_plan
 
-from .glsl_reference import GOLDEN, translator_library
+from .glsl_reference import GOLDEN
 from .samples_attention import head_split_block, sdpa_graph
 from .test_flash_attention import CASES as FLASH_CASES, _case
 
 OPTS = CompileOptions(precision="accelerated", max_bindings=BINDINGS, workgroup_storage=49152)
 
 
-def _translated(bind, items):
-    """The library as it was made before: the WGSL of the buffers and items, translated."""
-    items = list(items)
-    wgsl = bind.decls() + "\n" + "\n".join(WgslPrinter().item(it) for it in items) + "\n"
-    return translator_library()(wgsl, "library").code
-
-
 def _check(monkeypatch, render, case):
-    """``render()``'s GLSL printed from the AST is what it was with the translated library
-    (while the translator exists) and its golden digest (always); returns it."""
+    """``render()``'s GLSL printed from the AST has its golden digest (recorded while it was
+    what the translated library gave); returns it."""
     printed = render()[0]
-    if translator_library() is not None:
-        with monkeypatch.context() as m:
-            m.setattr(coopmat, "glsl_library", _translated)
-            m.setattr(flash_coop, "glsl_library", _translated)
-            assert printed == render()[0], case
     GOLDEN.check(printed, case, unroll=False, ieee=True)
     return printed
 
@@ -131,8 +118,6 @@ def test_library_of_an_array_binding_and_unused_position():
     bind.array((c, e), "f32")
     bind.index(c, f32)
     lib = coop_library.glsl_library(bind, [])
-    if translator_library() is not None:
-        assert lib == _translated(bind, [])
     GOLDEN.check(lib, "library", unroll=False, ieee=False)
     assert "B2_ { float d[]; } b2[2];" in coop_library.glsl_library(bind, [])
 

@@ -138,8 +138,7 @@ RUN_SAVED = textwrap.dedent("""
     feeds = {"x": values.pop("x")}
     out = ExecutableRunner(exe, values).run(feeds)[0]
     np.save(sys.argv[3], out)
-    names = ("meganeura.compilation.glslang", "meganeura.compilation.translators", "meganeura.compilation.vulkan",
-             "meganeura.codegen.glsl")
+    names = ("meganeura.compilation.glslang", "meganeura.compilation.vulkan")
     print(json.dumps({"imported": [n for n in names if n in sys.modules]}))
 """)
 

@@ -25,27 +25,17 @@ def runtime():
 
 @pytest.fixture
 def glsl_calls(monkeypatch):
-    """(preserve_ieee, GLSL) of every kernel translated, or printed from its kernel AST, in
-    this process from now on."""
+    """(preserve_ieee, GLSL) of every kernel printed from its kernel AST in this process from
+    now on."""
     from meganeura.codegen import kernel_ast
-    from tests.glsl_reference import translator_reference
-    calls, real, real_print = [], translator_reference(), kernel_ast.print_glsl
-
-    def spy(wgsl, name="kernel", unroll=None, preserve_ieee=True):
-        out = real(wgsl, name, unroll, preserve_ieee)
-        calls.append((preserve_ieee, out))
-        return out
+    calls, real_print = [], kernel_ast.print_glsl
 
     def spy_print(tree, unroll=None, preserve_ieee=True):
         out = real_print(tree, unroll, preserve_ieee)
         calls.append((preserve_ieee, out))
         return out
-    if real is not None:        # the translation fallback, while the translator exists
-        from meganeura.codegen import glsl
-        monkeypatch.setattr(glsl, "to_glsl", spy)
     monkeypatch.setattr(kernel_ast, "print_glsl", spy_print)
     monkeypatch.setenv("MEGANEURA_NO_DISK_CACHE", "1")
-    monkeypatch.setenv("MEGANEURA_TRANSLATE_WORKERS", "0")       # every kernel translated here
     from meganeura.compilation import vulkan
     vulkan.clear_memory()
     return calls

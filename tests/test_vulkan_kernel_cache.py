@@ -1,6 +1,6 @@
 """The Vulkan backend's compiled-kernel cache: a kernel text's SPIR-V and reflection kept on
 disk under a key of the text, so that a warm process creates its pipelines without
-translating WGSL to GLSL, running glslang or parsing SPIR-V (a request for many kernels
+printing GLSL, running glslang or parsing SPIR-V (a request for many kernels
 reads them from one set); corrupt entries are ignored and rewritten; ``MEGANEURA_NO_DISK_CACHE=1`` writes and reads nothing. Also: pipelines
 made in batches share their layouts, and a failing batch names its kernel."""
 import threading
@@ -92,7 +92,7 @@ class _Runtime:
     finishes them for the runtime's target (nothing compiled kept in memory from before: the
     disk caches serve them; the kernel ASTs the texts were printed from stay, as in a process
     that rendered them), and the runtime creates their pipelines. ``stats``: the runtime's,
-    with the finishing's kernels read from disk and seconds translating."""
+    with the finishing's kernels read from disk and seconds printing GLSL."""
 
     def __init__(self, dev):
         vk_finish.clear_memory(trees=False)
@@ -138,16 +138,12 @@ def _texts(rt, monkeypatch, with_loss=False):
 
 
 def _forbid_compiling(monkeypatch):
-    """Translating, compiling or reflecting anything fails the test."""
+    """Printing, compiling or reflecting anything fails the test."""
     from meganeura.codegen import kernel_ast
     from meganeura.compilation import glslang
-    from tests.glsl_reference import translator_reference
 
     def fail(*a, **k):
         raise AssertionError("compiled a kernel the cache holds")
-    if translator_reference() is not None:
-        from meganeura.codegen import glsl
-        monkeypatch.setattr(glsl, "to_glsl", fail)
     monkeypatch.setattr(kernel_ast, "print_glsl", fail)
     monkeypatch.setattr(glslang, "compile_glsl", fail)
     monkeypatch.setattr(pipelines, "reflect", fail)
@@ -164,7 +160,7 @@ def cache_dir(tmp_path, monkeypatch):
     return tmp_path
 
 
-def test_a_warm_runtime_creates_the_same_pipelines_without_translating(cache_dir, monkeypatch):
+def test_a_warm_runtime_creates_the_same_pipelines_without_printing(cache_dir, monkeypatch):
     from meganeura.runtime.vulkan.device import get_vulkan_device
     dev = get_vulkan_device()
     cold = _Runtime(dev)
@@ -220,8 +216,10 @@ def test_a_request_for_many_kernels_is_read_back_from_one_set(cache_dir, monkeyp
     from meganeura.runtime.vulkan.device import get_vulkan_device
     dev = get_vulkan_device()
     shaders = _texts(_Runtime(dev), monkeypatch)
-    shaders = (shaders * cache.SET_MIN_KERNELS)[:max(len(shaders), cache.SET_MIN_KERNELS)]
-    shaders = [(f"{text}\n// {i}\n", label) for i, (text, label) in enumerate(shaders)]   # a request of new texts
+    assert len(shaders) >= cache.SET_MIN_KERNELS
+    for folder in ("kernels", "kernel_sets"):      # what compiling them stored: the request is new again
+        for p in (cache_dir / folder).glob("*.bin"):
+            p.unlink()
     cold = _Runtime(dev)
     first = cold.pipelines(shaders)
     path = cache.kernel_set_path(cold._kernel_set_key([text for text, _ in shaders]))
@@ -299,28 +297,28 @@ def test_glslang_compiles_on_several_threads_as_on_one():
     assert out == one
 
 
-def test_a_kernel_that_fails_to_translate_names_itself_and_stores_nothing(cache_dir, monkeypatch):
-    from meganeura.codegen.glsl import GlslTranslationError
+def test_a_kernel_without_a_tree_names_itself_and_stores_nothing(cache_dir, monkeypatch):
+    from meganeura.compilation.vulkan import KernelSourceError
     from meganeura.runtime.vulkan.device import get_vulkan_device
     rt = _Runtime(get_vulkan_device())
     good = _texts(rt, monkeypatch)[:2]
     rt = _Runtime(get_vulkan_device())
     before = sorted((cache_dir / "kernels").glob("*.bin"))
-    with pytest.raises(GlslTranslationError, match="broken"):
+    with pytest.raises(KernelSourceError, match="broken"):
         rt.pipelines(good + [("fn main( {", "broken")])
     assert sorted((cache_dir / "kernels").glob("*.bin")) == before
     assert rt.pipelines(good)[0].pipeline is not None
 
 
 def test_new_kernels_stream_to_the_threads_and_a_failure_leaves_no_pipeline(cache_dir, monkeypatch):
-    """New kernels are translated longest first and compiled on the pool while the rest are
-    translated: the same kernels as one at a time; a kernel that fails to translate after
-    others were handed to the pool raises once they end, and none of them stays alive."""
-    from meganeura.codegen.glsl import GlslTranslationError
+    """New kernels are printed longest first and compiled on the pool while the rest are
+    printed: the same kernels as one at a time; a kernel with no tree to print, met after
+    others were handed to the pool, raises once they end, and none of them stays alive."""
+    from meganeura.compilation.vulkan import KernelSourceError
     from meganeura.runtime.vulkan.device import get_vulkan_device
     dev = get_vulkan_device()
     texts = _texts(_Runtime(dev), monkeypatch)
-    monkeypatch.setenv("MEGANEURA_NO_DISK_CACHE", "1")        # every kernel new: translated and compiled
+    monkeypatch.setenv("MEGANEURA_NO_DISK_CACHE", "1")        # every kernel new: printed and compiled
     one = [_Runtime(dev).pipelines([t], threads=1)[0] for t in texts]
     rt = _Runtime(dev)
     many = rt.pipelines(texts, threads=4)
@@ -328,8 +326,8 @@ def test_new_kernels_stream_to_the_threads_and_a_failure_leaves_no_pipeline(cach
     assert rt.stats["pipelines_compiled"] == len(texts) and rt.stats["glsl_seconds"] > 0
     alive = len([k for k in dev._kernels if k.pipeline is not None])
     rt = _Runtime(dev)
-    broken = ("fn main( {", "broken")          # the shortest: translated after the others went to the pool
-    with pytest.raises(GlslTranslationError, match="broken"):
+    broken = ("fn main( {", "broken")          # the shortest: met after the others went to the pool
+    with pytest.raises(KernelSourceError, match="broken"):
         rt.pipelines(texts + [broken], threads=4)
     assert not rt._pipelines and len([k for k in dev._kernels if k.pipeline is not None]) <= alive
 
@@ -381,7 +379,7 @@ def test_threads_making_pipelines_get_the_gil_promptly_and_the_interval_comes_ba
     return often to a process whose other thread runs Python); it is restored afterwards,
     after a failure too, and only by the last of overlapping users."""
     import sys
-    from meganeura.codegen.glsl import GlslTranslationError
+    from meganeura.compilation.vulkan import KernelSourceError
     from meganeura.runtime.vulkan.device import get_vulkan_device
     before = sys.getswitchinterval()
     seen = []
@@ -398,7 +396,7 @@ def test_threads_making_pipelines_get_the_gil_promptly_and_the_interval_comes_ba
     _Runtime(dev).pipelines(texts, threads=3)
     assert vk_finish.GIL_SWITCH_S < before and seen == pytest.approx([vk_finish.GIL_SWITCH_S] * len(texts), rel=1e-3)
     assert sys.getswitchinterval() == before
-    with pytest.raises(GlslTranslationError):
+    with pytest.raises(KernelSourceError):
         _Runtime(dev).pipelines([("fn main( {", "broken")] + texts[:1], threads=3)
     assert sys.getswitchinterval() == before
     with vk_finish.prompt_gil_handoff():

@@ -61,8 +61,6 @@ _TABLE = [
     # compile threads and workers
     Switch("MEGANEURA_COMPILE_THREADS", "int", "one per CPU, at most 16", "threads creating pipelines",
            "runtime.backends", keyed=False),
-    Switch("MEGANEURA_TRANSLATE_WORKERS", "int", "one per four CPUs, at most 4", "processes translating kernels "
-           "to GLSL (0: in-process)", "compilation.translators"),
     Switch("MEGANEURA_EARLY_KERNELS", "flag", "1", "start making pipelines while the plan is still rendered",
            "runtime.executor"),
     Switch("MEGANEURA_DETECT_ANOMALY", "flag", "0", "check every dispatch's output for Inf/NaN",

@@ -335,18 +335,19 @@ class _TreePickler(pickle.Pickler):
 def _packed_trees(texts) -> list:
     """[(WGSL text, compressed pickle of its kernel AST)] of a plan's distinct ``texts`` (each
     text to the one object the entry pickles) printed from a tree in this process
-    (``kernel_ast.tree_of``); a tree that cannot be pickled is left out (translated)."""
+    (``kernel_ast.tree_of``); None where one has no tree or its tree cannot be pickled: the
+    Vulkan backend could not print that kernel from the entry, so the plan is not stored."""
     from .codegen.kernel_ast import tree_of
     out = []
     for text in texts.values():
         tree = tree_of(text)
         if tree is None:
-            continue
+            return None
         buf = io.BytesIO()
         try:
             _TreePickler(buf, protocol=pickle.HIGHEST_PROTOCOL).dump(tree)
         except Exception:        # noqa: BLE001 (a node holding something unpicklable)
-            continue
+            return None
         out.append((text, zlib.compress(buf.getvalue(), 1)))
     return out
 
@@ -371,8 +372,8 @@ def _keep_trees(plan, trees, path) -> bool:
 def stored_tree(text):
     """The kernel AST whose WGSL is ``text`` that a plan read from the cache holds (None:
     none does): read on the first ask and registered (``kernel_ast.printed``, which must
-    print ``text``; else the entry is deleted and None returned: the kernel is translated,
-    and the next process compiles the plan again), after which ``kernel_ast.tree_of`` finds
+    print ``text``; else the entry is deleted and None returned: the Vulkan stage refuses
+    the kernel, and the next compile builds the plan again), after which ``kernel_ast.tree_of`` finds
     it too."""
     from .codegen.kernel_ast import ComputeKernel, printed, tree_of
     with _stored_lock:
@@ -439,8 +440,11 @@ def store(key: str, plan) -> None:
                                      for d in plan.dispatches],
                    stats={k: v for k, v in plan.stats.items() if k != "seconds"},
                    compile_seconds=0.0)         # timings left out: the same plan, the same entry
+    trees = _packed_trees(texts)
+    if trees is None:            # a kernel without a tree to store: compiled each time
+        return
     try:
-        data = pickle.dumps((_MAGIC, FORMAT, slim, _packed_trees(texts)), protocol=pickle.HIGHEST_PROTOCOL)
+        data = pickle.dumps((_MAGIC, FORMAT, slim, trees), protocol=pickle.HIGHEST_PROTOCOL)
     except Exception:            # noqa: BLE001 (a plan holding something unpicklable is compiled each time)
         return
     if disk.store(_path(key), data):

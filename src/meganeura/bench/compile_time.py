@@ -32,8 +32,8 @@ order in which nodes were made).
 
 ``--spirv``: what a cold compile hands the GPU driver, device-free: each graph's distinct
 kernel texts (all its phases, as one session compiles them), finished by the Vulkan compile
-stage as for the H200 (``stage_kernels``: GLSL printed from the kernel AST or translated,
-compiled by glslang), counted in kernels and KiB of SPIR-V by archetype. The NVIDIA
+stage as for the H200 (``stage_kernels``: GLSL printed from the kernel AST, compiled by
+glslang), counted in kernels and KiB of SPIR-V by archetype. The NVIDIA
 driver's pipeline creation on the H200 grew with that size (``DRIVER_MS_PER_KIB``), so the
 column ``driver`` estimates its seconds summed over threads: a change meant to shorten cold
 compiles can be judged before it reaches the device. The estimate holds for code that does
@@ -188,8 +188,7 @@ def digests(names, size, precisions=("strict", "accelerated")) -> dict:
 def stage_kernels(kernels_by_text, threads=1) -> tuple:
     """The Vulkan compile stage's kernels of WGSL texts ``{text: kernel}`` for the H200
     (``Target.h200``: unrolled loops, IEEE float controls, Vulkan 1.3), as a plan's compile
-    finishes them: GLSL printed from the kernel AST where the text was printed from one (else
-    translated), compiled by glslang on ``threads`` threads, no disk caches. Returns
+    finishes them: GLSL printed from each text's kernel AST, compiled by glslang on ``threads`` threads, no disk caches. Returns
     ({text: FinalKernel}, the stage's stats)."""
     from ..compilation.target import Target
     from ..compilation.vulkan import VulkanKernels

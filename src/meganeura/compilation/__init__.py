@@ -2,5 +2,4 @@
 compiled for (``target``), the ``Executable`` it becomes (``executable``), accelerated
 precision's policy (``precision``), the in-place passes (``inplace``), and the finishing of
 kernels for Vulkan (``vulkan``: cooperative-matrix variants, GLSL printed from the kernel
-AST or, for the families not on it yet, translated (``translators``), SPIR-V through
-``glslang``). Nothing here needs a device."""
+AST, SPIR-V through ``glslang``). Nothing here needs a device."""

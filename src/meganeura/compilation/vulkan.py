@@ -4,18 +4,14 @@ becomes SPIR-V and its reflection (``FinalKernel``).
 - in accelerated precision, tiled matmuls with f16 operands (``codegen.coopmat``) and flash
   attention (``codegen.flash_coop``, ``codegen.flash_grad_coop``) become kernels on
   cooperative matrices where the target has them (``Target.tensor_cores``): ``variants``;
-- kernels built on the typed kernel AST (``codegen.kernel_ast``: those whose WGSL was
-  printed from a tree, ``kernel_ast.tree_of``, or whose plan, read from the plan cache,
-  holds their tree, ``plan_cache.stored_tree``) are printed as GLSL from it;
-- the rest, the families not on the AST yet (``TRANSLATED_FAMILIES``), go the translation
-  fallback: their WGSL is translated to GLSL (``codegen.glsl``, by the translation workers,
-  ``translators``, for a large request), counted (``stats["kernels_translated"]``); the
-  fallback is the only user of the translator, and goes with it once every family is
-  printed;
+- every other kernel is printed as GLSL from its typed kernel AST (``codegen.kernel_ast``:
+  the tree its WGSL was printed from, ``kernel_ast.tree_of``, or, for a plan read from the
+  plan cache, the tree the entry holds, ``plan_cache.stored_tree``); a WGSL text with no
+  tree is refused (``KernelSourceError``): nothing parses WGSL back;
 - every kernel is compiled by glslang (``glslang``, a library: no device) and reflected
   (``spirv.reflect``);
 - the SPIR-V and its reflection are kept on disk under a key of the kernel text, the
-  target's SPIR-V environment, the translation switches, glslang and the package
+  target's SPIR-V environment, the GLSL switches (unrolling), glslang and the package
   (``cache.CompiledKernel``), those of a whole plan also as one set; the variants too, keyed
   by the WGSL text, so that a plan read from the plan cache (no kernel IR) finds them.
 
@@ -39,12 +35,8 @@ from .float_controls import ieee_preserve
 # archetypes with kernels on cooperative matrices: tiled matmuls and flash attention
 VARIANT_ARCHETYPES = ("matmul", "attention")
 
-# the kernels that still go the translation fallback (not built on the kernel AST yet):
-# archetype -> which (tests/test_translation_fallback.py holds the tiny workloads to it)
-TRANSLATED_FAMILIES: dict = {}
-
 # While kernels compile, threads return from glslang (which releases the GIL) many times a
-# kernel, each time waiting for the GIL from a thread that translates kernels or plans memory
+# kernel, each time waiting for the GIL from a thread that prints kernels or plans memory
 # in Python; that thread gives it up only every switch interval (5 ms by default). A shorter
 # interval while they run: H200, U-Net's training plans from empty caches on 16 threads:
 # glslang's seconds summed over threads 31.1 -> 16.4 (0.2 ms; 1 ms: 21.5), compile 6.8 -> 5.6 s.
@@ -104,9 +96,8 @@ class VulkanKernels:
     docstring). ``stream``: a ``KernelStream`` each finished kernel is put on; ``disk``: read
     and write the disk caches (None: unless ``MEGANEURA_NO_DISK_CACHE``); ``threads``: glslang
     threads (``backends.compile_threads``). ``stats``: kernels read compiled from disk,
-    seconds making GLSL (printed or translated) and compiling (summed over threads), kernels
-    compiled, dispatches on cooperative matrices, kernels printed from their kernel AST and
-    kernels that went the translation fallback (``kernels_translated``)."""
+    seconds printing GLSL and compiling (summed over threads), kernels
+    compiled, dispatches on cooperative matrices, kernels printed from their kernel AST."""
 
     def __init__(self, target, precision="strict", stream=None, disk=None, threads=None):
         from ..runtime.vulkan.cache import disk_cache_enabled
@@ -115,7 +106,7 @@ class VulkanKernels:
         self.ieee = ieee_preserve(target)      # warns (or raises, on request) where the device lacks it
         self.disk = disk_cache_enabled() if disk is None else bool(disk)
         self.stats = {"kernel_cache_hits": 0, "glsl_seconds": 0.0, "compile_seconds": 0.0, "kernels_compiled": 0,
-                      "coopmat_kernels": 0, "kernels_printed": 0, "kernels_translated": 0}
+                      "coopmat_kernels": 0, "kernels_printed": 0}
         self._early: dict = {}          # WGSL text -> Future of its FinalKernel (``start``)
         self._trees: dict = {}          # WGSL text -> its kernel AST (``_note``)
         self._pool = None
@@ -130,7 +121,7 @@ class VulkanKernels:
         return dict(target=env, glslang=glslang_version_tag(), package=package_digest())
 
     def kernel_key(self, text) -> str:
-        """The key of ``text``'s compiled kernel (``cache.kernel_key``): the GLSL translation
+        """The key of ``text``'s compiled kernel (``cache.kernel_key``): the GLSL printing
         switches count for WGSL only (GLSL is compiled as it is)."""
         from ..runtime.vulkan.cache import kernel_key
         return kernel_key(text, unroll=self.target.unroll and not _is_glsl(text), **self._context())
@@ -143,7 +134,7 @@ class VulkanKernels:
     def _note(self, kernel, text):
         """Keep the kernel AST that ``text`` (``kernel``'s WGSL; ``kernel`` may be None) was
         printed from, where it was (``codegen.kernel_ast.tree_of``, by the text: any
-        archetype), for its GLSL to be printed from it rather than translated."""
+        archetype), for its GLSL to be printed from it."""
         if text not in self._trees:
             from ..codegen.kernel_ast import tree_of
             tree = tree_of(text)
@@ -164,11 +155,15 @@ class VulkanKernels:
                     self._trees[text] = tree
         return tree
 
-    def _printed(self, text):
-        """(GLSL, seconds) of ``text`` printed from its kernel AST, or None (translated)."""
+    def _printed(self, text, label="kernel"):
+        """(GLSL, seconds) of WGSL ``text`` printed from its kernel AST; ``KernelSourceError``
+        where it has none."""
         tree = self._tree(text)
         if tree is None:
-            return None
+            raise KernelSourceError(
+                f"kernel {label!r}: its WGSL was not printed from a kernel AST in this process, and no plan read "
+                "from the plan cache holds its tree; the Vulkan backend prints GLSL from kernel trees only "
+                "(a kernel written as WGSL text runs on backend='wgpu')")
         from ..codegen.kernel_ast import print_glsl
         t = time.perf_counter()
         glsl = print_glsl(tree, unroll=self.target.unroll, preserve_ieee=self.ieee)
@@ -179,10 +174,9 @@ class VulkanKernels:
     def prepare(self):
         """A plan is being compiled (not read from the plan cache): glslang's first compile of
         the process, which runs alone, starts now beside the compiler passes
-        (``glslang.start_warm_up``), and the translation fallback's workers boot."""
+        (``glslang.start_warm_up``)."""
         from .glslang import start_warm_up
         start_warm_up(prompt_gil_handoff)
-        _translation_workers(start=True)
 
     def start(self, kernel, text):
         """Start finishing ``text`` (``kernel``'s WGSL) now, on threads of its own, while the
@@ -211,8 +205,7 @@ class VulkanKernels:
         elif ck is not None:
             fk = self._remember(self._final(label, key, ck, text, from_disk=True))
         else:
-            printed = self._printed(text)
-            glsl, seconds = printed if printed is not None else self._translated_one(text, label)
+            glsl, seconds = self._printed(text, label)
             self._add("glsl_seconds", seconds)
             fk = self._compile(glsl, label, key, text)
         if self.stream is not None:
@@ -323,28 +316,6 @@ class VulkanKernels:
             store_json(self._variant_path(text), {"glsl": glsl, "groups": groups})
         return glsl, tuple(groups)
 
-    # ------------------------------------------------------------------ the translation fallback
-    # (kernels of ``TRANSLATED_FAMILIES``: every other kernel is printed from its kernel AST)
-    def _glsl_here(self, text, label):
-        """(GLSL, seconds) of WGSL ``text`` translated on this thread (counted)."""
-        from ..codegen.glsl import to_glsl
-        t = time.perf_counter()
-        glsl = to_glsl(text, label, unroll=self.target.unroll, preserve_ieee=self.ieee)
-        self._add("kernels_translated", 1)
-        return glsl, time.perf_counter() - t
-
-    def _translated_one(self, text, label):
-        """(GLSL, seconds) of WGSL ``text`` translated by a worker where they run, else here."""
-        workers, lost = _translation_workers(None)
-        if workers is not None:
-            try:
-                glsl, seconds = workers.submit(text, label, self.target.unroll, self.ieee).result()
-            except lost:
-                return self._glsl_here(text, label)
-            self._add("kernels_translated", 1)
-            return glsl, seconds
-        return self._glsl_here(text, label)
-
     # ------------------------------------------------------------------ compiling
     def _add(self, stat, value):
         with self._lock:
@@ -391,7 +362,7 @@ class VulkanKernels:
         """{text: FinalKernel} for ``entries`` [(text, label)] (WGSL, or a variant's GLSL; each
         distinct text once): those started early, those on disk (one kernel set file where a
         request of at least ``cache.SET_MIN_KERNELS`` stored one, else one file each), the rest
-        translated and compiled on threads, the longest first. A failure raises once every
+        printed and compiled on threads, the longest first. A failure raises once every
         job has ended."""
         from concurrent.futures import ThreadPoolExecutor
         from ..runtime.backends import compile_threads
@@ -440,7 +411,7 @@ class VulkanKernels:
         return done
 
     def _compile_all(self, misses, done, workers, pool_type):
-        failed = threading.Event()      # a job raised: translate and hand out no more
+        failed = threading.Event()      # a job raised: print and hand out no more
 
         def job(text, glsl, label, key):
             try:
@@ -458,14 +429,14 @@ class VulkanKernels:
             if pool is not None:
                 inside.enter_context(prompt_gil_handoff())
             try:
-                for text, label, key, glsl, seconds in self._translated(misses, failed):
+                for text, label, key, glsl, seconds in self._glsl_of(misses, failed):
                     self._add("glsl_seconds", seconds)
                     if pool is None:
                         t, fk = job(text, glsl, label, key)
                         done[t] = fk
                     else:
                         jobs.append(pool.submit(job, text, glsl, label, key))
-            except BaseException as e:      # a translation failed: let the submitted jobs end
+            except BaseException as e:      # a kernel without a tree: let the submitted jobs end
                 error = e
             for future in jobs:
                 try:
@@ -476,63 +447,25 @@ class VulkanKernels:
         if error is not None:
             raise error
 
-    def _translated(self, misses, failed):
-        """(text, label, key, GLSL, seconds translating) of ``misses`` [(text, label, key)], in
-        the order they are ready, the longest texts (the longest compiles) first: by the
-        translation fallback's workers for a large request, else here. Stops once ``failed`` is
-        set; a kernel a lost worker held is translated here."""
-        from concurrent.futures import as_completed
-
-        todo = []
+    def _glsl_of(self, misses, failed):
+        """(text, label, key, GLSL, seconds printing) of ``misses`` [(text, label, key)], the
+        longest texts (the longest compiles) first. Stops once ``failed`` is set."""
         for text, label, key in sorted(misses, key=lambda m: -len(m[0])):
+            if failed.is_set():
+                return
             if _is_glsl(text):          # a variant's GLSL already
                 yield text, label, key, text, 0.0
-            elif (printed := self._printed(text)) is not None:     # from its kernel AST
-                yield (text, label, key) + printed
             else:
-                todo.append((text, label, key))
-        if not todo:
-            return
-        workers, lost = _translation_workers(len(todo))
-        if workers is None:
-            for text, label, key in todo:
-                if failed.is_set():
-                    return
-                yield (text, label, key) + self._glsl_here(text, label)
-            return
-        asked = {workers.submit(text, label, self.target.unroll, self.ieee): (text, label, key) for text, label, key in todo}
-        try:
-            for fut in as_completed(asked):
-                if failed.is_set():
-                    return
-                text, label, key = asked[fut]
-                try:
-                    glsl, seconds = fut.result()
-                    self._add("kernels_translated", 1)
-                except lost:
-                    glsl, seconds = self._glsl_here(text, label)
-                yield text, label, key, glsl, seconds
-        finally:            # stopped early (a failure): what is not sent yet is not translated
-            for fut in asked:
-                fut.cancel()
+                yield (text, label, key) + self._printed(text, label)
 
 
-def _translation_workers(n=None, start=False):
-    """The translation fallback's workers: (pool, the error of a lost worker) for a request of
-    ``n`` kernels (None: one kernel, which a running pool takes; pool None: translate here),
-    or, with ``start``, boot them."""
-    from . import translators
-    if start:
-        translators.start()
-        return None, translators.WorkerLost
-    return translators.pool_for(translators.MIN_KERNELS if n is None else n), translators.WorkerLost
+class KernelSourceError(RuntimeError):
+    """A WGSL kernel text with no kernel AST to print its GLSL from."""
 
 
 def clear_memory(trees=True):
     """Forget the finished kernels, cooperative-matrix variants, GLSL memos and (``trees``)
-    kernel ASTs kept in memory (the disk keeps its own); the translator's memos too, where it
-    was loaded."""
-    import sys
+    kernel ASTs kept in memory (the disk keeps its own)."""
     with _variants_lock:
         _variants.clear()
     with _finished_lock:
@@ -542,9 +475,6 @@ def clear_memory(trees=True):
     if trees:
         clear_printed()
     clear_caches()
-    translator = sys.modules.get(__package__.rpartition(".")[0] + ".codegen.glsl")
-    if translator is not None:
-        translator.clear_caches()
 
 
-__all__ = ["VulkanKernels", "VARIANT_ARCHETYPES", "clear_memory", "prompt_gil_handoff"]
+__all__ = ["KernelSourceError", "VulkanKernels", "VARIANT_ARCHETYPES", "clear_memory", "prompt_gil_handoff"]
