@@ -2,6 +2,8 @@ import os
 import shutil
 import tempfile
 
+import pytest
+
 os.environ.setdefault("XDG_RUNTIME_DIR", "/tmp")
 
 # the suite's disk caches (compiled plans, SPIR-V) start empty in a folder of their own:
@@ -37,3 +39,14 @@ def pytest_unconfigure(config):
     from tests.glsl_reference import GOLDEN
     if GOLDEN.update:
         GOLDEN.write()
+
+
+@pytest.fixture(autouse=True)
+def _printed_trees():
+    """Each test's printed kernel ASTs, for ``tests.printed_trees.tree_of``."""
+    from meganeura.codegen.kernel_ast import collected_trees
+    from tests.printed_trees import PRINTED
+    PRINTED.clear()
+    with collected_trees(PRINTED):
+        yield
+    PRINTED.clear()

@@ -10,6 +10,7 @@ import meganeura as mg
 from meganeura.codegen import (attention, attention_ast, flash, flash_ast, flash_grad, flash_grad_ast, flash_split,
                                flash_split_ast, gather, gather_ast, kernel_ast)
 from meganeura.schedule import Buf
+from tests.printed_trees import tree_of
 
 from . import ast_attn_cases
 from tests.glsl_reference import check_glsl
@@ -126,7 +127,7 @@ def test_flash_forward_and_backward_on_the_ast_match_numpy(backend, flash_only, 
         stats = getattr(plan.executable, "stats", {})
     for w, o in zip(want, got):
         np.testing.assert_allclose(o, w, rtol=1e-4, atol=1e-5)
-    on_ast = {d.wgsl for d in kp.dispatches if kernel_ast.tree_of(d.wgsl) is not None}
+    on_ast = {d.wgsl for d in kp.dispatches if tree_of(d.wgsl) is not None}
     flashes = {d.wgsl for d in kp.dispatches if d.kernel.archetype == "attention" and "combine" not in d.kernel.spec}
     assert flashes and flashes <= on_ast, kp.names
     if backend == "gpu":
@@ -154,7 +155,7 @@ def test_one_row_attention_on_the_ast_matches_numpy(backend, monkeypatch):
         got = s.run(feeds)[0]
         kp = s.executor.plans["run"].kernel_plan
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
-    assert [kernel_ast.tree_of(d.wgsl) is not None for d in kp.dispatches] == [True], kp.names
+    assert [tree_of(d.wgsl) is not None for d in kp.dispatches] == [True], kp.names
 
 
 def test_gather_in_a_matmuls_loads_as_a_function_tree():

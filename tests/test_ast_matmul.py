@@ -10,6 +10,7 @@ import pytest
 import meganeura as mg
 from meganeura.codegen import gemv, kernel_ast, matmul
 from meganeura.compiler import compile_plan
+from tests.printed_trees import tree_of
 from tests.glsl_reference import check_glsl
 
 
@@ -22,7 +23,7 @@ def _template(k):
 def check_kernel(k, text, bufs, groups, template=_template):
     """``text`` (a kernel's WGSL as rendered) against its template's, and the GLSL printed from
     its tree against the translator's; False where the template wrote it."""
-    tree = kernel_ast.tree_of(text)
+    tree = tree_of(text)
     wgsl, tbufs, tgroups = template(k)
     assert text == wgsl, k.name
     assert list(bufs) == list(tbufs) and tuple(groups) == tuple(tgroups), k.name
@@ -120,7 +121,7 @@ def test_vulkan_runs_gemvs_printed(monkeypatch):
         stats, kp = plan.executable.stats, plan.kernel_plan
     for w, o in zip(want, got):
         np.testing.assert_allclose(o, w, rtol=1e-5, atol=1e-5)
-    printed = {d.wgsl for d in kp.dispatches if kernel_ast.tree_of(d.wgsl) is not None}
+    printed = {d.wgsl for d in kp.dispatches if tree_of(d.wgsl) is not None}
     assert sum(1 for d in kp.dispatches if d.kernel.spec.get("gemv")) >= 3
     assert printed and stats["kernels_printed"] == len(printed), (stats, kp.names)
 
@@ -219,7 +220,7 @@ def test_vulkan_runs_tiled_products_printed(monkeypatch, block):
     for w, o in zip(want, got):
         np.testing.assert_allclose(o, w, rtol=1e-4, atol=1e-4)
     tiled = [d for d in kp.dispatches if d.kernel.archetype == "matmul"]
-    assert len(tiled) >= 2 and all(kernel_ast.tree_of(d.wgsl) is not None for d in tiled), kp.names
+    assert len(tiled) >= 2 and all(tree_of(d.wgsl) is not None for d in tiled), kp.names
     assert stats["kernels_printed"] >= len({d.wgsl for d in tiled}), (stats, kp.names)
 
 
@@ -238,8 +239,8 @@ def test_alike_siblings_share_one_body_over_arrays_of_buffers():
         shared = 0
         for d in compile_plan(outs, options=opts).dispatches:
             if d.kernel.archetype == "matmul":
-                assert kernel_ast.tree_of(d.wgsl) is not None and d.wgsl == matmul._render_template(d.kernel, 64)[0]
-                tree = kernel_ast.tree_of(d.wgsl)
+                assert tree_of(d.wgsl) is not None and d.wgsl == matmul._render_template(d.kernel, 64)[0]
+                tree = tree_of(d.wgsl)
                 for unroll in (False, True):
                     check_glsl(kernel_ast.print_glsl(tree, unroll), d.wgsl, d.kernel.name, unroll)
                 shared += "binding_array" in d.wgsl and "fn locate" in d.wgsl
@@ -265,7 +266,7 @@ def test_vulkan_runs_a_shared_body_printed(monkeypatch):
     for w, o in zip(want, got):
         np.testing.assert_allclose(o, w, rtol=1e-5, atol=1e-4)
     (d,) = kp.dispatches
-    assert "binding_array" in d.wgsl and kernel_ast.tree_of(d.wgsl) is not None and stats["kernels_printed"] == 1
+    assert "binding_array" in d.wgsl and tree_of(d.wgsl) is not None and stats["kernels_printed"] == 1
 
 
 def _pointwise_operands(g):
@@ -301,5 +302,5 @@ def test_vulkan_runs_pointwise_operands_printed(monkeypatch):
     for w, o in zip(want, got):
         np.testing.assert_allclose(o, w, rtol=1e-4, atol=1e-4)
     mm = [d for d in kp.dispatches if d.kernel.archetype == "matmul"]
-    assert mm and all(kernel_ast.tree_of(d.wgsl) is not None for d in mm), kp.names
+    assert mm and all(tree_of(d.wgsl) is not None for d in mm), kp.names
     assert stats["kernels_printed"] == len({d.wgsl for d in kp.dispatches}), (stats, kp.names)

@@ -11,6 +11,7 @@ import meganeura as mg
 from meganeura.codegen import kernel_ast, quantized, quantized_gemv, quantized_tiled
 from meganeura.compiler import compile_plan
 from meganeura.ops.quantized import QTYPES, row_bytes
+from tests.printed_trees import tree_of
 from tests.glsl_reference import check_glsl
 
 TEMPLATES = {"gemv": quantized_gemv._render_template, "tiled": quantized_tiled._render_template}
@@ -57,7 +58,7 @@ def _graphs():
 def _check(k, text):
     """The kernel's WGSL (``text``, as the plan holds it) against its template's, and the
     GLSL printed from its tree against the translator's; False where the template wrote it."""
-    tree = kernel_ast.tree_of(text)
+    tree = tree_of(text)
     wgsl, bufs, groups = TEMPLATES.get(k.spec["mode"], quantized._render_template)(k)
     assert text == wgsl, k.name
     if tree is None:

@@ -259,8 +259,8 @@ def test_kernels_start_as_their_plan_renders(early, monkeypatch):
     vulkan.clear_memory()
     started, streamed = [], []
     real_start, real_put = vulkan.VulkanKernels.start, executable.KernelStream.put
-    monkeypatch.setattr(vulkan.VulkanKernels, "start", lambda self, k, text: (started.append(text),
-                                                                            real_start(self, k, text))[1])
+    monkeypatch.setattr(vulkan.VulkanKernels, "start", lambda self, k, text, tree: (started.append(text),
+                                                                                  real_start(self, k, text, tree))[1])
     monkeypatch.setattr(executable.KernelStream, "put", lambda self, fk: (streamed.append(fk.key), real_put(self, fk))[1])
     dev = get_runtime_device("vulkan")
     dev.clear_caches()

@@ -11,6 +11,7 @@ from meganeura.codegen.pointwise_ast import ast_kernel, ast_multi
 from meganeura.codegen.expr import Node
 from meganeura.graph import f16, f32, i32, u32
 from meganeura.schedule import Buf, Kernel, View
+from tests.printed_trees import tree_of
 from tests.glsl_reference import check_glsl
 
 SRC, DST = Buf(4 * 24, "input", "x"), Buf(4 * 48, "temp", "y")
@@ -42,7 +43,7 @@ KERNELS = {
 def _same_as_template(k):
     tree, bufs = ast_kernel(k)
     wgsl, render_bufs, _ = pointwise.render(k)
-    assert kernel_ast.print_wgsl(tree) == wgsl and kernel_ast.tree_of(wgsl) is not None, k.name
+    assert kernel_ast.print_wgsl(tree) == wgsl and tree_of(wgsl) is not None, k.name
     check_glsl(kernel_ast.print_glsl(tree), wgsl, k.name)
     assert bufs == render_bufs
 
@@ -342,12 +343,17 @@ def test_foreign_nodes_print_themselves():
     check_glsl(kernel_ast.print_glsl(tree), wgsl, "foreign")
 
 
-def test_printed_trees_are_found_by_their_text():
+def test_printed_trees_go_to_the_collections_open_around_them():
     tree = NODE_KERNELS["expressions"]
-    text = kernel_ast.printed(tree)
-    assert kernel_ast.tree_of(text) is tree and kernel_ast.tree_of(text + " ") is None
-    from meganeura.codegen import pointwise_ast
-    assert pointwise_ast.tree_of is kernel_ast.tree_of      # the name the pointwise kernels had
+    with kernel_ast.collected_trees() as outer:
+        with kernel_ast.collected_trees() as inner:
+            text = kernel_ast.printed(tree)
+        assert inner == {text: tree} and outer == {text: tree}
+        alone = kernel_ast.printed(NODE_KERNELS["expressions"])
+    assert alone == text and tree_of(text) is tree        # the test's own collection too
+    with kernel_ast.collected_trees() as after:
+        pass
+    assert after == {}
 
 
 class Table:

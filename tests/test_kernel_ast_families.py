@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 import meganeura as mg
-from meganeura.codegen.kernel_ast import print_glsl, tree_of
+from meganeura.codegen.kernel_ast import print_glsl
+from tests.printed_trees import tree_of
 from tests.glsl_reference import check_glsl
 from tests.kernel_ast_cases import CASES, plans
 
@@ -37,14 +38,15 @@ def test_wgsl_is_the_templates(case, case_plans):
 def test_glsl_from_the_tree_is_the_translation(case, case_plans):
     """Each kernel of the families on the AST has its tree (the Vulkan stage prints it), and
     its GLSL is the translator's under the unroll and IEEE switches the stage passes."""
-    seen = {}
+    seen, trees = {}, {}
     for kp in case_plans[case]:
+        trees.update(kp.trees)          # (the plans are the module's: their trees are read there)
         for d in kp.dispatches:
             if d.kernel.archetype in ON_AST:
                 seen.setdefault(d.wgsl, d.kernel.name)
     assert seen, f"no kernel of {sorted(ON_AST)} in {case}"
     for text, name in seen.items():
-        tree = tree_of(text)
+        tree = trees.get(text)
         assert tree is not None, name
         for unroll, ieee in ((False, True), (True, False)):
             check_glsl(print_glsl(tree, unroll=unroll, preserve_ieee=ieee), text, name, unroll, ieee)

@@ -7,17 +7,17 @@ from collections import OrderedDict
 import pytest
 
 from meganeura.bench import compile_time
-from meganeura.codegen.kernel_ast import tree_of
 from meganeura.compilation import vulkan
 from meganeura.compilation.executable import FinalKernel
 
 
 def _plans_kernels(names, phases=("inference", "train_step")):
-    """{WGSL text: kernel} of the distinct kernels of the workloads' tiny plans."""
+    """({WGSL text: kernel}, {WGSL text: kernel AST}) of the distinct kernels of the workloads'
+    tiny plans (the trees as the plans hold them)."""
     from meganeura.bench.dispatches import BINDINGS, phase_targets
     from meganeura.bench.workloads import make
     from meganeura.compiler import CompileOptions, compile_plan, f16_weights
-    texts = {}
+    texts, trees = {}, {}
     for name in names:
         w = make(name, size="tiny")
         for phase in phases:
@@ -25,12 +25,14 @@ def _plans_kernels(names, phases=("inference", "train_step")):
             for precision in ("strict", "accelerated"):
                 copies = f16_weights(targets[:n]) if precision == "accelerated" else frozenset()
                 opts = CompileOptions(max_bindings=BINDINGS, precision=precision, f16_weights=copies)
-                for d in compile_plan(targets, n_forward=n, options=opts, updates=upd).dispatches:
+                kp = compile_plan(targets, n_forward=n, options=opts, updates=upd)
+                trees.update(kp.trees)
+                for d in kp.dispatches:
                     texts.setdefault(d.wgsl, d.kernel)
-    return texts
+    return texts, trees
 
 
-def _stage(monkeypatch, texts):
+def _stage(monkeypatch, texts, trees):
     """The stage's stats finishing ``texts`` for the H200 (glslang not run: the GLSL is the
     kernel), with none of them recalled from the kernels an earlier test finished in this
     process (each is printed here)."""
@@ -40,19 +42,19 @@ def _stage(monkeypatch, texts):
     with monkeypatch.context() as m:
         m.setattr(vulkan.VulkanKernels, "_compile", compiled)
         m.setattr(vulkan, "_finished", OrderedDict())
-        done, stats = compile_time.stage_kernels(texts)
+        done, stats = compile_time.stage_kernels(texts, trees)
     assert set(done) == set(texts) and all(done[t].text.startswith("#version") for t in texts)
     return stats
 
 
 def test_every_kernel_of_the_tiny_workloads_is_printed_from_its_tree(monkeypatch):
     from meganeura.bench.workloads import WORKLOADS
-    texts = _plans_kernels(list(WORKLOADS))
-    without = sorted({k.name for t, k in texts.items() if tree_of(t) is None})
+    texts, trees = _plans_kernels(list(WORKLOADS))
+    without = sorted({k.name for t, k in texts.items() if t not in trees})
     assert not without, f"kernels without a kernel AST: {without[:8]}"
     assert {k.archetype for k in texts.values()} >= {"pointwise", "multi", "reduce", "rows", "matmul", "gather",
                                                       "attention"}
-    stats = _stage(monkeypatch, texts)
+    stats = _stage(monkeypatch, texts, trees)
     assert stats["kernels_printed"] == len(texts), stats
 
 

@@ -66,12 +66,10 @@ GRAPH = textwrap.dedent("""
 
 CHILD = GRAPH + textwrap.dedent("""
     import json, sys
-    from meganeura.codegen import kernel_ast
     got, stats, kp = run()
     np.savez(sys.argv[1], *got)
     texts = {d.wgsl for d in kp.dispatches}
     print(json.dumps({"cache": kp.stats.get("cache"), "texts": len(texts),
-                      "trees": sum(kernel_ast.tree_of(t) is not None for t in texts),
                       "printed": stats["kernels_printed"],
                       "compiled": stats["kernels_compiled"], "hits": stats["kernel_cache_hits"]}))
 """)
@@ -98,7 +96,6 @@ def test_a_cached_plan_prints_its_kernels_from_their_trees_in_a_fresh_process(ca
     texts = {d.wgsl for d in kp.dispatches}
     archetypes = {d.kernel.archetype for d in kp.dispatches}
     assert {"matmul", "rows", "pointwise"} <= archetypes and {"reduce", "multi"} & archetypes, kp.names
-    assert all(kernel_ast.tree_of(t) is not None for t in texts), kp.names
     assert stats["kernels_printed"] == len(texts), stats
     # the NumPy interpreter agrees
     want, _, _ = scope["run"]("numpy")
@@ -112,7 +109,7 @@ def test_a_cached_plan_prints_its_kernels_from_their_trees_in_a_fresh_process(ca
     assert r.returncode == 0, r.stderr[-3000:]
     child = json.loads(r.stdout.strip().splitlines()[-1])
     n = len(texts)
-    assert child == {"cache": "hit", "texts": n, "trees": n, "printed": n, "compiled": n,
+    assert child == {"cache": "hit", "texts": n, "printed": n, "compiled": n,
                      "hits": 0}, child
     again = np.load(cache / "out.npz")
     for i, o in enumerate(got):
@@ -137,12 +134,6 @@ def _tree(packed):
     return plan_cache._PlanUnpickler(io.BytesIO(zlib.decompress(packed))).load()
 
 
-def _fresh():
-    """As a fresh process: no tree printed, none of a plan read."""
-    kernel_ast.clear_printed()
-    plan_cache.clear_trees()
-
-
 def test_the_entry_holds_each_printed_kernels_tree_without_the_printers_memos(cache):
     kp = compile_plan(_mlp(), options=CompileOptions(), cache=True, adapter=ADAPTER)
     path, plan, trees = _entry(cache)
@@ -150,18 +141,14 @@ def test_the_entry_holds_each_printed_kernels_tree_without_the_printers_memos(ca
     assert {t for t, _ in trees} == texts and len(trees) == len(texts)
     for text, packed in trees:
         tree = _tree(packed)
-        assert tree == kernel_ast.tree_of(text) and tree is not kernel_ast.tree_of(text)
+        assert tree == kp.trees[text] and tree is not kp.trees[text]
         assert "_wgsl" not in vars(tree) and all("_wgsl" not in vars(s) for s in tree.body if hasattr(s, "__dict__"))
-    # loaded, each tree is read when asked for, prints its kernel's WGSL and is registered again
-    _fresh()
+    # loaded, the plan holds its trees packed; each unpacked prints its kernel's WGSL
     hit = compile_plan(_mlp(), options=CompileOptions(), cache=True, adapter=ADAPTER)
-    assert hit.stats["cache"] == "hit"
+    assert hit.stats["cache"] == "hit" and hit.trees == {} and set(hit.packed_trees) == texts
     for d in hit.dispatches:
-        assert kernel_ast.tree_of(d.wgsl) is None
-        tree = plan_cache.stored_tree(d.wgsl)
-        assert kernel_ast.print_wgsl(tree) == d.wgsl and kernel_ast.tree_of(d.wgsl) is tree
-    _fresh()
-    assert all(plan_cache.stored_tree(d.wgsl) is None for d in hit.dispatches)
+        tree = plan_cache.unpacked_tree(d.wgsl, hit.packed_trees[d.wgsl])
+        assert kernel_ast.print_wgsl(tree) == d.wgsl
 
 
 def test_a_tree_that_does_not_print_its_kernel_is_not_used_and_its_entry_goes(cache):
@@ -171,13 +158,14 @@ def test_a_tree_that_does_not_print_its_kernel_is_not_used_and_its_entry_goes(ca
     assert len(trees) >= 2
     swapped = [(trees[0][0], trees[1][1]), (trees[1][0], trees[0][1])] + trees[2:]
     assert disk.store(path, pickle.dumps((plan_cache._MAGIC, plan_cache.FORMAT, plan, swapped)))
-    _fresh()
-    assert compile_plan(_mlp(), options=opts, cache=True, adapter=ADAPTER).stats["cache"] == "hit"
-    assert plan_cache.stored_tree(trees[0][0]) is None and not path.exists()      # not used; compiled next time
+    hit = compile_plan(_mlp(), options=opts, cache=True, adapter=ADAPTER)
+    assert hit.stats["cache"] == "hit"
+    text = trees[0][0]
+    assert plan_cache.unpacked_tree(text, hit.packed_trees[text]) is None and not path.exists()  # compiled next time
     assert compile_plan(_mlp(), options=opts, cache=True, adapter=ADAPTER).stats["cache"] == "stored"
-    _fresh()
-    assert compile_plan(_mlp(), options=opts, cache=True, adapter=ADAPTER).stats["cache"] == "hit"
-    assert all(plan_cache.stored_tree(t) is not None for t, _ in trees)
+    hit = compile_plan(_mlp(), options=opts, cache=True, adapter=ADAPTER)
+    assert hit.stats["cache"] == "hit"
+    assert all(plan_cache.unpacked_tree(t, hit.packed_trees[t]) is not None for t, _ in trees)
 
 
 @pytest.mark.parametrize("bad", ["plan only", "foreign text", "not bytes", "old format"])
@@ -203,9 +191,9 @@ def test_a_tree_that_would_build_a_function_is_refused(cache):
     with pytest.raises(pickle.UnpicklingError, match="may not build"):
         _tree(evil)
     assert disk.store(path, pickle.dumps((plan_cache._MAGIC, plan_cache.FORMAT, plan, [(text, evil)])))
-    _fresh()
-    assert compile_plan(_mlp(), options=opts, cache=True, adapter=ADAPTER).stats["cache"] == "hit"
-    assert plan_cache.stored_tree(text) is None and not path.exists()
+    hit = compile_plan(_mlp(), options=opts, cache=True, adapter=ADAPTER)
+    assert hit.stats["cache"] == "hit"
+    assert plan_cache.unpacked_tree(text, hit.packed_trees[text]) is None and not path.exists()
 
 
 def test_wgpu_runs_a_cached_plan_with_trees_as_it_ran_the_compiled_one(cache):
@@ -216,7 +204,6 @@ def test_wgpu_runs_a_cached_plan_with_trees_as_it_ran_the_compiled_one(cache):
     g, outs, feeds = scope["graph"]()
     runs = []
     for expect in ("stored", "hit"):
-        _fresh()
         with mg.compile(g, outputs=outs, backend="wgpu") as s:
             runs.append([np.asarray(o) for o in s.run(feeds)])
             assert s.executor.plans["run"].kernel_plan.stats["cache"] == expect

@@ -85,17 +85,18 @@ from meganeura.compilation import vulkan as vk_finish  # noqa: E402
 from meganeura.runtime.vulkan import backend  # noqa: E402
 from meganeura.runtime.vulkan import device as vkdevice  # noqa: E402
 from meganeura.runtime.vulkan import pipelines  # noqa: E402
+from tests.printed_trees import PRINTED  # noqa: E402
 
 
 class _Runtime:
     """What a fresh process's Vulkan session does with kernel texts: the compile stage
     finishes them for the runtime's target (nothing compiled kept in memory from before: the
-    disk caches serve them; the kernel ASTs the texts were printed from stay, as in a process
-    that rendered them), and the runtime creates their pipelines. ``stats``: the runtime's,
+    disk caches serve them; the kernel ASTs the texts were printed from during the test are
+    handed over, as a plan hands its own), and the runtime creates their pipelines. ``stats``: the runtime's,
     with the finishing's kernels read from disk and seconds printing GLSL."""
 
     def __init__(self, dev):
-        vk_finish.clear_memory(trees=False)
+        vk_finish.clear_memory()
         self.rt = backend.VulkanRuntime(dev)
         self.finished = {"kernel_cache_hits": 0, "glsl_seconds": 0.0, "kernels_compiled": 0}
 
@@ -112,6 +113,7 @@ class _Runtime:
 
     def pipelines(self, shaders, threads=None):
         fin = vk_finish.VulkanKernels(self.rt.target(), threads=threads)
+        fin.take_trees(PRINTED)
         try:
             done = fin.finish(shaders)
         finally:

@@ -17,10 +17,11 @@ import gc
 import os
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from . import codegen
 from .codegen.fingerprint import RenderCache
+from .codegen.kernel_ast import collected_trees
 from .compilation.inplace import store_copies_with_writers, update_in_place
 from .compilation.precision import (BACKWARD_CONV_ROUND_MAX_K, BACKWARD_F16_MIN_MACS,  # noqa: F401 (the
                                     BACKWARD_MATMUL_F16_MIN_MACS, BACKWARD_ROUND_MAX_K, F16_COPY,  # names
@@ -92,6 +93,11 @@ class KernelPlan:
     compile_seconds: float = 0.0
     stats: dict = field(default_factory=dict)
     copy_updates: list = field(default_factory=list)   # f16 copies written by the targets after the given ones
+    # {WGSL text: kernel AST} of the dispatches' texts (``kernel_ast.collected_trees``): what the
+    # Vulkan compile stage prints their GLSL from; a plan read from the plan cache brings them
+    # packed (``packed_trees``: {text: compressed pickle}, ``plan_cache.unpacked_tree``)
+    trees: dict = field(default_factory=dict, repr=False, compare=False)
+    packed_trees: dict = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def names(self):
@@ -198,27 +204,32 @@ def _finish(plan, target, opts, finisher):
     shaders = [(d.wgsl, d.kernel.name, d.bufs, d.groups) for d in plan.dispatches]
     checks, err = [], None
     checked = [i for i, d in enumerate(plan.dispatches) if d.kernel.spec.get("checks")] if opts.checked else []
+    trees = dict(plan.trees)
     if checked:
         n = sum(len(plan.dispatches[i].kernel.spec["checks"]) for i in checked)
         err = Buf(8 * n, "temp", "index_errors")
-        for i in checked:
-            k = plan.dispatches[i].kernel
-            wgsl, bufs, _ = codegen.render(k, errors=(err, len(checks)))
-            checks += [(c, k.name) for c in k.spec["checks"]]
-            shaders[i] = (wgsl, k.name, bufs, plan.dispatches[i].groups)
+        with collected_trees(trees):
+            for i in checked:
+                k = plan.dispatches[i].kernel
+                wgsl, bufs, _ = codegen.render(k, errors=(err, len(checks)))
+                checks += [(c, k.name) for c in k.spec["checks"]]
+                shaders[i] = (wgsl, k.name, bufs, plan.dispatches[i].groups)
     if finisher is None:
         steps = [Step(FinalKernel(label, text, text), bufs, groups) for text, label, bufs, groups in shaders]
         stats = {}
     else:
+        finisher.take_trees(trees, plan.packed_trees)
         shaders = finisher.variants([d.kernel for d in plan.dispatches], shaders)
         done = finisher.finish([(text, label) for text, label, _, _ in shaders])
         steps = [Step(done[text], bufs, groups) for text, _, bufs, groups in shaders]
         stats = dict(finisher.stats)
-    return Executable(plan, target, steps, opts.precision, checks, err, stats)
+    # the trees are spent: the executable holds each kernel finished
+    return Executable(replace(plan, trees={}, packed_trees={}), target, steps, opts.precision, checks, err, stats)
 
 
 def _compile_plan(targets, n_forward, opts, updates, on_render=None) -> KernelPlan:
-    """The passes; ``on_render(kernel, text)`` takes each distinct text as it is rendered."""
+    """The passes; ``on_render(kernel, text, tree)`` takes each distinct text as it is
+    rendered, with its kernel AST."""
     clock = _StageClock()
     fwd = targets[:len(targets) if n_forward is None else n_forward]
     accelerated = opts.precision == "accelerated"
@@ -268,13 +279,14 @@ def _compile_plan(targets, n_forward, opts, updates, on_render=None) -> KernelPl
     array_limit = opts.max_bindings if opts.binding_arrays else 0
     render, sent = RenderCache(functools.partial(codegen.render, array_limit=array_limit,
                                                  tiled_arrays=opts.precision == "strict")), set()
-    for i in sorted(range(len(kernels)), key=lambda i: _render_rank(kernels[i])):
-        k = kernels[i]
-        wgsl, bufs, groups = render(k)
-        dispatches[i] = Dispatch(k, wgsl, bufs, groups)
-        if on_render is not None and wgsl not in sent:
-            sent.add(wgsl)
-            on_render(k, wgsl)
+    with collected_trees() as trees:
+        for i in sorted(range(len(kernels)), key=lambda i: _render_rank(kernels[i])):
+            k = kernels[i]
+            wgsl, bufs, groups = render(k)
+            dispatches[i] = Dispatch(k, wgsl, bufs, groups)
+            if on_render is not None and wgsl not in sent:
+                sent.add(wgsl)
+                on_render(k, wgsl, trees.get(wgsl))
     clock.lap("render")
     used = {id(b) for d in dispatches for b in d.bufs}
     locs = []
@@ -292,7 +304,7 @@ def _compile_plan(targets, n_forward, opts, updates, on_render=None) -> KernelPl
     return KernelPlan(dispatches, bufs, memory, locs, clock.total(),
                       {"scheduled": n_scheduled, "fused": n_scheduled - len(kernels), "in_place": n_in_place,
                        "written_over_operands": n_over, "rendered_once": render.hits, "seconds": clock.laps},
-                      kp_copies)
+                      kp_copies, trees={d.wgsl: trees[d.wgsl] for d in dispatches if d.wgsl in trees})
 
 
 def _render_rank(k) -> int:

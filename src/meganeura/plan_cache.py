@@ -16,11 +16,11 @@ wrong plan. ``MEGANEURA_NO_DISK_CACHE=1`` (every disk cache) or ``MEGANEURA_NO_P
 
 A plan entry is a pickle of the plan with each kernel reduced to what the runtime reads once
 the WGSL is rendered (name, archetype, output view, merged parts); the kernel IR itself is not
-kept. Beside it the entry holds the kernel AST of each WGSL text that was printed from one
-(``codegen.kernel_ast.tree_of``: the nodes' fields, not the printers' memos), which the
-Vulkan compile stage reads through ``stored_tree`` (registering each again, ``kernel_ast.printed``,
-which must print that very text) to print a cached plan's GLSL from its trees as it does for
-a compiled one, translating none. It is read back only inside a checked entry, and only as data:
+kept. Beside it the entry holds the kernel AST of each of its WGSL texts (``KernelPlan.trees``: the
+nodes' fields, not the printers' memos), compressed; a plan read back holds them so
+(``KernelPlan.packed_trees``), and the Vulkan compile stage unpacks one only for a kernel it
+must print (``unpacked_tree``, which checks that the tree prints that very text), so a
+cached plan's GLSL is printed from its trees as a compiled one's is. It is read back only inside a checked entry, and only as data:
 the unpickler builds the package's own classes (the plan's and the kernel AST's nodes) and
 numpy's arrays, nothing callable (``_PlanUnpickler``). A manifest is JSON.
 
@@ -41,11 +41,9 @@ import io
 import json
 import pathlib
 import pickle
-import threading
 import time
 import weakref
 import zlib
-from collections import OrderedDict
 
 import numpy as np
 
@@ -53,7 +51,8 @@ from . import disk, env
 from .disk import package_digest  # noqa: F401  (the Vulkan caches key by it too)
 from .graph import DTYPES, DType
 
-FORMAT = 4        # bump when the pickled layout changes (3: self-checking entries; 4: with kernel ASTs)
+FORMAT = 5        # bump when the pickled layout changes (3: self-checking entries; 4: with kernel ASTs;
+                  # 5: plans carrying their trees)
 _MAGIC = "meganeura-plan"
 MAX_BYTES = 1 << 30           # the oldest entries go once the folder holds more than this
 
@@ -297,15 +296,12 @@ class _PlanUnpickler(pickle.Unpickler):
 
 
 # ----------------------------------------------------------------------------- kernel ASTs
-# A plan's entry holds the kernel AST of each of its WGSL texts printed from one, each
-# pickled by its nodes' fields and compressed. Reading them is left to the Vulkan compile
-# stage, which asks ``stored_tree`` only for the kernels it must make GLSL for (a warm process
-# whose kernels are in the Vulkan kernel cache, and the wgpu backend, read none): decoding
-# every tree of a large plan would cost ten times as much as reading the plan (U-Net's
-# training step: 346 trees of 117k nodes).
-TREES_KEEP = 4096             # texts whose stored tree this process keeps (``kernel_ast.PRINTED_KEEP``)
-_stored: "OrderedDict[str, tuple]" = OrderedDict()      # WGSL text -> (compressed tree, entry path)
-_stored_lock = threading.Lock()
+# A plan's entry holds the kernel AST of each of its WGSL texts, each pickled by its nodes'
+# fields and compressed. Unpacking is left to the Vulkan compile stage, which asks
+# ``unpacked_tree`` only for the kernels it must make GLSL for (a warm process whose kernels
+# are in the Vulkan kernel cache, and the wgpu backend, unpack none): unpacking every tree of
+# a large plan would cost ten times as much as reading the plan (U-Net's training step: 346
+# trees of 117k nodes).
 
 
 def _node_state(obj):
@@ -332,15 +328,14 @@ class _TreePickler(pickle.Pickler):
         return _node_state(obj) if is_node else NotImplemented
 
 
-def _packed_trees(texts) -> list:
-    """[(WGSL text, compressed pickle of its kernel AST)] of a plan's distinct ``texts`` (each
-    text to the one object the entry pickles) printed from a tree in this process
-    (``kernel_ast.tree_of``); None where one has no tree or its tree cannot be pickled: the
-    Vulkan backend could not print that kernel from the entry, so the plan is not stored."""
-    from .codegen.kernel_ast import tree_of
+def _packed_trees(plan, texts) -> list:
+    """[(WGSL text, compressed pickle of its kernel AST)] of ``plan``'s distinct ``texts``
+    (each text to the one object the entry pickles); None where one has no tree or its tree
+    cannot be pickled: the Vulkan backend could not print that kernel from the entry, so the
+    plan is not stored."""
     out = []
     for text in texts.values():
-        tree = tree_of(text)
+        tree = plan.trees.get(text)
         if tree is None:
             return None
         buf = io.BytesIO()
@@ -352,64 +347,44 @@ def _packed_trees(texts) -> list:
     return out
 
 
-def _keep_trees(plan, trees, path) -> bool:
-    """Keep ``trees`` (an entry's ``_packed_trees``) for ``stored_tree``; False when they are
-    not pairs of one of the plan's texts and bytes."""
+def _with_packed_trees(plan, trees, path) -> bool:
+    """Give ``plan`` the entry's ``trees`` (``_packed_trees``), each with the entry's
+    ``path`` (``KernelPlan.packed_trees``); False when they are not pairs of one of the
+    plan's texts and bytes."""
     if not isinstance(trees, list):
         return False
     texts = {d.wgsl for d in plan.dispatches}
     if not all(isinstance(p, tuple) and len(p) == 2 and p[0] in texts and type(p[1]) is bytes for p in trees):
         return False
-    with _stored_lock:
-        for text, packed in trees:
-            _stored[text] = (packed, path)
-            _stored.move_to_end(text)
-        while len(_stored) > TREES_KEEP:
-            _stored.popitem(last=False)
+    plan.trees, plan.packed_trees = {}, {text: (packed, path) for text, packed in trees}
     return True
 
 
-def stored_tree(text):
-    """The kernel AST whose WGSL is ``text`` that a plan read from the cache holds (None:
-    none does): read on the first ask and registered (``kernel_ast.printed``, which must
-    print ``text``; else the entry is deleted and None returned: the Vulkan stage refuses
-    the kernel, and the next compile builds the plan again), after which ``kernel_ast.tree_of`` finds
-    it too."""
-    from .codegen.kernel_ast import ComputeKernel, printed, tree_of
-    with _stored_lock:
-        found = _stored.get(text)
-    if found is None:
-        return None
-    tree = tree_of(text)
-    if tree is not None:
-        return tree
-    packed, path = found
+def unpacked_tree(text, packed):
+    """The kernel AST whose WGSL is ``text``, from ``packed`` (an entry's, as
+    ``KernelPlan.packed_trees`` holds it), or None where it cannot be read or does not print
+    ``text``: then the entry is deleted, the Vulkan stage refuses the kernel, and the next
+    compile builds the plan again."""
+    from .codegen.kernel_ast import ComputeKernel, print_wgsl
+    data, path = packed
     try:
-        tree = _PlanUnpickler(io.BytesIO(zlib.decompress(packed))).load()
-        ok = isinstance(tree, ComputeKernel) and printed(tree) == text
+        tree = _PlanUnpickler(io.BytesIO(zlib.decompress(data))).load()
+        ok = isinstance(tree, ComputeKernel) and print_wgsl(tree) == text
     except Exception:            # noqa: BLE001 (a tree this version's classes or printers cannot take)
         ok = False
     if ok:
         return tree
-    with _stored_lock:
-        _stored.pop(text, None)
     disk.report(path, "a kernel AST that does not print its kernel")
     with contextlib.suppress(OSError):
         path.unlink()
     return None
 
 
-def clear_trees():
-    """Forget the kernel ASTs of plans read from the cache (``stored_tree``)."""
-    with _stored_lock:
-        _stored.clear()
-
-
 # ----------------------------------------------------------------------------- plan entries
 def load(key: str):
     """The cached KernelPlan of ``key``, or None (missing, unreadable, corrupt or not this
-    key's: the caller compiles it and ``store`` rewrites it). Its kernels' ASTs are kept
-    for ``stored_tree``."""
+    key's: the caller compiles it and ``store`` rewrites it). It holds its kernels' ASTs
+    packed (``KernelPlan.packed_trees``)."""
     from .compiler import KernelPlan
     t0 = time.perf_counter()
     path = _path(key)
@@ -422,7 +397,7 @@ def load(key: str):
         disk.report(path, f"a plan this version cannot read ({type(e).__name__})")
         return None
     if not (isinstance(entry, tuple) and len(entry) == 4 and entry[:2] == (_MAGIC, FORMAT)
-            and isinstance(entry[2], KernelPlan) and _keep_trees(entry[2], entry[3], path)):
+            and isinstance(entry[2], KernelPlan) and _with_packed_trees(entry[2], entry[3], path)):
         disk.report(path, "not a plan")
         return None
     plan = entry[2]
@@ -439,8 +414,8 @@ def store(key: str, plan) -> None:
     slim = replace(plan, dispatches=[replace(d, kernel=_slim(d.kernel), wgsl=texts.setdefault(d.wgsl, d.wgsl))
                                      for d in plan.dispatches],
                    stats={k: v for k, v in plan.stats.items() if k != "seconds"},
-                   compile_seconds=0.0)         # timings left out: the same plan, the same entry
-    trees = _packed_trees(texts)
+                   compile_seconds=0.0, trees={}, packed_trees={})  # timings left out: the same plan, the same entry
+    trees = _packed_trees(plan, texts)
     if trees is None:            # a kernel without a tree to store: compiled each time
         return
     try:
@@ -458,9 +433,7 @@ def prune(root: pathlib.Path, max_bytes: int = MAX_BYTES, patterns=("*.plan", "*
 
 
 def clear() -> int:
-    """Delete every cached plan and session manifest (and forget the kernel ASTs of those
-    read); returns how many plans there were."""
-    clear_trees()
+    """Delete every cached plan and session manifest; returns how many plans there were."""
     n = 0
     for p in [*folder().glob("*.session"), *folder().glob("*.plan")]:
         try:

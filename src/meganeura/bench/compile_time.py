@@ -185,17 +185,18 @@ def digests(names, size, precisions=("strict", "accelerated")) -> dict:
     return out
 
 
-def stage_kernels(kernels_by_text, threads=1) -> tuple:
+def stage_kernels(kernels_by_text, trees, threads=1) -> tuple:
     """The Vulkan compile stage's kernels of WGSL texts ``{text: kernel}`` for the H200
     (``Target.h200``: unrolled loops, IEEE float controls, Vulkan 1.3), as a plan's compile
-    finishes them: GLSL printed from each text's kernel AST, compiled by glslang on ``threads`` threads, no disk caches. Returns
+    finishes them: GLSL printed from each text's kernel AST (``trees``, {text: tree}, as the
+    plans hold them), compiled by glslang on ``threads`` threads, no disk caches. Returns
     ({text: FinalKernel}, the stage's stats)."""
     from ..compilation.target import Target
     from ..compilation.vulkan import VulkanKernels
     stage = VulkanKernels(Target.h200(), disk=False, threads=threads)
     try:
         for text, k in kernels_by_text.items():
-            stage.start(k, text)
+            stage.start(k, text, trees.get(text))
         return stage.finish([(text, k.name) for text, k in kernels_by_text.items()]), stage.stats
     finally:
         stage.close()
@@ -207,13 +208,14 @@ def kernel_code(name, size, graph) -> dict:
     w = make(name, size=size, device="cpu")
     _, s, _ = _session(w, graph, "numpy")
     opts = _h200_options()
-    texts = {}
+    texts, trees = {}, {}
     for phase in PHASES[graph]:
         targets, n_forward, updates = _plan_args(s.program, phase)
         kp = compile_plan(targets, n_forward=n_forward, options=opts, updates=updates)
+        trees.update(kp.trees)
         for d in kp.dispatches:
             texts.setdefault(d.wgsl, d.kernel)
-    done, stats = stage_kernels(texts)
+    done, stats = stage_kernels(texts, trees)
     families, largest = {}, (0, "")
     for text, k in texts.items():
         kib = len(done[text].spirv) / 1024
@@ -427,10 +429,11 @@ def host_reference(threads=None) -> dict:
     from ..compilation.glslang import GlslangUnavailable, compile_glsl
     g = mg.Graph()
     y = mg.ops.matmul(g.input("a", (256, 256)), g.input("b", (256, 256)))
-    d = compile_plan([y], n_forward=1, options=CompileOptions(workgroup_storage=H200_WORKGROUP_STORAGE)).dispatches[0]
+    kp = compile_plan([y], n_forward=1, options=CompileOptions(workgroup_storage=H200_WORKGROUP_STORAGE))
+    d = kp.dispatches[0]
     n = compile_threads(threads)
     try:
-        glsl = stage_kernels({d.wgsl: d.kernel})[0][d.wgsl].text     # glslang's process set-up too
+        glsl = stage_kernels({d.wgsl: d.kernel}, kp.trees)[0][d.wgsl].text     # glslang's process set-up too
     except GlslangUnavailable:
         return {}
 

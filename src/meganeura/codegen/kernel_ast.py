@@ -2,9 +2,10 @@
 Vulkan backend): the way off "render WGSL, parse it, print GLSL" (``codegen/glsl.py``).
 
 A renderer that builds its kernel here gets both languages from one tree (``printed``
-returns its WGSL and keeps the tree; the Vulkan finishing stage, ``compilation.vulkan``,
-finds it again by that text, ``tree_of``, and prints its GLSL instead of translating).
-Families move here one at a time; the others keep their WGSL templates and the translator.
+returns its WGSL and hands the tree to the compile, ``collected_trees``: a plan holds the
+tree of each of its texts, ``KernelPlan.trees``, from which the Vulkan finishing stage,
+``compilation.vulkan``, prints its GLSL). Every kernel family is built here; nothing
+parses WGSL back.
 
 The tree holds what the printers must decide between the languages, no more:
 
@@ -21,15 +22,15 @@ its ``wgsl(printer)`` / ``glsl(printer)`` methods (an expression returns its tex
 ``ty``; a statement returns its lines, or one text, unindented; a module item its WGSL
 text and its GLSL declaration lines).
 
-While the translator still exists, the GLSL printer writes exactly what it writes for the
-same WGSL (``tests/test_kernel_ast.py`` checks it node by node and kernel by kernel), so the
-SPIR-V of a moved kernel is the same as before. The printers are in ``kernel_ast_print``.
+The GLSL printer wrote exactly what the WGSL-to-GLSL translator it replaced wrote for the same
+WGSL; golden digests of that GLSL (``tests/data/glsl_digests.json``) keep it so. The
+printers are in ``kernel_ast_print``.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
-import threading
-from collections import OrderedDict
+from contextvars import ContextVar
 from dataclasses import dataclass
 
 GLSL_NAMES = {"round": "roundEven", "inverseSqrt": "inversesqrt", "atan2": "atan", "countOneBits": "bitCount",
@@ -429,38 +430,32 @@ GROUP = add(Field(WID, "x"), Bin("*", Field(WID, "y"), Field(NWG, "x")))
 
 
 # -------------------------------------------------------------------- printed kernels, by text
-# the trees of the WGSL texts printed from the AST in this process (``printed``), by text: the
-# Vulkan compile stage prints their GLSL from them (``tree_of``) without building them again
-PRINTED_KEEP = 4096
-_printed: OrderedDict = OrderedDict()
-_printed_lock = threading.Lock()
+# ``printed`` hands each tree it prints to the compile collecting them (``collected_trees``):
+# a plan holds the trees of its texts (``KernelPlan.trees``), from which the Vulkan compile
+# stage prints their GLSL. Nothing keeps trees for the process: they live as long as the plan
+# that needs them (a registry of every tree printed kept half a million nodes that each
+# collection of the garbage collector scanned: a fifth of the device-free compile time).
+_collecting: ContextVar = ContextVar("kernel_trees", default=())
 
 
 def printed(tree) -> str:
-    """``tree``'s WGSL, the tree kept for ``tree_of``."""
+    """``tree``'s WGSL; the tree goes to each ``collected_trees`` open in this context."""
     text = print_wgsl(tree)
-    with _printed_lock:
-        _printed[text] = tree
-        _printed.move_to_end(text)
-        while len(_printed) > PRINTED_KEEP:
-            _printed.popitem(last=False)
+    for trees in _collecting.get():
+        trees[text] = tree
     return text
 
 
-def tree_of(text):
-    """The tree whose WGSL is ``text`` (printed in this process, and not among the oldest
-    past ``PRINTED_KEEP``; a renderer's memo may hand out a text again without printing it,
-    so a text asked for is kept as if printed again), or None."""
-    with _printed_lock:
-        tree = _printed.get(text)
-        if tree is not None:
-            _printed.move_to_end(text)
-        return tree
-
-
-def clear_printed():
-    with _printed_lock:
-        _printed.clear()
+@contextlib.contextmanager
+def collected_trees(into=None):
+    """Inside: each kernel printed (``printed``) lands in the yielded {WGSL text: tree}
+    (``into`` where given), and in those of the blocks around this one."""
+    trees = {} if into is None else into
+    token = _collecting.set((*_collecting.get(), trees))
+    try:
+        yield trees
+    finally:
+        _collecting.reset(token)
 
 
 def print_wgsl(k: ComputeKernel) -> str:

@@ -14,12 +14,9 @@ from .expr import ExprWriter, store_stmts
 from .expr_ast import coords, offset_expr
 from .kernel_ast import (GROUP, LID, Bin, Blank, Call, CallIf, ComputeKernel, Construct, Convert, Field,
                          Function, Group, If, Let, Lit, Load, Name, Return, ReturnIf, Store, WgslPrinter, add, buffers,
-                         clear_printed,
-                         printed, tree_of, u32)
+                         printed, u32)
 
-# (the registry of printed trees is ``kernel_ast``'s; its names stay importable from here)
-__all__ = ["ast_kernel", "ast_multi", "body", "kernel_tree", "multi_tree", "shared_tree", "printed", "tree_of",
-           "clear_printed", "GROUP", "buffers"]
+__all__ = ["ast_kernel", "ast_multi", "body", "kernel_tree", "multi_tree", "shared_tree", "printed", "GROUP", "buffers"]
 
 I, G = Name("i", "u32"), Name("g", "u32")
 

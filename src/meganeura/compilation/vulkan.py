@@ -5,9 +5,10 @@ becomes SPIR-V and its reflection (``FinalKernel``).
   attention (``codegen.flash_coop``, ``codegen.flash_grad_coop``) become kernels on
   cooperative matrices where the target has them (``Target.tensor_cores``): ``variants``;
 - every other kernel is printed as GLSL from its typed kernel AST (``codegen.kernel_ast``:
-  the tree its WGSL was printed from, ``kernel_ast.tree_of``, or, for a plan read from the
-  plan cache, the tree the entry holds, ``plan_cache.stored_tree``); a WGSL text with no
-  tree is refused (``KernelSourceError``): nothing parses WGSL back;
+  the tree its WGSL was printed from, which the plan holds, ``KernelPlan.trees``; a plan
+  read from the plan cache holds them packed, each unpacked only when its kernel must be
+  printed, ``plan_cache.unpacked_tree``); a WGSL text with no tree is refused
+  (``KernelSourceError``): nothing parses WGSL back;
 - every kernel is compiled by glslang (``glslang``, a library: no device) and reflected
   (``spirv.reflect``);
 - the SPIR-V and its reflection are kept on disk under a key of the kernel text, the
@@ -108,7 +109,8 @@ class VulkanKernels:
         self.stats = {"kernel_cache_hits": 0, "glsl_seconds": 0.0, "compile_seconds": 0.0, "kernels_compiled": 0,
                       "coopmat_kernels": 0, "kernels_printed": 0}
         self._early: dict = {}          # WGSL text -> Future of its FinalKernel (``start``)
-        self._trees: dict = {}          # WGSL text -> its kernel AST (``_note``)
+        self._trees: dict = {}          # WGSL text -> its kernel AST (``start``, ``take_trees``)
+        self._packed: dict = {}         # WGSL text -> its kernel AST packed by the plan cache
         self._pool = None
         self._lock = threading.Lock()
 
@@ -131,25 +133,20 @@ class VulkanKernels:
         return kernel_set_key(texts, unroll=self.target.unroll, **self._context())
 
     # ------------------------------------------------------------------ kernels on the kernel AST
-    def _note(self, kernel, text):
-        """Keep the kernel AST that ``text`` (``kernel``'s WGSL; ``kernel`` may be None) was
-        printed from, where it was (``codegen.kernel_ast.tree_of``, by the text: any
-        archetype), for its GLSL to be printed from it."""
-        if text not in self._trees:
-            from ..codegen.kernel_ast import tree_of
-            tree = tree_of(text)
-            if tree is not None:
-                with self._lock:
-                    self._trees[text] = tree
+    def take_trees(self, trees, packed=None):
+        """The plan's kernel ASTs, {WGSL text: tree} (``KernelPlan.trees``), and those a plan
+        read from the plan cache holds packed (``KernelPlan.packed_trees``)."""
+        with self._lock:
+            self._trees.update(trees)
+            self._packed.update(packed or {})
 
     def _tree(self, text):
-        """``text``'s kernel AST: noted (``_note``), else one a plan read from the plan cache
-        holds (``plan_cache.stored_tree``, read only now: the kernel missed the kernel caches),
-        or None."""
+        """``text``'s kernel AST, or None: one handed over (``start``, ``take_trees``), else
+        one packed by the plan cache, unpacked now (the kernel missed the kernel caches)."""
         tree = self._trees.get(text)
-        if tree is None:
-            from ..plan_cache import stored_tree
-            tree = stored_tree(text)
+        if tree is None and text in self._packed:
+            from ..plan_cache import unpacked_tree
+            tree = unpacked_tree(text, self._packed[text])
             if tree is not None:
                 with self._lock:
                     self._trees[text] = tree
@@ -161,8 +158,8 @@ class VulkanKernels:
         tree = self._tree(text)
         if tree is None:
             raise KernelSourceError(
-                f"kernel {label!r}: its WGSL was not printed from a kernel AST in this process, and no plan read "
-                "from the plan cache holds its tree; the Vulkan backend prints GLSL from kernel trees only "
+                f"kernel {label!r}: its plan holds no kernel AST for its WGSL (neither printed by this compile nor "
+                "packed in a plan read from the plan cache); the Vulkan backend prints GLSL from kernel trees only "
                 "(a kernel written as WGSL text runs on backend='wgpu')")
         from ..codegen.kernel_ast import print_glsl
         t = time.perf_counter()
@@ -178,15 +175,16 @@ class VulkanKernels:
         from .glslang import start_warm_up
         start_warm_up(prompt_gil_handoff)
 
-    def start(self, kernel, text):
-        """Start finishing ``text`` (``kernel``'s WGSL) now, on threads of its own, while the
-        rest of the plan is rendered and its memory planned. A kernel that may get a
-        cooperative-matrix variant waits for ``finish``; a failure too (``finish`` makes it
-        again and raises there)."""
+    def start(self, kernel, text, tree=None):
+        """Start finishing ``text`` (``kernel``'s WGSL, printed from ``tree``) now, on threads
+        of its own, while the rest of the plan is rendered and its memory planned. A kernel
+        that may get a cooperative-matrix variant waits for ``finish``; a failure too
+        (``finish`` makes it again and raises there)."""
         if self.emulate is not None and kernel.archetype in VARIANT_ARCHETYPES:
             return
-        self._note(kernel, text)
         with self._lock:
+            if tree is not None:
+                self._trees[text] = tree
             if text in self._early:
                 return
             if self._pool is None:
@@ -224,8 +222,6 @@ class VulkanKernels:
         on cooperative matrices replaced by their variant (GLSL text, other groups). A
         variant binds the WGSL kernel's buffers in the same order, so it is a function of the
         WGSL text: kept by it in memory and on disk, one file per plan's set of them too."""
-        for k, sh in zip(kernels, shaders):
-            self._note(k, sh[0])
         emulate = self.emulate
         texts = sorted({sh[0] for k, sh in zip(kernels, shaders) if k.archetype in VARIANT_ARCHETYPES})
         if emulate is None or not texts:
@@ -395,8 +391,6 @@ class VulkanKernels:
             key = keys[text]
             ck = stored[i] if stored is not None else (load_kernel(key) if self.disk else None)
             if ck is None:
-                if not _is_glsl(text):
-                    self._note(None, text)      # (a text printed in this process but not started)
                 misses.append((text, label, key))
                 continue
             done[text] = fk = self._remember(self._final(label, key, ck, text, from_disk=True))
@@ -463,17 +457,14 @@ class KernelSourceError(RuntimeError):
     """A WGSL kernel text with no kernel AST to print its GLSL from."""
 
 
-def clear_memory(trees=True):
-    """Forget the finished kernels, cooperative-matrix variants, GLSL memos and (``trees``)
-    kernel ASTs kept in memory (the disk keeps its own)."""
+def clear_memory():
+    """Forget the finished kernels, cooperative-matrix variants and GLSL memos kept in memory
+    (the disk keeps its own)."""
     with _variants_lock:
         _variants.clear()
     with _finished_lock:
         _finished.clear()
     from ..codegen.glsl_target import clear_caches
-    from ..codegen.kernel_ast import clear_printed
-    if trees:
-        clear_printed()
     clear_caches()
 
 
