@@ -133,8 +133,17 @@ def gathers():
              node("Greater", ["x", "zero"], ["pos"]), node("Cast", ["pos"], ["posf"], to=F),
              node("CastLike", ["three_i", "x"], ["three_f"]), node("Mul", ["x", "three_f"], ["x3"])]
     inits += [const("zero", np.float32(0.0)), const("three_i", np.int64(3))]     # a known value cast like x
-    return case(nodes, {"x": ((4, 4, 5), F), "ids": ((2, 3), I64), "nd": ((2, 2), I64)},
-                ["emb", "gx", "g1", "gi", "gnd", "twice", "nlf", "posf", "x3"], inits)
+    # ScatterND with constant indices: whole rows from an input, slices from a constant (a
+    # negative index, a repeated one: the last wins), every row, and reduction add
+    inits += [const("rows", np.array([[1], [3]])), const("cells", np.array([[0, 1], [2, 3], [-1, 0], [0, 1]])),
+              const("fill", rng.standard_normal((4, 5)).astype(np.float32)),
+              const("all", np.array([[3], [2], [1], [0]])), const("two_cells", np.array([[1, 1], [2, 0]]))]
+    nodes += [node("ScatterND", ["x", "rows", "upd"], ["sr"]), node("ScatterND", ["x", "cells", "fill"], ["sc"]),
+              node("ScatterND", ["x", "all", "x3"], ["sa"]),
+              node("ScatterND", ["x", "two_cells", "upd2"], ["sd"], reduction="add")]
+    return case(nodes, {"x": ((4, 4, 5), F), "ids": ((2, 3), I64), "nd": ((2, 2), I64), "upd": ((2, 4, 5), F),
+                        "upd2": ((2, 5), F)},
+                ["emb", "gx", "g1", "gi", "gnd", "twice", "nlf", "posf", "x3", "sr", "sc", "sa", "sd"], inits)
 
 
 def resizing():

@@ -4,7 +4,8 @@ MobileNetV3-Small and ViT, timm's ConvNeXt-Atto and EfficientNet-B0, random-init
 into the convolutions; HardSwish, HardSigmoid, LayerNormalization, Gelu as ONNX operators)
 matches torch to 1e-4 relative on the interpreter and both GPU backends, and the gradients of
 the plain export's graph (batch norm as BatchNormalization in inference mode, weights under
-torch's names) are torch's in eval mode."""
+torch's names) are torch's in eval mode. LR-ASPP (bilinear upsampling as Resize) and Swin-T
+(its shifted-window masks, built by slice assignment, as ScatterND) are held to their outputs."""
 import warnings
 
 import numpy as np
@@ -55,8 +56,8 @@ def exported(tmp_path_factory):
     return Exported(tmp_path_factory.mktemp("vision_onnx"))
 
 
-# LR-ASPP's bilinear upsampling exports as Resize
-@pytest.mark.parametrize("name,backend", cases(names=NAMES + ["lraspp_mobilenet_v3_large"]))
+# LR-ASPP's bilinear upsampling exports as Resize; Swin-T's shifted-window masks as ScatterND
+@pytest.mark.parametrize("name,backend", cases(names=NAMES + ["lraspp_mobilenet_v3_large", "swin_t"]))
 def test_vision_onnx_outputs_match_torch(exported, name, backend):
     module, x, path = exported[name, True]
     imported = mg.from_onnx(path)

@@ -289,6 +289,46 @@ def _gather_nd(cx, ins, at):
     return ops.reshape(rows, tuple(ix.shape[:-1]) + rest)
 
 
+@rule("ScatterND")
+def _scatter_nd(cx, ins, at):
+    """``data`` with the slices ``data[tuple(index)]`` replaced by (``reduction="add"``: plus)
+    the rows of ``updates``, for indices the model does not compute (torch exports slice
+    assignment so: Swin's attention masks). With ``data``'s leading ``k`` axes flattened into
+    rows, each row is kept or taken from one row of ``updates``: a gather and a select, both
+    differentiable in ``data`` and ``updates``."""
+    data, ix, upd = ins
+    reduction = at.get("reduction", "none")
+    reduction = reduction.decode() if isinstance(reduction, bytes) else reduction
+    if not isinstance(ix, np.ndarray):
+        raise NotImplementedError("ScatterND with indices the model computes (only constant indices import)")
+    if reduction not in ("none", "add"):
+        raise NotImplementedError(f"ScatterND with reduction={reduction!r} (none and add import)")
+    x = data if isinstance(data, Tensor) else cx.t(data)
+    u = upd if isinstance(upd, Tensor) else cx.t(upd)
+    k = ix.shape[-1]
+    lead, rest = x.shape[:k], x.shape[k:]
+    n_rows, n_upd = int(np.prod(lead)), int(np.prod(ix.shape[:-1]))
+    strides = np.array([int(np.prod(lead[j + 1:])) for j in range(k)], dtype=np.int64)
+    flat = ((np.where(ix < 0, ix + np.array(lead), ix)) * strides).sum(-1).reshape(-1)
+    if flat.size and (flat.min() < 0 or flat.max() >= n_rows):
+        raise ValueError(f"ScatterND: an index lies outside data of shape {tuple(x.shape)}")
+    if reduction == "add" and len(np.unique(flat)) != flat.size:
+        raise NotImplementedError("ScatterND with reduction='add' and repeated indices")
+    src = np.full(n_rows, -1, dtype=np.int64)
+    src[flat] = np.arange(n_upd)          # a repeated index: its last update, as the reference does
+    rows_x = ops.reshape(x, (n_rows,) + rest)
+    rows_u = ops.reshape(u, (n_upd,) + rest)
+    taken = ops.index_select(rows_u, 0, cx.t(np.maximum(src, 0).astype(np.int32)))
+    hit = (src >= 0).reshape((n_rows,) + (1,) * len(rest))
+    if reduction == "add":
+        out = rows_x + ops.where(cx.t(hit), taken, 0.0)
+    elif hit.all():
+        out = taken
+    else:
+        out = ops.where(cx.t(hit), taken, rows_x)
+    return ops.reshape(out, x.shape)
+
+
 @rule("Split")
 def _split(cx, ins, at):
     x = ins[0]
