@@ -209,7 +209,7 @@ def expr_depth(e) -> int:
 
 
 def is_pointwise(op):
-    return "wgsl" in OPS[op].extra and op not in VIEW_OPS
+    return OPS[op].extra.get("pointwise", False) and op not in VIEW_OPS
 
 
 # -------------------------------------------------------------------------- schedule

@@ -1,23 +1,22 @@
 """WGSL code generation: one module per archetype, each with ``render(kernel)`` returning
 (WGSL text, bound logical buffers in binding order, workgroup counts). Importing this
-package attaches the lowerings to the op registry records."""
-from ..ops.registry import OPS
+package registers the lowerings of the ops it runs (``ops.registry.register_lowering``)."""
+from ..ops.registry import OPS, register_lowering
 from . import attention, gather, layout, matmul, pointwise, quantized, reduce, rows, rowfuse
 
 RENDER = {"pointwise": pointwise.render, "multi": pointwise.render_multi, "reduce": reduce.render, "matmul": matmul.render,
           "gather": gather.render, "rows": rows.render, "norm": rows.render_norm,
           "attention": attention.render, "rowfuse": rowfuse.render, "quantized": quantized.render}
 
-for _op in ("reduce_sum", "reduce_mean", "reduce_max"):
-    OPS[_op].lower = reduce.lower_reduce
-OPS["matmul"].lower = matmul.lower_matmul
-OPS["concat"].lower = layout.lower_concat
-OPS["slice_grad"].lower = layout.lower_slice_grad
-OPS["softmax"].lower = OPS["log_softmax"].lower = OPS["safe_softmax"].lower = rows.lower_softmax
-OPS["layer_norm"].lower = OPS["rms_norm"].lower = rows.lower_norm
-OPS["norm_stat"].lower = rows.lower_norm_stat
-for _op, _lower in (*gather.LOWER.items(), *quantized.LOWER.items()):
-    OPS[_op].lower = _lower
+for _op, _lower in (*{op: reduce.lower_reduce for op in ("reduce_sum", "reduce_mean", "reduce_max")}.items(),
+                    ("matmul", matmul.lower_matmul), ("concat", layout.lower_concat),
+                    ("slice_grad", layout.lower_slice_grad),
+                    *{op: rows.lower_softmax for op in ("softmax", "log_softmax", "safe_softmax")}.items(),
+                    ("layer_norm", rows.lower_norm), ("rms_norm", rows.lower_norm), ("norm_stat", rows.lower_norm_stat),
+                    *gather.LOWER.items(), *quantized.LOWER.items(),
+                    ("scaled_dot_product_attention", attention.lower_attention),
+                    ("attention_lse", attention.lower_attention), ("attention_grad", attention.lower_attention_grad)):
+    register_lowering(_op, _lower)
 
 
 def render(kernel, errors=None, array_limit=0, tiled_arrays=False):
@@ -38,8 +37,6 @@ def render(kernel, errors=None, array_limit=0, tiled_arrays=False):
 # ops with a kernel for some shapes only: the predicate says which nodes
 KERNEL_WHEN = {"scaled_dot_product_attention": attention.supported,
                "attention_lse": attention.lse_supported, "attention_grad": attention.grad_supported}
-OPS["scaled_dot_product_attention"].lower = OPS["attention_lse"].lower = attention.lower_attention
-OPS["attention_grad"].lower = attention.lower_attention_grad
 
 
 def routing_constants() -> tuple:
@@ -59,4 +56,4 @@ def has_kernel(t) -> bool:
     od = OPS[op]
     if op in KERNEL_WHEN:
         return not isinstance(t, str) and KERNEL_WHEN[op](t)
-    return od.lower is not None or "wgsl" in od.extra or od.extra.get("layout", False)
+    return od.lower is not None or od.extra.get("pointwise", False) or od.extra.get("layout", False)

@@ -321,8 +321,8 @@ def nan_max_node(a, b, dtype, used, op="max"):
 def op_node(t, args, arg_dtypes, used, helper_deps):
     """The node of elementwise node ``t`` applied to argument nodes ``args`` (as
     ``expr.op_text`` writes its WGSL)."""
-    from ..ops.registry import OPS
-    ex = OPS[t.op].extra["wgsl"]
+    from .scalar_ops import SCALAR
+    ex = SCALAR[t.op]
     if t.op == "cast":
         return Convert(t.dtype.wgsl, args[0])
     # operands of another float type than the node's (an f16 load into an f32 node) convert

@@ -104,8 +104,7 @@ def _unbatched(x, fn):
 # ---------------------------------------------------------------------- im2col / col2im
 # im2col (primitive): x (N, C, H, W) -> cols (N, C*kh*kw, Hout*Wout), torch.unfold's layout.
 # Output element [n, (c*kh + i)*kw + j, oh*Wout + ow] reads x[n, c, oh*sh - top + i*dh, ow*sw - left + j*dw],
-# or is ``fill`` when that lies in the padding (0 for convolutions, -inf for max pooling; WGSL has no
-# inf literal, so a kernel spells it as bitcast<f32>(0xff800000u)).
+# or is ``fill`` when that lies in the padding (0 for convolutions, -inf for max pooling).
 # ``fold_batch``: the columns of every image side by side instead, (C*kh*kw, N*Hout*Wout), so
 # that one matmul sums a convolution's weight gradient over the batch (lowering only).
 def _im2col_infer(ins, kernel, stride, padding, dilation, fill, fold_batch=False):

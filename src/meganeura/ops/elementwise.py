@@ -1,7 +1,8 @@
 """Elementwise ops: unary and binary maths with NumPy broadcasting, comparisons, where, cast.
 
-Each record carries ``wgsl``: its body as a WGSL expression over ``{0}``, ``{1}``, ... so the
-GPU backend can fuse chains of them into one kernel.
+Each record is ``pointwise``: an element of the output depends on the same element of each
+(broadcast) operand, so the GPU backend fuses chains of them into one kernel (their scalar
+code is the code generator's: ``codegen/scalar_ops.py``).
 """
 from __future__ import annotations
 
@@ -28,8 +29,8 @@ def _unary_infer(name, float_only=True):
     return infer
 
 
-def _unary(name, ref, vjp, wgsl, float_only=True, differentiable=True):
-    register(name, _unary_infer(name, float_only), ref, vjp, differentiable=differentiable, wgsl=wgsl)
+def _unary(name, ref, vjp, float_only=True, differentiable=True):
+    register(name, _unary_infer(name, float_only), ref, vjp, differentiable=differentiable, pointwise=True)
 
     def fn(x):
         return emit(name, [x])
@@ -59,22 +60,21 @@ def _sigmoid_ref(x):
     return 1 / (1 + np.exp(-x))
 
 
-neg = _unary("neg", lambda x: -x, lambda ct, y, x: [neg(ct)], "(-{0})", float_only=False)
-exp = _unary("exp", np.exp, lambda ct, y, x: [ct * y], "exp({0})")
-log = _unary("log", np.log, lambda ct, y, x: [ct / x], "log({0})")
-sqrt = _unary("sqrt", np.sqrt, lambda ct, y, x: [ct * 0.5 / y], "sqrt({0})")
-rsqrt = _unary("rsqrt", lambda x: 1 / np.sqrt(x), lambda ct, y, x: [ct * (-0.5) * y * y * y], "inverseSqrt({0})")
-sign = _unary("sign", np.sign, None, "sign({0})", differentiable=False)
-abs = _unary("abs", np.abs, lambda ct, y, x: [ct * sign(x)], "abs({0})", float_only=False)
-tanh = _unary("tanh", np.tanh, lambda ct, y, x: [ct * (1.0 - y * y)], "tanh({0})")
-sigmoid = _unary("sigmoid", _sigmoid_ref, lambda ct, y, x: [ct * y * (1.0 - y)], "(1.0 / (1.0 + exp(-{0})))")
+neg = _unary("neg", lambda x: -x, lambda ct, y, x: [neg(ct)], float_only=False)
+exp = _unary("exp", np.exp, lambda ct, y, x: [ct * y])
+log = _unary("log", np.log, lambda ct, y, x: [ct / x])
+sqrt = _unary("sqrt", np.sqrt, lambda ct, y, x: [ct * 0.5 / y])
+rsqrt = _unary("rsqrt", lambda x: 1 / np.sqrt(x), lambda ct, y, x: [ct * (-0.5) * y * y * y])
+sign = _unary("sign", np.sign, None, differentiable=False)
+abs = _unary("abs", np.abs, lambda ct, y, x: [ct * sign(x)], float_only=False)
+tanh = _unary("tanh", np.tanh, lambda ct, y, x: [ct * (1.0 - y * y)])
+sigmoid = _unary("sigmoid", _sigmoid_ref, lambda ct, y, x: [ct * y * (1.0 - y)])
 # the gradient masks by the output (y > 0 exactly where x > 0), as torch's threshold_backward:
 # backward then keeps the output, which the next layer keeps anyway, not the input too
-relu = _unary("relu", lambda x: np.maximum(x, x.dtype.type(0)), lambda ct, y, x: [where(y > 0.0, ct, 0.0)],
-              "max({0}, 0.0)")
-erf = _unary("erf", _erf_like, lambda ct, y, x: [ct * exp(neg(x * x)) * (2.0 / math.sqrt(math.pi))], "erf({0})")
+relu = _unary("relu", lambda x: np.maximum(x, x.dtype.type(0)), lambda ct, y, x: [where(y > 0.0, ct, 0.0)])
+erf = _unary("erf", _erf_like, lambda ct, y, x: [ct * exp(neg(x * x)) * (2.0 / math.sqrt(math.pi))])
 silu = _unary("silu", lambda x: x * _sigmoid_ref(x),
-              lambda ct, y, x: [ct * _silu_grad(x)], "({0} / (1.0 + exp(-{0})))")
+              lambda ct, y, x: [ct * _silu_grad(x)])
 
 
 def _silu_grad(x):
@@ -84,9 +84,9 @@ def _silu_grad(x):
 
 register("gelu", _unary_infer("gelu"), _gelu_ref,
          lambda ct, y, x, approximate="none": [ct * emit("gelu_grad", [x], approximate=approximate)],
-         wgsl={"none": "gelu_erf({0})", "tanh": "gelu_tanh({0})"})
+         pointwise=True)
 register("gelu_grad", _unary_infer("gelu_grad"), _gelu_grad_ref, None, differentiable=False,
-         wgsl={"none": "gelu_erf_grad({0})", "tanh": "gelu_tanh_grad({0})"})
+         pointwise=True)
 
 
 def gelu(x, approximate="none"):
@@ -96,21 +96,16 @@ def gelu(x, approximate="none"):
     return emit("gelu", [x], approximate=approximate)
 
 
-sin = _unary("sin", np.sin, lambda ct, y, x: [ct * cos(x)], "sin({0})")
-cos = _unary("cos", np.cos, lambda ct, y, x: [neg(ct * sin(x))], "cos({0})")
-reciprocal = _unary("reciprocal", lambda x: x.dtype.type(1) / x, lambda ct, y, x: [neg(ct * y * y)], "(1.0 / {0})")
-# log(1 + x) and exp(x) - 1 lose the digits of a small x to the rounding of 1 + x: below
-# |x| = 0.01 a Taylor polynomial (4 terms: error under 1e-9 relative) stands in
-log1p = _unary("log1p", np.log1p, lambda ct, y, x: [ct / (x + 1.0)],
-               "select(log(1.0 + {0}), {0} * (1.0 - {0} * (0.5 - {0} * (0.33333334 - {0} * 0.25))), abs({0}) < 0.01)")
-expm1 = _unary("expm1", np.expm1, lambda ct, y, x: [ct * (y + 1.0)],
-               "select(exp({0}) - 1.0, {0} * (1.0 + {0} * (0.5 + {0} * (0.16666667 + {0} * 0.041666668))), "
-               "abs({0}) < 0.01)")
+sin = _unary("sin", np.sin, lambda ct, y, x: [ct * cos(x)])
+cos = _unary("cos", np.cos, lambda ct, y, x: [neg(ct * sin(x))])
+reciprocal = _unary("reciprocal", lambda x: x.dtype.type(1) / x, lambda ct, y, x: [neg(ct * y * y)])
+log1p = _unary("log1p", np.log1p, lambda ct, y, x: [ct / (x + 1.0)])
+expm1 = _unary("expm1", np.expm1, lambda ct, y, x: [ct * (y + 1.0)])
 # rounding: piecewise constant, so no gradient (torch's is zero too); round is half to even
-floor = _unary("floor", np.floor, None, "floor({0})", differentiable=False)
-ceil = _unary("ceil", np.ceil, None, "ceil({0})", differentiable=False)
-trunc = _unary("trunc", np.trunc, None, "trunc({0})", differentiable=False)
-_round = _unary("round", np.round, None, "round({0})", differentiable=False)
+floor = _unary("floor", np.floor, None, differentiable=False)
+ceil = _unary("ceil", np.ceil, None, differentiable=False)
+trunc = _unary("trunc", np.trunc, None, differentiable=False)
+_round = _unary("round", np.round, None, differentiable=False)
 
 
 def round(x, decimals=0):
@@ -155,7 +150,7 @@ def masked_fill(x, mask, value):
 # ------------------------------------------------------------------------------ pow
 register("pow", _unary_infer("pow"), lambda x, exponent: np.power(x, x.dtype.type(exponent)),
          lambda ct, y, x, exponent: [ct * (exponent * pow(x, exponent - 1.0))] if exponent != 1 else [ct],
-         wgsl="pow_c({0})")
+         pointwise=True)
 
 
 def pow(x, exponent):
@@ -206,8 +201,8 @@ def _binary_infer(name, out_dtype=None):
     return infer
 
 
-def _binary(name, ref, vjp, wgsl, out_dtype=None, differentiable=True):
-    register(name, _binary_infer(name, out_dtype), ref, vjp, differentiable=differentiable, wgsl=wgsl)
+def _binary(name, ref, vjp, out_dtype=None, differentiable=True):
+    register(name, _binary_infer(name, out_dtype), ref, vjp, differentiable=differentiable, pointwise=True)
 
     def fn(a, b):
         a, b = _pair(a, b)
@@ -230,11 +225,11 @@ def _ub(ct, x):
     return unbroadcast(ct, x.shape)
 
 
-_add = _binary("add", lambda a, b: a + b, lambda ct, y, a, b: [_ub(ct, a), _ub(ct, b)], "({0} + {1})")
-_sub = _binary("sub", lambda a, b: a - b, lambda ct, y, a, b: [_ub(ct, a), _ub(neg(ct), b)], "({0} - {1})")
-mul = _binary("mul", lambda a, b: a * b, lambda ct, y, a, b: [_ub(ct * b, a), _ub(ct * a, b)], "({0} * {1})")
+_add = _binary("add", lambda a, b: a + b, lambda ct, y, a, b: [_ub(ct, a), _ub(ct, b)])
+_sub = _binary("sub", lambda a, b: a - b, lambda ct, y, a, b: [_ub(ct, a), _ub(neg(ct), b)])
+mul = _binary("mul", lambda a, b: a * b, lambda ct, y, a, b: [_ub(ct * b, a), _ub(ct * a, b)])
 _div = _binary("div", lambda a, b: a / b,
-               lambda ct, y, a, b: [_ub(ct / b, a), _ub(neg(ct * y / b), b)], "({0} / {1})")
+               lambda ct, y, a, b: [_ub(ct / b, a), _ub(neg(ct * y / b), b)])
 
 
 def _scaled(b, alpha, op):
@@ -270,23 +265,21 @@ def div(input, other, rounding_mode=None):
         return rnd(_div(a, b))
     return cast(rnd(_div(cast(a, "f32"), cast(b, "f32"))), a.dtype)
 maximum = _binary("maximum", np.maximum,
-                  lambda ct, y, a, b: [_ub(where(a >= b, ct, 0.0), a), _ub(where(a >= b, 0.0, ct), b)],
-                  "max({0}, {1})")
+                  lambda ct, y, a, b: [_ub(where(a >= b, ct, 0.0), a), _ub(where(a >= b, 0.0, ct), b)])
 minimum = _binary("minimum", np.minimum,
-                  lambda ct, y, a, b: [_ub(where(a <= b, ct, 0.0), a), _ub(where(a <= b, 0.0, ct), b)],
-                  "min({0}, {1})")
+                  lambda ct, y, a, b: [_ub(where(a <= b, ct, 0.0), a), _ub(where(a <= b, 0.0, ct), b)])
 
 
-def _cmp(name, ref, wgsl):
-    return _binary(name, lambda a, b: ref(a, b).astype(np.uint32), None, wgsl, out_dtype=u32, differentiable=False)
+def _cmp(name, ref):
+    return _binary(name, lambda a, b: ref(a, b).astype(np.uint32), None, out_dtype=u32, differentiable=False)
 
 
-lt = _cmp("lt", np.less, "u32({0} < {1})")
-le = _cmp("le", np.less_equal, "u32({0} <= {1})")
-gt = _cmp("gt", np.greater, "u32({0} > {1})")
-ge = _cmp("ge", np.greater_equal, "u32({0} >= {1})")
-eq = _cmp("eq", np.equal, "u32({0} == {1})")
-ne = _cmp("ne", np.not_equal, "u32({0} != {1})")
+lt = _cmp("lt", np.less)
+le = _cmp("le", np.less_equal)
+gt = _cmp("gt", np.greater)
+ge = _cmp("ge", np.greater_equal)
+eq = _cmp("eq", np.equal)
+ne = _cmp("ne", np.not_equal)
 
 
 # ----------------------------------------------------------------------------- where
@@ -300,7 +293,7 @@ def _where_infer(ins):
 
 register("where", _where_infer, lambda c, a, b: np.where(c != 0, a, b),
          lambda ct, y, c, a, b: [None, _ub(where(c, ct, 0.0), a), _ub(where(c, 0.0, ct), b)],
-         wgsl="select({2}, {1}, {0} != 0u)")
+         pointwise=True)
 
 
 def where(condition, input, other):
@@ -318,7 +311,7 @@ def _cast_infer(ins, dtype):
 
 
 register("cast", _cast_infer, lambda x, dtype: x.astype(dtype_of(dtype).np),
-         lambda ct, y, x, dtype: [cast(ct, x.dtype) if x.dtype.is_float else None], wgsl="cast")
+         lambda ct, y, x, dtype: [cast(ct, x.dtype) if x.dtype.is_float else None], pointwise=True)
 
 
 def cast(x, dtype):
@@ -330,7 +323,7 @@ def cast(x, dtype):
 
 # ----------------------------------------------------------------------- stop_gradient
 register("stop_gradient", lambda ins: (ins[0].shape, ins[0].dtype), lambda x: x, None,
-         differentiable=False, wgsl="{0}")
+         differentiable=False, pointwise=True)
 
 
 def stop_gradient(x):
@@ -345,7 +338,7 @@ detach = stop_gradient
 # (autodiff.checkpoint): an identity whose ``region`` attribute keeps the recomputed nodes
 # apart from the forward ones, which merging common subexpressions would otherwise undo.
 register("recompute", lambda ins, region: (ins[0].shape, ins[0].dtype), lambda x, region: x, None,
-         differentiable=False, wgsl="{0}")
+         differentiable=False, pointwise=True)
 
 
 def recompute(x, region: int):

@@ -46,13 +46,12 @@ def _max_vjp(ct, y, x, dims, keepdim):
 
 register("reduce_sum", _reduce_infer("reduce_sum"),
          lambda x, dims, keepdim: np.sum(x, axis=dims, keepdims=keepdim, dtype=x.dtype),
-         lambda ct, y, x, dims, keepdim: [_spread(ct, x, dims)], wgsl_reduce="sum")
+         lambda ct, y, x, dims, keepdim: [_spread(ct, x, dims)])
 register("reduce_mean", _reduce_infer("reduce_mean"),
          lambda x, dims, keepdim: np.mean(x, axis=dims, keepdims=keepdim, dtype=x.dtype),
-         lambda ct, y, x, dims, keepdim: [_spread(ct, x, dims) * (1.0 / (_count(x, dims) or 1))],
-         wgsl_reduce="mean")
+         lambda ct, y, x, dims, keepdim: [_spread(ct, x, dims) * (1.0 / (_count(x, dims) or 1))])
 register("reduce_max", _reduce_infer("reduce_max"),
-         lambda x, dims, keepdim: np.max(x, axis=dims, keepdims=keepdim), _max_vjp, wgsl_reduce="max")
+         lambda x, dims, keepdim: np.max(x, axis=dims, keepdims=keepdim), _max_vjp)
 
 
 def reduce_sum(x, dims, keepdim=False):

@@ -6,7 +6,9 @@
   dtype, so the same code runs in f32 for the oracle and f64 for finite differences).
 - ``vjp(ct, out, *inputs, **attrs) -> [Tensor | None per input]``: the reverse-mode rule,
   emitting ordinary graph ops.
-- ``lower``: how the GPU backend runs it (filled in by the codegen's archetypes).
+- ``lower``: how the GPU backend runs it (``register_lowering``, called by the code generator:
+  an op module never imports one); a pointwise op (``pointwise=True``) needs none, its scalar
+  code is the code generator's too.
 - ``differentiable``: False for comparisons, integer ops and stop_gradient.
 """
 from __future__ import annotations
@@ -41,6 +43,16 @@ def register(name, infer, ref, vjp=None, differentiable=True, **extra) -> OpDef:
     od = OpDef(name, infer, ref, vjp, differentiable, extra=extra)
     OPS[name] = od
     return od
+
+
+def register_lowering(op, rule):
+    """``rule`` lowers ``op``'s nodes to kernels on the GPU backend (``OpDef.lower``)."""
+    od = OPS.get(op)
+    if od is None:
+        raise KeyError(f"register_lowering: no op {op!r}")
+    if od.lower is not None and od.lower is not rule:
+        raise ValueError(f"register_lowering: op {op!r} already has a lowering ({od.lower.__qualname__})")
+    od.lower = rule
 
 
 def op_error(op, msg, *tensors):

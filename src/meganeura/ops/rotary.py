@@ -64,7 +64,7 @@ def _rotate_half_ref(x):
 # A pointwise op whose operand is read at another index (j + h mod 2h): the GPU evaluates
 # it inside the consuming kernel, so RoPE is one kernel. Its transpose is its negation.
 register("rotate_half", _rotate_half_infer, _rotate_half_ref,
-         lambda ct, y, x: [neg(rotate_half(ct))], wgsl="rotate_half")
+         lambda ct, y, x: [neg(rotate_half(ct))], pointwise=True)
 
 
 def rotate_half(x):

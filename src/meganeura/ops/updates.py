@@ -22,11 +22,11 @@ def _infer(name):
 # ``ops``: how many elementwise ops each stands for, which fusion weighs as it weighed them
 # (a producer of at most three is recomputed in its reader rather than stored and read)
 register("ema", _infer("ema"), lambda x, g, b, c: x * b + g * c, differentiable=False,
-         wgsl="({0} * {2} + {1} * {3})", ops=3)
+         pointwise=True, ops=3)
 register("ema_sq", _infer("ema_sq"), lambda v, g, b, c: v * b + g * g * c, differentiable=False,
-         wgsl="({0} * {2} + {1} * {1} * {3})", ops=4)
+         pointwise=True, ops=4)
 register("adam_step", _infer("adam_step"), lambda p, m, v, s, i, e: p - s * m / (np.sqrt(v) * i + e),
-         differentiable=False, wgsl="({0} - {3} * {1} / (sqrt({2}) * {4} + {5}))", ops=6)
+         differentiable=False, pointwise=True, ops=6)
 
 
 def _tensors(*xs):

@@ -32,7 +32,7 @@ INDEX_OPS = ("im2col",)  # pure gathers, as cheap to redo as to read back (a max
 
 
 def _elementwise(t) -> bool:
-    return t.op in VIEW_OPS or t.op in INDEX_OPS or (t.op in OPS and "wgsl" in OPS[t.op].extra)
+    return t.op in VIEW_OPS or t.op in INDEX_OPS or (t.op in OPS and OPS[t.op].extra.get("pointwise", False))
 
 
 def _absorbs(reader) -> bool:
