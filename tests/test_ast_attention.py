@@ -13,7 +13,7 @@ from meganeura.schedule import Buf
 from tests.printed_trees import tree_of
 
 from . import ast_attn_cases
-from tests.glsl_reference import check_glsl
+from tests.glsl_reference import check_glsl, check_wgsl
 
 _CASES = {}
 
@@ -43,6 +43,7 @@ def _same(kernel, build, template):
     tree, bufs, groups = got
     wgsl, t_bufs, t_groups = template(kernel)
     assert kernel_ast.print_wgsl(tree) == wgsl, kernel.name
+    check_wgsl(wgsl, kernel.name)
     assert bufs == t_bufs and groups == t_groups, kernel.name
     for unroll, ieee in ((False, True), (True, True), (False, False)):     # (IEEE changes the header only)
         check_glsl(kernel_ast.print_glsl(tree, unroll=unroll, preserve_ieee=ieee), wgsl, kernel.name, unroll, ieee)
@@ -179,7 +180,9 @@ def test_gather_in_a_matmuls_loads_as_a_function_tree():
                     reads = d.kernel.reads[gs["first"]:gs["first"] + gs["n"]]
                     b1, b2 = Bindings(), Bindings()
                     fn = gather_ast.function_tree(gs, reads, b1, "gat0_a")
-                    assert kernel_ast.WgslPrinter().function(fn) + "\n" == gather.as_function(gs, reads, b2, "gat0_a")
+                    text = kernel_ast.WgslPrinter().function(fn) + "\n"
+                    assert text == gather.as_function(gs, reads, b2, "gat0_a")
+                    check_wgsl(text, "gat0_a")
                     assert [(b.bufs, b.types, b.scalar, b.enable_f16) for b in (b1, b2)] == [(b2.bufs, b2.types, b2.scalar,
                                                                                b2.enable_f16)] * 2
                     k = kernel_ast.ComputeKernel(tuple(kernel_ast.Buffer(t, False) for t in b1.types), 1, (),

@@ -11,7 +11,7 @@ import meganeura as mg
 from meganeura.codegen import gemv, kernel_ast, matmul
 from meganeura.compiler import compile_plan
 from tests.printed_trees import tree_of
-from tests.glsl_reference import check_glsl
+from tests.glsl_reference import check_glsl, check_wgsl
 
 
 def _template(k):
@@ -26,6 +26,7 @@ def check_kernel(k, text, bufs, groups, template=_template):
     tree = tree_of(text)
     wgsl, tbufs, tgroups = template(k)
     assert text == wgsl, k.name
+    check_wgsl(text, k.name)
     assert list(bufs) == list(tbufs) and tuple(groups) == tuple(tgroups), k.name
     if tree is None:
         return False
@@ -240,6 +241,7 @@ def test_alike_siblings_share_one_body_over_arrays_of_buffers():
         for d in compile_plan(outs, options=opts).dispatches:
             if d.kernel.archetype == "matmul":
                 assert tree_of(d.wgsl) is not None and d.wgsl == matmul._render_template(d.kernel, 64)[0]
+                check_wgsl(d.wgsl, d.kernel.name)
                 tree = tree_of(d.wgsl)
                 for unroll in (False, True):
                     check_glsl(kernel_ast.print_glsl(tree, unroll), d.wgsl, d.kernel.name, unroll)

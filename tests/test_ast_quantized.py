@@ -12,7 +12,7 @@ from meganeura.codegen import kernel_ast, quantized, quantized_gemv, quantized_t
 from meganeura.compiler import compile_plan
 from meganeura.ops.quantized import QTYPES, row_bytes
 from tests.printed_trees import tree_of
-from tests.glsl_reference import check_glsl
+from tests.glsl_reference import check_glsl, check_wgsl
 
 TEMPLATES = {"gemv": quantized_gemv._render_template, "tiled": quantized_tiled._render_template}
 
@@ -61,6 +61,7 @@ def _check(k, text):
     tree = tree_of(text)
     wgsl, bufs, groups = TEMPLATES.get(k.spec["mode"], quantized._render_template)(k)
     assert text == wgsl, k.name
+    check_wgsl(text, k.name)
     if tree is None:
         return False
     for unroll in (False, True):
