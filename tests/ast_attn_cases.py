@@ -1,6 +1,7 @@
 """Kernels of the gather and attention archetypes (one-row attention, flash forward, its
 split and combine, flash backward) from small graphs of many shapes and options, for the
-tests that compare the kernel AST's WGSL and GLSL with the templates' and the translator's."""
+tests that check the kernel AST's WGSL and GLSL against their golden digests (recorded as
+the templates and the translator wrote them)."""
 import contextlib
 import os
 

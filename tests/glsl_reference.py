@@ -1,7 +1,8 @@
-"""The references the GLSL printed from the kernel AST is checked against.
+"""The references the GLSL and WGSL printed from the kernel AST are checked against.
 
 - the golden digests (``tests/data/glsl_digests.json``: test -> {case -> the first 16 hex
-  digits of the sha256 of the printed GLSL}), recorded while the printed GLSL was the translator's.
+  digits of the sha256 of the printed text}), recorded while the printed GLSL was the
+  translator's and the printed WGSL the templates' (WGSL cases: ``wgsl::{kernel name}``).
   They are checked always: a case without a digest fails (regenerate with
   ``pytest -n 0 --update-glsl-digests <the tests>``, which rewrites the digests of the tests
   it runs and keeps the others).
@@ -38,11 +39,16 @@ class Golden:
         self.test, self._seen = test, {}
 
     def check(self, glsl: str, name: str, unroll: bool, ieee: bool):
-        assert self.test is not None, "a golden GLSL check outside a test"
-        if len(name) > 80:          # a merged launch's name lists its parts
-            name = f"{name[:48]}~{digest(name)}"
-        base = f"{name}::unroll={int(bool(unroll))},ieee={int(bool(ieee))}"
-        d = digest(glsl)
+        self._check(glsl, f"{_short(name)}::unroll={int(bool(unroll))},ieee={int(bool(ieee))}", "GLSL")
+
+    def check_wgsl(self, wgsl: str, name: str):
+        """The WGSL printed for kernel ``name`` (case ``wgsl::{name}``), recorded while it was
+        the templates' text."""
+        self._check(wgsl, f"wgsl::{_short(name)}", "WGSL")
+
+    def _check(self, text: str, base: str, what: str):
+        assert self.test is not None, f"a golden {what} check outside a test"
+        d = digest(text)
         seen = self._seen.setdefault(base, [])
         if d in seen:
             return
@@ -52,9 +58,9 @@ class Golden:
             self.recorded.setdefault(self.test, {})[case] = d
             return
         want = self.stored.get(self.test, {}).get(case)
-        assert want is not None, (f"no golden GLSL digest for {self.test}::{case} in {DIGESTS.name}: regenerate "
+        assert want is not None, (f"no golden {what} digest for {self.test}::{case} in {DIGESTS.name}: regenerate "
                                   "with pytest -n 0 --update-glsl-digests")
-        assert d == want, f"{self.test}::{case}: the printed GLSL changed (digest {d}, golden {want})"
+        assert d == want, f"{self.test}::{case}: the printed {what} changed (digest {d}, golden {want})"
 
     def write(self):
         """Store the digests of the tests run (those of other tests stay)."""
@@ -63,6 +69,11 @@ class Golden:
         out = {**self.stored, **{test: dict(sorted(cases.items())) for test, cases in self.recorded.items()}}
         DIGESTS.parent.mkdir(exist_ok=True)
         DIGESTS.write_text(json.dumps(dict(sorted(out.items())), indent=1) + "\n")
+
+
+def _short(name: str) -> str:
+    """A kernel's name in a case id: a merged launch's (listing its parts) shortened."""
+    return f"{name[:48]}~{digest(name)}" if len(name) > 80 else name
 
 
 GOLDEN = Golden()
@@ -75,3 +86,8 @@ def check_glsl(glsl: str, wgsl: str, name: str, unroll: bool | None = None, pres
         from meganeura.codegen.glsl_target import unroll_switch
         unroll = bool(unroll_switch())
     GOLDEN.check(glsl, name, unroll, preserve_ieee)
+
+
+def check_wgsl(wgsl: str, name: str):
+    """``wgsl`` (a kernel's WGSL as printed from its tree) has the golden digest of its case."""
+    GOLDEN.check_wgsl(wgsl, name)

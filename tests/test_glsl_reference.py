@@ -45,3 +45,16 @@ def test_recording_replaces_the_tests_run_and_keeps_the_others(tmp_path, monkeyp
 
 def test_the_golden_file_is_committed_beside_the_tests():
     assert ref.DIGESTS.exists() and json.loads(ref.DIGESTS.read_text())
+
+
+def test_a_wgsl_case_is_its_own_beside_the_glsl_cases():
+    g = ref.Golden()
+    g.stored = {"mod::t": {"wgsl::k": ref.digest("fn main() {}"), "wgsl::k#2": ref.digest("fn main() { }")}}
+    g.start("mod::t")
+    g.check_wgsl("fn main() {}", "k")
+    g.check_wgsl("fn main() { }", "k")
+    with pytest.raises(AssertionError, match="no golden GLSL digest"):
+        g.check("fn main() {}", "k", False, True)
+    with pytest.raises(AssertionError, match="the printed WGSL changed"):
+        g.start("mod::t")
+        g.check_wgsl("fn main() {  }", "k")

@@ -400,3 +400,11 @@ def test_vector_buffers_workgroup_sizes_and_builtins():
     wgsl = kernel_ast.print_wgsl(tree)
     assert wgsl.startswith("enable f16;\n") and "@compute @workgroup_size(8, 4)\n" in wgsl
     check_glsl(kernel_ast.print_glsl(tree), wgsl, "vectors")
+
+
+def test_a_kernel_no_tree_builds_is_an_error_naming_it():
+    """The tree is a kernel's only WGSL: a builder's None raises, naming the kernel."""
+    from types import SimpleNamespace
+    k = SimpleNamespace(name="gemv+silu", archetype="matmul")
+    with pytest.raises(NotImplementedError, match=r"'gemv\+silu' \(matmul\): no kernel AST builds its output store"):
+        kernel_ast.printed_made(k, None, "its output store")

@@ -21,8 +21,6 @@ import contextvars
 import numpy as np
 
 from ..schedule import Kernel, View, contiguous_strides
-from .common import ENTRY, GROUP_INDEX, WG, Bindings, broadcast_view_strides, coords, grid, literal
-from .expr import OutputStore
 from .pointwise import sum_kernel
 from . import flash, flash_grad, flash_split
 
@@ -35,8 +33,6 @@ ACCELERATED_MAX_ROW_WORK = 1 << 13
 # whether the compile under way is in accelerated precision (the compiler sets it)
 ACCELERATED = contextvars.ContextVar("attention_accelerated", default=False)
 MAX_DIM = 256
-
-NEG_INF = "bitcast<f32>(0xff800000u)"
 
 
 def short_rows(t) -> bool:
@@ -161,118 +157,6 @@ def render(kernel):
     if kernel.spec.get("flash"):
         return flash.render(kernel)
     from .attention_ast import tree
-    from .kernel_ast import printed
-    got = tree(kernel)
-    if got is None:        # (a paired product's output store, which no attention kernel has)
-        return _render_template(kernel)
-    return printed(got[0]), got[1], got[2]
-
-
-def _render_template(kernel):
-    """The one-row kernel's WGSL template (what ``attention_ast`` builds, line for line)."""
-    q, k, v = kernel.reads[:3]
-    spec = kernel.spec
-    *batch, hq, lq, d = q.shape
-    hkv, lk, dv = k.shape[-3], k.shape[-2], v.shape[-1]
-    group = hq // hkv
-    rows = int(np.prod(batch, dtype=np.int64)) * hq * lq
-    b = Bindings()
-    store = OutputStore(kernel, b).require("fmax_f32")   # a NaN score gives a NaN row
-    qb, kb, vb = (b.index(x.buf, x.dtype) for x in (q, k, v))
-    # output columns: DV lanes (a power of two) per key slice, WG // DV slices
-    DV = 1 << max(0, (dv - 1).bit_length())
-    slices = WG // DV
-    nbd = len(batch)
-
-    def base(x, head):
-        """Element offset of row 0 of ``x`` at batch ``bz`` and head ``head``."""
-        st = x.strides
-        terms = [f"{x.offset}u"] + [f"z{n} * {st[n]}u" for n in range(nbd) if st[n]]
-        return " + ".join(terms + ([f"{head} * {st[nbd]}u"] if st[nbd] else []))
-    qs, ks, vs = q.strides, k.strides, v.strides
-    lines = [f"    let row = {GROUP_INDEX};", f"    if (row >= {rows}u) {{ return; }}",
-             f"    let i = row % {lq}u; let h = (row / {lq}u) % {hq}u; let bz = row / {lq * hq}u;"]
-    lines += coords("bz", batch, prefix="z") if batch else []
-    lines += [f"    let hk = h / {group}u;",
-              f"    let qoff = {base(q, 'h')} + i * {qs[-2]}u;",
-              f"    let koff = {base(k, 'hk')};",
-              f"    let voff = {base(v, 'hk')};"]
-    # scores: P lanes share one key (each sums D / P products, independent loads), so a
-    # pass covers WG / P keys; the lanes' partial sums combine through ``red``
-    P = 8 if d >= 8 else 1
-    KPP = WG // P
-    score = [f"        var s = red[lid] * {literal(spec['scale'], q.dtype)};"]
-    if spec["masked"]:
-        m = kernel.reads[3]
-        mb = b.index(m.buf, m.dtype)
-        st = broadcast_view_strides(m, tuple(batch) + (hq, lq, lk))
-        terms = [f"{m.offset}u"] + [f"z{n} * {st[n]}u" for n in range(len(batch)) if st[n]]
-        terms += [f"{c} * {s_}u" for c, s_ in zip(("h", "i"), st[len(batch):len(batch) + 2]) if s_]
-        lines.append(f"    let moff = {' + '.join(terms)};")
-        mv = f"b{mb}[moff + j * {st[-1]}u]"
-        score.append(f"        s = select({NEG_INF}, s, {mv} != {literal(0, m.dtype)});" if spec["int_mask"]
-                     else f"        s = s + {mv};")
-    if spec["causal"]:
-        score.append(f"        s = select({NEG_INF}, s, j <= i);")
-    tree = """    workgroupBarrier();
-    for (var t = {half}u; t > 0u; t = t >> 1u) {{
-        if (lid < t) {{ red[lid] = {op}; }}
-        workgroupBarrier();
-    }}"""
-    body = "\n".join(lines) + f"""
-    for (var c = lid; c < {d}u; c = c + {WG}u) {{ qv[c] = b{qb}[qoff + c * {qs[-1]}u]; }}
-    workgroupBarrier();
-    let p = lid % {P}u; let kl = lid / {P}u;
-    var mx = {NEG_INF};
-    for (var j0 = 0u; j0 < {lk}u; j0 = j0 + {KPP}u) {{
-        let j = j0 + kl;
-        var part_s = 0.0;
-        if (j < {lk}u) {{
-            for (var c = p; c < {d}u; c = c + {P}u) {{ part_s = fma(qv[c], b{kb}[koff + j * {ks[-2]}u + c * {ks[-1]}u], part_s); }}
-        }}
-        red[lid] = part_s;
-        workgroupBarrier();
-        for (var t = {P // 2}u; t > 0u; t = t >> 1u) {{
-            if (p < t) {{ red[lid] = red[lid] + red[lid + t]; }}
-            workgroupBarrier();
-        }}
-        if (p == 0u && j < {lk}u) {{
-    {chr(10).join("    " + ln for ln in score)}
-            sc[j] = s;
-            mx = fmax_f32(mx, s);
-        }}
-        workgroupBarrier();
-    }}
-    red[lid] = mx;
-{tree.format(half=WG // 2, op="fmax_f32(red[lid], red[lid + t])")}
-    let m = red[0];
-    let live = bitcast<u32>(m) != 0xff800000u;   // a fully masked row gives zeros (a NaN row stays NaN)
-    workgroupBarrier();
-    var tot = 0.0;
-    for (var j = lid; j < {lk}u; j = j + {WG}u) {{
-        let e = select(0.0, exp(sc[j] - m), live);
-        sc[j] = e;
-        tot = tot + e;
-    }}
-    red[lid] = tot;
-{tree.format(half=WG // 2, op="red[lid] + red[lid + t]")}
-    let inv = select(0.0, 1.0 / red[0], live);
-    workgroupBarrier();
-    let col = lid % {DV}u; let sl = lid / {DV}u;
-    var acc = 0.0;
-    if (col < {dv}u) {{
-        for (var j = sl; j < {lk}u; j = j + {slices}u) {{ acc = fma(sc[j], b{vb}[voff + j * {vs[-2]}u + col * {vs[-1]}u], acc); }}
-    }}
-    red[lid] = acc;
-    workgroupBarrier();
-    for (var t = {slices // 2}u; t > 0u; t = t >> 1u) {{
-        if (sl < t) {{ red[lid] = red[lid] + red[lid + t * {DV}u]; }}
-        workgroupBarrier();
-    }}
-    if (sl == 0u && col < {dv}u) {{ store_out(row * {dv}u + col, red[lid] * inv); }}
-}}
-"""
-    src = b.decls() + "\n" + store.module_text() + \
-        f"\nvar<workgroup> sc: array<f32, {lk}>;\nvar<workgroup> red: array<f32, {WG}>;\n" \
-        f"var<workgroup> qv: array<f32, {d}>;\n\n" + ENTRY.format(wg=WG) + body
-    return src, b.bufs, grid(rows)
+    from .kernel_ast import printed_made
+    # (None: a paired product's output store, which no attention kernel has)
+    return printed_made(kernel, tree(kernel), "its output store")

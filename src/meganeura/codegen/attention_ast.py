@@ -1,5 +1,5 @@
-"""The one-row attention kernel (``attention.py``) on the typed kernel AST, line for line
-as ``attention._render_template`` writes its WGSL."""
+"""The one-row attention kernel (``attention.py``) on the typed kernel AST: its only WGSL
+(and GLSL) is printed from this tree."""
 from __future__ import annotations
 
 import numpy as np
@@ -58,7 +58,7 @@ def tree(kernel):
     s = name("s", "f32")
 
     def score(B):
-        with B.extra("    "):         # (the template indents its first score line further)
+        with B.extra("    "):         # (the first score line is indented further)
             B.var("s", red[lid] * f32(spec["scale"]))
         if spec["masked"]:
             m = kernel.reads[3]

@@ -60,7 +60,7 @@ CONFIGS = {128: (128, 128, 2, 4, 16, 2), 64: (64, 64, 2, 2, 32, 1), 32: (32, 32,
 WIDE = {128: (128, 256, 2, 4, 16, 4)}
 WIDE_MIN_GROUPS = 256
 WIDE_MIN_CHUNKS = 32
-# operands rounded to f16 in the loads (``matmul.ROUND_F16``): a K split of at most RAW_CHUNKS
+# operands rounded to f16 in the loads (``matmul_ast.round_f16_functions``): a K split of at most RAW_CHUNKS
 # chunks is fetched whole into registers in f32 and its peak taken there (the rounded products
 # of SmolLM2's backward at 128 tokens 10.5 -> 8.1 us against a pre-pass); a longer split reads
 # its peak in a pre-pass, SCALE_UNROLL chunks a step
@@ -154,7 +154,7 @@ def _scale_lines(op: _Operand, ops, BK, NT, nch, off):
     """GLSL computing ``op.scale`` (and its inverse, ``op.scale`` + ``_inv``): the power of two
     that takes the largest magnitude of the workgroup's share of ``op`` (its rows or columns
     of the tile over the split's K range) to [2^13, 2^14), so that converting to f16 rounds
-    as ``matmul.ROUND_F16`` does (elements below 2^-24 of that peak go to f16's subnormals and
+    as ``matmul_ast.round_f16_functions`` does (elements below 2^-24 of that peak go to f16's subnormals and
     zero). The same walk over the chunks as the fetches, in f32; a workgroup-wide max
     through ``Pk`` (``workgroup_max``). All zeros give zeros; a share holding an infinity or
     NaN makes the workgroup's whole tile meaningless (the step is lost either way, as with a

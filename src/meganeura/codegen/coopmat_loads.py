@@ -25,7 +25,7 @@ class _Operand:
     vec: bool = False
     load_offset: int = 0  # an operand computed in the loads: its view's offset in the gather's output
     conv: tuple = ()  # an im2col computed in the loads: (geometry, input binding, input view)
-    scale: str = ""   # an f32 operand rounded to f16 (``matmul.ROUND_F16``): the GLSL name of its scale
+    scale: str = ""   # an f32 operand rounded to f16 (``matmul_ast.round_f16_functions``): the GLSL name of its scale
     raw: bool = False  # (scaled) fetched as f32 (two vec4 a group of 8), converted as it is stored
 
     def tile(self, BK):
@@ -191,7 +191,7 @@ def _im2col_fetch(op: _Operand, reg, off, ld, row_conds, col_check):
 
 def _batch_offsets(a, b, batch, index):
     """GLSL lines splitting the batch ``index`` into coordinates, and each operand's element
-    offset (``common.batch_offset_terms``, as the WGSL renderers' ``matmul_wgsl._batch_offsets``)."""
+    offset (``common.batch_offset_terms``, as the WGSL kernels' ``kernel_ast_matmul.batch_offsets``)."""
     dims, aoff, boff = batch_offset_terms(a, b, batch)
     lines = [f"uint br = {index};"] + [f"uint z{d} = br % {n}u; br = br / {n}u;" for d, n in dims]
     return lines, " + ".join(aoff), " + ".join(boff)

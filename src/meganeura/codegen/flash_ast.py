@@ -1,5 +1,5 @@
 """The flash attention forward (``flash.py``) on the typed kernel AST, line for line as
-``flash._render_template`` writes its WGSL (the layout of its lines included)."""
+the only source of its WGSL (and GLSL)."""
 from __future__ import annotations
 
 import numpy as np

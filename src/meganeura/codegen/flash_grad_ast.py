@@ -1,5 +1,5 @@
 """The flash attention backward (``flash_grad.py``) on the typed kernel AST, line for line
-as ``flash_grad._render_template`` writes its WGSL (the layout of its lines included)."""
+and the only source of its WGSL (and GLSL)."""
 from __future__ import annotations
 
 import numpy as np

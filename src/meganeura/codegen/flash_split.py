@@ -22,8 +22,6 @@ from __future__ import annotations
 
 import os
 
-from .common import ENTRY, GROUP_INDEX, WG, Bindings, grid
-from .expr import OutputStore
 
 # Measured on an H200 (bench/attention.py --split 2,3,4,6,8, GPU timestamps, 64 query rows a
 # workgroup): Whisper-tiny's encoder attention (144 query tiles) 255 us unsplit, 204 (S=2),
@@ -33,9 +31,6 @@ AUTO_SPLIT = True
 TARGET_GROUPS = 768      # workgroups to aim for: a few per SM on a 132-SM GPU
 MAX_SPLIT = 6
 MIN_TILES = 4            # key tiles per split at least: fewer and the combine outweighs the gain
-
-NEG_INF = "bitcast<f32>(0xff800000u)"
-POS_INF = "bitcast<f32>(0x7f800000u)"
 
 
 def auto_splits(groups: int, key_tiles: int) -> int:
@@ -65,44 +60,7 @@ def render_combine(kernel):
     """The combine: one invocation per output element (row, column) reads the S partial
     LSEs of its row and the S partial values of its element; column 0 also writes the
     row's LSE when the kernel has that second output. Printed from its tree
-    (``flash_split_ast``; the template, ``_render_combine_template``, stays for the tests)."""
+    (``flash_split_ast``)."""
     from .flash_split_ast import combine_tree
-    from .kernel_ast import printed
-    got = combine_tree(kernel)
-    if got is None:
-        return _render_combine_template(kernel)
-    return printed(got[0]), got[1], got[2]
-
-
-def _render_combine_template(kernel):
-    o_s, lse_s = kernel.reads[:2]
-    S = kernel.spec["combine"]
-    assert o_s.is_contiguous() and lse_s.is_contiguous() and o_s.shape[0] == lse_s.shape[0] == S
-    dv = o_s.shape[-1]
-    rows = lse_s.size // S
-    n = rows * dv
-    b = Bindings()
-    store = OutputStore(kernel, b).require("fmax_f32")     # a NaN partial LSE gives a NaN row
-    ob, lb = b.index(o_s.buf, o_s.dtype), b.index(lse_s.buf, lse_s.dtype)
-    L = [f"    let e = ({GROUP_INDEX}) * {WG}u + lid;",
-         f"    if (e >= {n}u) {{ return; }}",
-         f"    let row = e / {dv}u;"]
-    L += [f"    let l{s} = b{lb}[{lse_s.offset}u + {s * rows}u + row];" for s in range(S)]
-    m = "l0"
-    for s in range(1, S):
-        m = f"fmax_f32({m}, l{s})"
-    L += [f"    let m = {m};",
-          # no split saw an unmasked key: weights against 0 are zeros, not NaN
-          f"    let live = m != {NEG_INF};",
-          "    let mref = select(0.0, m, live);"]
-    L += [f"    let w{s} = exp(l{s} - mref);" for s in range(S)]
-    L += ["    let wsum = " + " + ".join(f"w{s}" for s in range(S)) + ";",
-          "    let acc = " + " + ".join(f"w{s} * b{ob}[{o_s.offset}u + {s * n}u + e]" for s in range(S)) + ";",
-          "    store_out(e, select(0.0, acc / wsum, live));"]
-    if kernel.outs:
-        lse = kernel.outs[0]
-        assert lse.is_contiguous() and lse.size == rows, lse.shape
-        rb = b.index(lse.buf, lse.dtype, write=True)
-        L.append(f"    if (e % {dv}u == 0u) {{ b{rb}[{lse.offset}u + row] = select({POS_INF}, m + log(wsum), live); }}")
-    src = b.decls() + "\n" + store.module_text() + "\n\n" + ENTRY.format(wg=WG) + "\n".join(L) + "\n}\n"
-    return src, b.bufs, grid(-(-n // WG))
+    from .kernel_ast import printed_made
+    return printed_made(kernel, combine_tree(kernel), "its output store")

@@ -1,5 +1,5 @@
 """The combine of a flash forward split over keys (``flash_split.py``) on the typed kernel
-AST, line for line as ``flash_split._render_combine_template`` writes its WGSL."""
+AST: its only WGSL (and GLSL) is printed from this tree."""
 from __future__ import annotations
 
 from . import kernel_ast as K

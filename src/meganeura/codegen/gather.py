@@ -7,13 +7,12 @@ from __future__ import annotations
 
 from ..schedule import Kernel
 from . import gather_ast
-from .expr import OutputStore
-from .common import ENTRY, GROUP_INDEX, WG, Bindings, coords, grid, literal
+from .common import coords, literal
 
 
 def _kernel(name, body, checks=None, geometry=None):
-    """``body``: the WGSL lines of the value (the template's, which ``as_function`` inlines
-    into a consumer's loads); ``spec["form"]``: what builds the same statements on the kernel
+    """``body``: the WGSL lines of the value (not printed: they stay in the spec, which a
+    kernel's identity covers); ``spec["form"]``: what builds its statements on the kernel
     AST when the kernel is rendered (``gather_ast.body_tree``: the builder's name and the node)."""
     def lower(t, ins, out, materialize, temp):
         dense = [materialize(v, x) for v, x in zip(ins, t.inputs)]
@@ -157,9 +156,9 @@ LOWER = {"one_hot": _kernel("one_hot", _one_hot, _one_hot_checks),
 
 
 def inlinable(kernel) -> bool:
-    """A gather another kernel can evaluate in its loads (``as_function``): its value is a
-    formula of the output index alone, with no index checks, scatter or epilogue other than
-    a cast of the value (to its output's dtype, which the loads round to)."""
+    """A gather another kernel can evaluate in its loads (``gather_ast.function_tree``): its
+    value is a formula of the output index alone, with no index checks, scatter or epilogue
+    other than a cast of the value (to its output's dtype, which the loads round to)."""
     return kernel.archetype == "gather" and kernel.name.split("+")[0] == "im2col" \
         and (kernel.epilogue is None or _cast_only(kernel)) \
         and not kernel.spec.get("checks") and "index" not in kernel.spec and "threads" not in kernel.spec
@@ -172,60 +171,10 @@ def _cast_only(kernel) -> bool:
         and not kernel.spec.get("stores")
 
 
-def as_function(gather_spec, reads, bind, name) -> str:
-    """WGSL ``fn name(i: u32) -> f32``: the value a gather would have stored at flat index
-    ``i`` of its output (clamped into it), for a consumer that reads the gather's output
-    through a load instead of a buffer (implicit-GEMM convolution reads im2col this way).
-    ``gather_spec["dtype"]``: the stored dtype the value is rounded to first (a cast fused
-    into the gather: accelerated precision's f16 columns)."""
-    body = gather_spec["body"]
-    lines = []
-    for k, v in enumerate(reads):
-        bi = bind.index(v.buf, v.dtype)
-        bind.scalar.add(bi)
-        lines.append(f"    let xo{k} = {v.offset}u;")
-        body = body.replace(f"x{k}[", f"b{bi}[")
-    val = "val"
-    if gather_spec.get("dtype", "f32") != "f32":
-        from ..graph import dtype_of
-        val = f"{dtype_of(gather_spec['dtype']).wgsl}(val)"
-        bind.enable_f16 |= gather_spec["dtype"] == "f16"
-    return (f"fn {name}(i0: u32) -> f32 {{\n    let i = min(i0, {gather_spec['size'] - 1}u);\n" + "\n".join(lines)
-            + "\n" + body + f"\n    return f32({val});\n}}\n")
-
-
 def render(kernel, errors=None):
     """``errors``: (buffer, first slot) of checked mode's error buffer: check k of this
     kernel writes slots 2 (first + k) (a flag) and 2 (first + k) + 1 (the bad index).
-    Printed from the kernel's tree (``gather_ast``): in checked mode, and outside it once the
-    printer writes the empty one-line ``report_err`` as the template's ``{}``
-    (``gather_ast.EMPTY_ONE_LINE``); until then the template's."""
-    from .kernel_ast import printed
-    got = gather_ast.kernel_tree(kernel, errors)
-    if got is None:
-        return _render_template(kernel, errors)
-    return printed(got[0]), got[1], got[2]
-
-
-def _render_template(kernel, errors=None):
-    n = kernel.spec.get("threads", kernel.out.size)
-    b = Bindings()
-    store = OutputStore(kernel, b, kernel.dtype)
-    report = "fn report_err(k: u32, v: i32) {}"
-    if errors is not None:
-        from ..graph import u32
-        eb = b.index(errors[0], u32, write=True)
-        report = (f"fn report_err(k: u32, v: i32) {{ b{eb}[{2 * errors[1]}u + 2u * k] = 1u; "
-                  f"b{eb}[{2 * errors[1] + 1}u + 2u * k] = bitcast<u32>(v); }}")
-    lines = []
-    for k, v in enumerate(kernel.reads):
-        bi = b.index(v.buf, v.dtype)
-        lines.append(f"    let xo{k} = {v.offset}u;  // x{k} is b{bi}")
-    body = kernel.spec["body"]
-    for k, v in enumerate(kernel.reads):
-        body = body.replace(f"x{k}[", f"b{b.index(v.buf, v.dtype)}[")
-    src = b.decls() + "\n" + store.module_text() + "\n" + report + "\n\n" + ENTRY.format(wg=WG) + \
-        f"    let i = ({GROUP_INDEX}) * {WG}u + lid;\n    if (i >= {n}u) {{ return; }}\n" + \
-        "\n".join(lines) + "\n" + body + f"\n    store_out({kernel.spec.get('index', 'i')}, val);\n}}\n"
-    return src, b.bufs, grid(-(-n // WG))
-
+    Printed from the kernel's tree (``gather_ast``)."""
+    from .kernel_ast import printed_made
+    return printed_made(kernel, gather_ast.kernel_tree(kernel, errors),
+                        "its output store (or a body without spec['form'])")

@@ -1,6 +1,6 @@
 """The gather kernels (``gather.py``) on the typed kernel AST: each lowering's body as a
 tree (``Input`` reads its dense inputs, bound to buffers when the kernel is rendered), and
-the whole kernel, line for line as ``gather._render_template`` writes its WGSL."""
+the whole kernel, whose only WGSL (and GLSL) is printed from this tree."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -31,9 +31,6 @@ def _idx(dt, e):
 
 
 I = name("i", "u32")
-# the printer writes a one-line function without statements as ``{}`` (the template's
-# report_err outside checked mode); until it does, those kernels keep their template
-EMPTY_ONE_LINE = K.WgslPrinter().function(K.Function("f", (), (), None, True)) == "fn f() {}"
 
 
 def one_hot(t):
@@ -158,9 +155,9 @@ def body_tree(spec):
 
 def kernel_tree(kernel, errors=None):
     """(``ComputeKernel``, bound buffers, workgroups) of a gather kernel whose body is a tree
-    (``spec["form"]``), as ``gather._render_template`` writes it (``errors``: checked mode's
+    (``spec["form"]``) (``errors``: checked mode's
     error buffer, as there); None where its output store is not on the AST yet."""
-    if "form" not in kernel.spec or (errors is None and not EMPTY_ONE_LINE):
+    if "form" not in kernel.spec:
         return None
     n = kernel.spec.get("threads", kernel.out.size)
     b = Bindings()
@@ -190,10 +187,10 @@ def kernel_tree(kernel, errors=None):
 
 
 def function_tree(gather_spec, reads, bind, name):
-    """``gather.as_function`` as a ``kernel_ast.Function`` (``fn name(i0: u32) -> f32``: the
+    """A ``kernel_ast.Function`` ``fn name(i0: u32) -> f32``: the
     value a gather would have stored at flat index ``i`` of its output, for a consumer that
     computes it in its loads), from the gather's tree (``body_tree``); its reads
-    bound on ``bind`` as ``as_function`` binds them."""
+    bound on ``bind`` (scalar bindings)."""
     from ..graph import dtype_of
     i0 = K.Name("i0", "u32")
     body = [K.Let("i", K.Call("min", (i0, K.u32(gather_spec["size"] - 1)), "u32"))]

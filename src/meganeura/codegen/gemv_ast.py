@@ -1,6 +1,6 @@
 """``gemv.render_gemv`` (the matmul archetype's few-row products: B transposed or plain,
 sibling parts, a paired weight, a norm of A's rows in the loads) built on the typed kernel
-AST, statement for statement as its template writes it."""
+AST: its only WGSL (and GLSL) is printed from this tree."""
 from __future__ import annotations
 
 import numpy as np

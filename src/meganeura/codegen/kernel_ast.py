@@ -15,7 +15,7 @@ The tree holds what the printers must decide between the languages, no more:
 - ``Group`` is a pair of parentheses the kernel writes; otherwise WGSL prints binary
   operators by precedence and GLSL parenthesises every one;
 - the layout of the WGSL text (statements sharing a line: ``Line``; a block on one line:
-  ``inline``; an empty line: ``Blank``) so that a moved template prints the same bytes.
+  ``inline``; an empty line: ``Blank``), so that the WGSL keeps the bytes the templates wrote.
 
 A node class of another module (a family's own construct) prints itself: the printers call
 its ``wgsl(printer)`` / ``glsl(printer)`` methods (an expression returns its text and has a
@@ -444,6 +444,15 @@ def printed(tree) -> str:
     for trees in _collecting.get():
         trees[text] = tree
     return text
+
+
+def printed_made(kernel, made, why: str) -> tuple:
+    """(WGSL, bound buffers, workgroups) of a builder's ``made`` (tree, buffers, workgroups);
+    None (``why``: what its builder does not build) raises: the tree is a kernel's only WGSL."""
+    if made is None:
+        raise NotImplementedError(f"kernel {kernel.name!r} ({kernel.archetype}): no kernel AST builds {why}")
+    tree, bufs, groups = made
+    return printed(tree), bufs, groups
 
 
 @contextlib.contextmanager

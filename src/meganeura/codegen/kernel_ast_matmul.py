@@ -313,7 +313,8 @@ class Text:
 
 
 def batch_offsets(a, b, batch, index):
-    """``matmul_wgsl._batch_offsets`` as statements and the operands' offset trees."""
+    """The lines splitting the batch index into coordinates (``z{d}``), and the operands'
+    element offset trees."""
     from .common import contiguous_batch_strides
     sa = contiguous_batch_strides(a.shape[:-2], batch, a.shape[-2] * a.shape[-1])
     sb = contiguous_batch_strides(b.shape[:-2], batch, b.shape[-2] * b.shape[-1])
@@ -330,8 +331,8 @@ def batch_offsets(a, b, batch, index):
 
 
 def affine(e, ks, K, weight, bias, ty="f32"):
-    """``matmul_wgsl._affine`` as a tree: ``e * ty(weight[k]) + ty(bias[k])`` at the row
-    positions ``ks``, indices clamped to the row."""
+    """A norm's affine as a tree: ``e * ty(weight[k]) + ty(bias[k])`` (each term where present)
+    at the row positions ``ks`` (one, or four for a vec4), indices clamped to the row."""
     def read(binding, view):
         vals = tuple(Convert(F32, Load(binding, add(U(view.offset), Call("min", (k, U(K - 1)), U32)), view.dtype.wgsl))
                      for k in ks)

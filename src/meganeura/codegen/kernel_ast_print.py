@@ -1,5 +1,5 @@
 """The printers of the typed kernel AST (``kernel_ast``): ``WgslPrinter`` writes the WGSL the
-templates wrote (the same bytes), ``GlslPrinter`` the GLSL 4.50 that the WGSL-to-GLSL
+hand-written templates wrote (the same bytes, pinned by the tests' golden digests), ``GlslPrinter`` the GLSL 4.50 that the WGSL-to-GLSL
 translator (``glsl.to_glsl``) writes for that WGSL: every binary operator parenthesised,
 literals spelled in the type WGSL gives them, ``select`` as ``?:``, float ``%`` as a
 truncated remainder, barriers as ``barrier()``, declarations typed and zero-initialised,
@@ -271,7 +271,7 @@ class WgslPrinter:
     def function(self, f: Function) -> str:
         params = ", ".join(f"{p.id}: {p.ty}" for p in f.params)
         ret = f" -> {f.ret}" if f.ret else ""
-        if f.inline:        # (an empty one: "{}", as the templates write it)
+        if f.inline:        # (an empty one: "{}")
             body = self.inline(f.body)
             return f"fn {f.name}({params}){ret} {{ {body} }}" if body else f"fn {f.name}({params}){ret} {{}}"
         return "\n".join([f"fn {f.name}({params}){ret} {{"] + self.block(f.body, 1) + ["}"])

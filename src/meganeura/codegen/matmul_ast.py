@@ -1,8 +1,7 @@
 """``matmul.render``'s tiled products (double-buffered K tiles in workgroup memory, the
 peeled form, K splits, sibling parts, alike parts sharing one body over arrays of buffers,
 a norm of A's rows, f16 rounding and pointwise operands computed in the loads, fused
-epilogues) built on the typed kernel AST, statement for statement as the templates of
-``matmul`` write them. An operand that a gather computes in the loads (implicit-GEMM
+epilogues) built on the typed kernel AST, the only source of their WGSL (and GLSL). An operand that a gather computes in the loads (implicit-GEMM
 convolution) is on the tree where the gather's function is (``gather_tree``)."""
 from __future__ import annotations
 
@@ -50,7 +49,7 @@ def supported(kernel) -> bool:
 
 def operand_functions(kernel, j, op, gs, bind):
     """(name, module items) of the function computing operand ``op`` of part ``j`` in its
-    loads (``matmul.operand_function`` as trees), its reads bound on ``bind`` now."""
+    loads (a pointwise expression's or a gather's), its reads bound on ``bind`` now."""
     from .pointwise import operand_function
     fname = f"gat{j}_{op}"
     reads = kernel.reads[gs["first"]:gs["first"] + gs["n"]]
@@ -59,8 +58,15 @@ def operand_functions(kernel, j, op, gs, bind):
     return fname, [gather_tree()(gs, reads, bind, fname)]
 
 
+# An operand flagged in ``spec["f16_round"]`` is f32 in memory and holds f16's precision in
+# the product (11 significant bits, to nearest even) without f16's range: the tiled kernel
+# rounds its bits as it loads it; the cooperative-matrix kernel (codegen.coopmat) scales the
+# workgroup's share of it by a power of two into f16's range and converts, which rounds alike.
+# So a gradient far below f16's smallest normal needs no max reduction and scaled cast of its
+# own before a tensor-core product.
 def round_f16_functions() -> list:
-    """``matmul_wgsl.ROUND_F16``."""
+    """``round_f16`` (f32) and ``round_f16v`` (vec4): the bits of an f32 rounded to f16's
+    precision, for the loads of an operand flagged in ``spec["f16_round"]``."""
     x, b = Name("x", F32), Name("b", U32)
     hexu = lambda v: U(v, f"{v:#x}u")        # noqa: E731
     one = Function("round_f16", (x,), (
@@ -357,7 +363,8 @@ def render_tree(kernel, launch_form):
 
 
 def _memory(parts, block, TK, peel) -> list:
-    """``matmul._workgroup_memory``'s items."""
+    """The workgroup memory items: the double-buffered A and B tiles, the norm prologue's
+    statistics and the f16 rounding helpers where a part has them."""
     from .matmul import a_padding
     TM, TN, WY, WX = block
     out = [shared("As", VEC4, 2 * TK * (TM // 4 + a_padding(peel))), shared("Bs", VEC4, 2 * TK * TN // 4)]
@@ -369,7 +376,7 @@ def _memory(parts, block, TK, peel) -> list:
 
 
 def render_shared_tree(kernel, launch_form):
-    """``matmul._render_shared`` as a tree: a merged launch whose alike parts share one body
+    """A merged launch whose alike parts share one body
     ``mms{f}`` over arrays of buffers indexed by the private ``mp``; None where no two parts
     are alike, or a part is not on the tree."""
     from .common import NOWHERE, Bindings

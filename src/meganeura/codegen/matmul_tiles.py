@@ -60,7 +60,7 @@ def accelerate(a, b, ta, tb, f16_round=None):
     """A matmul in accelerated precision: f16 operands (cast where they are not), f32
     accumulation and output. ``f16_round``: (a, b) flags of operands kept f32 and rounded to
     f16 precision by the kernel as it loads them, scaled into f16's range (a gradient: see
-    ``ROUND_F16``), instead of cast."""
+    ``matmul_ast.round_f16_functions``), instead of cast."""
     from ..ops import cast, emit
     if not f16_round or not any(f16_round):
         return emit("matmul", [cast(a, "f16"), cast(b, "f16")], ta=ta, tb=tb, out_dtype="f32")

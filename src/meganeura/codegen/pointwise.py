@@ -7,7 +7,7 @@ import os
 from .common import WG, Bindings, broadcast_view_strides, coalesce, grid
 from .expr import ExprWriter, Node
 from .expr_ast import call, coords, offset_expr
-from .kernel_ast import Convert, Function, Let, Load, Name, Return, WgslPrinter, printed, u32
+from .kernel_ast import Convert, Function, Let, Load, Name, Return, printed, u32
 from .pointwise_ast import _uses_coords, kernel_tree, multi_tree, shared_tree
 
 
@@ -22,17 +22,11 @@ def sum_kernel(name, leaves, out):
     return Kernel(name, "pointwise", {"expr": total, "dtype": out.dtype}, out, list(leaves))
 
 
-def as_function(operand_spec, reads, bind: Bindings, name) -> str:
-    """WGSL ``fn name(i: u32) -> f32``: the value a pointwise kernel would have stored at flat
-    index ``i`` of its (contiguous) output, for a matmul that computes its operand in its
-    loads instead of reading a stored one (``fuse.fuse_pointwise_operands``). Helpers the
-    expression calls are emitted once per module, before the function (``operand_function``)."""
-    p = WgslPrinter()
-    return "\n".join(p.function(f) for f in operand_function(operand_spec, reads, bind, name)) + "\n"
-
-
 def operand_function(operand_spec, reads, bind: Bindings, name) -> list:
-    """``as_function`` on the kernel AST: the helper functions it calls, then it."""
+    """``fn name(i0: u32) -> f32``: the value a pointwise kernel would have stored at flat index
+    ``i`` of its (contiguous) output, for a matmul that computes its operand in its loads
+    instead of reading a stored one (``fuse.fuse_pointwise_operands``): the helper functions
+    the expression calls, then it."""
     shape = operand_spec["shape"]
     strides = [broadcast_view_strides(v, shape) for v in reads]
     if not _uses_coords(operand_spec["expr"]):

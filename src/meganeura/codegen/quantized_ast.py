@@ -1,7 +1,6 @@
-"""The quantized archetype's byte readers and block decoders (``quantized.HALF``,
-``quantized.weight_functions``) and its dequantize / embedding kernel, built on the typed
-kernel AST (``kernel_ast``), statement for statement as the templates of ``quantized``
-write them, so that their WGSL is printed from the tree and the Vulkan backend's GLSL too.
+"""The quantized archetype's byte readers and block decoders (``half_functions``,
+``weight_functions``) and its dequantize / embedding kernel, built on the typed kernel AST
+(``kernel_ast``): their WGSL is printed from the tree, and the Vulkan backend's GLSL too.
 The GEMV and tiled products are in ``quantized_gemv_ast`` and ``quantized_tiled_ast``."""
 from __future__ import annotations
 
@@ -11,7 +10,7 @@ from .kernel_ast import LID
 from .kernel_ast_matmul import (ENTRY_1D, GROUP, F, I, U, add, assign, b_, blank, broken, g, inline, line, module,
                                 private, store_function, store_supported, terms, v4, Minus, Wrapped)
 
-# the module's helpers, in ``quantized.HALF``'s order
+# the module's helpers, in the order the module declares them
 U32, F32, VEC4 = "u32", "f32", "vec4<f32>"
 PAD = " " * len("    return vec4<f32>(")      # the further lines of a decoder's vector
 
@@ -26,7 +25,8 @@ def _byte_of(w, shift):
 
 
 def half_functions() -> list:
-    """``quantized.HALF``: the module items (functions, then the private ``qlo``/``qhi``)."""
+    """The f16 and bit decoders every quantized module declares once: the module items
+    (functions, then the private ``qlo``/``qhi`` that ``qgroup`` sets)."""
     h, w, s_, j, sl, sh = (_p(n) for n in ("h", "w", "s", "j", "sl", "sh"))
     e, m, s = _p("e"), _p("m"), _p("s")
     qhalf = Function("qhalf", (h,), (
@@ -70,7 +70,7 @@ def _call(name, *args, ty=U32):
 
 
 def weight_functions(qtype, k, wb, nwords, sfx="") -> list:
-    """``quantized.weight_functions``: ``qword{sfx}``, ``qbyte{sfx}``, ``qscale{sfx}`` and
+    """``qword{sfx}``, ``qbyte{sfx}``, ``qscale{sfx}`` and
     ``qgroup{sfx}(n, g)`` of one weight (binding ``wb`` of ``nwords`` words, rows of ``k``)."""
     from ..ops.quantized import QTYPES, row_bytes
     rb = row_bytes(qtype, k)
@@ -203,7 +203,8 @@ def weight_functions(qtype, k, wb, nwords, sfx="") -> list:
 
 
 def x_loads(b, xv, K):
-    """``quantized.x_loads`` as a tree: ``xvec(row, col)`` the vec4 of x at (row, col .. col + 3)."""
+    """``xvec(row, col)``: the vec4 of x (view ``xv``, rows of K) at (row, col .. col + 3), col
+    a multiple of 4: one vec4 load where the view starts on a vec4, else 4 scalar loads."""
     vec = xv.offset % 4 == 0
     xb = b.slot(xv.buf, "vec4<f32>") if vec else b.index(xv.buf, xv.dtype)
 

@@ -1,6 +1,6 @@
 """``quantized_gemv.render_gemv`` (the quantized archetype's GEMV: sibling parts, paired
-weights, a norm prologue) built on the typed kernel AST, statement for statement as its
-template writes it."""
+weights, a norm prologue) built on the typed kernel AST: its only WGSL (and GLSL) is
+printed from this tree."""
 from __future__ import annotations
 
 from .kernel_ast import Barrier, Call, ExprStmt, Field, For, Function, If, Index, Let, Name, Var

@@ -1,5 +1,5 @@
 """``quantized_tiled.render_tiled`` (the quantized archetype's tiled product) built on the
-typed kernel AST, statement for statement as its template writes it."""
+typed kernel AST: its only WGSL (and GLSL) is printed from this tree."""
 from __future__ import annotations
 
 from .kernel_ast import WID, AssignIndex, Barrier, Block, Call, ExprStmt, Field, For, If, Index, Let, Name, Var

@@ -2,7 +2,7 @@
 where a fused epilogue runs) as a tree of the typed kernel AST, line for line as
 ``OutputStore`` writes it, for the families built on the AST (the epilogue's statements
 from ``expr.ExprWriter`` on the AST, its helper functions from ``expr_ast``). A paired
-product's second value gives None: the kernel keeps its template."""
+product's second value gives None (no kernel is built)."""
 from __future__ import annotations
 
 from . import kernel_ast as K

@@ -83,7 +83,7 @@ GRAD_SCALE_TARGET = 2.0 ** 14
 # its matmuls' GPU time fell 5.32 -> 3.91 ms.
 BACKWARD_F16_MIN_MACS = 2 ** 28
 # A backward matmul or convolution takes its gradient operands in f32 and rounds them
-# to f16 precision in its loads (``codegen.matmul.ROUND_F16``: the tensor-core kernel scales
+# to f16 precision in its loads (``codegen.matmul_ast.round_f16_functions``: the tensor-core kernel scales
 # its share of each into f16's range by a power of two), so it needs no launch of its own to
 # scale them: from this many multiply-adds on it runs on f16 operands.
 BACKWARD_MATMUL_F16_MIN_MACS = 2 ** 20
