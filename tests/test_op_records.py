@@ -29,8 +29,8 @@ def test_pointwise_ops_have_their_scalar_code_in_the_code_generator():
     assert pointwise == set(SCALAR)
 
 
-def test_the_op_modules_hold_no_wgsl():
-    for path in sorted((SRC / "ops").glob("*.py")):
+def test_the_op_modules_and_the_graph_hold_no_wgsl():
+    for path in [SRC / "graph.py", *sorted((SRC / "ops").glob("*.py"))]:
         text = path.read_text().lower()
         assert "wgsl" not in text, f"{path.name} mentions WGSL"
 

@@ -23,10 +23,10 @@ class DeviceLimitError(ValueError):
 
 
 class DType:
-    __slots__ = ("name", "np", "wgsl", "is_float")
+    __slots__ = ("name", "np", "is_float")
 
-    def __init__(self, name, np_dtype, wgsl, is_float):
-        self.name, self.np, self.wgsl, self.is_float = name, np.dtype(np_dtype), wgsl, is_float
+    def __init__(self, name, np_dtype, is_float):
+        self.name, self.np, self.is_float = name, np.dtype(np_dtype), is_float
 
     def __repr__(self):
         return f"mg.{self.name}"
@@ -35,10 +35,10 @@ class DType:
         return (dtype_of, (self.name,))
 
 
-f32 = DType("f32", np.float32, "f32", True)
-f16 = DType("f16", np.float16, "f16", True)
-u32 = DType("u32", np.uint32, "u32", False)
-i32 = DType("i32", np.int32, "i32", False)
+f32 = DType("f32", np.float32, True)
+f16 = DType("f16", np.float16, True)
+u32 = DType("u32", np.uint32, False)
+i32 = DType("i32", np.int32, False)
 DTYPES = {d.name: d for d in (f32, f16, u32, i32)}
 _FROM_NUMPY = {d.np: d for d in DTYPES.values()}
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import kernel_ast as K
-from .common import WG, Bindings, broadcast_view_strides, grid
+from .common import WG, Bindings, broadcast_view_strides, grid, wgsl_type
 from .kernel_ast_attn import (NEG_INF, Body, SharedArray, bitcast, buffers, call, f32, group_index, grp, land,
                               lit, load, name, sel, sum_terms)
 from .expr_ast import coords
@@ -63,9 +63,9 @@ def tree(kernel):
         if spec["masked"]:
             m = kernel.reads[3]
             mb = b.index(m.buf, m.dtype)
-            mv = load(mb, name("moff", "u32") + j * st[-1], m.dtype.wgsl)
+            mv = load(mb, name("moff", "u32") + j * st[-1], wgsl_type(m.dtype))
             if spec["int_mask"]:
-                B.assign(s, sel(NEG_INF, s, mv.ne(lit(0, m.dtype.wgsl))))
+                B.assign(s, sel(NEG_INF, s, mv.ne(lit(0, wgsl_type(m.dtype)))))
             else:
                 B.assign(s, s + mv)
         if spec["causal"]:

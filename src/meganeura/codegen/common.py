@@ -6,6 +6,14 @@ import re
 
 import numpy as np
 
+# the WGSL type of each element type (the graph's dtypes name no language)
+WGSL_TYPES = {"f32": "f32", "f16": "f16", "u32": "u32", "i32": "i32"}
+
+
+def wgsl_type(dtype) -> str:
+    """``dtype``'s WGSL scalar type (a ``graph.DType``)."""
+    return WGSL_TYPES[dtype.name]
+
 WG = 256                     # threads per workgroup for 1-D kernels
 MAX_GROUPS = 65535           # per dispatch dimension
 # loop iterations per invocation that a kernel's main loop stays within: llvmpipe gives each
@@ -58,7 +66,7 @@ class Bindings:
         return [x for b in self.bufs for x in (b if isinstance(b, tuple) else (b,))]
 
     def index(self, buf, dtype, write=False) -> int:
-        return self.slot(buf, dtype.wgsl, write)
+        return self.slot(buf, wgsl_type(dtype), write)
 
     def slot(self, buf, ty: str, write=False) -> int:
         """``index`` by the WGSL name of the element type."""

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..graph import f32 as _F32
-from .common import broadcast_view_strides
+from .common import broadcast_view_strides, wgsl_type
 from .expr_ast import HELPER_FUNCTIONS, ieee_guard_node, op_node
 from .expr_ast import coords as coords_stmts
 from .expr_ast import offset_expr as offset_node
@@ -85,7 +85,7 @@ class ExprWriter:
 
     def _leaf(self, e):
         v, dt = self.leaf(e)
-        return (v if self.ast else Name(v, dt.wgsl)), dt
+        return (v if self.ast else Name(v, wgsl_type(dt))), dt
 
     def node(self, e):
         """(the node of ``e``'s value, its dtype), its ``let`` statements appended."""
@@ -151,8 +151,8 @@ def read_leaves(leaves, shape, bind, prefix="c", ast=False):
     stmts, vals = [], []
     for k, v in enumerate(leaves):
         bi = bind.index(v.buf, v.dtype)
-        stmts.append(Let(f"v{k}", Load(bi, offset_node(v.offset, broadcast_view_strides(v, shape), prefix), v.dtype.wgsl)))
-        vals.append((Name(f"v{k}", v.dtype.wgsl) if ast else f"v{k}", v.dtype))
+        stmts.append(Let(f"v{k}", Load(bi, offset_node(v.offset, broadcast_view_strides(v, shape), prefix), wgsl_type(v.dtype))))
+        vals.append((Name(f"v{k}", wgsl_type(v.dtype)) if ast else f"v{k}", v.dtype))
     return (stmts if ast else ["    " + _WGSL.stmt(x) for x in stmts]), vals
 
 
@@ -168,7 +168,7 @@ def store_stmts(bind, ob, idx, val, dtype, stores=(), prefix="c", store_strides=
     out.append(Store(ob, idx, val))
     for j, s in enumerate(stores):
         sb = bind.index(s.buf, s.dtype, write=True)
-        sv = val if s.dtype is dtype else Convert(s.dtype.wgsl, val)
+        sv = val if s.dtype is dtype else Convert(wgsl_type(s.dtype), val)
         strides = s.strides if store_strides is None else store_strides[j]
         out.append(Store(sb, offset_node(s.offset, strides, prefix), sv))
     return out
@@ -176,7 +176,7 @@ def store_stmts(bind, ob, idx, val, dtype, stores=(), prefix="c", store_strides=
 
 def store_lines(bind, ob, idx, val, dtype, stores=(), prefix="c", store_strides=None) -> list[str]:
     """``store_stmts`` as WGSL lines, ``idx`` and ``val`` texts."""
-    stmts = store_stmts(bind, ob, Name(idx, "u32"), Name(val, dtype.wgsl), dtype, stores, prefix, store_strides)
+    stmts = store_stmts(bind, ob, Name(idx, "u32"), Name(val, wgsl_type(dtype)), dtype, stores, prefix, store_strides)
     return ["    " + _WGSL.stmt(s) for s in stmts]
 
 
@@ -221,19 +221,19 @@ class OutputStore:
                 spaces[key] = f"s{len(spaces)}_"
                 stmts += coords_stmts(Name(key[0], "u32"), v.shape, spaces[key])
             at = offset_node(v.offset, broadcast_view_strides(v, v.shape), spaces[key])
-            stmts.append(Let(f"l{k}", Load(bi, at, v.dtype.wgsl)))
-        acc_ty = self.acc_dtype.wgsl
+            stmts.append(Let(f"l{k}", Load(bi, at, wgsl_type(v.dtype))))
+        acc_ty = wgsl_type(self.acc_dtype)
 
         def leaf(e):
             if e[0] == "acc":
                 return Name("acc", acc_ty), self.acc_dtype
             if e[0] == "acc2":          # a paired product's value (kernel.spec["pair"])
                 return Name("acc2", acc_ty), self.acc_dtype
-            return Name(f"l{e[1]}", leaves[e[1]][1].dtype.wgsl), leaves[e[1]][1].dtype
+            return Name(f"l{e[1]}", wgsl_type(leaves[e[1]][1].dtype)), leaves[e[1]][1].dtype
         w = ExprWriter(leaf, ast=True)
         val, dt = w.emit(kernel.epilogue or ("acc",))
         if dt is not out.dtype:
-            val = Convert(out.dtype.wgsl, val)
+            val = Convert(wgsl_type(out.dtype), val)
         idx = add(u32(out.offset), dest) if out.is_contiguous() else offset_node(out.offset, out.strides, "e")
         self.used = w.used
         body = stmts + w.stmts + store_stmts(bind, self.ob, idx, val, out.dtype, kernel.spec.get("stores", ()), "e")

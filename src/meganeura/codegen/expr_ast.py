@@ -19,6 +19,7 @@ import re
 from .kernel_ast import (PRECEDENCE, Assign, Bin, Bitcast, Call, Construct, Convert, Function, Group, Let,
                          Line, Lit, Name, Neg, Not, Return, Select, Var, add, is_vec, name, scalar_of, u32)
 from .kernel_ast_print import BUILTINS, WgslPrinter, abstract
+from .common import wgsl_type
 
 # the result types of the module functions a template or a helper may call
 FUNCTIONS = {"isnan_f": "bool", "fmax_f32": "f32", "fmin_f32": "f32", "erf_f": "f32", "tanh_f": "f32",
@@ -315,7 +316,7 @@ def nan_max_node(a, b, dtype, used, op="max"):
         return call(op, (a, b))
     name = f"f{op}_{dtype.name}"
     used.update([name, "isnan_f"])
-    return Call(name, (a, b), dtype.wgsl)
+    return Call(name, (a, b), wgsl_type(dtype))
 
 
 def op_node(t, args, arg_dtypes, used, helper_deps):
@@ -324,10 +325,10 @@ def op_node(t, args, arg_dtypes, used, helper_deps):
     from .scalar_ops import SCALAR
     ex = SCALAR[t.op]
     if t.op == "cast":
-        return Convert(t.dtype.wgsl, args[0])
+        return Convert(wgsl_type(t.dtype), args[0])
     # operands of another float type than the node's (an f16 load into an f32 node) convert
     if t.op not in ("where",) and t.dtype.is_float:
-        args = [a if d is t.dtype or not d.is_float else Convert(t.dtype.wgsl, a) for a, d in zip(args, arg_dtypes)]
+        args = [a if d is t.dtype or not d.is_float else Convert(wgsl_type(t.dtype), a) for a, d in zip(args, arg_dtypes)]
     if t.op == "pow":
         e = t.attrs["exponent"]
         one = _lit(1.0, t.dtype)
@@ -348,7 +349,7 @@ def op_node(t, args, arg_dtypes, used, helper_deps):
     if t.op == "where":
         if arg_dtypes[0].name != "u32":
             args = [Convert("u32", args[0])] + list(args[1:])
-        args = [args[0]] + [a if d is t.dtype or not d.is_float else Convert(t.dtype.wgsl, a)
+        args = [args[0]] + [a if d is t.dtype or not d.is_float else Convert(wgsl_type(t.dtype), a)
                             for a, d in zip(args[1:], arg_dtypes[1:])]
     if t.op == "tanh":
         ex = "tanh_f({0})"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import kernel_ast as K
-from .common import Bindings, broadcast_view_strides, grid
+from .common import Bindings, broadcast_view_strides, grid, wgsl_type
 from .kernel_ast_attn import (NEG_INF, POS_INF, Body, InlineBlock, SharedArray, buffers, call, construct, f32,
                               group_index, grp, land, lit, load, name, sel, sum_terms)
 from .expr_ast import coords
@@ -292,8 +292,8 @@ def _scores(B, kernel, spec, s, q0, ty, tx, kt0, lq, lk, BK, mb, st):
                 B.var("x", s[r][c] * scale)
                 if m is not None:
                     mv = load(mb, name("moff", "u32") + call("min", i, lit(lq - 1)) * st[-2]
-                              + call("min", j, lit(lk - 1)) * st[-1], m.dtype.wgsl)
-                    B.assign(x, sel(NEG_INF, x, mv.ne(lit(0, m.dtype.wgsl))) if spec["int_mask"] else x + mv)
+                              + call("min", j, lit(lk - 1)) * st[-1], wgsl_type(m.dtype))
+                    B.assign(x, sel(NEG_INF, x, mv.ne(lit(0, wgsl_type(m.dtype)))) if spec["int_mask"] else x + mv)
                 if spec["causal"]:
                     B.assign(x, sel(NEG_INF, x, j.le(i)))
                 if lk % BK:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import kernel_ast as K
-from .common import Bindings, broadcast_view_strides, grid
+from .common import Bindings, broadcast_view_strides, grid, wgsl_type
 from .kernel_ast_attn import (NEG_INF, Body, InlineBlock, SharedArray, buffers, call, construct, f32, group_index, grp,
                               land, lit, load, name, sel, sum_terms)
 from .expr_ast import coords
@@ -200,8 +200,8 @@ def tree(kernel):
                     B.var("x", s[r][c] * scale)
                     if spec["masked"]:
                         mv = load(mb, u("moff") + call("min", i, lit(lq - 1)) * st[-2]
-                                  + call("min", j, lit(lk - 1)) * st[-1], m.dtype.wgsl)
-                        B.assign(x, sel(NEG_INF, x, mv.ne(lit(0, m.dtype.wgsl))) if spec["int_mask"] else x + mv)
+                                  + call("min", j, lit(lk - 1)) * st[-1], wgsl_type(m.dtype))
+                        B.assign(x, sel(NEG_INF, x, mv.ne(lit(0, wgsl_type(m.dtype)))) if spec["int_mask"] else x + mv)
                     keep = [i.lt(lq), j.lt(lk)] + ([j.le(i)] if spec["causal"] else [])
                     p = B.let("p", sel(f32(0.0), call("exp", x - lse_i), land(*keep)))
                     B.assign(s[r][c], p)

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from . import kernel_ast as K
-from .common import WG, Bindings, grid
+from .common import WG, Bindings, grid, wgsl_type
 from .kernel_ast_attn import (LID, Body, E, bitcast, buffers, conv, group_index, grp, land, lit, lor, name, node,
                               sel, substitute)
 from .expr_ast import coords
@@ -23,7 +23,7 @@ class Input:
 
 
 def _x(k, index, dtype):
-    return E(Input(k, node(index), dtype.wgsl))
+    return E(Input(k, node(index), wgsl_type(dtype)))
 
 
 def _idx(dt, e):
@@ -182,7 +182,7 @@ def kernel_tree(kernel, errors=None):
         body.let(f"xo{k}", lit(v.offset), comment=f"  // x{k} is b{bound[k]}")
     body.add(*substitute(body_tree(kernel.spec), lambda e: K.Load(bound[e.k], e.index, e.ty)
                          if isinstance(e, Input) else None))
-    body.call("store_out", name(kernel.spec.get("index", "i"), "u32"), name("val", kernel.dtype.wgsl))
+    body.call("store_out", name(kernel.spec.get("index", "i"), "u32"), name("val", wgsl_type(kernel.dtype)))
     return (K.ComputeKernel(buffers(b), WG, body.stmts, module=(*fns, K.Blank())), b.bufs, grid(-(-n // WG)))
 
 
@@ -204,7 +204,7 @@ def function_tree(gather_spec, reads, bind, name):
     dt = gather_spec.get("dtype", "f32")
     val = _value_of(tree)
     if dt != "f32":
-        val = K.Convert(dtype_of(dt).wgsl, val)
+        val = K.Convert(wgsl_type(dtype_of(dt)), val)
         bind.enable_f16 |= dt == "f16"
     return K.Function(name, (i0,), tuple(body) + (K.Return(K.Convert("f32", val)),), "f32")
 

@@ -10,6 +10,7 @@ from .kernel_ast import Name, ReturnIf, Var
 from .kernel_ast_matmul import (ENTRY_LOCAL_INDEX, F, U, Lines, Text, add, affine, assign, assign_index, b_,
                                 batch_offsets, blank, call_if, g, inline, module, shared, store_function,
                                 store_supported)
+from .common import wgsl_type
 
 U32, F32 = "u32", "f32"
 
@@ -63,7 +64,7 @@ def _norm_prologue(kernel, bind, M, K, a_at, ab, part):
     lid, k, s, x = _u("lid"), _u("k"), Name("s", F32), Name("x", F32)
 
     def load(m, kk):
-        return Convert(F32, Load(ab, a_at(U(m), kk), a.dtype.wgsl))
+        return Convert(F32, Load(ab, a_at(U(m), kk), wgsl_type(a.dtype)))
 
     def tree(expr, m):
         loop = inline(For(Var("k", lid), b_("<", k, U(K)), assign("k", add(k, U(256))),
@@ -122,7 +123,7 @@ def _gemv_part(kernel, bind, j, part):
     fn = f"store_out{j}"
     if tb:
         pro_lines = [blank()]
-        elem = (lambda m, kk: Convert(F32, Load(ab, a_at(U(m), kk), a.dtype.wgsl)))     # noqa: E731
+        elem = (lambda m, kk: Convert(F32, Load(ab, a_at(U(m), kk), wgsl_type(a.dtype))))     # noqa: E731
         if "prologue" in kernel.spec:
             pro_lines, elem = _norm_prologue(kernel, bind, M, K, a_at, ab, part)
         head += pro_lines
@@ -133,7 +134,7 @@ def _gemv_part(kernel, bind, j, part):
             pbb = bind.index(pv.buf, pv.dtype)
             boff2 = batch_offsets(a, pv, batch, wz)[2]
             head.append(Let("boff2", boff2))
-            fmas = [Let("w2", Convert(F32, Load(pbb, add(_u("boff2"), b_("*", n, U(K)), k), pv.dtype.wgsl)))]
+            fmas = [Let("w2", Convert(F32, Load(pbb, add(_u("boff2"), b_("*", n, U(K)), k), wgsl_type(pv.dtype))))]
             for m in range(M):
                 am = Name(f"a{m}", F32)
                 fmas += [Let(f"a{m}", elem(m, k)), assign(f"acc{m}", Call("fma", (am, w_, acc(m)), F32)),
@@ -146,7 +147,7 @@ def _gemv_part(kernel, bind, j, part):
         second = (lambda m: (slot(M + m),)) if pair else (lambda m: ())      # noqa: E731
         writes = tuple(ExprStmt(Call(fn, (add(coff_, U(m * N), n), slot(m)) + second(m), "void")) for m in range(M))
         loop = For(Var("k", add(kbeg, lane)), b_("<", k, kend), assign("k", add(k, U(L))), tuple(
-            [Let("w", Convert(F32, Load(bb, add(boff_, b_("*", n, U(K)), k), bv.dtype.wgsl)))] + fmas))
+            [Let("w", Convert(F32, Load(bb, add(boff_, b_("*", n, U(K)), k), wgsl_type(bv.dtype))))] + fmas))
         body = [Let("lane", b_("%", lid, U(L))), Let("n", add(b_("*", wx, U(C)), b_("/", lid, U(L))))]
         body += [Var(f"acc{r}", F("0.0")) for r in range(R)] + [If(b_("<", n, U(N)), (loop,))]
         body += [assign_index(part, add(U(r * 256), lid), acc(r)) for r in range(R)]
@@ -154,12 +155,12 @@ def _gemv_part(kernel, bind, j, part):
                  If(b_("&&", b_("==", lane, U(0)), b_("<", n, U(N))), writes)]
         groups = -(-N // C)
     else:
-        fmas = [assign(f"acc{m}", Call("fma", (Convert(F32, Load(ab, a_at(U(m), k), a.dtype.wgsl)), w_, acc(m)), F32))
+        fmas = [assign(f"acc{m}", Call("fma", (Convert(F32, Load(ab, a_at(U(m), k), wgsl_type(a.dtype))), w_, acc(m)), F32))
                 for m in range(M)]
         body = [Let("n", add(b_("*", wx, U(256)), lid)), ReturnIf(b_(">=", n, U(N)))]
         body += [Var(f"acc{m}", F("0.0")) for m in range(M)]
         body.append(For(Var("k", kbeg), b_("<", k, kend), assign("k", add(k, U(1))), tuple(
-            [Let("w", Convert(F32, Load(bb, add(boff_, b_("*", k, U(N)), n), bv.dtype.wgsl)))] + fmas)))
+            [Let("w", Convert(F32, Load(bb, add(boff_, b_("*", k, U(N)), n), wgsl_type(bv.dtype))))] + fmas)))
         body += [ExprStmt(Call(fn, (add(coff_, U(m * N), n), acc(m)), "void")) for m in range(M)]
         groups = -(-N // 256)
     return store + [Function(f"gemv{j}", (wx, wz, lid), tuple(head + body)), blank()], groups, nb * S

@@ -11,6 +11,7 @@ from dataclasses import replace
 from .kernel_ast import (LID, NWG, WID, Assign, AssignIndex, Bin, Blank, Buffer, Call, CallIf, ComputeKernel,
                          Construct, Convert, Field, Function, Group, Let, Line, Lit, Load, Name, Private, Shared, Store,
                          Var)
+from .common import wgsl_type
 
 U32, F32, VEC4 = "u32", "f32", "vec4<f32>"
 LID3 = Name("lid3", "vec3<u32>")
@@ -218,19 +219,19 @@ def store_function(kernel, bind, name="store_out") -> list:
             spaces[key] = f"s{len(spaces)}_"
             body += coords(Name(key[0], U32), v.shape, spaces[key])
         body.append(Let(f"l{k}", Load(bi, offset(v.offset, broadcast_view_strides(v, v.shape), spaces[key]),
-                                      v.dtype.wgsl)))
+                                      wgsl_type(v.dtype))))
     from ..graph import f32
 
     def leaf(e):
         if e[0] in ("acc", "acc2"):
             return Name(e[0], F32), f32
         v = leaves[e[1]][1]
-        return Name(f"l{e[1]}", v.dtype.wgsl), v.dtype
+        return Name(f"l{e[1]}", wgsl_type(v.dtype)), v.dtype
     w = ExprWriter(leaf, ast=True)
     val, dt = w.emit(kernel.epilogue or ("acc",))
     body += w.stmts
     if dt is not out.dtype:
-        val = Convert(out.dtype.wgsl, val)
+        val = Convert(wgsl_type(out.dtype), val)
     idx = add(U(out.offset), dest) if out.is_contiguous() else offset(out.offset, out.strides, "e")
     stores = kernel.spec.get("stores", ())
     if stores:
@@ -239,7 +240,7 @@ def store_function(kernel, bind, name="store_out") -> list:
     body.append(Store(ob, idx, val))
     for s in stores:
         sb = bind.index(s.buf, s.dtype, write=True)
-        body.append(Store(sb, offset(s.offset, s.strides, "e"), val if s.dtype is out.dtype else Convert(s.dtype.wgsl, val)))
+        body.append(Store(sb, offset(s.offset, s.strides, "e"), val if s.dtype is out.dtype else Convert(wgsl_type(s.dtype), val)))
     params = (f, Name("acc", F32)) + ((Name("acc2", F32),) if "pair" in kernel.spec else ())
     return w.helper_functions(bind) + [Function(name, params, tuple(body))]
 
@@ -334,7 +335,7 @@ def affine(e, ks, K, weight, bias, ty="f32"):
     """A norm's affine as a tree: ``e * ty(weight[k]) + ty(bias[k])`` (each term where present)
     at the row positions ``ks`` (one, or four for a vec4), indices clamped to the row."""
     def read(binding, view):
-        vals = tuple(Convert(F32, Load(binding, add(U(view.offset), Call("min", (k, U(K - 1)), U32)), view.dtype.wgsl))
+        vals = tuple(Convert(F32, Load(binding, add(U(view.offset), Call("min", (k, U(K - 1)), U32)), wgsl_type(view.dtype)))
                      for k in ks)
         return Convert(ty, vals[0]) if ty == F32 else Construct(ty, vals)
     if weight[0] is not None:

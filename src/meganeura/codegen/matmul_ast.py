@@ -12,6 +12,7 @@ from .kernel_ast import (WID, Barrier, Bitcast, Block, Call, Construct, Convert,
 from .kernel_ast_matmul import (ENTRY_LOCAL_ID, LID3, F, FlatIf, Lines, OpenBlock, Product, U, VEC4, add, affine,
                                 assign, assign_index, b_, batch_offsets, blank, call_if, g, inline, module, shared,
                                 store_function, store_supported)
+from .common import wgsl_type
 
 U32, F32 = "u32", "f32"
 VU = "vec4<u32>"
@@ -111,7 +112,7 @@ def _operand(name, view, trans_contig_t, dim_t, K, T, V, tile0, binding, off, ch
         read = Load(binding, Call("min", (i, U(last // 4)), U32) if conds else i, VEC4)
         zero = Construct(VEC4, (F("0.0"),))
     else:
-        read = Convert(F32, Load(binding, Call("min", (at, U(last)), U32) if conds else at, view.dtype.wgsl))
+        read = Convert(F32, Load(binding, Call("min", (at, U(last)), U32) if conds else at, wgsl_type(view.dtype)))
         zero = F("0.0")
     if load is not None:
         read = load(at)
@@ -190,7 +191,7 @@ def _tiled_norm_prologue(kernel, bind, M, K, T, th, ab, a_vec):
         dev = Let("d", b_("-", q, Construct(VEC4, (mean,))))
     else:
         def load(c):
-            return Convert(F32, Load(ab, add(aoff, b_("*", gr, U(K)), k, U(c)), a.dtype.wgsl))
+            return Convert(F32, Load(ab, add(aoff, b_("*", gr, U(K)), k, U(c)), wgsl_type(a.dtype)))
         n, total, sq = K, q, b_("*", d, d)
         dev = Let("d", b_("-", q, mean))
     P = max(1, th // T)

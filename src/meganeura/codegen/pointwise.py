@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-from .common import WG, Bindings, broadcast_view_strides, coalesce, grid
+from .common import WG, Bindings, broadcast_view_strides, coalesce, grid, wgsl_type
 from .expr import ExprWriter, Node
 from .expr_ast import call, coords, offset_expr
 from .kernel_ast import Convert, Function, Let, Load, Name, Return, printed, u32
@@ -36,8 +36,8 @@ def operand_function(operand_spec, reads, bind: Bindings, name) -> list:
     for k, v in enumerate(reads):
         bi = bind.index(v.buf, v.dtype)
         bind.scalar.add(bi)
-        stmts.append(Let(f"v{k}", Load(bi, offset_expr(v.offset, strides[k]), v.dtype.wgsl)))
-        leaf_vars.append((Name(f"v{k}", v.dtype.wgsl), v.dtype))
+        stmts.append(Let(f"v{k}", Load(bi, offset_expr(v.offset, strides[k]), wgsl_type(v.dtype))))
+        leaf_vars.append((Name(f"v{k}", wgsl_type(v.dtype)), v.dtype))
     w = ExprWriter(lambda e: leaf_vars[e[1]], last_coord=Name(f"c{len(shape) - 1}", "u32"), ast=True)
     val, _ = w.emit(operand_spec["expr"])
     fn = Function(name, (Name("i0", "u32"),), tuple(stmts + w.stmts + [Return(Convert("f32", val))]), "f32")

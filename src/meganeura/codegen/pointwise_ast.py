@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from .common import NOWHERE, WG, Bindings, broadcast_view_strides, coalesce, form_key
+from .common import NOWHERE, WG, Bindings, broadcast_view_strides, coalesce, form_key, wgsl_type
 from .expr import ExprWriter, store_stmts
 from .expr_ast import coords, offset_expr
 from .kernel_ast import (GROUP, LID, Bin, Blank, Call, CallIf, ComputeKernel, Construct, Convert, Field,
@@ -51,20 +51,20 @@ def body(kernel, b: Bindings):
         else:
             st = read_strides[k]
             idx = offset_expr(v.offset, st)
-        stmts.append(Let(f"v{k}", Load(bi, idx, v.dtype.wgsl)))
-        leaf_vars.append((Name(f"v{k}", v.dtype.wgsl), v.dtype))
+        stmts.append(Let(f"v{k}", Load(bi, idx, wgsl_type(v.dtype))))
+        leaf_vars.append((Name(f"v{k}", wgsl_type(v.dtype)), v.dtype))
         if k in rotated:    # rotate_half's operand: the last coordinate moved by half
             d, n2 = len(out.shape) - 1, out.shape[-1]
             cs = [Group(Bin("%", Group(Bin("+", _c(i), u32(n2 // 2))), u32(n2))) if i == d else _c(i)
                   for i in range(len(st))]
             terms = ([u32(v.offset)] if v.offset else []) + [c if s == 1 else Bin("*", c, u32(s))
                                                              for c, s in zip(cs, st) if s]
-            stmts.append(Let(f"r{k}", Load(bi, add(*terms) if terms else u32(0), v.dtype.wgsl)))
-    w = ExprWriter(lambda e: (Name(f"r{e[1]}", kernel.reads[e[1]].dtype.wgsl), kernel.reads[e[1]].dtype)
+            stmts.append(Let(f"r{k}", Load(bi, add(*terms) if terms else u32(0), wgsl_type(v.dtype))))
+    w = ExprWriter(lambda e: (Name(f"r{e[1]}", wgsl_type(kernel.reads[e[1]].dtype)), kernel.reads[e[1]].dtype)
                    if e[0] == "rleaf" else leaf_vars[e[1]], last_coord=_c(len(out.shape) - 1), ast=True)
     val, dt = w.emit(spec["expr"])
     if dt is not out.dtype:
-        val = Convert(out.dtype.wgsl, val)
+        val = Convert(wgsl_type(out.dtype), val)
     stored = store_stmts(b, ob, offset_expr(out.offset, out_strides), val, out.dtype, stores,
                          store_strides=store_strides)
     # further outputs (``fuse.fuse_producer_outputs``): each the value of its own expression
@@ -72,7 +72,7 @@ def body(kernel, b: Bindings):
     for (view, e), st in zip(outs, outs_strides):
         v, dt = w.emit(e)
         if dt is not view.dtype:
-            v = Convert(view.dtype.wgsl, v)
+            v = Convert(wgsl_type(view.dtype), v)
         stored.append(Store(b.index(view.buf, view.dtype, write=True), offset_expr(view.offset, st), v))
     return w.helper_functions(b), stmts + w.stmts + stored
 

@@ -10,7 +10,7 @@ import numpy as np
 
 from ..graph import f32
 from ..schedule import Kernel, View
-from .common import WG, Bindings, grid
+from .common import WG, Bindings, grid, wgsl_type
 from .expr import ExprWriter, OutputStore, read_leaves
 from .expr_ast import call, coords
 from .kernel_ast import (GROUP, LID, Assign, Barrier, Bin, Blank, Call, ComputeKernel, Convert, ExprStmt, For, Function, If,
@@ -70,9 +70,9 @@ def _prologue_load(pro, leaves, b, dt, name="load_in"):
     w = ExprWriter(lambda e: vals[e[1]], ast=True)
     val, vdt = w.emit(pro["expr"])
     if vdt is not dt:
-        val = Convert(dt.wgsl, val)
-    fn = Function(name, (I,), tuple(stmts + w.stmts + [Return(val)]), dt.wgsl)
-    return w.helper_functions(b) + [fn], (lambda idx: Call(name, (idx,), dt.wgsl))
+        val = Convert(wgsl_type(dt), val)
+    fn = Function(name, (I,), tuple(stmts + w.stmts + [Return(val)]), wgsl_type(dt))
+    return w.helper_functions(b) + [fn], (lambda idx: Call(name, (idx,), wgsl_type(dt)))
 
 
 def mergeable(kernel) -> bool:
@@ -114,7 +114,7 @@ def render(kernel):
     b = Bindings()
     module, fn, groups = part_tree(kernel, b, "")
     v = kernel.spec["prologue"]["view"] if "prologue" in kernel.spec else kernel.reads[0]
-    scratch = SCRATCH_AST[0] if v.dtype.is_float else Shared("part", v.dtype.wgsl, WG)
+    scratch = SCRATCH_AST[0] if v.dtype.is_float else Shared("part", wgsl_type(v.dtype), WG)
     tree = ComputeKernel(buffers(b), WG, (ExprStmt(Call("red", (GROUP, LID), "")),),
                          module=(*module, scratch, Blank(), fn, Blank()), enable_f16=b.enable_f16)
     return printed(tree), b.bufs, grid(groups)
@@ -143,7 +143,7 @@ def part_tree(kernel, b, suffix):
     kshape, rshape = [v.shape[d] for d in kept], [v.shape[d] for d in dims]
     n_out, r = int(np.prod(kshape, dtype=np.int64)), int(np.prod(rshape, dtype=np.int64))
     dt = f32 if v.dtype.is_float else v.dtype      # f16 data accumulates in f32
-    ty = dt.wgsl
+    ty = wgsl_type(dt)
     if not dt.is_float:
         init = Lit(-2**31 if dt.name == "i32" else 0, dt) if kind == "max" else Lit(0, dt)
     else:
@@ -156,7 +156,7 @@ def part_tree(kernel, b, suffix):
         ib = b.index(v.buf, v.dtype)
         load_items = []
         load_at = (lambda idx: Load(ib, idx, ty)) if v.dtype is dt else \
-            (lambda idx: Convert(ty, Load(ib, idx, v.dtype.wgsl)))   # noqa: E731
+            (lambda idx: Convert(ty, Load(ib, idx, wgsl_type(v.dtype))))   # noqa: E731
     acc, acc2, part = Name("acc", ty), Name("acc2", ty), Name("part", f"array<{ty}, {WG}>")
     base = add(u32(v.offset), *[Bin("*", _k("k", i), u32(v.strides[d])) for i, d in enumerate(kept)])
     step = [u32(0), *[Bin("*", _k("r", i), u32(v.strides[d])) for i, d in enumerate(dims)]]

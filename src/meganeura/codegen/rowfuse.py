@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..graph import f32
-from .common import WG, Bindings, grid
+from .common import WG, Bindings, grid, wgsl_type
 from .expr import ExprWriter, read_leaves
 from .expr_ast import coords, offset_expr
 from .kernel_ast import (GROUP, LID, Assign, Barrier, Bin, Blank, Call, ComputeKernel, Convert, For, Function, If, Index, Let,
@@ -84,7 +84,7 @@ def render(kernel):
                      If(Bin("<", lid, t), (Assign(at(lid), Bin("+", at(lid), at(add(lid, t)))),), inline=True),
                      Barrier())),
                  Let(f"red{i}", fin), Barrier()]
-    value = Convert(out.dtype.wgsl, Call("out_val", call_args + tuple(reds), "f32"))
+    value = Convert(wgsl_type(out.dtype), Call("out_val", call_args + tuple(reds), "f32"))
     body.append(For(*each, (*split, *_lines(cmap), Store(ob, offset_expr(out.offset, out.strides), value))))
     module = [*helpers.values(), *fns, Shared("part", "f32", WG), Blank()]
     tree = ComputeKernel(buffers(b), WG, tuple(body), module=tuple(module))

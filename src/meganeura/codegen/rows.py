@@ -8,7 +8,7 @@ import numpy as np
 
 from ..graph import f32
 from ..schedule import Kernel, contiguous_strides
-from .common import WG, Bindings, grid
+from .common import WG, Bindings, grid, wgsl_type
 from .expr import OutputStore
 from .expr_ast import coords
 from .kernel_ast import (GROUP, LID, Assign, Barrier, Bin, Bitcast, Blank, Block, Call, ComputeKernel, Convert, ExprStmt, For,
@@ -32,7 +32,7 @@ def render(kernel):
     ib = b.index(v.buf, v.dtype)
     ibase = add(u32(v.offset), *[Bin("*", Name(f"k{n}", "u32"), u32(v.strides[i])) for n, i in enumerate(kept)])
     obase = add(u32(0), *[Bin("*", Name(f"k{n}", "u32"), u32(ost[i])) for n, i in enumerate(kept)])
-    x = Convert("f32", Load(ib, add(IBASE, Bin("*", J, u32(v.strides[d]))), v.dtype.wgsl))   # f32 whatever the storage
+    x = Convert("f32", Load(ib, add(IBASE, Bin("*", J, u32(v.strides[d]))), wgsl_type(v.dtype)))   # f32 whatever the storage
     y = add(OBASE, Bin("*", J, u32(ost[d])))
     e = Call("exp", (Bin("-", x, M),), "f32")
     write = {"softmax": Bin("/", e, TOTAL), "log_softmax": Bin("-", Bin("-", x, M), Call("log", (TOTAL,), "f32")),
@@ -134,14 +134,14 @@ def render_norm(kernel):
         xv, xv2 = Call("x_first", (ROW, J), "f32"), xrow_j
     else:
         xb = b.index(x.buf, x.dtype)
-        xv = xv2 = Convert("f32", Load(xb, x_at, x.dtype.wgsl))
+        xv = xv2 = Convert("f32", Load(xb, x_at, wgsl_type(x.dtype)))
     wb = b.index(extra[0].buf, extra[0].dtype) if spec["weight"] else None
     bb = b.index(extra[-1].buf, extra[-1].dtype) if spec["bias"] else None
     y = Bin("*", Group(Bin("-", XJ, MEAN)), INV) if spec["kind"] == "layer_norm" else Bin("*", XJ, INV)
     if wb is not None:
-        y = Bin("*", y, Convert("f32", Load(wb, add(u32(extra[0].offset), J), extra[0].dtype.wgsl)))
+        y = Bin("*", y, Convert("f32", Load(wb, add(u32(extra[0].offset), J), wgsl_type(extra[0].dtype))))
     if bb is not None:
-        y = Bin("+", y, Convert("f32", Load(bb, add(u32(extra[-1].offset), J), extra[-1].dtype.wgsl)))
+        y = Bin("+", y, Convert("f32", Load(bb, add(u32(extra[-1].offset), J), wgsl_type(extra[-1].dtype))))
     center = spec["kind"] == "layer_norm"
     wg = WG if r >= 64 else 1
     assert wg > 1 or not pro, "a norm computing its input needs a workgroup per row"
@@ -183,7 +183,7 @@ def render_norm(kernel):
                                                            flat=True)]
     body.append(Let("inv", Call("inverseSqrt", (Bin("+", var_, f32_lit(spec["eps"], repr(spec["eps"]))),), "f32")))
     first = Bin("==", LID, u32(0)) if wg > 1 else Lit(True, "bool", "true")
-    stores = [Store(bi, add(u32(v.offset), ROW), Convert(v.dtype.wgsl, stat_vars[st])) for bi, v, st in extra_stats]
+    stores = [Store(bi, add(u32(v.offset), ROW), Convert(wgsl_type(v.dtype), stat_vars[st])) for bi, v, st in extra_stats]
     if only:
         stores.append(ExprStmt(Call("store_out", (ROW, stat_vars[only]), "")))
     if stores:

@@ -6,7 +6,7 @@ product's second value gives None (no kernel is built)."""
 from __future__ import annotations
 
 from . import kernel_ast as K
-from .common import broadcast_view_strides
+from .common import broadcast_view_strides, wgsl_type
 from .expr_ast import coords, offset_expr
 
 
@@ -44,17 +44,17 @@ def store_items(kernel, b, acc_dtype=None, require=(), name="store_out"):
             spaces[key] = f"s{len(spaces)}_"
             body += coords(K.Name(key[0], "u32"), v.shape, spaces[key])
         at = offset_expr(v.offset, broadcast_view_strides(v, v.shape), spaces[key])
-        body.append(K.Let(f"l{k}", K.Load(bi, at, v.dtype.wgsl)))
+        body.append(K.Let(f"l{k}", K.Load(bi, at, wgsl_type(v.dtype))))
 
     def leaf(e):
         if e[0] == "acc":
-            return K.Name("acc", acc_dtype.wgsl), acc_dtype
-        return K.Name(f"l{e[1]}", leaves[e[1]][1].dtype.wgsl), leaves[e[1]][1].dtype
+            return K.Name("acc", wgsl_type(acc_dtype)), acc_dtype
+        return K.Name(f"l{e[1]}", wgsl_type(leaves[e[1]][1].dtype)), leaves[e[1]][1].dtype
     w = ExprWriter(leaf, ast=True)
     val, dt = w.emit(kernel.epilogue or ("acc",))
     body += w.stmts
     if dt is not out.dtype:
-        val = K.Convert(out.dtype.wgsl, val)
+        val = K.Convert(wgsl_type(out.dtype), val)
     idx = K.add(K.u32(out.offset), K.Name(dest, "u32")) if out.is_contiguous() else \
         offset_expr(out.offset, out.strides, "e")
     stores = spec.get("stores", ())
@@ -65,7 +65,7 @@ def store_items(kernel, b, acc_dtype=None, require=(), name="store_out"):
     for s in stores:
         sb = b.index(s.buf, s.dtype, write=True)
         body.append(K.Store(sb, offset_expr(s.offset, s.strides, "e"),
-                            val if s.dtype is out.dtype else K.Convert(s.dtype.wgsl, val)))
+                            val if s.dtype is out.dtype else K.Convert(wgsl_type(s.dtype), val)))
     for r in require:       # helpers the archetype's own body calls (``OutputStore.require``)
         w.used.update([r] + HELPER_DEPS.get(r, []))
-    return w.helper_functions(b) + [K.Function(name, (K.Name("f", "u32"), K.Name("acc", acc_dtype.wgsl)), tuple(body))]
+    return w.helper_functions(b) + [K.Function(name, (K.Name("f", "u32"), K.Name("acc", wgsl_type(acc_dtype))), tuple(body))]
