@@ -8,14 +8,13 @@ RENDER = {"pointwise": pointwise.render, "multi": pointwise.render_multi, "reduc
           "gather": gather.render, "rows": rows.render, "norm": rows.render_norm,
           "attention": attention.render, "rowfuse": rowfuse.render, "quantized": quantized.render}
 
-for _op, _lower in (*{op: reduce.lower_reduce for op in ("reduce_sum", "reduce_mean", "reduce_max")}.items(),
-                    ("matmul", matmul.lower_matmul), ("concat", layout.lower_concat),
-                    ("slice_grad", layout.lower_slice_grad),
-                    *{op: rows.lower_softmax for op in ("softmax", "log_softmax", "safe_softmax")}.items(),
-                    ("layer_norm", rows.lower_norm), ("rms_norm", rows.lower_norm), ("norm_stat", rows.lower_norm_stat),
-                    *gather.LOWER.items(), *quantized.LOWER.items(),
-                    ("scaled_dot_product_attention", attention.lower_attention),
-                    ("attention_lse", attention.lower_attention), ("attention_grad", attention.lower_attention_grad)):
+LOWERINGS = {"reduce_sum": reduce.lower_reduce, "reduce_mean": reduce.lower_reduce, "reduce_max": reduce.lower_reduce,
+             "matmul": matmul.lower_matmul, "concat": layout.lower_concat, "slice_grad": layout.lower_slice_grad,
+             "softmax": rows.lower_softmax, "log_softmax": rows.lower_softmax, "safe_softmax": rows.lower_softmax,
+             "layer_norm": rows.lower_norm, "rms_norm": rows.lower_norm, "norm_stat": rows.lower_norm_stat,
+             "scaled_dot_product_attention": attention.lower_attention, "attention_lse": attention.lower_attention,
+             "attention_grad": attention.lower_attention_grad, **gather.LOWER, **quantized.LOWER}
+for _op, _lower in LOWERINGS.items():
     register_lowering(_op, _lower)
 
 

@@ -14,7 +14,6 @@ vector indexed by a Python int reads WGSL's abstract literal (``s[0]``; GLSL ``s
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 import re
 from dataclasses import dataclass
@@ -440,30 +439,11 @@ class Body:
 
 def substitute(tree, fn):
     """``tree`` (nodes, tuples of them) with each node for which ``fn`` gives a value
-    replaced by that value (children first). A node with nothing replaced under it is kept
-    as it is (its printed text with it)."""
-    k = type(tree)
-    if k is tuple or k is list:
-        out = [substitute(x, fn) for x in tree]
-        return tree if all(a is b for a, b in zip(out, tree)) else k(out)
-    names = _FIELD_NAMES.get(k, ())
-    if names == ():
-        names = _FIELD_NAMES[k] = (tuple(f.name for f in dataclasses.fields(k))
-                                   if dataclasses.is_dataclass(k) and not isinstance(tree, type) else None)
-    if names is None:
-        return tree
-    changes = {}
-    for f in names:
-        v = getattr(tree, f)
-        if type(v) in _ATOMS:
-            continue
-        nv = substitute(v, fn)
-        if nv is not v:
-            changes[f] = nv
-    new = dataclasses.replace(tree, **changes) if changes else tree
-    got = fn(new)
-    return new if got is None else got
+    replaced by that value (children first; ``kernel_ast_matmul.remap``'s walk, which keeps
+    a node with nothing replaced under it, and its printed text with it)."""
+    from .kernel_ast_matmul import remap
 
-
-_FIELD_NAMES: dict = {}          # class -> its dataclass fields' names (None: not a dataclass)
-_ATOMS = (str, int, float, bool, type(None))
+    def one(node):
+        got = fn(node)
+        return node if got is None else got
+    return remap(tree, one)

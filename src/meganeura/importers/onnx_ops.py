@@ -271,6 +271,17 @@ def _gather(cx, ins, at):
     return ops.reshape(flat, x.shape[:axis] + ix.shape + x.shape[axis + 1:])
 
 
+def _row_strides(lead):
+    """Row strides of leading axes ``lead`` flattened into one (GatherND, ScatterND)."""
+    return np.array([int(np.prod(lead[j + 1:])) for j in range(len(lead))], dtype=np.int64)
+
+
+def _rows_of(ix, lead):
+    """The flat row of each index tuple (the last axis of constant ``ix``, negative from the
+    end) into axes ``lead`` flattened."""
+    return (np.where(ix < 0, ix + np.array(lead), ix) * _row_strides(lead)).sum(-1).reshape(-1)
+
+
 @rule("GatherND")
 def _gather_nd(cx, ins, at):
     """data[tuple(index)] for each index of the last axis: a gather of rows of ``data`` with
@@ -280,11 +291,10 @@ def _gather_nd(cx, ins, at):
         raise NotImplementedError(f"GatherND with batch_dims={at['batch_dims']}")
     k = ix.shape[-1]
     lead, rest = x.shape[:k], x.shape[k:]
-    strides = np.array([int(np.prod(lead[j + 1:])) for j in range(k)], dtype=np.int64)
     if isinstance(ix, np.ndarray):
-        flat = cx.t(((np.where(ix < 0, ix + np.array(lead), ix)) * strides).sum(-1).reshape(-1))
+        flat = cx.t(_rows_of(ix, lead))
     else:
-        flat = ops.reshape(ops.sum(ix * cx.t(strides), -1), (int(np.prod(ix.shape[:-1])),))
+        flat = ops.reshape(ops.sum(ix * cx.t(_row_strides(lead)), -1), (int(np.prod(ix.shape[:-1])),))
     rows = ops.index_select(ops.reshape(x, (int(np.prod(lead)),) + rest), 0, flat)
     return ops.reshape(rows, tuple(ix.shape[:-1]) + rest)
 
@@ -308,8 +318,7 @@ def _scatter_nd(cx, ins, at):
     k = ix.shape[-1]
     lead, rest = x.shape[:k], x.shape[k:]
     n_rows, n_upd = int(np.prod(lead)), int(np.prod(ix.shape[:-1]))
-    strides = np.array([int(np.prod(lead[j + 1:])) for j in range(k)], dtype=np.int64)
-    flat = ((np.where(ix < 0, ix + np.array(lead), ix)) * strides).sum(-1).reshape(-1)
+    flat = _rows_of(ix, lead)
     if flat.size and (flat.min() < 0 or flat.max() >= n_rows):
         raise ValueError(f"ScatterND: an index lies outside data of shape {tuple(x.shape)}")
     if reduction == "add" and len(np.unique(flat)) != flat.size:
