@@ -6,6 +6,14 @@ import pytest
 
 os.environ.setdefault("XDG_RUNTIME_DIR", "/tmp")
 
+# triton (which torch's exporters import) segfaults loading its C module into a process where
+# lavapipe's LLVM is already loaded (a worker that ran Vulkan or wgpu tests before a torch
+# export): loaded first, it loads cleanly and both work
+try:
+    import triton  # noqa: F401
+except ImportError:
+    pass
+
 # the suite's disk caches (compiled plans, SPIR-V) start empty in a folder of their own:
 # a test never reads what an older checkout wrote, and the user's cache stays untouched
 _CACHE = None
