@@ -151,7 +151,7 @@ def compile_plan(targets, n_forward=None, options: CompileOptions | None = None,
     this returns or raises), so that a runtime creates pipelines while the rest compiles;
     kernels start finishing as they are rendered (``early_kernels``)."""
     opts = options or CompileOptions()
-    finisher = None
+    finisher = storing = None    # storing: the plan cache's write, beside the Vulkan stage
     try:            # the stream is closed whatever raises, the finisher's set-up too
         finisher = _finisher(target, opts, stream)
         with gc_paused():
@@ -172,10 +172,15 @@ def compile_plan(targets, n_forward=None, options: CompileOptions | None = None,
                     codegen.attention.ACCELERATED.reset(accelerated)
                 if key is not None:
                     plan.stats["key"] = key
-                    plan_cache.store(key, plan)
+                    if target is None:
+                        plan_cache.store(key, plan)
+                    else:
+                        storing = plan_cache.store_beside(key, plan)
                     plan.stats["cache"] = "stored"
             return plan if target is None else _finish(plan, target, opts, finisher)
     finally:
+        if storing is not None:     # written before this returns or raises: nothing is lost
+            storing.join()
         if finisher is not None:
             finisher.close()
         if stream is not None:

@@ -41,6 +41,7 @@ import io
 import json
 import pathlib
 import pickle
+import threading
 import time
 import weakref
 import zlib
@@ -306,12 +307,11 @@ class _PlanUnpickler(pickle.Unpickler):
 
 def _node_state(obj):
     """The reduction of a kernel AST node (a ``kernel_ast.node`` dataclass) by its fields:
-    the printers' memos on it (``_wgsl``, ``_abstract``) are left out."""
-    state = obj.__dict__
-    if "_wgsl" in state or "_abstract" in state:
-        state = state.copy()
-        state.pop("_wgsl", None)
-        state.pop("_abstract", None)
+    the printers' memos on it (``_wgsl``, ``_abstract``) are left out. Always a copy: a
+    printer on another thread may add a memo while the pickler walks the fields."""
+    state = obj.__dict__.copy()
+    state.pop("_wgsl", None)
+    state.pop("_abstract", None)
     return copyreg.__newobj__, (type(obj),), state
 
 
@@ -328,22 +328,47 @@ class _TreePickler(pickle.Pickler):
         return _node_state(obj) if is_node else NotImplemented
 
 
-def _packed_trees(plan, texts) -> list:
-    """[(WGSL text, compressed pickle of its kernel AST)] of ``plan``'s distinct ``texts``
-    (each text to the one object the entry pickles); None where one has no tree or its tree
-    cannot be pickled: the Vulkan backend could not print that kernel from the entry, so the
-    plan is not stored."""
+# packed trees by their WGSL text, kept across the plans of a process (a training session's
+# phases share most kernels) up to _PACKED_MAX_BYTES, the oldest forgotten first: equal text,
+# an equal kernel (``unpacked_tree`` accepts any tree that prints the text)
+_PACKED: dict = {}
+_PACKED_MAX_BYTES = 64 << 20
+_packed_lock = threading.Lock()
+_packed_bytes = 0
+
+
+def _pack(text, tree) -> bytes | None:
+    global _packed_bytes
+    found = _PACKED.get(text)
+    if found is not None:
+        return found
+    buf = io.BytesIO()
+    try:
+        _TreePickler(buf, protocol=pickle.HIGHEST_PROTOCOL).dump(tree)
+    except Exception:            # noqa: BLE001 (a node holding something unpicklable)
+        return None
+    packed = zlib.compress(buf.getvalue(), 1)
+    with _packed_lock:
+        if text not in _PACKED:
+            _PACKED[text] = packed
+            _packed_bytes += len(packed)
+            while _packed_bytes > _PACKED_MAX_BYTES and _PACKED:
+                _packed_bytes -= len(_PACKED.pop(next(iter(_PACKED))))
+    return packed
+
+
+def _packed_trees(trees, texts) -> list:
+    """[(WGSL text, compressed pickle of its kernel AST)] of a plan's distinct ``texts`` (each
+    text to the one object the entry pickles; ``trees``: the plan's); None where one has no
+    tree or its tree cannot be pickled: the Vulkan backend could not print that kernel from
+    the entry, so the plan is not stored."""
     out = []
     for text in texts.values():
-        tree = plan.trees.get(text)
-        if tree is None:
+        tree = trees.get(text)
+        packed = None if tree is None else _pack(text, tree)
+        if packed is None:
             return None
-        buf = io.BytesIO()
-        try:
-            _TreePickler(buf, protocol=pickle.HIGHEST_PROTOCOL).dump(tree)
-        except Exception:        # noqa: BLE001 (a node holding something unpicklable)
-            return None
-        out.append((text, zlib.compress(buf.getvalue(), 1)))
+        out.append((text, packed))
     return out
 
 
@@ -409,17 +434,37 @@ def load(key: str):
 def store(key: str, plan) -> None:
     """Write ``plan`` under ``key`` with its kernels' ASTs (atomically; any failure to write
     is ignored)."""
+    _write(key, *_snapshot(plan))
+
+
+def store_beside(key: str, plan) -> threading.Thread:
+    """``store`` on a thread of its own, started and returned (the caller joins it): packing
+    a plan's trees is the largest part of a cold compile's host work after rendering, and the
+    Vulkan stage that follows mostly waits on the compilers' and drivers' threads. The plan
+    is read now; only its trees (which no later stage changes) are read on the thread."""
+    t = threading.Thread(target=_write, args=(key, *_snapshot(plan)), name="meganeura-plan-store", daemon=True)
+    t.start()
+    return t
+
+
+def _snapshot(plan):
+    """The entry's plan (each kernel slimmed, timings left out: the same plan, the same
+    entry), its distinct WGSL texts and ``plan``'s trees."""
     from dataclasses import replace
     texts: dict = {}       # equal WGSL as one object: pickled once (a plan has few distinct kernels)
     slim = replace(plan, dispatches=[replace(d, kernel=_slim(d.kernel), wgsl=texts.setdefault(d.wgsl, d.wgsl))
                                      for d in plan.dispatches],
                    stats={k: v for k, v in plan.stats.items() if k != "seconds"},
-                   compile_seconds=0.0, trees={}, packed_trees={})  # timings left out: the same plan, the same entry
-    trees = _packed_trees(plan, texts)
-    if trees is None:            # a kernel without a tree to store: compiled each time
+                   compile_seconds=0.0, trees={}, packed_trees={})
+    return slim, texts, dict(plan.trees)
+
+
+def _write(key, slim, texts, trees) -> None:
+    packed = _packed_trees(trees, texts)
+    if packed is None:           # a kernel without a tree to store: compiled each time
         return
     try:
-        data = pickle.dumps((_MAGIC, FORMAT, slim, trees), protocol=pickle.HIGHEST_PROTOCOL)
+        data = pickle.dumps((_MAGIC, FORMAT, slim, packed), protocol=pickle.HIGHEST_PROTOCOL)
     except Exception:            # noqa: BLE001 (a plan holding something unpicklable is compiled each time)
         return
     if disk.store(_path(key), data):
