@@ -387,32 +387,52 @@ def remap(x, fn):
     """``x`` (a tree, or a tuple / list of them) with ``fn`` applied to every node, children
     first: the nodes of ``kernel_ast`` and this module's layout nodes (a node none of whose
     children changed is kept, then given to ``fn``)."""
-    import copy
-    import dataclasses
     k = type(x)
     if k in _PLAIN:
         return x
     if k is tuple or k is list:
-        out = [remap(y, fn) for y in x]
-        return x if all(a is b for a, b in zip(out, x)) else k(out)
+        out = [y if type(y) in _PLAIN else remap(y, fn) for y in x]
+        for a, b in zip(out, x):
+            if a is not b:
+                return k(out)
+        return x
     names = _FIELDS.get(k)
     if names is None:
-        if dataclasses.is_dataclass(k):
-            names = _FIELDS[k] = tuple(f.name for f in dataclasses.fields(k) if f.init)
-        elif k.__module__ == __name__ and hasattr(x, "__dict__"):
-            names = _FIELDS[k] = ()
-        else:
+        names = _fields(k, x)
+        if names is None:
             return x
     if not names:       # a layout node of this module
-        new = {a: remap(v, fn) for a, v in x.__dict__.items()}
-        if any(new[a] is not v for a, v in x.__dict__.items()):
-            x = copy.copy(x)
-            x.__dict__ = new
+        old = x.__dict__
+        new = {a: v if type(v) in _PLAIN else remap(v, fn) for a, v in old.items()}
+        for a, v in old.items():
+            if new[a] is not v:
+                import copy
+                x = copy.copy(x)
+                x.__dict__ = new
+                break
         return fn(x)
-    kids = {a: remap(getattr(x, a), fn) for a in names}
-    if any(v is not getattr(x, a) for a, v in kids.items()):
-        x = dataclasses.replace(x, **kids)
+    old = [getattr(x, a) for a in names]
+    kids = [v if type(v) in _PLAIN else remap(v, fn) for v in old]
+    for a, b in zip(kids, old):
+        if a is not b:      # (the node's fields are its __init__'s, in order)
+            x = k(*kids)
+            break
     return fn(x)
+
+
+def _fields(k, x):
+    """The init fields of node class ``k`` (``_FIELDS``), () for a layout node of this
+    module, None for anything else (kept as it is)."""
+    import dataclasses
+    if dataclasses.is_dataclass(k):
+        fields = dataclasses.fields(k)
+        assert all(f.init and not f.kw_only for f in fields), f"{k.__name__}: a field remap cannot pass"
+        names = _FIELDS[k] = tuple(f.name for f in fields)
+        return names
+    if k.__module__ == __name__ and hasattr(x, "__dict__"):
+        names = _FIELDS[k] = ()
+        return names
+    return None
 
 
 def rebind(b, members, items, index):

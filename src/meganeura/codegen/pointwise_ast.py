@@ -12,6 +12,7 @@ import dataclasses
 from .common import NOWHERE, WG, Bindings, broadcast_view_strides, coalesce, form_key, wgsl_type
 from .expr import ExprWriter, store_stmts
 from .expr_ast import coords, offset_expr
+from .kernel_ast_matmul import remap
 from .kernel_ast import (GROUP, LID, Bin, Blank, Call, CallIf, ComputeKernel, Construct, Convert, Field,
                          Function, Group, If, Let, Lit, Load, Name, Return, ReturnIf, Store, WgslPrinter, add, buffers,
                          printed, u32)
@@ -196,26 +197,12 @@ def _bind_roles(b: Bindings, members, index):
 def _rebind(node, roles):
     """``node`` with its buffer uses bound as ``roles`` says (a new node where something
     under it changed; names and literals as they are)."""
-    k = type(node)
-    if k is Name or k is Lit or k is str or node is None:
-        return node
-    if k is tuple:
-        out = tuple(_rebind(x, roles) for x in node)
-        return node if all(a is b for a, b in zip(out, node)) else out
-    names = _FIELDS.get(k)
-    if names is None:
-        if not dataclasses.is_dataclass(k):
-            return node
-        names = _FIELDS[k] = tuple(f.name for f in dataclasses.fields(k))
-    values = {f: _rebind(getattr(node, f), roles) for f in names}
-    if k is Load or k is Store:
-        values["binding"], values["member"] = roles[node.binding]
-    elif all(values[f] is getattr(node, f) for f in names):
-        return node             # (its printed text kept)
-    return k(**values)
-
-
-_FIELDS: dict = {}
+    def bound(n):
+        if type(n) is Load or type(n) is Store:
+            to, member = roles[n.binding]
+            return dataclasses.replace(n, binding=to, member=member)
+        return n
+    return remap(node, bound)
 
 
 def ast_kernel(kernel):
