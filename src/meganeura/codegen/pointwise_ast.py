@@ -127,6 +127,12 @@ def shared_tree(kernel, max_elements):
     from .reduce import part_tree, SCRATCH_AST
     b = Bindings()
     parts = kernel.spec["parts"]
+    # parts alike print the same body for buffers of the same types, and none past
+    # ``max_elements`` is alike: without two such candidates, no body is built to compare
+    rough = [(len(q.reads), q.out.dtype, tuple(v.dtype for v in q.reads)) for q in parts
+             if q.archetype != "reduce" and q.out.size <= max_elements]
+    if len(set(rough)) == len(rough):
+        return None
     forms, bodies = {}, {}
     p = WgslPrinter()
     for j, part in enumerate(parts):
