@@ -134,45 +134,41 @@ class WgslPrinter:
         k = type(e)
         if k is Name:
             return e.id
-        if k not in _OURS:
+        form = _WGSL_EXPR.get(k)
+        if form is None:
             return _foreign(e, "wgsl", self)
         text = e._wgsl
         if text is None:
-            text = e._wgsl = self._expr(e, k)
+            text = e._wgsl = form(self, e)
         return f"({text})" if k is Bin and parent and PRECEDENCE[e.op] < parent else text
 
     def _expr(self, e, k) -> str:
-        if k is Lit:
-            return wgsl_literal(e)
-        if k is Bin:
-            a, b = self.expr(e.a), self.expr(e.b)
-            a = f"({a})" if needs_group(e.a, e.op, False) else a
-            b = f"({b})" if needs_group(e.b, e.op, True) else b
-            return f"{a} {e.op} {b}"
-        if k is Group:
-            return f"({self.expr(e.e)})"
-        if k is Field:
-            return f"{self.expr(e.e, UNARY + 1)}.{e.name}"
-        if k is Index:
-            return f"{self.expr(e.base, UNARY + 1)}[{self.expr(e.index)}]"
-        if k is Load:
-            member = "" if e.member is None else f"[{self.expr(e.member)}]"
-            return f"b{e.binding}{member}[{self.expr(e.index)}]"
-        if k is Convert:
-            return f"{e.ty}({self.expr(e.e)})"
-        if k is Neg:
-            return f"-{self.expr(e.e, UNARY)}"
-        if k is Not:
-            return f"!{self.expr(e.e, UNARY)}"
-        if k is Call:
-            return f"{e.fn}({', '.join(self.expr(a) for a in e.args)})"
-        if k is Select:
-            return f"select({self.expr(e.f)}, {self.expr(e.t)}, {self.expr(e.cond)})"
-        if k is Bitcast:
-            return f"bitcast<{e.ty}>({self.expr(e.e)})"
-        if k is Construct:
-            return f"{e.ty}({', '.join(self.expr(a) for a in e.args)})"
-        raise TypeError(f"not an expression: {e!r}")
+        form = _WGSL_EXPR.get(k)
+        if form is None:
+            raise TypeError(f"not an expression: {e!r}")
+        return form(self, e)
+
+    # one method a node class (``_WGSL_EXPR``); an operand that is a name is printed inline
+    def _bin(self, e) -> str:
+        a, b, op = e.a, e.b, e.op
+        ta = a.id if type(a) is Name else self.expr(a)
+        tb = b.id if type(b) is Name else self.expr(b)
+        if type(a) is Bin and needs_group(a, op, False):
+            ta = f"({ta})"
+        if type(b) is Bin and needs_group(b, op, True):
+            tb = f"({tb})"
+        return f"{ta} {op} {tb}"
+
+    def _load(self, e) -> str:
+        member = "" if e.member is None else f"[{self.expr(e.member)}]"
+        i = e.index
+        return f"b{e.binding}{member}[{i.id if type(i) is Name else self.expr(i)}]"
+
+    def _call(self, e) -> str:
+        return f"{e.fn}({', '.join([a.id if type(a) is Name else self.expr(a) for a in e.args])})"
+
+    def _construct(self, e) -> str:
+        return f"{e.ty}({', '.join([a.id if type(a) is Name else self.expr(a) for a in e.args])})"
 
     @staticmethod
     def target(t) -> str:
@@ -299,6 +295,23 @@ class WgslPrinter:
         params = ", ".join(f"@builtin({which}) {n.id}: {n.ty}" for which, n in k.builtins)
         entry = [f"@compute @workgroup_size({wg})", f"fn main({params}) {{"]
         return "\n".join([decls] + [self.item(it) for it in k.items()] + entry + self.block(k.body, 1) + ["}"]) + "\n"
+
+
+_WGSL_EXPR = {
+    Lit: lambda p, e: wgsl_literal(e),
+    Bin: WgslPrinter._bin,
+    Group: lambda p, e: f"({p.expr(e.e)})",
+    Field: lambda p, e: f"{p.expr(e.e, UNARY + 1)}.{e.name}",
+    Index: lambda p, e: f"{p.expr(e.base, UNARY + 1)}[{p.expr(e.index)}]",
+    Load: WgslPrinter._load,
+    Convert: lambda p, e: f"{e.ty}({p.expr(e.e)})",
+    Neg: lambda p, e: f"-{p.expr(e.e, UNARY)}",
+    Not: lambda p, e: f"!{p.expr(e.e, UNARY)}",
+    Call: WgslPrinter._call,
+    Select: lambda p, e: f"select({p.expr(e.f)}, {p.expr(e.t)}, {p.expr(e.cond)})",
+    Bitcast: lambda p, e: f"bitcast<{e.ty}>({p.expr(e.e)})",
+    Construct: WgslPrinter._construct,
+}
 
 
 class GlslPrinter:
