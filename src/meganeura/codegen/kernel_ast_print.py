@@ -142,12 +142,6 @@ class WgslPrinter:
             text = e._wgsl = form(self, e)
         return f"({text})" if k is Bin and parent and PRECEDENCE[e.op] < parent else text
 
-    def _expr(self, e, k) -> str:
-        form = _WGSL_EXPR.get(k)
-        if form is None:
-            raise TypeError(f"not an expression: {e!r}")
-        return form(self, e)
-
     # one method a node class (``_WGSL_EXPR``); an operand that is a name is printed inline
     def _bin(self, e) -> str:
         a, b, op = e.a, e.b, e.op
