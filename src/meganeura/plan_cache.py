@@ -357,6 +357,14 @@ def _pack(text, tree) -> bytes | None:
     return packed
 
 
+def clear_packed():
+    """Forget the packed trees kept in this process (``clear_caches`` calls it)."""
+    global _packed_bytes
+    with _packed_lock:
+        _PACKED.clear()
+        _packed_bytes = 0
+
+
 def _packed_trees(trees, texts) -> list:
     """[(WGSL text, compressed pickle of its kernel AST)] of a plan's distinct ``texts`` (each
     text to the one object the entry pickles; ``trees``: the plan's); None where one has no

@@ -458,14 +458,16 @@ class KernelSourceError(RuntimeError):
 
 
 def clear_memory():
-    """Forget the finished kernels, cooperative-matrix variants and GLSL memos kept in memory
-    (the disk keeps its own)."""
+    """Forget the finished kernels, cooperative-matrix variants, GLSL memos and packed kernel
+    trees kept in memory (the disk keeps its own)."""
     with _variants_lock:
         _variants.clear()
     with _finished_lock:
         _finished.clear()
     from ..codegen.glsl_target import clear_caches
+    from ..plan_cache import clear_packed
     clear_caches()
+    clear_packed()
 
 
 __all__ = ["KernelSourceError", "VulkanKernels", "VARIANT_ARCHETYPES", "clear_memory", "prompt_gil_handoff"]
