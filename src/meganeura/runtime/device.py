@@ -350,9 +350,11 @@ class Device:
         buf.destroy()
 
     def clear_caches(self):
-        """Drop the cached pipelines and destroy the idle staging buffers (plans that
-        are alive keep their own pipelines and buffers); the freed C heap goes back to the
-        system."""
+        """Drop the cached pipelines, destroy the idle staging buffers (plans that are
+        alive keep their own pipelines and buffers) and forget the packed kernel trees; the
+        freed C heap goes back to the system."""
+        from .. import plan_cache
+        plan_cache.clear_packed()
         with self._lock:
             self._pipelines.clear()
             idle = [b for bufs in self._staging.values() for b in bufs]
